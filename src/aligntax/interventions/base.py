@@ -1,0 +1,108 @@
+"""The one interface every intervention implements: prompting, vector steering, energy steering, adapters.
+
+An intervention may rewrite the chat messages (prompting), and may attach hooks to the model for the
+duration of one batched call (steering, adapters). Hooks live inside a context manager and are removed
+on exit, also when the body raises, so the user's model is never left changed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SteerContext:
+    """What hooks need to know about the batch being run.
+
+    ``prompt_len`` is the padded prompt length (left padding, so the last prompt token of every row is
+    at index ``prompt_len - 1``). ``rows`` marks the rows to steer (None: all rows). ``strength`` is an
+    optional per-row multiplier (None: 1.0 for every steered row).
+    """
+
+    prompt_len: int
+    rows: torch.Tensor | None = None
+    strength: torch.Tensor | None = None
+    stats: dict = field(default_factory=dict)
+
+    def row_scale(self, batch: int, device, dtype) -> torch.Tensor:
+        """Per-row multiplier of shape [batch, 1, 1]: 0 for unsteered rows."""
+        scale = torch.ones(batch, device=device, dtype=dtype)
+        if self.strength is not None:
+            scale = scale * self.strength.to(device=device, dtype=dtype)
+        if self.rows is not None:
+            scale = scale * self.rows.to(device=device, dtype=dtype)
+        return scale.view(batch, 1, 1)
+
+
+def steered_slice(seq_len: int, ctx: SteerContext, positions: str = "last_and_generated") -> slice:
+    """Which positions of the current forward's hidden states to steer.
+
+    - ``last_and_generated`` (the ELS paper): the last prompt token and every generated token. With a
+      KV cache a decode step has seq_len 1 (a generated token); without it the whole sequence is re-fed
+      and positions from ``prompt_len - 1`` on are steered.
+    - ``generated``: only tokens after the prompt (the last prompt token's *output* is the first one).
+    - ``all``: every position, prompt included.
+    """
+    if positions == "all":
+        return slice(0, seq_len)
+    start = ctx.prompt_len - 1 if positions == "last_and_generated" else ctx.prompt_len
+    if seq_len == 1:
+        return slice(0, 1)
+    return slice(min(start, seq_len), seq_len)
+
+
+class Intervention(ABC):
+    """Base class. Subclasses override ``prepare_messages`` and/or ``attach``."""
+
+    name: str = "none"
+
+    def prepare_messages(self, messages: list[dict]) -> list[dict]:
+        return messages
+
+    @contextmanager
+    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
+        yield
+
+    def config(self) -> dict:
+        return {"name": self.name}
+
+
+class NoIntervention(Intervention):
+    name = "none"
+
+
+@contextmanager
+def hooks_attached(
+    registrations: list[tuple[nn.Module, Callable, bool]],
+) -> Iterator[None]:
+    """Register (module, hook, is_pre) hooks and remove them on exit, even after an exception."""
+    handles = []
+    try:
+        for module, hook, is_pre in registrations:
+            if is_pre:
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def replace_hidden_in_args(args: tuple, kwargs: dict, new_hidden: torch.Tensor) -> tuple[tuple, dict]:
+    """Return (args, kwargs) of a decoder block call with the hidden states replaced."""
+    if args:
+        return (new_hidden, *args[1:]), kwargs
+    kwargs = dict(kwargs)
+    kwargs["hidden_states"] = new_hidden
+    return args, kwargs
+
+
+def hidden_from_args(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]

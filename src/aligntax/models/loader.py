@@ -1,0 +1,160 @@
+"""Loading a model spec into a ready-to-generate (model, tokenizer) pair."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aligntax.errors import AligntaxError, ModelSpecError
+from aligntax.models.layers import hidden_size, num_layers
+from aligntax.models.spec import DEFAULT_MODEL, ModelSpec, parse_spec
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise AligntaxError(f"Unknown dtype '{dtype}'; use one of {sorted(DTYPES)}") from None
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer, set up for left-padded batched chat generation."""
+
+    model: Any
+    tokenizer: Any
+    spec: str
+    source: str
+    fingerprint: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return num_layers(self.model)
+
+    @property
+    def hidden_size(self) -> int:
+        return hidden_size(self.model)
+
+    def require_chat_template(self) -> None:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise AligntaxError(
+                f"Model '{self.spec}' has no chat template, which this command needs. Use an instruct/chat "
+                "model or a tokenizer folder with a chat_template."
+            )
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or os.environ.get(
+        "TRANSFORMERS_OFFLINE", "0"
+    ) not in ("0", "", "false")
+
+
+def model_fingerprint(model, tokenizer, spec: str) -> dict:
+    """Identity of a model for artefact compatibility: architecture, sizes and a weight digest."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    emb = model.get_input_embeddings().weight
+    rows = emb[: min(64, emb.shape[0])].detach().float().cpu().contiguous()
+    digest = hashlib.sha256(rows.numpy().round(3).tobytes()).hexdigest()[:16]
+    return {
+        "spec": spec,
+        "model_type": getattr(cfg, "model_type", None),
+        "num_layers": num_layers(model),
+        "hidden_size": hidden_size(model),
+        "vocab_size": int(emb.shape[0]),
+        "embedding_digest": digest,
+    }
+
+
+def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError as exc:
+        if is_hub:
+            hint = (
+                "The Hugging Face Hub is not reachable (offline mode or no network). "
+                if _offline() or "offline" in str(exc).lower() or "connect" in str(exc).lower()
+                else ""
+            )
+            raise ModelSpecError(
+                f"Could not load Hub model '{source}'. {hint}Use an embedded model "
+                f"(e.g. {DEFAULT_MODEL}) or a local path. Details: {str(exc).splitlines()[0]}"
+            ) from exc
+        raise ModelSpecError(f"Could not load model folder '{source}': {exc}") from exc
+    return model, tok
+
+
+def load_model(spec: str | ModelSpec = DEFAULT_MODEL, dtype: str | torch.dtype = "bf16",
+               device: str | None = None) -> LoadedModel:
+    """Load any supported model spec. bf16 on CPU by default; ``device`` defaults to CUDA if present."""
+    from aligntax.models.embedded import fetch_embedded, load_gguf
+
+    ms = spec if isinstance(spec, ModelSpec) else parse_spec(spec)
+    torch_dtype = resolve_dtype(dtype)
+    if ms.kind == "embedded":
+        source = str(fetch_embedded(ms.value))
+        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=False)
+    elif ms.kind == "dir":
+        source = ms.value
+        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=False)
+    elif ms.kind == "gguf":
+        source = ms.value
+        model, tok = load_gguf(Path(source))
+        model = model.to(torch_dtype)
+    else:
+        source = ms.value
+        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device).eval()
+    prepare_tokenizer(tok, model)
+    return LoadedModel(model=model, tokenizer=tok, spec=ms.raw, source=source,
+                       fingerprint=model_fingerprint(model, tok, ms.raw))
+
+
+def prepare_tokenizer(tok, model=None) -> None:
+    """Left padding with a defined pad token, as batched generation needs."""
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if model is not None and getattr(model.generation_config, "pad_token_id", None) is None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+
+
+def model_info(spec: str) -> dict:
+    """Architecture facts for ``aligntax models info``."""
+    lm = load_model(spec, dtype="bf16", device="cpu")
+    cfg = lm.model.config
+    return {
+        "spec": lm.spec,
+        "source": lm.source,
+        "architecture": (cfg.architectures or [type(lm.model).__name__])[0],
+        "model_type": cfg.model_type,
+        "num_layers": lm.num_layers,
+        "hidden_size": lm.hidden_size,
+        "vocab_size": lm.fingerprint["vocab_size"],
+        "dtype": str(lm.dtype).replace("torch.", ""),
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "chat_template": bool(getattr(lm.tokenizer, "chat_template", None)),
+        "cache_path": lm.source if parse_spec(spec).kind == "embedded" else None,
+        "fingerprint": lm.fingerprint,
+    }
