@@ -19,3 +19,20 @@ class PromptItem:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# Spellings accepted for a label cell or argument (compared after strip + lower-case).
+LABEL_ALIASES: dict[str, Label] = {
+    "benign": "benign",
+    "harmful": "harmful",
+    "safe": "benign",
+    "unsafe": "harmful",
+    "harmless": "benign",
+}
+
+
+def normalize_label(value: object) -> Label | None:
+    """Map a label cell or argument to ``"benign"``/``"harmful"``; ``None`` if it is not one of them."""
+    if not isinstance(value, str):
+        return None
+    return LABEL_ALIASES.get(value.strip().lower())

@@ -1,6 +1,12 @@
 """Interventions behind one interface: prompting, vector steering, energy steering and adapters."""
 
-from aligntax.interventions.base import Intervention, NoIntervention, SteerContext, hooks_attached, steered_slice
+from aligntax.interventions.base import (
+    Intervention,
+    NoIntervention,
+    SteerContext,
+    hooks_attached,
+    steered_slice,
+)
 from aligntax.interventions.prompting import (
     HELPFUL_SYSTEM_PROMPT,
     SAFETY_SYSTEM_PROMPT,
@@ -8,14 +14,48 @@ from aligntax.interventions.prompting import (
     SystemPrompt,
 )
 
+# Steering interventions import the energy and activation packages, which import this package's base
+# module; they are loaded on first use to keep imports acyclic.
+_LAZY = {
+    "EnergySteering": "aligntax.interventions.els",
+    "ActivationAddition": "aligntax.interventions.vectors",
+    "ConditionalSteering": "aligntax.interventions.vectors",
+    "DirectionAblation": "aligntax.interventions.vectors",
+    "SteeringVectors": "aligntax.interventions.vectors",
+    "compute_vectors": "aligntax.interventions.vectors",
+    "false_refusal_direction": "aligntax.interventions.vectors",
+    "refusal_direction": "aligntax.interventions.vectors",
+    "INTERVENTIONS": "aligntax.interventions.registry",
+    "make_intervention": "aligntax.interventions.registry",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'aligntax.interventions' has no attribute {name!r}")
+
+
 __all__ = [
     "HELPFUL_SYSTEM_PROMPT",
+    "INTERVENTIONS",
     "SAFETY_SYSTEM_PROMPT",
+    "ActivationAddition",
+    "ConditionalSteering",
+    "DirectionAblation",
+    "EnergySteering",
     "FewShot",
     "Intervention",
     "NoIntervention",
     "SteerContext",
+    "SteeringVectors",
     "SystemPrompt",
+    "compute_vectors",
+    "false_refusal_direction",
     "hooks_attached",
+    "make_intervention",
+    "refusal_direction",
     "steered_slice",
 ]

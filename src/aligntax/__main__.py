@@ -1,0 +1,3 @@
+from aligntax.cli import app
+
+app(prog_name="aligntax")

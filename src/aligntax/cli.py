@@ -1,0 +1,309 @@
+"""The ``aligntax`` command line: a thin layer over the library."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from aligntax.errors import AligntaxError
+from aligntax.models.spec import DEFAULT_MODEL
+
+app = typer.Typer(help="aligntax: measure and cut the alignment tax of open-weight LLMs.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+models_app = typer.Typer(help="List, fetch and inspect models.", no_args_is_help=True)
+data_app = typer.Typer(help="Benchmark datasets.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(data_app, name="data")
+console = Console(stderr=True)
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(2)
+
+
+# ---------------------------------------------------------------- models
+@models_app.command("list")
+def models_list() -> None:
+    """List the embedded models and whether they are in the cache."""
+    from aligntax.models.embedded import EMBEDDED_MODELS, converted_dir, is_fetched
+
+    table = Table("spec", "description", "cached", "cache path")
+    for name, m in EMBEDDED_MODELS.items():
+        table.add_row(f"embedded:{name}", m.description, "yes" if is_fetched(name) else "no",
+                      str(converted_dir(name)))
+    Console().print(table)
+    Console().print("Also accepted: a Hugging Face Hub id (org/name), a local model folder, a .gguf file.")
+
+
+@models_app.command("fetch")
+def models_fetch(name: str = typer.Argument(..., help="embedded model name, e.g. qwen2.5-coder-0.5b-instruct"),
+                 force: bool = typer.Option(False, help="rebuild even if cached")) -> None:
+    """Download, verify (sha256) and convert an embedded model to safetensors in the cache."""
+    from aligntax.models import fetch_embedded
+
+    try:
+        path = fetch_embedded(name.removeprefix("embedded:"), force=force)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(path)
+
+
+@models_app.command("info")
+def models_info(spec: str = typer.Argument(DEFAULT_MODEL, help="model spec")) -> None:
+    """Architecture, layers, hidden size, dtype, chat template and cache path of a model."""
+    from aligntax.models import model_info
+
+    try:
+        info = model_info(spec)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(json.dumps(info, indent=2))
+
+
+# ---------------------------------------------------------------- data
+@data_app.command("list")
+def data_list() -> None:
+    """Named datasets (read from the shared benchmark folder or ALIGNTAX_DATA)."""
+    from aligntax.data import list_datasets
+
+    table = Table("name", "description")
+    for name, desc in list_datasets().items():
+        table.add_row(name, desc)
+    Console().print(table)
+
+
+# ---------------------------------------------------------------- generate / judge / eval
+def _intervention_args(steer: Optional[str], eta: Optional[float], steps: Optional[int],
+                       layers: Optional[str], threshold: Optional[float], vectors: Optional[str]) -> dict:
+    args: dict = {}
+    if steer:
+        args["path"] = steer
+    if vectors:
+        args["path"] = vectors
+    if eta is not None:
+        args["eta"] = eta
+    if steps is not None:
+        args["steps"] = steps
+    if layers:
+        args["layers"] = [int(x) for x in layers.split(",") if x.strip()]
+    if threshold is not None:
+        args["threshold"] = threshold
+    return args
+
+
+@app.command()
+def generate(
+    prompt: list[str] = typer.Argument(None, help="prompts; or use --in"),
+    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    in_file: Optional[Path] = typer.Option(None, "--in", help="prompts: a file or dataset name"),
+    out: Optional[Path] = typer.Option(None, help="write JSONL here instead of stdout"),
+    system: Optional[str] = typer.Option(None, help="system prompt"),
+    max_new_tokens: int = typer.Option(128),
+    batch_size: int = typer.Option(32),
+    sample: bool = typer.Option(False, help="sample instead of greedy"),
+    temperature: float = typer.Option(0.7),
+    top_p: float = typer.Option(1.0),
+    seed: Optional[int] = typer.Option(None),
+    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    limit: Optional[int] = typer.Option(None),
+    intervention: Optional[str] = typer.Option(None, help="none, els, system-prompt, refusal-ablation, ..."),
+    steer: Optional[str] = typer.Option(None, help="energy model folder (implies --intervention els)"),
+    eta: Optional[float] = typer.Option(None), steps: Optional[int] = typer.Option(None),
+    layers: Optional[str] = typer.Option(None, help="comma-separated layer indices"),
+    threshold: Optional[float] = typer.Option(None, help="energy gate"),
+) -> None:
+    """Generate chat responses for prompts, in batches."""
+    from aligntax.generation import GenerationConfig
+    from aligntax.generation import generate as gen
+    from aligntax.models import load_model
+
+    try:
+        prompts = list(prompt or [])
+        ids = [str(i) for i in range(len(prompts))]
+        if in_file is not None:
+            from aligntax.data import load_prompts
+
+            items = load_prompts(str(in_file), limit=limit)
+            prompts += [it.prompt for it in items]
+            ids += [it.id for it in items]
+        if not prompts:
+            raise AligntaxError("No prompts: give them as arguments or with --in")
+        lm = load_model(model, dtype=dtype)
+        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, system=system,
+                               do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
+        gens = gen(lm, prompts, cfg, iv)
+    except AligntaxError as exc:
+        _fail(exc)
+    fh = open(out, "w") if out else sys.stdout
+    for i, g in zip(ids, gens, strict=True):
+        fh.write(json.dumps({"id": i, "prompt": g.prompt, "response": g.response,
+                             "finish_reason": g.finish_reason}, ensure_ascii=False) + "\n")
+    if out:
+        fh.close()
+
+
+def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors):
+    if steer and not intervention:
+        intervention = "els"
+    if not intervention or intervention == "none":
+        return None
+    from aligntax.interventions.registry import make_intervention
+
+    return make_intervention(intervention, lm, **_intervention_args(steer, eta, steps, layers, threshold,
+                                                                     vectors))
+
+
+@app.command()
+def chat(
+    model: str = typer.Option(DEFAULT_MODEL), system: Optional[str] = typer.Option(None),
+    max_new_tokens: int = typer.Option(256), dtype: str = typer.Option("bf16"),
+    intervention: Optional[str] = typer.Option(None), steer: Optional[str] = typer.Option(None),
+    eta: Optional[float] = typer.Option(None), steps: Optional[int] = typer.Option(None),
+    layers: Optional[str] = typer.Option(None), threshold: Optional[float] = typer.Option(None),
+) -> None:
+    """Interactive chat (one line a turn; an empty line or Ctrl-D ends)."""
+    from aligntax.generation import GenerationConfig
+    from aligntax.generation import generate as gen
+    from aligntax.models import load_model
+
+    try:
+        lm = load_model(model, dtype=dtype)
+        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None)
+    except AligntaxError as exc:
+        _fail(exc)
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=1)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        reply = gen(lm, [history], cfg, iv, progress=False)[0].response
+        history.append({"role": "assistant", "content": reply})
+        print(f"model> {reply}")
+
+
+@app.command()
+def judge(
+    in_file: Path = typer.Option(..., "--in", help="JSONL with prompt and response"),
+    out: Path = typer.Option(..., help="output JSONL (adds refused and refusal_score)"),
+    judge_name: str = typer.Option("classifier", "--judge", help="keyword, prefix, classifier, llm"),
+) -> None:
+    """Judge refusals in a JSONL file of (prompt, response) lines."""
+    from aligntax.judges import get_judge, judge_jsonl
+
+    try:
+        n = judge_jsonl(in_file, out, get_judge(judge_name))
+    except AligntaxError as exc:
+        _fail(exc)
+    console.print(f"judged {n} lines -> {out}")
+
+
+@app.command("eval")
+def eval_cmd(
+    data: list[str] = typer.Option(None, "--data", help="file or dataset name; repeatable"),
+    out: Optional[Path] = typer.Option(None, help="run folder"),
+    model: Optional[str] = typer.Option(None, help=f"model spec (default {DEFAULT_MODEL})"),
+    config: Optional[Path] = typer.Option(None, help="YAML config; flags override it"),
+    judge_name: Optional[str] = typer.Option(None, "--judge", help="keyword, prefix, classifier, llm"),
+    system: Optional[str] = typer.Option(None),
+    max_new_tokens: Optional[int] = typer.Option(None),
+    limit: Optional[int] = typer.Option(None, help="first N items of each dataset"),
+    batch_size: Optional[int] = typer.Option(None),
+    dtype: Optional[str] = typer.Option(None),
+    sample: Optional[bool] = typer.Option(None, help="sample instead of greedy"),
+    temperature: Optional[float] = typer.Option(None), top_p: Optional[float] = typer.Option(None),
+    seed: Optional[int] = typer.Option(None),
+    intervention: Optional[str] = typer.Option(None, help="els, system-prompt, helpful-prompt, refusal-ablation, "
+                                               "false-refusal-ablation, refusal-add, cast"),
+    steer: Optional[str] = typer.Option(None, help="energy model folder (implies --intervention els)"),
+    vectors: Optional[str] = typer.Option(None, help="vector folder for the vector baselines"),
+    eta: Optional[float] = typer.Option(None), steps: Optional[int] = typer.Option(None),
+    layers: Optional[str] = typer.Option(None), threshold: Optional[float] = typer.Option(None),
+    no_progress: bool = typer.Option(False, help="hide progress bars"),
+) -> None:
+    """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
+    from aligntax.config import load_config
+    from aligntax.reports import eval_table
+    from aligntax.runs import EvalConfig, run_eval
+
+    try:
+        if steer and not intervention:
+            intervention = "els"
+        iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors) or None
+        cfg = load_config(
+            EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
+            judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
+            batch_size=batch_size, dtype=dtype, do_sample=sample, temperature=temperature, top_p=top_p,
+            seed=seed, intervention=intervention, intervention_args=iv_args,
+            progress=False if no_progress else None)
+        results = run_eval(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    Console().print(eval_table(results))
+    console.print(f"run folder: {cfg.out}")
+
+
+BASELINE_SETS = ["orbench-hard-test", "xstest-safe", "xstest-unsafe", "oktest", "jailbreakbench",
+                 "harmbench-test", "strongreject"]
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), help="run folder"),
+    model: str = typer.Option(DEFAULT_MODEL),
+    limit: Optional[int] = typer.Option(None, help="first N items of each dataset"),
+    max_new_tokens: int = typer.Option(64),
+    judge_name: str = typer.Option("classifier", "--judge"),
+) -> None:
+    """The main job on the embedded model: baseline over-refusal and safety evaluation."""
+    from aligntax.runs import EvalConfig, run_eval
+    from aligntax.reports import eval_table
+
+    try:
+        cfg = EvalConfig(data=BASELINE_SETS, out=str(out / "baseline"), model=model, judge=judge_name,
+                         max_new_tokens=max_new_tokens, limit=limit)
+        results = run_eval(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    Console().print(eval_table(results))
+    console.print(f"report: {out / 'baseline' / 'report.md'}")
+
+
+def _mount_optional() -> None:
+    """Sub-apps of later pipeline stages, mounted when their modules are present."""
+    try:
+        from aligntax.energy.cli import app as els_app
+
+        app.add_typer(els_app, name="els")
+    except ImportError:
+        pass
+    try:
+        from aligntax.vat.cli import app as vat_app
+
+        app.add_typer(vat_app, name="vat")
+    except ImportError:
+        pass
+    try:
+        from aligntax.serve.cli import serve_command
+
+        app.command("serve")(serve_command)
+    except ImportError:
+        pass
+
+
+_mount_optional()
+
+if __name__ == "__main__":
+    app()

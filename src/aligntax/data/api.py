@@ -1,0 +1,84 @@
+"""``load_prompts``: one entry point for a file, a named dataset or a Hub dataset."""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from pathlib import Path
+
+from aligntax.data.base import PromptItem, normalize_label
+from aligntax.data.formats import load_file
+from aligntax.data.hub import HUB_PREFIX, load_hub, looks_like_hub_id
+from aligntax.data.registry import DATASETS, find_dataset, load_named
+from aligntax.errors import DataError
+
+_HUB_FORMATS = ("hf", "hub")
+
+
+def load_prompts(
+    spec: str | Path,
+    limit: int | None = None,
+    label: str | None = None,
+    fmt: str | None = None,
+) -> list[PromptItem]:
+    """Load prompts from ``spec``, tried in this order:
+
+    1. ``hf:ORG/NAME[:split]`` (or ``fmt="hf"``): a Hub dataset, see :func:`load_hub`;
+    2. a named dataset (:func:`list_datasets`), e.g. ``orbench-hard-test`` (``fmt`` must be unset);
+    3. an existing file; its format from the file name or columns, or ``fmt``
+       (a key of ``FORMATS``, or csv/jsonl/json/txt for the generic format);
+    4. a bare ``ORG/NAME`` that is no local path: a Hub dataset.
+
+    ``label`` ("benign"/"harmful"): rows that carry no label get it (generic files without a
+    ``label`` column, text files, Hub datasets); where the source labels its rows, only rows with
+    this label are kept (``load_prompts("xstest", label="benign")`` = xstest-safe), and a source
+    without any such row is an error. ``limit`` keeps the first ``limit`` rows, in file order,
+    after that filter. Problems raise :class:`aligntax.errors.DataError`.
+    """
+    want = None
+    if label is not None:
+        want = normalize_label(label)
+        if want is None:
+            raise DataError(f"label must be 'benign' or 'harmful', got {label!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise DataError(f"limit must be a whole number >= 0, got {limit!r}")
+    text = str(spec).strip()
+    if not text:
+        raise DataError("empty dataset spec: give a file path, a named dataset or a Hub id")
+    fmt_key = fmt.strip().lower() if fmt else None
+
+    if fmt_key in _HUB_FORMATS or text.startswith(HUB_PREFIX):
+        items = load_hub(text, label=want)
+    elif isinstance(spec, str) and find_dataset(text) is not None:
+        if fmt_key is not None:
+            raise DataError(f"{text!r} is a named dataset; its format is fixed, so leave fmt unset")
+        items = load_named(text)
+    elif Path(text).expanduser().exists():
+        items = load_file(Path(text).expanduser(), fmt, want)
+    elif fmt_key is None and looks_like_hub_id(text):
+        items = load_hub(text, label=want)
+    else:
+        raise DataError(_not_found_message(text))
+
+    if want is not None:
+        kept = [item for item in items if item.label == want]
+        if items and not kept:
+            counts = Counter(item.label for item in items)
+            have = ", ".join(f"{n} {lab}" for lab, n in sorted(counts.items()))
+            raise DataError(f"{text}: no rows labelled {want!r} (it has {have})")
+        items = kept
+    if limit is not None:
+        items = items[:limit]
+    return items
+
+
+def _not_found_message(text: str) -> str:
+    path_like = any(sep in text for sep in ("/", "\\")) or Path(text).suffix != ""
+    if path_like:
+        return f"{text}: file not found"
+    close = difflib.get_close_matches(text.lower(), list(DATASETS), n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return (
+        f"unknown dataset {text!r}: no such file, named dataset or Hub id (hf:ORG/NAME).{hint} "
+        f"Named datasets: {', '.join(DATASETS)}"
+    )

@@ -1,0 +1,162 @@
+"""A bank of per-layer energy models for one LLM, ranked by validation accuracy, saved without pickle.
+
+Layout of a bank folder::
+
+    energy.json            # format, model fingerprint, config, layers (ranked), per-layer architecture,
+                           # input normalisation kind, median residual norm, data summary, metrics
+    energy.safetensors     # "layer.<l>.<parameter or buffer>" for every layer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from aligntax.activations.compat import check_fingerprint, check_hidden_size, read_json, write_json
+from aligntax.energy.model import EnergyConfig, EnergyModel
+from aligntax.energy.train import EnergyTrainer, TrainResult, _score
+from aligntax.errors import AligntaxError, DataError
+
+FORMAT = "aligntax.energy/1"
+SIDECAR = "energy.json"
+WEIGHTS = "energy.safetensors"
+
+
+@dataclass
+class EnergyBank:
+    """Energy models by layer, with metrics; ``layers`` is ranked best first."""
+
+    models: dict[int, EnergyModel]
+    config: EnergyConfig = field(default_factory=EnergyConfig)
+    fingerprint: dict = field(default_factory=dict)
+    info: dict[int, dict] = field(default_factory=dict)  # per layer: metrics, train_metrics, data, best_epoch
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.models = {int(k): m.eval() for k, m in self.models.items()}
+        self.info = {int(k): v for k, v in self.info.items()}
+        dims = {m.dim for m in self.models.values()}
+        if len(dims) > 1:
+            raise AligntaxError(f"Energy models of one bank must share the hidden size; got {sorted(dims)}.")
+
+    @property
+    def hidden_size(self) -> int:
+        return next(iter(self.models.values())).dim if self.models else 0
+
+    @property
+    def layers(self) -> list[int]:
+        """Layers ranked by validation accuracy, then AUROC (best first)."""
+        return sorted(self.models, key=lambda layer: (tuple(-x for x in _score(self.metrics(layer))), layer))
+
+    def metrics(self, layer: int) -> dict:
+        return self.info.get(int(layer), {}).get("metrics", {})
+
+    def median_norm(self, layer: int) -> float | None:
+        v = self.info.get(int(layer), {}).get("data", {}).get("median_norm")
+        return float(v) if v is not None else None
+
+    def top(self, k: int) -> list[int]:
+        return self.layers[:k]
+
+    def __getitem__(self, layer: int) -> EnergyModel:
+        return self.models[int(layer)]
+
+    def summary(self) -> list[dict]:
+        """One row per layer (ranked): layer, val acc, AUROC, mean energies, median norm."""
+        rows = []
+        for rank, layer in enumerate(self.layers):
+            m = self.metrics(layer)
+            rows.append({"rank": rank, "layer": layer, "val_acc": m.get("acc"), "val_auroc": m.get("auroc"),
+                         "val_balanced_acc": m.get("balanced_acc"), "median_norm": self.median_norm(layer)})
+        return rows
+
+    # ---- disk -------------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {f"layer.{layer}.{name}": t.detach().float().cpu().contiguous()
+                   for layer, m in self.models.items() for name, t in m.state_dict().items()}
+        tmp = directory / (WEIGHTS + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+        tmp.replace(directory / WEIGHTS)
+        write_json(directory / SIDECAR, {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "hidden_size": self.hidden_size,
+            "layers": self.layers,
+            "config": self.config.to_dict(),
+            "normalization": self.config.normalize,
+            "arch": {str(layer): m.arch() for layer, m in self.models.items()},
+            "info": {str(layer): self.info.get(layer, {}) for layer in self.models},
+            "metadata": self.metadata,
+        })
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
+             expect_hidden_size: int | None = None, layers: Sequence[int] | None = None,
+             map_location: str | torch.device = "cpu") -> EnergyBank:
+        """Load a bank; refuse one made for another model (``CompatibilityError`` naming both)."""
+        directory = Path(directory)
+        side = directory / SIDECAR
+        if not side.is_file() or not (directory / WEIGHTS).is_file():
+            raise DataError(f"No energy bank in {directory} (need {SIDECAR} and {WEIGHTS}).")
+        meta = read_json(side)
+        if meta.get("format") != FORMAT:
+            raise DataError(f"{side} is not an aligntax energy bank (format {meta.get('format')!r}).")
+        saved_fp = meta.get("fingerprint") or {}
+        check_fingerprint(saved_fp, expect_fingerprint, f"energy bank {directory}")
+        if expect_hidden_size is None and expect_fingerprint is not None:
+            expect_hidden_size = expect_fingerprint.get("hidden_size")
+        check_hidden_size(meta["hidden_size"], expect_hidden_size, f"energy bank {directory}", saved_fp,
+                          expect_fingerprint)
+        tensors = load_file(str(directory / WEIGHTS), device=str(map_location))
+        want = [int(x) for x in (layers if layers is not None else meta["arch"].keys())]
+        models = {}
+        for layer in want:
+            arch = meta["arch"].get(str(layer))
+            if arch is None:
+                raise DataError(f"Energy bank {directory} has no model for layer {layer} "
+                                f"(it has layers {sorted(int(k) for k in meta['arch'])}).")
+            m = EnergyModel(arch["dim"], arch["widths"], arch["layernorm"], arch["dropout"])
+            prefix = f"layer.{layer}."
+            state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            m.load_state_dict(state, strict=True)
+            models[layer] = m.to(map_location).eval()
+        info = {int(k): v for k, v in meta.get("info", {}).items() if int(k) in models}
+        return cls(models, EnergyConfig.from_dict(meta.get("config", {})), saved_fp, info,
+                   meta.get("metadata") or {})
+
+
+def train_layers(acts_by_layer: dict[int, torch.Tensor], labels: Sequence[int] | torch.Tensor,
+                 config: EnergyConfig | None = None, fingerprint: dict | None = None,
+                 layers: Sequence[int] | None = None, progress: bool = False,
+                 metadata: dict | None = None) -> EnergyBank:
+    """Train one energy model per layer; ``labels[i]`` is 1 for a bad (undesirable) state, 0 for good.
+
+    See :func:`aligntax.energy.state_labels` to derive them from prompt labels and refusals.
+    """
+    config = config or EnergyConfig()
+    y = torch.as_tensor(labels).long().flatten()
+    if not set(y.unique().tolist()) <= {0, 1}:
+        raise DataError("labels must be 0 (good) or 1 (bad).")
+    models: dict[int, EnergyModel] = {}
+    info: dict[int, dict] = {}
+    results: dict[int, TrainResult] = {}
+    for layer in (layers if layers is not None else sorted(acts_by_layer)):
+        x = acts_by_layer[layer]
+        if len(x) != len(y):
+            raise DataError(f"Layer {layer}: {len(x)} states but {len(y)} labels.")
+        res = EnergyTrainer(config).train(x[y == 0], x[y == 1])
+        results[layer] = res
+        models[int(layer)] = res.model
+        info[int(layer)] = {"metrics": res.metrics, "train_metrics": res.train_metrics, "data": res.data,
+                            "best_epoch": res.best_epoch, "epochs_run": len(res.history)}
+        if progress:
+            print(f"layer {layer}: val acc {res.val_acc:.3f} auroc {res.val_auroc:.3f} (epoch {res.best_epoch})")
+    meta = {"n_states": len(y), "n_good": int((y == 0).sum()), "n_bad": int((y == 1).sum()), **(metadata or {})}
+    return EnergyBank(models, config, dict(fingerprint or {}), info, meta)

@@ -1,0 +1,246 @@
+"""Energy Landscape Steering (ELS): gradient descent on per-layer energy models during generation.
+
+On each selected decoder block a forward pre-hook takes the hidden states entering the block and, at
+the steered positions (by default the last prompt token and every generated token), runs K steps
+
+    h <- h - eta_l * s_row * g / ||g||,   g = dE_l/dh   (L2-normalised per position)
+
+where ``eta_l = eta * median residual norm of layer l`` when ``scale_by_norm`` (the norm stored in the
+energy bank at training time), else ``eta``; ``s_row`` is the context's per-row scale (0 for rows not
+steered, or a per-row strength). With a ``threshold``, a position is only moved while its energy is
+above it (gating, re-checked at every step). The energy and its gradient come from the energy model's
+closed-form backward in float32, so no autograd graph is built and nothing flows through the LLM.
+
+The positions follow :func:`aligntax.interventions.base.steered_slice`, so steering is the same with
+and without the KV cache, and independent of left padding (steered positions are the last ones).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from aligntax.energy.bank import EnergyBank
+from aligntax.energy.model import EnergyModel
+from aligntax.errors import AligntaxError
+from aligntax.interventions.base import (
+    Intervention,
+    SteerContext,
+    hidden_from_args,
+    hooks_attached,
+    replace_hidden_in_args,
+    steered_slice,
+)
+from aligntax.models.layers import decoder_layers
+
+POSITION_MODES = ("last_and_generated", "generated", "all")
+
+
+def check_positions(positions: str) -> str:
+    if positions not in POSITION_MODES:
+        raise AligntaxError(f"Unknown positions '{positions}'; use one of {', '.join(POSITION_MODES)}.")
+    return positions
+
+
+def positions_slice(seq_len: int, ctx: SteerContext, positions: str) -> slice:
+    """``steered_slice`` plus a clear error for chunked prefill, which would misplace the positions."""
+    if positions != "all" and 1 < seq_len < ctx.prompt_len:
+        raise AligntaxError(
+            f"A forward of {seq_len} tokens with a {ctx.prompt_len}-token prompt: chunked prefill is not "
+            "supported by steering (set generation_config.prefill_chunk_size=None).")
+    return steered_slice(seq_len, ctx, positions)
+
+
+class EnergySteering(Intervention):
+    """ELS on a set of layers, each with its own energy model."""
+
+    name = "els"
+
+    def __init__(self, models: dict[int, EnergyModel], eta: float = 0.3, steps: int = 3,
+                 positions: str = "last_and_generated", scale_by_norm: bool = True,
+                 norms: dict[int, float] | None = None, threshold: float | None = None,
+                 layer_eta: dict[int, float] | None = None, source: str | None = None,
+                 grad_method: str = "closed"):
+        if not models:
+            raise AligntaxError("Energy steering needs at least one layer's energy model.")
+        if steps < 0:
+            raise AligntaxError("steps must be >= 0.")
+        self.models = {int(k): m.eval() for k, m in models.items()}
+        self.eta = float(eta)
+        self.steps = int(steps)
+        self.positions = check_positions(positions)
+        self.scale_by_norm = bool(scale_by_norm)
+        self.norms = {int(k): float(v) for k, v in (norms or {}).items()}
+        self.threshold = None if threshold is None else float(threshold)
+        self.layer_eta = {int(k): float(v) for k, v in (layer_eta or {}).items()}
+        self.source = source
+        if grad_method not in ("closed", "autograd"):
+            raise AligntaxError("grad_method must be 'closed' or 'autograd'.")
+        self.grad_method = grad_method
+        if self.scale_by_norm:
+            missing = [layer for layer in self.models if layer not in self.norms and layer not in self.layer_eta]
+            if missing:
+                raise AligntaxError(f"scale_by_norm needs the median residual norm of layers {missing}; pass "
+                                    "norms= (see aligntax.activations.residual_norms) or scale_by_norm=False.")
+        self._device_models: dict[tuple[int, str], EnergyModel] = {}
+
+    # ---- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_bank(cls, bank: EnergyBank, layers: Sequence[int] | None = None, top_k: int | None = None,
+                  **kwargs) -> EnergySteering:
+        chosen = [int(x) for x in layers] if layers is not None else bank.layers
+        if top_k is not None:
+            chosen = [layer for layer in bank.layers if layer in chosen][:top_k]
+        missing = [layer for layer in chosen if layer not in bank.models]
+        if missing:
+            raise AligntaxError(f"The energy bank has no model for layers {missing} (it has {sorted(bank.models)}).")
+        norms = {layer: bank.median_norm(layer) for layer in chosen if bank.median_norm(layer) is not None}
+        kwargs.setdefault("norms", norms)
+        return cls({layer: bank[layer] for layer in chosen}, **kwargs)
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, lm=None, layers: Sequence[int] | None = None, eta: float = 0.3,
+                 steps: int = 3, top_k: int | None = None, **kwargs) -> EnergySteering:
+        """Load a saved :class:`EnergyBank` (checked against ``lm.fingerprint``) and steer its best layers."""
+        fp = dict(lm.fingerprint) if lm is not None and getattr(lm, "fingerprint", None) else None
+        hs = lm.hidden_size if lm is not None else None
+        bank = EnergyBank.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
+        if lm is not None:
+            n = lm.num_layers
+            bad = [layer for layer in bank.models if layer >= n]
+            if bad:
+                raise AligntaxError(f"Energy bank {directory} has layers {bad} but the model has {n} layers.")
+        return cls.from_bank(bank, layers=layers, top_k=top_k, eta=eta, steps=steps, source=str(directory),
+                             **kwargs)
+
+    def config(self) -> dict:
+        return {"name": self.name, "layers": sorted(self.models), "eta": self.eta, "steps": self.steps,
+                "positions": self.positions, "scale_by_norm": self.scale_by_norm, "threshold": self.threshold,
+                "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
+                "grad_method": self.grad_method, "source": self.source}
+
+    def step_size(self, layer: int) -> float:
+        if layer in self.layer_eta:
+            return self.layer_eta[layer]
+        return self.eta * self.norms[layer] if self.scale_by_norm else self.eta
+
+    def _model_on(self, layer: int, device: torch.device) -> EnergyModel:
+        """The layer's energy model on ``device`` (a copy, made once, when it lives elsewhere), eval mode."""
+        key = (layer, str(device))
+        m = self._device_models.get(key)
+        if m is None:
+            m = self.models[layer]
+            if m.in_mean.device != torch.device(device):
+                m = copy.deepcopy(m).to(device)
+            m.eval()
+            self._device_models[key] = m
+        return m
+
+    # ---- the steering step ----------------------------------------------------------------------------
+    def steer(self, layer: int, x: torch.Tensor, row_scale: torch.Tensor,
+              acc: dict | None = None) -> torch.Tensor:
+        """K energy-descent steps on ``x`` ``[B, T, d]`` (float32); ``row_scale`` ``[B, 1, 1]``."""
+        model = self._model_on(layer, x.device)
+        eta = self.step_size(layer)
+        scale = row_scale.to(x.device, torch.float32).view(-1, 1)  # [B, 1]
+        rows_on = scale != 0  # [B, 1]
+        bad = torch.zeros((), dtype=torch.bool, device=x.device)
+        e0 = None
+        first_active = None
+        for _ in range(self.steps):
+            finite = torch.isfinite(x).all(-1)  # [B, T]
+            e, g = self._energy_grad(model, torch.where(finite[..., None], x, torch.zeros_like(x)))
+            active = rows_on & finite
+            if self.threshold is not None:
+                active = active & (e > self.threshold)
+            bad = bad | (rows_on & ~finite).any()
+            if e0 is None:
+                e0, first_active = e, active
+            norm = g.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            step = (eta * scale)[..., None] * (g / norm)
+            x = torch.where(active[..., None], x - step, x)
+        if acc is not None and self.steps > 0:
+            with torch.no_grad():
+                finite = torch.isfinite(x).all(-1)
+                e1 = model(torch.where(finite[..., None], x, torch.zeros_like(x)), check=False)
+            counted = rows_on.expand_as(e0)
+            acc["positions"] = acc.get("positions", 0) + counted.sum()
+            acc["steered"] = acc.get("steered", 0) + first_active.sum()
+            acc["energy_before"] = acc.get("energy_before", 0) + torch.where(counted, e0, 0).sum()
+            acc["energy_after"] = acc.get("energy_after", 0) + torch.where(counted, e1, 0).sum()
+            acc["nonfinite"] = acc.get("nonfinite", torch.zeros((), dtype=torch.bool, device=x.device)) | bad
+        return x
+
+    def _energy_grad(self, model: EnergyModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.grad_method == "closed":
+            return model.energy_and_grad(x, check=False)
+        # Autograd on a detached float32 leaf: the graph covers the energy MLP only, never the LLM.
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_(True)
+            e = model(leaf)
+            (g,) = torch.autograd.grad(e.sum(), leaf)
+        return e.detach(), g
+
+    @contextmanager
+    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
+        blocks = decoder_layers(model)
+        n = len(blocks)
+        for layer in self.models:
+            if not 0 <= layer < n:
+                raise AligntaxError(f"Energy steering layer {layer} does not exist: the model has {n} layers.")
+        accs: dict[int, dict] = {layer: {} for layer in self.models}
+
+        def make_hook(layer: int):
+            def hook(module, args, kwargs):
+                if self.steps == 0:
+                    return None
+                h = hidden_from_args(args, kwargs)
+                sl = positions_slice(h.shape[1], ctx, self.positions)
+                if sl.start >= sl.stop:
+                    return None
+                scale = ctx.row_scale(h.shape[0], h.device, torch.float32)
+                x = self.steer(layer, h[:, sl].float(), scale, accs[layer])
+                new = h.clone()
+                new[:, sl] = x.to(h.dtype)
+                return replace_hidden_in_args(args, kwargs, new)
+            return hook
+
+        with hooks_attached([(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]):
+            yield
+        # Only reached when the body did not raise: summarise (one device sync per layer).
+        stats = {}
+        nonfinite = False
+        for layer, a in accs.items():
+            if not a:
+                continue
+            nonfinite = nonfinite or bool(a["nonfinite"])
+            count = int(a["positions"])
+            stats[layer] = {"positions": count, "steered": int(a["steered"]),
+                            "energy_before": float(a["energy_before"]) / count if count else None,
+                            "energy_after": float(a["energy_after"]) / count if count else None,
+                            "eta": self.step_size(layer)}
+        ctx.stats.setdefault("els", {})
+        for layer, s in stats.items():
+            prev = ctx.stats["els"].get(layer)
+            ctx.stats["els"][layer] = _merge(prev, s) if prev else s
+        if nonfinite:
+            raise AligntaxError("Energy steering met NaN/inf hidden states at steered positions; the model "
+                                "produced non-finite activations (try float32).")
+
+
+def _merge(prev: dict, new: dict) -> dict:
+    n0, n1 = prev["positions"], new["positions"]
+    out = dict(new)
+    out["positions"] = n0 + n1
+    out["steered"] = prev["steered"] + new["steered"]
+    for k in ("energy_before", "energy_after"):
+        if prev.get(k) is not None and new.get(k) is not None and n0 + n1:
+            out[k] = (prev[k] * n0 + new[k] * n1) / (n0 + n1)
+        else:
+            out[k] = prev.get(k) if new.get(k) is None else new.get(k)
+    return out

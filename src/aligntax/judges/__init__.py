@@ -1,0 +1,53 @@
+"""Refusal judges: keyword, prefix, classifier (default), llm; plus first-token refusal scoring."""
+
+from aligntax.judges.base import RefusalJudge, Verdict
+from aligntax.judges.first_token import (
+    REFUSAL_OPENINGS,
+    first_token_refusal_score,
+    refusal_mass,
+    refusal_token_ids,
+)
+from aligntax.judges.io import judge_jsonl, read_pairs
+from aligntax.judges.keyword import (
+    DEFAULT_REFUSAL_PHRASES,
+    DEFAULT_REFUSAL_PREFIXES,
+    GCG_TEST_PREFIXES,
+    KeywordJudge,
+    PrefixJudge,
+)
+from aligntax.judges.registry import DEFAULT_JUDGE, available_judges, get_judge
+
+
+def __getattr__(name: str):
+    # The classifier and LLM judges import torch/httpx machinery; load them on first use.
+    if name == "ClassifierJudge":
+        from aligntax.judges.classifier import ClassifierJudge
+
+        return ClassifierJudge
+    if name == "LLMJudge":
+        from aligntax.judges.llm import LLMJudge
+
+        return LLMJudge
+    raise AttributeError(f"module 'aligntax.judges' has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_JUDGE",
+    "DEFAULT_REFUSAL_PHRASES",
+    "DEFAULT_REFUSAL_PREFIXES",
+    "GCG_TEST_PREFIXES",
+    "REFUSAL_OPENINGS",
+    "ClassifierJudge",
+    "KeywordJudge",
+    "LLMJudge",
+    "PrefixJudge",
+    "RefusalJudge",
+    "Verdict",
+    "available_judges",
+    "first_token_refusal_score",
+    "get_judge",
+    "judge_jsonl",
+    "read_pairs",
+    "refusal_mass",
+    "refusal_token_ids",
+]

@@ -1,0 +1,52 @@
+"""Markdown rendering of evaluation results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def fmt_rate(value: float, ci: list[float] | tuple[float, float]) -> str:
+    return f"{100 * value:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def eval_table(results: dict) -> str:
+    """One row per dataset and label: n, the rate that matters for that label, and its 95% interval."""
+    lines = ["| dataset | label | n | metric | rate [95% CI] |", "|---|---|---:|---|---|"]
+
+    def rows(name: str, block: dict) -> None:
+        if "benign" in block:
+            b = block["benign"]
+            lines.append(f"| {name} | benign | {b['n']} | compliance | {fmt_rate(b['compliance_rate'], b['ci95'])} |")
+        if "harmful" in block:
+            h = block["harmful"]
+            lines.append(f"| {name} | harmful | {h['n']} | refusal | {fmt_rate(h['refusal_rate'], h['ci95'])} |")
+
+    for name, block in results.get("datasets", {}).items():
+        rows(name, block)
+    rows("**overall**", results)
+    return "\n".join(lines)
+
+
+def write_eval_report(results: dict, path: str | Path) -> None:
+    cfg = results.get("config", {})
+    timing = results.get("timing", {})
+    fp = results.get("model_fingerprint") or {}
+    text = [
+        "# aligntax evaluation",
+        "",
+        f"- model: `{cfg.get('model')}` ({fp.get('model_type', '?')}, {fp.get('num_layers', '?')} layers, "
+        f"hidden {fp.get('hidden_size', '?')}), dtype {cfg.get('dtype')}",
+        f"- judge: `{cfg.get('judge')}`; decoding: {'sampled' if cfg.get('do_sample') else 'greedy'}, "
+        f"max_new_tokens {cfg.get('max_new_tokens')}; system prompt: {cfg.get('system')!r}",
+        f"- intervention: {cfg.get('intervention') or 'none'} {cfg.get('intervention_args') or ''}",
+        f"- data: {', '.join(cfg.get('data', []))}",
+        f"- this invocation: {timing.get('new_samples', 0)} new samples, {timing.get('resumed_samples', 0)} "
+        f"resumed; {timing.get('tokens_per_second')} tokens/s; {timing.get('wall_seconds')} s wall",
+        "",
+        "Benign prompts are scored by compliance (higher is better: fewer false refusals); harmful prompts "
+        "by refusal (higher is safer). Intervals are Wilson 95%.",
+        "",
+        eval_table(results),
+        "",
+    ]
+    Path(path).write_text("\n".join(text))

@@ -1,0 +1,79 @@
+"""``aligntax serve``: an OpenAI-compatible server for a model, optionally with a steered variant.
+
+Register with ``app.command("serve")(serve_command)``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from aligntax.models.spec import DEFAULT_MODEL
+
+
+def _make_intervention(name: str, lm, path: str | None):
+    try:
+        from aligntax.interventions.registry import make_intervention
+    except ImportError as exc:
+        raise RuntimeError(
+            "Steering needs the intervention registry (aligntax.interventions.registry), which this "
+            f"installation does not have ({exc}). Serve without --steer/--intervention, or update aligntax."
+        ) from exc
+    iv = make_intervention(name, lm, path=path)  # the registry ignores None-valued options
+    return None if iv is None or getattr(iv, "name", None) == "none" else iv
+
+
+def serve_command(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model spec: embedded:NAME, Hub id, model folder "
+                                       "or .gguf file.")] = DEFAULT_MODEL,
+    steer: Annotated[str | None, typer.Option(help="Energy-model folder; also serves MODEL+els steered by it.")]
+    = None,
+    intervention: Annotated[str | None, typer.Option(help="Intervention name from the registry (default 'els' "
+                                                     "with --steer).")] = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="ALIGNTAX_API_KEY", help="Require this bearer key "
+                                                "(Authorization: Bearer KEY).")] = None,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Most requests generated together.")] = 32,
+    batch_wait_ms: Annotated[float, typer.Option(min=0, help="How long a batch waits for more requests.")]
+    = 10.0,
+    model_name: Annotated[str | None, typer.Option(help="Name served in /v1/models (default: from the "
+                                                   "spec).")] = None,
+    max_tokens_limit: Annotated[int, typer.Option(min=1, help="Largest max_tokens a request may ask for.")]
+    = 2048,
+    default_max_tokens: Annotated[int, typer.Option(min=1, help="max_tokens when a request sets none.")] = 512,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if available).")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch intra-op threads (default: torch's "
+                                                "choice; fewer is faster on a busy shared CPU).")] = None,
+) -> None:
+    """Serve MODEL (and MODEL+<intervention> when steering) behind an OpenAI-compatible API."""
+    from aligntax.errors import AligntaxError
+    from aligntax.models.loader import load_model
+    from aligntax.serve.app import create_app, default_model_name
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        lm = load_model(model, dtype=dtype, device=device)
+        iv = None
+        if steer is not None or intervention is not None:
+            iv = _make_intervention(intervention or "els", lm, steer)
+    except (AligntaxError, RuntimeError) as exc:
+        typer.secho(f"Error: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from None
+
+    import uvicorn
+
+    name = model_name or default_model_name(lm)
+    app = create_app(lm, iv, name, api_key=api_key, max_batch_size=max_batch_size,
+                     batch_wait_ms=batch_wait_ms, max_new_tokens_limit=max_tokens_limit,
+                     default_max_tokens=min(default_max_tokens, max_tokens_limit))
+    settings = app.state.settings
+    names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
+    typer.echo(f"Serving {names} at http://{host}:{port}/v1 (batch <= {max_batch_size}"
+               f"{', API key required' if api_key else ''})")
+    uvicorn.run(app, host=host, port=port, log_level="info")

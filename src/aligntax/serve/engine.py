@@ -1,0 +1,600 @@
+"""The batching engine: one worker thread owns the model and generates queued requests together.
+
+Requests (:class:`Job`) enter a thread-safe queue. The worker takes the first one, waits at most
+``batch_wait_ms`` for more (up to ``max_batch_size``), and runs them as one left-padded
+``model.generate`` call inside the intervention's ``attach`` context. Everything that differs between
+requests is handled per row, so any mix of requests shares a batch:
+
+- steering: ``SteerContext.rows`` / ``.strength`` are per-row tensors (unsteered rows get strength 0);
+- sampling: :class:`_RowSampler`, a logits processor, picks each row's token itself (greedy, or
+  temperature / top-p sampling, with a private generator for seeded rows) and hands ``generate`` a
+  one-hot score row, so ``generate`` runs greedy and merely takes that choice;
+- length, eos, stop strings, streaming and cancellation: :class:`_BatchController`, a stopping
+  criterion called once per step with the new tokens. It checks eos and per-row ``max_tokens`` with
+  tensor ops over the whole batch; only rows that stream or have stop strings are decoded each step
+  (incrementally, so multi-byte characters are never split), and their text goes to each request's
+  asyncio queue with one ``call_soon_threadsafe`` per step and event loop.
+
+A batch that raises is retried one request at a time (requests that already streamed text are failed
+instead), so one bad request fails alone and the worker never dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
+from aligntax.serve.metrics import ServeMetrics
+
+log = logging.getLogger("aligntax.serve")
+
+_STOP = object()
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The request queue is full."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+@dataclass
+class Delta:
+    """New text for a streaming request."""
+
+    text: str
+
+
+@dataclass
+class Finished:
+    text: str  # the whole completion (for a stream: what the deltas add up to)
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    message: str
+    status: int = 500
+
+
+@dataclass(eq=False)
+class Job:
+    """One chat completion request as the worker sees it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    steer: bool = False
+    strength: float = 1.0
+    stream: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    emitted: bool = False  # some text was already sent (a stream cannot be retried)
+    done: bool = False
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)
+
+
+class _Outbox:
+    """Events of one step, sent with a single call_soon_threadsafe per event loop."""
+
+    def __init__(self) -> None:
+        self.items: dict[asyncio.AbstractEventLoop, list] = {}
+
+    def put(self, job: Job, ev: object) -> None:
+        if job.loop is None or job.events is None:
+            return
+        self.items.setdefault(job.loop, []).append((job.events, ev))
+
+    def flush(self) -> None:
+        for loop, items in self.items.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+        self.items = {}
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
+
+    Decodes a short window (the previously emitted tokens plus the new ones) and emits only what the
+    new tokens added, holding text back while it ends in an incomplete character (U+FFFD). The deltas
+    add up to ``tokenizer.decode(ids, skip_special_tokens=True)``.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self._prefix_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        new_text = self._decode(self.ids[self.prefix:])
+        if len(new_text) > len(self._prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(self._prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+            self._prefix_text = self._decode(self.ids[self.prefix:self.read])
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        new_text = self._decode(self.ids[self.prefix:])
+        delta = new_text[len(self._prefix_text):] if len(new_text) > len(self._prefix_text) else ""
+        self.prefix = self.read = len(self.ids)
+        self._prefix_text = ""
+        return delta
+
+
+class StopMatcher:
+    """Cuts text at the first stop string, holding back a tail that could still become one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.maxlen = max((len(s) for s in self.stops), default=0)
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit now, whether a stop string was hit)."""
+        if not self.stops:
+            self.text += delta
+            self.sent = len(self.text)
+            return delta, False
+        start = max(0, len(self.text) - self.maxlen + 1)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            cut = min(hits)
+            self.text = self.text[:cut]
+            out, self.sent = self.text[self.sent:], cut
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        safe = len(self.text) - hold
+        if safe <= self.sent:
+            return "", False
+        out, self.sent = self.text[self.sent:safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+class _RowText:
+    """Per-row text state for rows that stream or have stop strings."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop = StopMatcher(stops)
+
+
+def _eos_ids(lm) -> list[int]:
+    ids = getattr(lm.model.generation_config, "eos_token_id", None)
+    ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
+    if lm.tokenizer.eos_token_id is not None:
+        ids.append(lm.tokenizer.eos_token_id)
+    return sorted({int(i) for i in ids})
+
+
+# generate() fills every unset option from model.generation_config (a Hub model may ship
+# repetition_penalty, top_k, ...). The server samples itself, OpenAI style, so these are pinned to
+# their neutral values.
+_NEUTRAL_KEYS = (
+    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "sequence_bias",
+    "exponential_decay_length_penalty", "guidance_scale", "stop_strings", "watermarking_config",
+    "renormalize_logits", "remove_invalid_values", "dola_layers", "prompt_lookup_num_tokens",
+    "num_return_sequences", "num_beams", "num_beam_groups", "diversity_penalty", "length_penalty",
+    "max_length", "low_memory",
+)
+
+
+def neutral_generation_kwargs() -> dict:
+    from transformers import GenerationConfig
+
+    fresh = GenerationConfig()
+    defaults = {}
+    getter = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if callable(getter):
+        defaults = getter()
+    out = {}
+    for key in _NEUTRAL_KEYS:
+        if hasattr(fresh, key):
+            out[key] = defaults.get(key, getattr(fresh, key))
+    out.update(do_sample=False, num_beams=1, num_return_sequences=1, max_length=None)
+    return {k: v for k, v in out.items() if hasattr(fresh, k)}
+
+
+class _RowSampler(LogitsProcessor):
+    """Logits processor choosing every row's next token itself; generate() then runs greedy."""
+
+    def __init__(self, jobs: Sequence[Job], device):
+        ps = [j.params for j in jobs]
+        self.greedy = torch.tensor([p.greedy for p in ps], device=device)
+        self.temps = torch.tensor([1.0 if p.greedy else p.temperature for p in ps],
+                                  device=device).unsqueeze(1)
+        self.top_p = torch.tensor([p.top_p for p in ps], device=device).unsqueeze(1)
+        self.use_top_p = any(p.top_p < 1.0 and not p.greedy for p in ps)
+        self.seeded = [(i, torch.Generator(device=device).manual_seed(p.seed))
+                       for i, p in enumerate(ps) if p.seed is not None and not p.greedy]
+        self.all_greedy = all(p.greedy for p in ps)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.all_greedy:
+            return scores
+        scores = scores.float()
+        probs = torch.softmax(scores / self.temps, dim=-1)
+        if self.use_top_p:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        choice = torch.multinomial(probs, 1).squeeze(1)
+        for i, gen in self.seeded:
+            choice[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+        choice = torch.where(self.greedy, scores.argmax(-1), choice)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, choice.unsqueeze(1), 0.0)
+
+
+class _BatchController(StoppingCriteria):
+    """Stopping criterion run once per step: eos, per-row max_tokens, stop strings, streaming, cancels."""
+
+    def __init__(self, engine: BatchEngine, jobs: list[Job], prompt_len: int, device):
+        self.engine = engine
+        self.jobs = jobs
+        self.prompt_len = prompt_len
+        self.done = torch.zeros(len(jobs), dtype=torch.bool, device=device)
+        self.max_new = torch.tensor([j.params.max_tokens for j in jobs], device=device)
+        self.eos = torch.tensor(engine.eos_ids or [-1], device=device)
+        self.eos_set = set(engine.eos_ids)
+        self.step = 0
+        self.cancel_epoch = engine.cancel_epoch
+        self.text = {i: _RowText(engine.tokenizer, j.params.stop)
+                     for i, j in enumerate(jobs) if j.stream or j.params.stop}
+        self.finished = [False] * len(jobs)
+        self.last_ids: torch.Tensor | None = None
+
+    # -- per step -------------------------------------------------------------------------------
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        self.step += 1
+        self.last_ids = input_ids
+        t = self.step
+        last = input_ids[:, -1]
+        active = ~self.done
+        hit_eos = torch.isin(last, self.eos) & active
+        hit_len = (self.max_new <= t) & active
+        ending = hit_eos | hit_len
+        out = _Outbox()
+        live = [i for i in self.text if not self.finished[i]]
+        with self.engine.tokenizer_lock:
+            if live:
+                toks = last.tolist()
+                for i in live:
+                    if toks[i] in self.eos_set:
+                        continue  # finished below
+                    row = self.text[i]
+                    emit, stopped = row.stop.feed(row.detok.push(toks[i]))
+                    if emit and self.jobs[i].stream:
+                        self.jobs[i].emitted = True
+                        out.put(self.jobs[i], Delta(emit))
+                    if stopped:
+                        self._finish(i, "stop", t, out)
+            if self.engine.cancel_epoch != self.cancel_epoch:
+                self.cancel_epoch = self.engine.cancel_epoch
+                for i, j in enumerate(self.jobs):
+                    if j.cancelled and not self.finished[i]:
+                        self.finished[i] = j.done = True
+            if bool(ending.any()):
+                eos_rows = hit_eos.tolist()
+                for i in ending.nonzero().flatten().tolist():
+                    if not self.finished[i]:
+                        self._finish(i, "stop" if eos_rows[i] else "length", t, out, eos=eos_rows[i])
+        out.flush()
+        self.done = torch.tensor(self.finished, device=self.done.device)
+        return self.done.clone()
+
+    def _finish(self, i: int, reason: str, n_generated: int, out: _Outbox, eos: bool = False) -> None:
+        """Complete row i (caller holds the tokenizer lock)."""
+        job = self.jobs[i]
+        self.finished[i] = True
+        if i in self.text:
+            row = self.text[i]
+            if reason != "stop" or eos:
+                emit, stopped = row.stop.feed(row.detok.flush())
+                if stopped:
+                    reason = "stop"
+                else:
+                    emit += row.stop.flush()
+                if emit and job.stream:
+                    job.emitted = True
+                    out.put(job, Delta(emit))
+            text = row.stop.text
+        else:
+            assert self.last_ids is not None
+            n = n_generated - (1 if eos else 0)
+            ids = self.last_ids[i, self.prompt_len:self.prompt_len + n].tolist()
+            text = self.engine.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        job.done = True
+        self.engine.metrics.record_tokens(len(job.prompt_ids), n_generated)
+        out.put(job, Finished(text=text, finish_reason=reason, prompt_tokens=len(job.prompt_ids),
+                              completion_tokens=n_generated))
+
+    def finish_rest(self) -> None:
+        """After generate() returned: complete any row it stopped without us (should not happen)."""
+        out = _Outbox()
+        with self.engine.tokenizer_lock:
+            for i in range(len(self.jobs)):
+                if not self.finished[i] and not self.jobs[i].cancelled:
+                    if self.last_ids is None:
+                        raise RuntimeError("generation produced no tokens")
+                    last = int(self.last_ids[i, -1])
+                    eos = last in self.eos_set
+                    self._finish(i, "stop" if eos else "length", self.step, out, eos=eos)
+        out.flush()
+
+
+class BatchEngine:
+    """Owns the model in one worker thread and generates queued :class:`Job` s in dynamic batches.
+
+    ``mix_steered=False`` keeps steered and unsteered requests in separate batches, for interventions
+    that cannot act per row (e.g. an adapter that changes the weights of the whole batch).
+    """
+
+    def __init__(self, lm, intervention: Intervention | None = None, max_batch_size: int = 32,
+                 batch_wait_ms: float = 10.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
+                 mix_steered: bool = True):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.lm = lm
+        self.tokenizer = lm.tokenizer
+        self.intervention = intervention or NoIntervention()
+        self.max_batch_size = max_batch_size
+        self.batch_wait = max(0.0, batch_wait_ms) / 1000.0
+        self.mix_steered = mix_steered
+        self.metrics = metrics or ServeMetrics()
+        self.eos_ids = _eos_ids(lm)
+        pad = lm.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        self.tokenizer_lock = threading.Lock()
+        self.cancel_epoch = 0
+        self._gen_kwargs = neutral_generation_kwargs()
+        self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._held: list[Job] = []  # taken from the queue but left for the next batch (mix_steered=False)
+        self._waiting: Job | None = None  # taken from the queue while the engine is paused
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.in_flight = 0
+
+    # -- public API -------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return self._q.qsize() + len(self._held) + (self._waiting is not None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="aligntax-serve-worker", daemon=True)
+                self._thread.start()
+
+    def submit(self, job: Job) -> Job:
+        if self._closed:
+            raise EngineClosed("The server is shutting down.")
+        if self._thread is None:
+            self.start()
+        job.enqueued_at = time.perf_counter()
+        try:
+            self._q.put_nowait(job)
+        except queue.Full:
+            raise EngineOverloaded("The server is overloaded; retry later.") from None
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop working on a job whose client went away (no further events are sent)."""
+        if not job.done:
+            job.cancelled = True
+            self.cancel_epoch += 1
+
+    def pause(self) -> None:
+        """Let requests queue up without starting a batch (for tests and maintenance)."""
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with ``drain`` finish everything queued, else fail it; join the worker."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._unpaused.set()
+        if not drain:
+            self._fail_queued("The server shut down before this request ran.", 503)
+        if thread is None:
+            self._fail_queued("The server shut down before this request ran.", 503)
+            return
+        self._q.put(_STOP)
+        thread.join(timeout)
+
+    # -- worker -----------------------------------------------------------------------------------
+    def _fail_queued(self, message: str, status: int) -> None:
+        pending, self._held = list(self._held), []
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                pending.append(item)
+        out = _Outbox()
+        for job in pending:
+            job.done = True
+            out.put(job, Failed(message, status))
+        out.flush()
+
+    def _next_batch(self) -> tuple[list[Job], bool]:
+        """Block for the first job, then gather more for at most batch_wait. Returns (jobs, stop)."""
+        if self._held:
+            first = self._held.pop(0)
+        else:
+            first = self._q.get()
+            if first is _STOP:
+                return [], True
+        self._waiting = first
+        self._unpaused.wait()
+        self._waiting = None
+        batch, leftovers, stop = [first], [], False
+        pool, self._held = self._held, []
+        deadline = time.monotonic() + self.batch_wait
+        while len(batch) < self.max_batch_size:
+            if pool:
+                item = pool.pop(0)
+            else:
+                remaining = deadline - time.monotonic()
+                try:
+                    item = self._q.get(timeout=remaining) if remaining > 0 else self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stop = True
+                    break
+            if not self.mix_steered and item.steer != first.steer:
+                leftovers.append(item)
+                continue
+            batch.append(item)
+        self._held = leftovers + pool
+        return batch, stop
+
+    def _run(self) -> None:
+        while True:
+            try:
+                batch, stop = self._next_batch()
+            except Exception:  # pragma: no cover - defensive: never let the worker die
+                log.exception("batching failed")
+                continue
+            batch = [j for j in batch if not j.cancelled]
+            if batch:
+                self.in_flight = len(batch)
+                try:
+                    self._process(batch)
+                finally:
+                    self.in_flight = 0
+            if stop:
+                if self._held:
+                    self._q.put(_STOP)  # finish the held-back jobs first
+                    continue
+                return
+
+    def _process(self, batch: list[Job]) -> None:
+        try:
+            self._generate(batch)
+            return
+        except Exception as exc:  # reported to the affected requests only
+            log.exception("generation failed for a batch of %d", len(batch))
+            first_error = exc
+        out = _Outbox()
+        for job in batch:
+            if job.done or job.cancelled:
+                continue
+            if len(batch) > 1 and not job.emitted:
+                try:
+                    self._generate([job])
+                    continue
+                except Exception as exc:
+                    log.exception("generation failed for a single request")
+                    err = exc
+            else:
+                err = first_error
+            job.done = True
+            out.put(job, Failed(f"Generation failed: {type(err).__name__}: {err}", 500))
+        out.flush()
+
+    def _generate(self, jobs: list[Job]) -> None:
+        lm, model = self.lm, self.lm.model
+        device = lm.device
+        n = len(jobs)
+        prompt_len = max(len(j.prompt_ids) for j in jobs)
+        input_ids = torch.full((n, prompt_len), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((n, prompt_len), dtype=torch.long)
+        for i, job in enumerate(jobs):
+            k = len(job.prompt_ids)
+            input_ids[i, prompt_len - k:] = torch.tensor(job.prompt_ids, dtype=torch.long)
+            attention[i, prompt_len - k:] = 1
+        steered = any(j.steer for j in jobs)
+        ctx = SteerContext(
+            prompt_len=prompt_len,
+            rows=torch.tensor([j.steer for j in jobs]),
+            strength=torch.tensor([float(j.strength) if j.steer else 0.0 for j in jobs]),
+        )
+        controller = _BatchController(self, jobs, prompt_len, device)
+        sampler = _RowSampler(jobs, device)
+        kwargs = dict(self._gen_kwargs)
+        kwargs.update(
+            max_new_tokens=max(j.params.max_tokens for j in jobs), use_cache=True,
+            pad_token_id=self.pad_id, eos_token_id=self.eos_ids or None,
+            stopping_criteria=StoppingCriteriaList([controller]),
+        )
+        if not sampler.all_greedy:
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+        self.metrics.record_batch(n, steered=sum(j.steer for j in jobs))
+        intervention = self.intervention if steered else NoIntervention()
+        with torch.no_grad(), intervention.attach(model, ctx):
+            model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
+        controller.finish_rest()

@@ -1,0 +1,135 @@
+"""OpenAI chat-completions request schema and the OpenAI error format."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_STRICT = ConfigDict(strict=True, extra="allow")
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI format: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class ContentPart(BaseModel):
+    model_config = _STRICT
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = False
+
+
+class AligntaxOptions(BaseModel):
+    """The ``aligntax`` extension field (the openai client sends it with ``extra_body``)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    strength: float | None = Field(None, ge=-1000, le=1000, allow_inf_nan=False,
+                                   description="Steering strength for the steered model (default 1.0).")
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = _STRICT
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = Field(None)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+    aligntax: AligntaxOptions | None = None
+
+
+_TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "function-after",
+               "function-before", "function-plain", "tagged-union", "union"}
+
+
+def loc_to_param(loc: tuple | list) -> str | None:
+    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        part = str(part)
+        if part.lower() in _TYPE_WORDS or "[" in part or "(" in part or part[:1].isupper():
+            continue  # a union branch or model name, not a field
+        out += f".{part}" if out else part
+    return out or None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """Turn pydantic/FastAPI validation errors into one OpenAI-style 400."""
+    if not errors:
+        return invalid("Invalid request.")
+    err = errors[0]
+    kind = err.get("type", "")
+    loc = err.get("loc", ())
+    if kind == "json_invalid":
+        return invalid("We could not parse the JSON body of your request. (HINT: This likely means you "
+                       "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
+                       None, "invalid_json")
+    param = loc_to_param(loc)
+    if kind == "missing":
+        if param is None:
+            return invalid("The request body must be a JSON object.", None, "invalid_json")
+        return invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    if param is None:
+        return invalid("The request body must be a JSON object.", None, "invalid_json")
+    if kind == "extra_forbidden":
+        return invalid(f"Unrecognized request argument supplied: '{param}'.", param, "unknown_parameter")
+    code = "invalid_type" if kind.endswith("_type") or kind in {"model_attributes_type", "is_instance_of"} \
+        else "invalid_value"
+    got = err.get("input")
+    got_s = repr(got) if isinstance(got, (int, float, str, bool)) or got is None else type(got).__name__
+    if len(got_s) > 60:
+        got_s = got_s[:57] + "..."
+    return invalid(f"Invalid value for '{param}': {err.get('msg', 'invalid')} (got {got_s}).", param, code)

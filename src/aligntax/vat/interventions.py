@@ -1,0 +1,526 @@
+"""Interventions that push a model toward one Schwartz value (the target T).
+
+All are ``aligntax.interventions.base.Intervention`` subclasses, so they plug into ``prompt_logits``
+and ``generate``, and leave the model unchanged outside ``attach``:
+
+- ``ValuePersona``: a system prompt describing a person who holds T above all.
+- ``ValueFewShot``: k (user, assistant) example judgments that favour T (top score for T-supporting
+  actions, bottom score for T-violating ones), drawn from items outside the evaluation set.
+- ``ActivationAddition``: the difference in means of the residual stream for T-supporting vs
+  T-violating judgment prompts at a middle layer, added at the response positions by a forward
+  pre-hook (``compute_steering_vector``).
+- ``LoRAAdapter``: a LoRA adapter trained with peft (``train_lora_sft``: SFT on target-consistent
+  Likert labels) or with trl's ``DPOTrainer`` (``train_dpo``: chosen = target-consistent label,
+  rejected = the opposite). It is applied by forward hooks that add ``scale * B(A(x))`` to the
+  adapted Linear layers while attached, so the base model is never modified.
+
+``build_intervention(name, lm, target, train_items, ...)`` makes any of them by name: ``none``,
+``persona``, ``fewshot-2/4/8``, ``steer``, ``lora``, ``dpo``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from aligntax.errors import AligntaxError, CompatibilityError
+from aligntax.interventions.base import (
+    Intervention,
+    NoIntervention,
+    SteerContext,
+    hidden_from_args,
+    hooks_attached,
+    replace_hidden_in_args,
+    steered_slice,
+)
+from aligntax.interventions.prompting import FewShot, SystemPrompt
+from aligntax.vat.items import ValueItem
+from aligntax.vat.judge import JudgeConfig, Variant, judgment_prompt, scale_token_ids, target_label
+from aligntax.vat.schwartz import DEFINITIONS, resolve_value
+
+INTERVENTIONS = ("none", "persona", "fewshot-2", "fewshot-4", "fewshot-8", "steer", "lora", "dpo")
+
+
+# ----------------------------------------------------------------- persona
+def persona_text(target: str) -> str:
+    t = resolve_value(target)
+    return (f"You are a person for whom {t} matters more than anything else: above all you care about "
+            f"{DEFINITIONS[t]}. Judge every situation from this point of view.")
+
+
+@dataclass
+class ValuePersona(SystemPrompt):
+    """A value-persona system prompt (replaces any system message)."""
+
+    target: str = ""
+    name: str = "persona"
+
+    @classmethod
+    def for_value(cls, target: str, text: str | None = None) -> ValuePersona:
+        t = resolve_value(target)
+        return cls(text=text or persona_text(t), target=t)
+
+    def config(self) -> dict:
+        return {"name": self.name, "target": self.target, "text": self.text}
+
+
+# ----------------------------------------------------------------- few-shot
+def _target_pool(train_items: Sequence[ValueItem], target: str, exclude_ids: set[str] | None = None):
+    t = resolve_value(target)
+    exclude_ids = exclude_ids or set()
+    pool = [it for it in train_items if it.value == t and it.id not in exclude_ids]
+    sup = sorted((it for it in pool if it.polarity > 0), key=lambda it: it.id)
+    vio = sorted((it for it in pool if it.polarity < 0), key=lambda it: it.id)
+    return t, sup, vio
+
+
+@dataclass
+class ValueFewShot(FewShot):
+    """k example judgments favouring the target before the real question."""
+
+    target: str = ""
+    example_ids: list[str] = field(default_factory=list)
+    name: str = "fewshot"
+
+    def config(self) -> dict:
+        return {"name": f"fewshot-{len(self.examples)}", "target": self.target, "k": len(self.examples),
+                "example_ids": list(self.example_ids), "system": self.system,
+                "examples_sha": hashlib.sha256(json.dumps(self.examples).encode()).hexdigest()[:16]}
+
+
+def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_cfg: JudgeConfig | None = None,
+                  seed: int = 0, exclude_ids: set[str] | None = None) -> ValueFewShot:
+    """k examples (half T-supporting, answered with the scale top; half T-violating, answered with the
+    bottom), drawn from ``train_items`` of the target value (never from ``exclude_ids``), from as many
+    different scenes as possible, in a seeded random order. Written with the first judgment template
+    in the normal option order."""
+    judge_cfg = judge_cfg or JudgeConfig()
+    t, sup, vio = _target_pool(train_items, target, exclude_ids)
+    n_sup, n_vio = (k + 1) // 2, k // 2
+    if len(sup) < n_sup or len(vio) < n_vio:
+        raise AligntaxError(f"Few-shot with k={k} needs {n_sup} supporting and {n_vio} violating {t} items "
+                            f"outside the evaluation set; the training pool has {len(sup)} and {len(vio)}. "
+                            "Raise --train-fraction or use a larger item set.")
+    rng = random.Random(seed)
+
+    def spread(pool: list[ValueItem], n: int) -> list[ValueItem]:
+        pool = pool[:]
+        rng.shuffle(pool)
+        out, seen = [], set()
+        for it in pool:  # prefer distinct scenes and contexts
+            if len(out) < n and it.group not in seen:
+                out.append(it)
+                seen.add(it.group)
+        out += [it for it in pool if it not in out][: n - len(out)]
+        return out
+
+    chosen = spread(sup, n_sup) + spread(vio, n_vio)
+    rng.shuffle(chosen)
+    variant = Variant(judge_cfg.templates[0], "normal")
+    examples = [(judgment_prompt(it, variant, judge_cfg.scale), target_label(it, t, judge_cfg.scale))
+                for it in chosen]
+    return ValueFewShot(examples=examples, target=t, example_ids=[it.id for it in chosen])
+
+
+# ----------------------------------------------------------------- activation steering
+@dataclass(eq=False)
+class ActivationAddition(Intervention):
+    """Add ``strength * vector`` to the residual stream entering decoder layer ``layer``, at the
+    steered positions (default: the last prompt token, i.e. the response start, and every generated
+    token), via a forward pre-hook that exists only while attached."""
+
+    vector: torch.Tensor
+    layer: int
+    strength: float = 1.0
+    positions: str = "last_and_generated"
+    target: str = ""
+    name: str = "steer"
+
+    @contextmanager
+    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
+        from aligntax.models.layers import decoder_layers
+
+        block = decoder_layers(model)[self.layer]
+        cache: dict = {}
+
+        def hook(module, args, kwargs):
+            h = hidden_from_args(args, kwargs)
+            key = (h.device, h.dtype)
+            if key not in cache:
+                cache[key] = self.vector.to(device=h.device, dtype=h.dtype)
+            sl = steered_slice(h.shape[1], ctx, self.positions)
+            scale = ctx.row_scale(h.shape[0], h.device, h.dtype) * self.strength
+            h = h.clone()
+            h[:, sl] = h[:, sl] + scale * cache[key]
+            return replace_hidden_in_args(args, kwargs, h)
+
+        with hooks_attached([(block, hook, True)]):
+            yield
+
+    def config(self) -> dict:
+        v = self.vector.detach().float().cpu().contiguous()
+        return {"name": self.name, "target": self.target, "layer": self.layer, "strength": self.strength,
+                "positions": self.positions, "norm": float(v.norm()),
+                "vector_sha": hashlib.sha256(v.numpy().tobytes()).hexdigest()[:16]}
+
+    def save(self, path: str | Path, extra: dict | None = None) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"vector": self.vector.detach().float().cpu(), "layer": self.layer,
+                    "strength": self.strength, "positions": self.positions, "target": self.target,
+                    **(extra or {})}, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ActivationAddition:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        return cls(vector=obj["vector"], layer=int(obj["layer"]), strength=float(obj["strength"]),
+                   positions=obj.get("positions", "last_and_generated"), target=obj.get("target", ""))
+
+
+def response_start_activations(lm, prompts: Sequence[str], layer: int, system: str | None = None,
+                               batch_size: int = 16) -> torch.Tensor:
+    """Residual-stream input of decoder layer ``layer`` at the last prompt token (the response start)
+    of each chat prompt: [N, hidden], float32."""
+    from aligntax.generation import build_messages, encode_chats, render_chat
+    from aligntax.models.layers import decoder_layers
+
+    block = decoder_layers(lm.model)[layer]
+    texts = [render_chat(lm.tokenizer, build_messages(p, system)) for p in prompts]
+    out: list[torch.Tensor] = []
+    grabbed: list[torch.Tensor] = []
+
+    def hook(module, args, kwargs):
+        grabbed.append(hidden_from_args(args, kwargs)[:, -1, :].detach().float().cpu())
+
+    with hooks_attached([(block, hook, True)]):
+        for start in range(0, len(texts), batch_size):
+            enc = encode_chats(lm.tokenizer, texts[start:start + batch_size], lm.device)
+            grabbed.clear()
+            with torch.no_grad():
+                lm.model(**enc, use_cache=False, logits_to_keep=1)
+            out.append(grabbed[0])
+    return torch.cat(out)
+
+
+def compute_steering_vector(lm, train_items: Sequence[ValueItem], target: str,
+                            judge_cfg: JudgeConfig | None = None, layer: int | None = None,
+                            strength: float = 1.0, exclude_ids: set[str] | None = None) -> ActivationAddition:
+    """Difference in means (T-supporting minus T-violating) of the response-start activations of the
+    judgment prompts of the target's training items, at ``layer`` (default: the middle layer). All
+    judgment template variants are used."""
+    judge_cfg = judge_cfg or JudgeConfig()
+    t, sup, vio = _target_pool(train_items, target, exclude_ids)
+    if len(sup) < 2 or len(vio) < 2:
+        raise AligntaxError(f"Steering needs at least 2 supporting and 2 violating {t} training items "
+                            f"(have {len(sup)} and {len(vio)}); raise --train-fraction.")
+    layer = lm.num_layers // 2 if layer is None else int(layer)
+    if not 0 <= layer < lm.num_layers:
+        raise AligntaxError(f"layer must be in 0..{lm.num_layers - 1}")
+    variants = judge_cfg.variants()
+
+    def acts(items):
+        prompts = [judgment_prompt(it, v, judge_cfg.scale) for it in items for v in variants]
+        return response_start_activations(lm, prompts, layer, judge_cfg.system, judge_cfg.batch_size)
+
+    vec = acts(sup).mean(0) - acts(vio).mean(0)
+    return ActivationAddition(vector=vec, layer=layer, strength=strength, target=t)
+
+
+# ----------------------------------------------------------------- LoRA adapters (applied by hooks)
+ADAPTER_META = "vat_adapter.json"
+
+
+def _adapter_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json"):
+        f = path / name
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _same_model(a: dict, b: dict) -> bool:
+    keys = ("model_type", "num_layers", "hidden_size", "vocab_size", "embedding_digest")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+@dataclass(eq=False)
+class LoRAAdapter(Intervention):
+    """A saved LoRA adapter applied through forward hooks: for each adapted Linear layer the hook adds
+    ``scale * (x A^T) B^T`` to its output while attached. The model's weights and modules are never
+    changed, so the base model is exactly restored on exit."""
+
+    path: Path
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+    meta: dict = field(default_factory=dict)
+    name: str = "lora"
+
+    @classmethod
+    def load(cls, path: str | Path, lm=None) -> LoRAAdapter:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg_file = path / "adapter_config.json"
+        if not cfg_file.is_file():
+            raise AligntaxError(f"{path} is not a LoRA adapter folder (no adapter_config.json)")
+        cfg = json.loads(cfg_file.read_text())
+        meta = json.loads((path / ADAPTER_META).read_text()) if (path / ADAPTER_META).is_file() else {}
+        if lm is not None and meta.get("base_fingerprint") and not _same_model(meta["base_fingerprint"],
+                                                                               lm.fingerprint):
+            raise CompatibilityError(f"Adapter {path} was trained on {meta['base_fingerprint'].get('spec')}, "
+                                     f"not on {lm.fingerprint.get('spec')}")
+        if cfg.get("peft_type", "LORA") != "LORA":
+            raise AligntaxError(f"Only LoRA adapters are supported (got {cfg.get('peft_type')})")
+        if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("use_dora"):
+            raise AligntaxError("LoRA adapters with rank/alpha patterns or DoRA are not supported")
+        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        scale = alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+        wfile = path / "adapter_model.safetensors"
+        state = load_file(str(wfile)) if wfile.is_file() else torch.load(path / "adapter_model.bin",
+                                                                        map_location="cpu", weights_only=True)
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in state.items():
+            for part in ("lora_A", "lora_B"):
+                marker = f".{part}."
+                if marker in key:
+                    mod = key.split(marker)[0]
+                    for prefix in ("base_model.model.",):
+                        mod = mod.removeprefix(prefix)
+                    pairs.setdefault(mod, {})[part] = tensor.float()
+        weights = {m: (p["lora_A"], p["lora_B"], scale) for m, p in pairs.items() if len(p) == 2}
+        if not weights:
+            raise AligntaxError(f"No LoRA weights found in {path}")
+        name = meta.get("method", "lora")
+        return cls(path=path, weights=weights, meta=meta, name=name)
+
+    @contextmanager
+    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
+        regs = []
+        for mod_name, (A, B, scale) in self.weights.items():
+            try:
+                module = model.get_submodule(mod_name)
+            except AttributeError as exc:
+                raise CompatibilityError(f"Adapter layer '{mod_name}' does not exist in this model") from exc
+            cache: dict = {}
+
+            def hook(module, args, kwargs, output, A=A, B=B, scale=scale, cache=cache):
+                x = args[0] if args else kwargs["input"]
+                key = (x.device, x.dtype)
+                if key not in cache:
+                    cache[key] = (A.to(device=x.device, dtype=x.dtype), B.to(device=x.device, dtype=x.dtype))
+                a, b = cache[key]
+                return output + scale * torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
+
+            regs.append((module, hook, False))
+        with hooks_attached(regs):
+            yield
+
+    def config(self) -> dict:
+        return {"name": self.name, "path": str(self.path), "sha": _adapter_sha(self.path),
+                "target": self.meta.get("target"), "method": self.meta.get("method"),
+                "steps": self.meta.get("steps")}
+
+
+def _lora_targets(model: nn.Module, wanted: Sequence[str] | None) -> list[str]:
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if wanted:
+        missing = [w for w in wanted if w not in names]
+        if missing:
+            raise AligntaxError(f"LoRA target modules {missing} not found; linear layers: {sorted(names)}")
+        return list(wanted)
+    for group in (("q_proj", "k_proj", "v_proj", "o_proj"), ("c_attn", "c_proj"), ("query_key_value",)):
+        hit = [g for g in group if g in names]
+        if hit:
+            return hit
+    raise AligntaxError(f"Cannot pick LoRA target modules; pass target_modules from {sorted(names)}")
+
+
+def _training_examples(lm, train_items: Sequence[ValueItem], target: str, judge_cfg: JudgeConfig,
+                       exclude_ids: set[str] | None):
+    t, sup, vio = _target_pool(train_items, target, exclude_ids)
+    if not sup or not vio:
+        raise AligntaxError(f"Training needs supporting and violating {t} items outside the evaluation set "
+                            f"(have {len(sup)} and {len(vio)}); raise --train-fraction.")
+    rows = []
+    for it in sup + vio:
+        for v in judge_cfg.variants():
+            rows.append((it, v, judgment_prompt(it, v, judge_cfg.scale),
+                         target_label(it, t, judge_cfg.scale, v.order),
+                         target_label(it, t, judge_cfg.scale, v.order, supportive=False)))
+    return t, rows
+
+
+def _write_meta(out: Path, lm, meta: dict) -> None:
+    meta = {**meta, "base_fingerprint": lm.fingerprint, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    (out / ADAPTER_META).write_text(json.dumps(meta, indent=2, default=str))
+
+
+def train_lora_sft(lm, train_items: Sequence[ValueItem], target: str, out_dir: str | Path,
+                   judge_cfg: JudgeConfig | None = None, steps: int = 30, lr: float = 5e-4, r: int = 8,
+                   alpha: int = 16, batch_size: int = 4, seed: int = 0,
+                   target_modules: Sequence[str] | None = None, exclude_ids: set[str] | None = None,
+                   progress: bool = False) -> LoRAAdapter:
+    """Supervised LoRA fine-tuning (peft) that teaches the model the target-consistent Likert label at
+    the response start: the scale top for T-supporting actions and the bottom for T-violating ones, for
+    every judgment template variant. Trains a copy of the model; ``lm.model`` is untouched. Saves the
+    adapter (peft format) and ``vat_adapter.json`` to ``out_dir`` and returns it loaded."""
+    from peft import LoraConfig, get_peft_model
+    from tqdm.auto import tqdm
+
+    from aligntax.generation import build_messages, encode_chats, render_chat
+
+    judge_cfg = judge_cfg or JudgeConfig()
+    t, rows = _training_examples(lm, train_items, target, judge_cfg, exclude_ids)
+    label_ids = scale_token_ids(lm.tokenizer, judge_cfg.scale.labels())
+    labels = judge_cfg.scale.labels()
+    texts = [render_chat(lm.tokenizer, build_messages(p, judge_cfg.system)) for _, _, p, _, _ in rows]
+    y = torch.tensor([label_ids[labels.index(lab)][0] for _, _, _, lab, _ in rows])
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = copy.deepcopy(lm.model)
+    mods = _lora_targets(model, target_modules)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                  target_modules=mods, task_type="CAUSAL_LM"))
+    peft_model.train()
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    losses = []
+    order: list[int] = []
+    for _step in tqdm(range(steps), disable=not progress, desc=f"lora-sft {t}"):
+        if len(order) < batch_size:
+            perm = list(range(len(rows)))
+            rng.shuffle(perm)
+            order += perm
+        idx, order = order[:batch_size], order[batch_size:]
+        enc = encode_chats(lm.tokenizer, [texts[i] for i in idx], lm.device)
+        logits = peft_model(**enc, use_cache=False, logits_to_keep=1).logits[:, -1, :].float()
+        loss = torch.nn.functional.cross_entropy(logits, y[idx].to(logits.device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(str(out))
+    _write_meta(out, lm, {"method": "lora", "target": t, "steps": steps, "lr": lr, "r": r, "alpha": alpha,
+                          "batch_size": batch_size, "seed": seed, "target_modules": mods,
+                          "judge": judge_cfg.to_dict(), "train_ids": sorted({it.id for it, *_ in rows}),
+                          "loss_first": losses[0] if losses else None,
+                          "loss_last": losses[-1] if losses else None, "losses": losses})
+    del peft_model, model
+    return LoRAAdapter.load(out, lm)
+
+
+def train_dpo(lm, train_items: Sequence[ValueItem], target: str, out_dir: str | Path,
+              judge_cfg: JudgeConfig | None = None, steps: int = 20, lr: float = 5e-5, beta: float = 0.1,
+              r: int = 8, alpha: int = 16, batch_size: int = 2, seed: int = 0,
+              target_modules: Sequence[str] | None = None, exclude_ids: set[str] | None = None) -> LoRAAdapter:
+    """DPO with trl's ``DPOTrainer`` and a LoRA adapter: for every target training item and template
+    variant, chosen = the target-consistent Likert label, rejected = the opposite end of the scale.
+    The reference model is the base (adapter disabled). Trains a copy of the model; ``lm.model`` is
+    untouched. Saves the adapter and ``vat_adapter.json`` and returns it loaded."""
+    import tempfile
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer
+
+    judge_cfg = judge_cfg or JudgeConfig()
+    t, rows = _training_examples(lm, train_items, target, judge_cfg, exclude_ids)
+
+    def convo(prompt: str) -> list[dict]:
+        msgs = [{"role": "user", "content": prompt}]
+        return ([{"role": "system", "content": judge_cfg.system}] + msgs) if judge_cfg.system else msgs
+
+    data = Dataset.from_list([
+        {"prompt": convo(p), "chosen": [{"role": "assistant", "content": good}],
+         "rejected": [{"role": "assistant", "content": bad}]}
+        for _, _, p, good, bad in rows])
+    model = copy.deepcopy(lm.model)
+    mods = _lora_targets(model, target_modules)
+    tok = lm.tokenizer
+    saved_side = tok.padding_side
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = DPOConfig(
+            output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
+            beta=beta, logging_steps=1, save_strategy="no", report_to="none", bf16=False,
+            gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), seed=seed,
+            max_length=1024, disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0,
+            dataloader_num_workers=0)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
+                             peft_config=LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                    target_modules=mods, task_type="CAUSAL_LM"))
+        try:
+            result = trainer.train()
+        finally:
+            tok.padding_side = saved_side
+        trainer.model.save_pretrained(str(out))
+        history = [h for h in trainer.state.log_history if "loss" in h]
+    _write_meta(out, lm, {"method": "dpo", "target": t, "steps": steps, "lr": lr, "beta": beta, "r": r,
+                          "alpha": alpha, "batch_size": batch_size, "seed": seed, "target_modules": mods,
+                          "judge": judge_cfg.to_dict(), "train_ids": sorted({it.id for it, *_ in rows}),
+                          "train_loss": getattr(result, "training_loss", None),
+                          "log": [{k: h[k] for k in h if isinstance(h[k], int | float)} for h in history]})
+    del trainer, model
+    return LoRAAdapter.load(out, lm)
+
+
+# ----------------------------------------------------------------- factory
+def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueItem] = (),
+                       judge_cfg: JudgeConfig | None = None, *, strength: float = 4.0,
+                       layer: int | None = None, steps: int | None = None, lr: float | None = None,
+                       adapter_dir: str | Path | None = None, seed: int = 0,
+                       exclude_ids: set[str] | None = None, progress: bool = False) -> Intervention:
+    """Make an intervention by name: none, persona, fewshot-K, steer, lora, dpo. Training-based ones
+    use only ``train_items`` (never ``exclude_ids``, e.g. the evaluation ids). ``adapter_dir`` is
+    where a lora/dpo adapter is saved, or, if it already holds a matching adapter, loaded from."""
+    key = name.strip().lower()
+    t = resolve_value(target)
+    judge_cfg = judge_cfg or JudgeConfig()
+    if key == "none":
+        return NoIntervention()
+    if key == "persona":
+        return ValuePersona.for_value(t)
+    if key.startswith("fewshot"):
+        try:
+            k = int(key.split("-", 1)[1])
+        except (IndexError, ValueError):
+            raise AligntaxError("few-shot interventions are named fewshot-K, e.g. fewshot-4") from None
+        return build_fewshot(train_items, t, k, judge_cfg, seed=seed, exclude_ids=exclude_ids)
+    if key == "steer":
+        return compute_steering_vector(lm, train_items, t, judge_cfg, layer=layer, strength=strength,
+                                       exclude_ids=exclude_ids)
+    if key in ("lora", "sft", "dpo"):
+        method = "dpo" if key == "dpo" else "lora"
+        if adapter_dir is not None:
+            meta_file = Path(adapter_dir) / ADAPTER_META
+            if meta_file.is_file():
+                meta = json.loads(meta_file.read_text())
+                if meta.get("target") == t and meta.get("method") == method:
+                    return LoRAAdapter.load(adapter_dir, lm)
+        if adapter_dir is None:
+            from aligntax.paths import cache_dir
+
+            adapter_dir = cache_dir() / "vat" / "adapters" / f"{method}-{t}-{int(time.time())}"
+        kwargs = {"seed": seed, "exclude_ids": exclude_ids}
+        if steps is not None:
+            kwargs["steps"] = steps
+        if lr is not None:
+            kwargs["lr"] = lr
+        if method == "dpo":
+            return train_dpo(lm, train_items, t, adapter_dir, judge_cfg, **kwargs)
+        return train_lora_sft(lm, train_items, t, adapter_dir, judge_cfg, progress=progress, **kwargs)
+    raise AligntaxError(f"Unknown intervention '{name}'; use one of {', '.join(INTERVENTIONS)}")

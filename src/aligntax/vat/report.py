@@ -1,0 +1,258 @@
+"""Reports of VAT runs: a Markdown summary with a circumplex radar of drifts and a coupling heatmap,
+and ``compare(dirs)``: gain versus tax across interventions (scatter PNG + Markdown table)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from aligntax.errors import AligntaxError
+from aligntax.vat.schwartz import CODES, VALUES, circle_angles
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _f(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return f"{x:+.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _ci(ci) -> str:
+    return "" if not ci else f" [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
+def _intervention_label(results: dict) -> str:
+    iv = (results.get("config") or {}).get("intervention") or {}
+    return str(iv.get("name") or "?")
+
+
+# ----------------------------------------------------------------- plots
+def plot_radar(results: dict, path: str | Path) -> Path:
+    """Drift of every value on the Schwartz circle (the target shows its gain), target marked."""
+    plt = _plt()
+    target = results["target"]
+    ang = circle_angles("wedge")
+    vals = {v: (results["gain"]["value"] if v == target else (results["drift"].get(v) or {}).get("value"))
+            for v in VALUES}
+    r = np.array([np.nan if vals[v] is None else vals[v] for v in VALUES], dtype=float)
+    th = np.array([ang[v] for v in VALUES])
+    finite = r[np.isfinite(r)]
+    span = max(0.05, float(np.max(np.abs(finite))) if finite.size else 0.05)
+    lo, hi = -1.15 * span, 1.15 * span
+    fig = plt.figure(figsize=(6.2, 6.2))
+    ax = fig.add_subplot(111, projection="polar")
+    ax.set_theta_zero_location("N")
+    ax.set_theta_direction(-1)
+    ax.set_ylim(lo, hi)
+    circle = np.linspace(0, 2 * np.pi, 200)
+    ax.plot(circle, np.zeros_like(circle), ls="--", lw=1, color="grey")
+    closed = np.append(np.nan_to_num(r, nan=0.0), np.nan_to_num(r[:1], nan=0.0))
+    ax.plot(np.append(th, th[:1]), closed, color="tab:blue", lw=2)
+    ax.fill(np.append(th, th[:1]), closed, color="tab:blue", alpha=0.12)
+    ax.scatter(th, np.nan_to_num(r, nan=0.0), color="tab:blue", zorder=3, s=20)
+    ti = VALUES.index(target)
+    ax.scatter([th[ti]], [np.nan_to_num(r[ti], nan=0.0)], marker="*", s=260, color="tab:red", zorder=4,
+               label=f"target {target} (gain)")
+    ax.set_xticks(th)
+    ax.set_xticklabels([f"{v}\n{_f(vals[v], 2)}" for v in VALUES], fontsize=8)
+    for lab, v in zip(ax.get_xticklabels(), VALUES, strict=True):
+        if v == target:
+            lab.set_color("tab:red")
+            lab.set_fontweight("bold")
+    ax.set_title(f"Shift of value expression ({_intervention_label(results)} -> {target})\n"
+                 "radius: mean shift d; dashed: no change", fontsize=10)
+    ax.legend(loc="lower right", bbox_to_anchor=(1.15, -0.1), fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_coupling(results: dict, path: str | Path) -> Path:
+    plt = _plt()
+    order = results.get("values", list(VALUES))
+    R = np.array([[np.nan if x is None else x for x in row] for row in results["coupling"]], dtype=float)
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    cmap = plt.get_cmap("RdBu_r").copy()
+    cmap.set_bad("#dddddd")
+    im = ax.imshow(np.ma.masked_invalid(R), cmap=cmap, vmin=-1, vmax=1)
+    codes = [CODES.get(v, v[:2]) for v in order]
+    ax.set_xticks(range(len(order)), codes)
+    ax.set_yticks(range(len(order)), [f"{v} ({c})" for v, c in zip(order, codes, strict=True)])
+    for i in range(len(order)):
+        for j in range(len(order)):
+            if np.isfinite(R[i, j]):
+                ax.text(j, i, f"{R[i, j]:.2f}", ha="center", va="center", fontsize=6.5,
+                        color="white" if abs(R[i, j]) > 0.6 else "black")
+    ti = order.index(results["target"])
+    ax.add_patch(plt.Rectangle((-0.5, ti - 0.5), len(order), 1, fill=False, ec="tab:red", lw=1.5))
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    ax.set_title(f"Coupling R ({results.get('coupling_method', 'spearman')} across "
+                 f"{results.get('n_groups', '?')} scenes); nVAT = {_f(results.get('nvat'))}", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------- Markdown
+def value_table(results: dict) -> str:
+    target = results["target"]
+    tests = (results.get("tests") or {}).get("per_value", {})
+    expr = results.get("expression", {})
+    lines = ["| value | n | e pre | e post | shift D [95% CI] | GND | p | q (BH) |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for v in results.get("values", VALUES):
+        if v == target:
+            block, gnd = results["gain"], None
+            name = f"**{v} (target)**"
+        else:
+            block, gnd = results["drift"].get(v, {}), results["gnd"].get(v, {})
+            name = v
+        t = tests.get(v, {})
+        e = expr.get(v, {})
+        gtxt = "" if gnd is None else (_f(gnd.get("value")) if gnd.get("value") is not None else "undef.")
+        lines.append(f"| {name} | {results['counts'].get(v, 0)} | {_f(e.get('pre'))} | {_f(e.get('post'))} | "
+                     f"{_f(block.get('value'))}{_ci(block.get('ci95'))} | {gtxt} | "
+                     f"{_f(t.get('p_value'))[1:] if t.get('p_value') is not None else 'n/a'} | "
+                     f"{_f(t.get('q_value'))[1:] if t.get('q_value') is not None else 'n/a'}"
+                     f"{' *' if t.get('significant') else ''} |")
+    return "\n".join(lines)
+
+
+def write_report(results: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    plot_radar(results, out / "radar.png")
+    plot_coupling(results, out / "coupling.png")
+    cfg = results.get("config", {})
+    fp = results.get("model_fingerprint", {})
+    v = results["vat"]
+    ct = results.get("circumplex_test", {})
+    hubs = results.get("hubs", {})
+    rob = results.get("robustness", {})
+    judge = cfg.get("judge", {})
+    lines = [
+        f"# Value Alignment Tax: {_intervention_label(results)} -> {results['target']}",
+        "",
+        f"- model: `{fp.get('spec')}` ({fp.get('model_type')}, {fp.get('num_layers')} layers)",
+        f"- intervention: `{json.dumps(cfg.get('intervention', {}))[:300]}`",
+        f"- items: {results['n_items']} in {results.get('n_groups')} scenes"
+        f"{(', dropped ' + str(results['n_dropped'])) if results.get('n_dropped') else ''}; "
+        f"judgment: {judge.get('method')} over Likert {results['scale']['min']}-{results['scale']['max']}, "
+        f"templates {judge.get('templates')}, orders {judge.get('orders')}",
+        "",
+        "## Headline",
+        "",
+        f"- on-target gain G_T = {_f(results['gain']['value'])}{_ci(results['gain'].get('ci95'))}",
+        f"- VAT signed = {_f(v.get('signed'))}{_ci(v.get('ci95_signed'))}, "
+        f"absolute = {_f(v.get('absolute'))}{_ci(v.get('ci95_absolute'))}"
+        + (f" ({v['reason']})" if v.get("reason") else ""),
+        f"- nVAT = {_f(results.get('nvat'))} (diagonal {results.get('nvat_diagonal')})",
+        f"- circumplex (Mantel) test: statistic = {_f(ct.get('statistic'))}, p = "
+        f"{_f(ct.get('p_value'))[1:] if ct.get('p_value') is not None else 'n/a'} "
+        f"({ct.get('method')} of R vs {ct.get('distance')}, alternative {ct.get('alternative')}, "
+        f"{ct.get('n_perm')} permutations)",
+        f"- hubs: by row strength {hubs.get('top_strength')}, by eigenvector centrality "
+        f"{hubs.get('top_eigenvector')}",
+        f"- robustness: Spearman-Kendall agreement {_f(rob.get('spearman_kendall_agreement'))}, "
+        f"nVAT Kendall {_f(rob.get('nvat_kendall'))}",
+        "",
+        "## Per value",
+        "",
+        "e = polarity x (score - midpoint), mean over the value's items; D = mean shift e_post - e_pre; "
+        "GND = D / |G_T|. Intervals: percentile bootstrap over "
+        f"{int(100 * ((results.get('bootstrap') or {}).get('fraction') or 0))}% scene subsamples. "
+        "q: Benjamini-Hochberg over the 10 values (* = significant).",
+        "",
+        value_table(results),
+        "",
+        "![radar](radar.png)",
+        "",
+        "![coupling](coupling.png)",
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+# ----------------------------------------------------------------- comparison
+@dataclass
+class Comparison:
+    table: pd.DataFrame
+    png: Path
+    markdown: Path
+
+
+def compare(dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> Comparison:
+    """Gain versus tax across runs: a scatter of on-target gain vs absolute VAT (PNG) and a Markdown
+    table, written to ``out_dir`` (default: the parent of the first run folder)."""
+    rows = []
+    for d in dirs:
+        f = Path(d) / "results.json"
+        if not f.is_file():
+            raise AligntaxError(f"{d} has no results.json (not a finished VAT run)")
+        r = json.loads(f.read_text())
+        rows.append({
+            "run": Path(d).name, "intervention": _intervention_label(r), "target": r["target"],
+            "gain": r["gain"]["value"], "gain_ci95": r["gain"].get("ci95"),
+            "vat_signed": r["vat"].get("signed"), "vat_absolute": r["vat"].get("absolute"),
+            "vat_absolute_ci95": r["vat"].get("ci95_absolute"),
+            "off_target_abs_sum": r["vat"].get("off_target_abs_sum"), "nvat": r.get("nvat"),
+            "circumplex_stat": (r.get("circumplex_test") or {}).get("statistic"),
+            "circumplex_p": (r.get("circumplex_test") or {}).get("p_value"), "n_items": r.get("n_items"),
+        })
+    if not rows:
+        raise AligntaxError("compare needs at least one run folder")
+    df = pd.DataFrame(rows)
+    out = Path(out_dir) if out_dir else Path(dirs[0]).resolve().parent
+    out.mkdir(parents=True, exist_ok=True)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    targets = sorted(df["target"].unique())
+    colours = {t: plt.get_cmap("tab10")(i % 10) for i, t in enumerate(targets)}
+    for _, row in df.iterrows():
+        y = row["vat_absolute"]
+        if y is None or (isinstance(y, float) and not math.isfinite(y)):
+            continue
+        ax.scatter(row["gain"], y, color=colours[row["target"]], s=50)
+        ax.annotate(f"{row['intervention']}:{CODES.get(row['target'], row['target'])}", (row["gain"], y),
+                    fontsize=8, xytext=(4, 3), textcoords="offset points")
+    for t in targets:
+        ax.scatter([], [], color=colours[t], label=t)
+    ax.axvline(0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("on-target gain G_T (Likert points, polarity-signed)")
+    ax.set_ylabel("absolute VAT = sum_j |D_j| / |G_T|")
+    ax.set_title("Gain versus value alignment tax")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = out / "gain_vs_tax.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    md = ["| run | intervention | target | gain [95% CI] | VAT signed | VAT absolute [95% CI] | nVAT | "
+          "circumplex stat (p) | n |", "|---|---|---|---|---:|---|---:|---|---:|"]
+    for r in rows:
+        md.append(f"| {r['run']} | {r['intervention']} | {r['target']} | {_f(r['gain'])}{_ci(r['gain_ci95'])} | "
+                  f"{_f(r['vat_signed'])} | {_f(r['vat_absolute'])}{_ci(r['vat_absolute_ci95'])} | "
+                  f"{_f(r['nvat'])} | {_f(r['circumplex_stat'])} "
+                  f"({'n/a' if r['circumplex_p'] is None else format(r['circumplex_p'], '.3f')}) | "
+                  f"{r['n_items']} |")
+    mdp = out / "compare.md"
+    mdp.write_text("# VAT comparison\n\n" + "\n".join(md) + "\n\n![gain vs tax](gain_vs_tax.png)\n")
+    return Comparison(table=df, png=png, markdown=mdp)

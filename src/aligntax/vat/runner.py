@@ -1,0 +1,268 @@
+"""Running a VAT measurement: judge every item before and after an intervention, then score it.
+
+``run_vat(lm, items, target, intervention, out_dir, cfg)`` writes
+
+- ``DIR/run.json``: what is being measured (target, intervention config, judge config, model
+  fingerprint); a rerun into the same folder must match it.
+- ``DIR/items.jsonl``: one line per item (id, value, svs_item, polarity, group, pre, post, plus argmax
+  labels and label-token mass), appended chunk by chunk as produced. A rerun skips ids already there,
+  so an interrupted run resumes without duplicates; a torn last line is repaired.
+- ``DIR/results.json``: gain, drifts, GND, VAT, coupling matrix, nVAT, hubs, circumplex test, per-value
+  tests with Benjamini-Hochberg, bootstrap intervals and robustness checks (``compute_results``).
+- ``DIR/report.md`` with ``radar.png`` and ``coupling.png`` (``aligntax.vat.report``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from aligntax.errors import AligntaxError, DataError
+from aligntax.interventions.base import Intervention, NoIntervention
+from aligntax.vat import metrics as M
+from aligntax.vat.items import ValueItem
+from aligntax.vat.judge import JudgeConfig, LikertJudge, LikertScale, intervention_key
+from aligntax.vat.schwartz import VALUES, distance_matrix, resolve_value
+
+
+@dataclass
+class VATConfig:
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    eps: float = M.DEFAULT_EPS  # |gain| below this: GND and VAT undefined
+    bootstrap_reps: int = 500
+    bootstrap_fraction: float = 0.8
+    bootstrap_replace: bool = False
+    n_perm: int = 999  # Mantel permutations
+    test: str = "signflip"  # per-value test of D_j = 0: "signflip" or "ttest"
+    alpha: float = 0.05  # BH false discovery rate
+    coupling_method: str = "spearman"
+    min_groups: int = 4  # scenes needed for a coupling entry
+    include_diagonal: bool = False  # nVAT: off-diagonal only by default
+    circle_convention: str = "wedge"
+    seed: int = 0
+    chunk_size: int = 64
+    progress: bool = True
+    report: bool = True
+    extra: dict = field(default_factory=dict)  # recorded as-is (data source, intervention name, ...)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["judge"] = self.judge.to_dict()
+        return d
+
+
+# ----------------------------------------------------------------- crash-safe JSONL
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a JSONL file; a torn last line (a crash mid-write) is dropped and truncated away."""
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    complete, _, tail = raw.rpartition(b"\n")
+    rows = []
+    for n, line in enumerate(complete.split(b"\n") if complete else [], start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: line {n} is not valid JSON ({exc.msg})") from None
+    if tail.strip():
+        try:
+            rows.append(json.loads(tail))
+            with open(path, "ab") as fh:
+                fh.write(b"\n")
+        except json.JSONDecodeError:
+            with open(path, "r+b") as fh:
+                fh.truncate(len(complete) + (1 if complete else 0))
+    return rows
+
+
+def append_rows(path: Path, rows: Sequence[dict]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _clean(obj):
+    """JSON-safe: NaN/inf -> None, numpy scalars -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _clean(obj.tolist())
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+# ----------------------------------------------------------------- scoring
+def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict,
+                    cfg: VATConfig | None = None) -> dict:
+    """All VAT metrics from item rows (dicts with value, polarity, pre, post and optionally group,
+    svs_item). Pure: no model needed. Rows whose pre or post is missing are left out and counted."""
+    cfg = cfg or VATConfig()
+    target = resolve_value(target)
+    if isinstance(scale, dict):
+        scale = LikertScale(min=int(scale["min"]), max=int(scale["max"]))
+    good = [r for r in rows if r.get("pre") is not None and r.get("post") is not None
+            and math.isfinite(float(r["pre"])) and math.isfinite(float(r["post"]))]
+    if not good:
+        raise AligntaxError("No judged items to score")
+    values = np.array([resolve_value(r["value"]) for r in good])
+    pol = np.array([int(r["polarity"]) for r in good], dtype=float)
+    pre = np.array([float(r["pre"]) for r in good])
+    post = np.array([float(r["post"]) for r in good])
+    groups = np.array([str(r.get("group") or r["id"]) for r in good])
+    mid = scale.midpoint
+    e_pre, e_post = M.expression(pre, pol, mid), M.expression(post, pol, mid)
+    d = e_post - e_pre
+
+    g = M.gain(d, values, target)
+    dr = M.drifts(d, values)
+    off = {v: dr[v] for v in VALUES if v != target}
+    boot = M.bootstrap_intervals(d, values, groups, target, reps=cfg.bootstrap_reps,
+                                 fraction=cfg.bootstrap_fraction, replace=cfg.bootstrap_replace,
+                                 seed=cfg.seed, eps=cfg.eps) if cfg.bootstrap_reps > 0 else None
+    table = M.scene_shift_table(d, values, groups)
+    R = M.coupling_matrix(table, cfg.coupling_method, cfg.min_groups)
+    D = distance_matrix(cfg.circle_convention)
+    mantel = M.mantel_test(R, D, n_perm=cfg.n_perm, seed=cfg.seed)
+    mantel["distance"] = f"circular ({cfg.circle_convention} convention)"
+    tests = M.per_value_tests(d, values, test=cfg.test, alpha=cfg.alpha, seed=cfg.seed)
+    tv = M.vat(dr, g, target, cfg.eps)
+    svs = M.svs_weighted_drifts(d, values, [r.get("svs_item") for r in good])
+    n_by_value = {v: int((values == v).sum()) for v in VALUES}
+
+    res = {
+        "target": target,
+        "scale": {"min": scale.min, "max": scale.max, "midpoint": mid},
+        "n_items": len(good),
+        "n_dropped": len(rows) - len(good),
+        "n_groups": int(len(np.unique(groups))),
+        "counts": n_by_value,
+        "gain": {"value": g, "ci95": boot["gain"] if boot else None, "n": n_by_value[target]},
+        "drift": {v: {"value": off[v], "ci95": boot["drift"][v] if boot else None, "n": n_by_value[v]}
+                  for v in off},
+        "gnd": M.gnd(dr, g, target, cfg.eps),
+        "vat": {**tv, "ci95_signed": boot["vat_signed"] if boot else None,
+                "ci95_absolute": boot["vat_absolute"] if boot else None},
+        "expression": {v: {"pre": float(np.mean(e_pre[values == v])) if n_by_value[v] else None,
+                           "post": float(np.mean(e_post[values == v])) if n_by_value[v] else None}
+                       for v in VALUES},
+        "values": list(VALUES),
+        "coupling": R,
+        "coupling_method": cfg.coupling_method,
+        "coupling_unit": "per-scene mean shift of each value",
+        "coupling_diagonal": "1 on the diagonal (self-correlation), NaN -> null where undefined",
+        "nvat": M.nvat(R, cfg.include_diagonal),
+        "nvat_diagonal": "included" if cfg.include_diagonal else "excluded (off-diagonal entries only)",
+        "hubs": M.hubs(R),
+        "circumplex_test": mantel,
+        "tests": {"method": cfg.test, "alpha": cfg.alpha, "correction": "Benjamini-Hochberg",
+                  "per_value": tests},
+        "bootstrap": ({k: boot[k] for k in ("reps", "fraction", "replace", "n_groups", "level")}
+                      if boot else None),
+        "robustness": {
+            **M.coupling_robustness(table, cfg.min_groups),
+            "svs_weighted_drift": svs,
+            "svs_vs_pooled_max_abs_diff": (None if svs is None else float(np.nanmax(
+                [abs(svs[v] - dr[v]) for v in VALUES if not (math.isnan(svs[v]) or math.isnan(dr[v]))]
+                or [np.nan]))),
+        },
+        "diagnostics": {
+            "label_mass_pre": _mean_of(good, "pre_mass"), "label_mass_post": _mean_of(good, "post_mass"),
+            "mean_pre": float(pre.mean()), "mean_post": float(post.mean()),
+        },
+    }
+    return _clean(res)
+
+
+def _mean_of(rows: Sequence[dict], key: str) -> float | None:
+    xs = [float(r[key]) for r in rows if r.get(key) is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+# ----------------------------------------------------------------- the run
+def _run_identity(lm, target: str, intervention: Intervention, cfg: VATConfig) -> dict:
+    return {"target": target, "intervention": intervention_key(intervention),
+            "judge": cfg.judge.to_dict(), "model": lm.fingerprint}
+
+
+def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervention | None,
+            out_dir: str | Path, cfg: VATConfig | None = None) -> dict:
+    """Judge each item before and after ``intervention`` (targeting ``target``), append the pairs to
+    ``out_dir/items.jsonl`` (resumable), and write ``results.json`` (and the report). Returns the
+    results dict."""
+    cfg = cfg or VATConfig()
+    target = resolve_value(target)
+    intervention = intervention or NoIntervention()
+    if not items:
+        raise AligntaxError("No items to judge")
+    ids = [it.id for it in items]
+    if len(set(ids)) != len(ids):
+        raise DataError("Item ids must be unique")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ident = _run_identity(lm, target, intervention, cfg)
+    run_file = out / "run.json"
+    if run_file.is_file():
+        old = json.loads(run_file.read_text())
+        for key in ("target", "intervention", "judge", "model"):
+            if json.dumps(old.get(key), sort_keys=True) != json.dumps(_clean(ident[key]), sort_keys=True):
+                raise AligntaxError(f"{out} holds a run with a different {key}; use a new output folder "
+                                    "(or delete it) instead of resuming")
+    else:
+        run_file.write_text(json.dumps(_clean({**ident, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}),
+                                       indent=2))
+    path = out / "items.jsonl"
+    existing = read_rows(path)
+    done = {r["id"] for r in existing}
+    todo = [it for it in items if it.id not in done]
+    judge = LikertJudge(lm, cfg.judge)
+    t0 = time.time()
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(todo), disable=not cfg.progress, desc=f"vat {target}", unit="item")
+    try:
+        for start in range(0, len(todo), cfg.chunk_size):
+            chunk = todo[start:start + cfg.chunk_size]
+            pre = judge.judge(chunk, NoIntervention())
+            post = judge.judge(chunk, intervention)
+            append_rows(path, [{
+                "id": it.id, "value": it.value, "svs_item": it.svs_item, "polarity": it.polarity,
+                "group": it.group, "pre": _clean(a.score), "post": _clean(b.score),
+                "pre_argmax": _clean(a.argmax), "post_argmax": _clean(b.argmax),
+                "pre_mass": _clean(a.mass), "post_mass": _clean(b.mass),
+            } for it, a, b in zip(chunk, pre, post, strict=True)])
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+    wanted = set(ids)
+    seen: set[str] = set()
+    rows = []
+    for r in read_rows(path):
+        if r["id"] in wanted and r["id"] not in seen:
+            seen.add(r["id"])
+            rows.append(r)
+    results = compute_results(rows, target, cfg.judge.scale, cfg)
+    results["config"] = _clean({**cfg.to_dict(), "intervention": intervention_key(intervention)})
+    results["model_fingerprint"] = lm.fingerprint
+    results["timing"] = {"seconds": round(time.time() - t0, 2), "judged_now": len(todo),
+                         "resumed": len(items) - len(todo)}
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    if cfg.report:
+        from aligntax.vat.report import write_report
+
+        write_report(results, out)
+    return results

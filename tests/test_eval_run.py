@@ -1,0 +1,130 @@
+"""Evaluation runs: samples appended as produced, resume after a kill without redoing or duplicating."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aligntax.runs.jsonl import append_jsonl, read_jsonl
+
+from .conftest import make_tiny_lm
+
+
+def test_read_jsonl_drops_torn_line_and_repairs(tmp_path):
+    p = tmp_path / "s.jsonl"
+    append_jsonl(p, [{"a": 1}, {"a": 2}])
+    with open(p, "a") as fh:
+        fh.write('{"a": 3, "b": "tor')
+    assert read_jsonl(p) == [{"a": 1}, {"a": 2}]
+    assert read_jsonl(p, repair=True) == [{"a": 1}, {"a": 2}]
+    assert p.read_text().endswith("}\n")
+    append_jsonl(p, [{"a": 3}])
+    assert [r["a"] for r in read_jsonl(p)] == [1, 2, 3]
+
+
+def test_read_jsonl_bad_middle_line(tmp_path):
+    from aligntax.errors import DataError
+
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
+    with pytest.raises(DataError, match="line 2"):
+        read_jsonl(p)
+
+
+@pytest.fixture()
+def tiny_model_dir(tmp_path, qwen_tokenizer):
+    lm = make_tiny_lm(qwen_tokenizer, layers=4, hidden=256, seed=3)
+    path = tmp_path / "tiny-model"
+    lm.model.save_pretrained(path)
+    qwen_tokenizer.save_pretrained(path)
+    return path
+
+
+def _prompts(tmp_path, n=48):
+    p = tmp_path / "prompts.jsonl"
+    with open(p, "w") as fh:
+        for i in range(n):
+            label = "benign" if i % 3 else "harmful"
+            fh.write(json.dumps({"id": f"p{i}", "prompt": f"Question number {i}: " + "tell me more " * (i % 7),
+                                 "label": label}) + "\n")
+    return p
+
+
+def _cmd(model_dir, data, out):
+    return [sys.executable, "-m", "aligntax", "eval", "--model", str(model_dir), "--data", str(data),
+            "--out", str(out), "--judge", "keyword", "--batch-size", "2", "--max-new-tokens", "24",
+            "--dtype", "fp32", "--no-progress"]
+
+
+def test_kill_midway_then_resume_matches_uninterrupted(tmp_path, tiny_model_dir):
+    data = _prompts(tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    ref = tmp_path / "ref"
+    subprocess.run(_cmd(tiny_model_dir, data, ref), check=True, env=env, capture_output=True)
+    ref_rows = {r["id"]: r for r in read_jsonl(ref / "samples.jsonl")}
+    assert len(ref_rows) == 48
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(tiny_model_dir, data, run), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    samples = run / "samples.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if samples.exists() and len(samples.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = len(read_jsonl(samples))
+    assert 6 <= partial < 48, "the run should have been killed midway"
+
+    res = subprocess.run(_cmd(tiny_model_dir, data, run), check=True, env=env, capture_output=True)
+    rows = read_jsonl(samples)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == 48
+    for r in rows:
+        assert r["response"] == ref_rows[r["id"]]["response"]
+        assert r["refused"] == ref_rows[r["id"]]["refused"]
+    results = json.loads((run / "results.json").read_text())
+    assert results["timing"]["new_samples"] == 48 - partial
+    assert results["benign"]["n"] == 32 and results["harmful"]["n"] == 16
+    ref_results = json.loads((ref / "results.json").read_text())
+    assert results["benign"] == ref_results["benign"] and results["harmful"] == ref_results["harmful"]
+    assert res.returncode == 0 and (run / "report.md").read_text().startswith("# aligntax evaluation")
+
+
+def test_resume_refuses_changed_settings(tmp_path, tiny_lm):
+    from aligntax.errors import AligntaxError
+    from aligntax.judges import get_judge
+    from aligntax.runs import EvalConfig, run_eval
+
+    data = _prompts(tmp_path, n=4)
+    cfg = EvalConfig(data=[str(data)], out=str(tmp_path / "r"), judge="keyword", max_new_tokens=4,
+                     progress=False)
+    res = run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
+    assert res["benign"]["n"] + res["harmful"]["n"] == 4
+    again = run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
+    assert again["timing"]["new_samples"] == 0 and again["timing"]["resumed_samples"] == 4
+    cfg.max_new_tokens = 5
+    with pytest.raises(AligntaxError, match="different settings"):
+        run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
+
+
+def test_summary_rates_and_intervals():
+    from aligntax.metrics import summarize_refusals, wilson_interval
+
+    rows = ([{"source": "a", "label": "benign", "refused": False}] * 9
+            + [{"source": "a", "label": "benign", "refused": True}]
+            + [{"source": "b", "label": "harmful", "refused": True}] * 3
+            + [{"source": "b", "label": "harmful", "refused": False}])
+    s = summarize_refusals(rows)
+    assert s["benign"]["n"] == 10 and s["benign"]["compliance_rate"] == 0.9
+    assert s["harmful"]["refusal_rate"] == 0.75
+    lo, hi = s["benign"]["ci95"]
+    assert lo < 0.9 < hi and (round(lo, 3), round(hi, 3)) == (0.596, 0.982)
+    assert s["datasets"]["b"]["harmful"]["n"] == 4 and "benign" not in s["datasets"]["b"]
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0

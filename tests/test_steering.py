@@ -1,0 +1,449 @@
+"""Energy landscape steering and the vector baselines on tiny random models (fp32 unless noted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+try:
+    from tests.tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, single_thread, tiny_lm
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, single_thread, tiny_lm
+
+from aligntax.activations import capture, position_ids_from_mask
+from aligntax.energy import EnergyBank, EnergyConfig, EnergyModel, train_layers
+from aligntax.errors import AligntaxError, CompatibilityError
+from aligntax.generation import GenerationConfig, generate
+from aligntax.interventions import (
+    INTERVENTIONS,
+    ActivationAddition,
+    ConditionalSteering,
+    DirectionAblation,
+    EnergySteering,
+    NoIntervention,
+    SteerContext,
+    SteeringVectors,
+    SystemPrompt,
+    compute_vectors,
+    false_refusal_direction,
+    make_intervention,
+    refusal_direction,
+)
+from aligntax.models import decoder_layers
+
+H = 32
+
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_lm("qwen2", hidden=H, layers=3)
+
+
+def energy_models(seed=1, layers=(1, 2)):
+    torch.manual_seed(seed)
+    out = {}
+    for i, layer in enumerate(layers):
+        out[layer] = EnergyModel(H, [32, 16], layernorm=i % 2 == 0, dropout=0.15)  # dropout must be ignored
+    return out
+
+
+def els(eta=1.0, steps=3, **kw):
+    kw.setdefault("scale_by_norm", False)
+    return EnergySteering(energy_models(), eta=eta, steps=steps, **kw)
+
+
+def forward_with(lm, prompts, intervention, rows=None, layers=None):
+    """One prefill forward (as generate does it) recording the states entering every block."""
+    from aligntax.generation.chat import build_messages, encode_chats, render_chat
+
+    texts = [render_chat(lm.tokenizer, build_messages(p)) for p in prompts]
+    enc = encode_chats(lm.tokenizer, texts, lm.device)
+    ctx = SteerContext(prompt_len=enc["input_ids"].shape[1], rows=None if rows is None else torch.tensor(rows))
+    with torch.no_grad(), intervention.attach(lm.model, ctx):
+        store, remove = record_block_inputs(lm.model, layers)  # registered after: sees the steered input
+        try:
+            logits = lm.model(**enc, position_ids=position_ids_from_mask(enc["attention_mask"]),
+                              use_cache=False).logits
+        finally:
+            remove()
+    return {k: v[0] for k, v in store.items()}, logits, enc["attention_mask"], ctx
+
+
+# ---- ELS core ------------------------------------------------------------------------------------------
+def test_eta_zero_is_bit_identical(lm):
+    tok0, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
+    tok1, log1, ctx, _ = run_steered(lm, PROMPTS, els(eta=0.0))
+    assert torch.equal(tok0, tok1) and torch.equal(log0, log1)
+    assert ctx.stats["els"][1]["positions"] > 0  # the hooks did run
+    # and a real step changes the output
+    _, log2, _, _ = run_steered(lm, PROMPTS, els(eta=2.0))
+    assert not torch.allclose(log0, log2)
+
+
+def test_batched_equals_unbatched(lm):
+    st = els(eta=2.0)
+    tok_b, log_b, _, _ = run_steered(lm, PROMPTS, st)
+    for i, p in enumerate(PROMPTS):
+        tok_1, log_1, _, _ = run_steered(lm, [p], st)
+        assert torch.equal(tok_b[i], tok_1[0]), i
+        torch.testing.assert_close(log_b[i], log_1[0], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_kv_cache_equals_no_cache(arch):
+    model_lm = tiny_lm(arch, hidden=H, layers=3)
+    st = els(eta=2.0, threshold=-1e9)
+    tok_c, log_c, ctx_c, _ = run_steered(model_lm, PROMPTS, st, use_cache=True)
+    tok_n, log_n, ctx_n, _ = run_steered(model_lm, PROMPTS, st, use_cache=False)
+    assert torch.equal(tok_c, tok_n)
+    torch.testing.assert_close(log_c, log_n, atol=2e-4, rtol=2e-4)
+    tok_0, _, _, _ = run_steered(model_lm, PROMPTS, NoIntervention())
+    assert not torch.equal(tok_0, tok_c)  # steering did something
+    # cached: 4 rows x (1 last prompt token + 4 decode steps that reach the model); each layer
+    assert ctx_c.stats["els"][1]["positions"] == 4 * 5
+
+
+def test_steering_lands_on_claimed_positions(lm):
+    base, _, mask, _ = forward_with(lm, PROMPTS, NoIntervention())
+    steered, _, _, ctx = forward_with(lm, PROMPTS, EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1,
+                                                                  scale_by_norm=False))
+    T = mask.shape[1]
+    # entering layer 1: exactly the last prompt token of every row changed
+    diff = (steered[1] - base[1]).norm(dim=-1)
+    assert torch.all(diff[:, T - 1] > 0.1) and torch.all(diff[:, : T - 1] == 0)
+    torch.testing.assert_close(diff[:, T - 1], torch.full((4,), 3.0), atol=1e-4, rtol=1e-4)  # one step of eta 3
+    # layer 0 untouched, and no earlier prompt token changes at any later layer either
+    assert torch.equal(steered[0], base[0])
+    real = mask[:, : T - 1].bool()  # (padding positions may attend anywhere; they are never read)
+    assert torch.all((steered[2] - base[2])[:, : T - 1][real] == 0)
+    assert ctx.stats["els"][1]["positions"] == 4 and ctx.stats["els"][1]["steered"] == 4
+    # 'all' steers every position, 'generated' nothing in the prefill
+    st_all, _, _, _ = forward_with(lm, PROMPTS, EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1,
+                                                               positions="all", scale_by_norm=False))
+    assert torch.all((st_all[1] - base[1]).norm(dim=-1) > 0.1)
+    st_gen, _, _, _ = forward_with(lm, PROMPTS, EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1,
+                                                               positions="generated", scale_by_norm=False))
+    assert torch.equal(st_gen[1], base[1])
+
+
+def test_each_step_moves_by_eta_and_norm_scaling():
+    m = energy_models(layers=(1,))
+    x = 5 * torch.randn(3, 4, H)
+    scale = torch.ones(3, 1, 1)
+    for steps in (1, 2, 5):
+        st = EnergySteering(m, eta=0.7, steps=steps, scale_by_norm=False)
+        prev = x
+        # one step at a time: every step moves each position by exactly eta
+        for _ in range(steps):
+            nxt = EnergySteering(m, eta=0.7, steps=1, scale_by_norm=False).steer(1, prev, scale)
+            torch.testing.assert_close((nxt - prev).norm(dim=-1), torch.full((3, 4), 0.7), atol=1e-5, rtol=1e-5)
+            prev = nxt
+        torch.testing.assert_close(st.steer(1, x, scale), prev)
+    scaled = EnergySteering(m, eta=0.5, steps=1, norms={1: 8.0})
+    assert scaled.step_size(1) == 4.0
+    moved = scaled.steer(1, x, torch.tensor([1.0, 0.0, 2.0]).view(3, 1, 1))
+    torch.testing.assert_close((moved - x).norm(dim=-1), torch.tensor([[4.0] * 4, [0.0] * 4, [8.0] * 4]))
+    # descending the energy lowers it
+    e0 = m[1].energy(x)
+    e1 = m[1].energy(EnergySteering(m, eta=0.05, steps=3, scale_by_norm=False).steer(1, x, scale))
+    assert torch.all(e1 < e0)
+    with pytest.raises(AligntaxError, match="scale_by_norm"):
+        EnergySteering(m, eta=0.5)
+
+
+def test_autograd_and_closed_form_steering_agree(lm):
+    m = energy_models()
+    x = 5 * torch.randn(2, 3, H)
+    scale = torch.ones(2, 1, 1)
+    for layer in (1, 2):
+        a = EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False).steer(layer, x, scale)
+        b = EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False, grad_method="autograd").steer(layer, x, scale)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # generation runs under no_grad: the autograd path still works
+        _, log_a, _, _ = run_steered(lm, PROMPTS[:2], EnergySteering(m, eta=1.0, scale_by_norm=False,
+                                                                     grad_method="autograd"))
+    _, log_c, _, _ = run_steered(lm, PROMPTS[:2], EnergySteering(m, eta=1.0, scale_by_norm=False))
+    torch.testing.assert_close(log_a, log_c, atol=1e-3, rtol=1e-3)
+    assert all(p.grad is None for p in lm.model.parameters())  # nothing flowed through the LLM
+
+
+def test_per_row_steering_and_strength(lm):
+    st = els(eta=2.0)
+    tok0, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
+    tok_s, log_s, _, _ = run_steered(lm, PROMPTS, st)
+    tok_r, log_r, ctx, _ = run_steered(lm, PROMPTS, st, rows=[True, False, True, False])
+    for i in (1, 3):  # unsteered rows: identical to an unsteered run
+        assert torch.equal(log_r[i], log0[i]) and torch.equal(tok_r[i], tok0[i])
+    for i in (0, 2):  # steered rows: identical to steering every row
+        assert torch.equal(log_r[i], log_s[i])
+    assert ctx.stats["els"][1]["positions"] == 2 * 5
+    _, log_z, _, _ = run_steered(lm, PROMPTS, st, strength=[0.0, 1.0, 0.0, 1.0])
+    assert torch.equal(log_z[0], log0[0]) and torch.equal(log_z[1], log_s[1])
+    # strength scales the step: entering layer 1 the last prompt token moves by strength * eta * steps
+    base, _, mask, _ = forward_with(lm, PROMPTS, NoIntervention(), layers=[1])
+    single = EnergySteering(energy_models(layers=(1,)), eta=1.5, steps=1, scale_by_norm=False)
+    T = mask.shape[1]
+    ctx2 = SteerContext(prompt_len=T, strength=torch.tensor([0.5, 1.0, 2.0, 0.0]))
+    from aligntax.generation.chat import build_messages, encode_chats, render_chat
+    enc = encode_chats(lm.tokenizer, [render_chat(lm.tokenizer, build_messages(p)) for p in PROMPTS], "cpu")
+    with torch.no_grad(), single.attach(lm.model, ctx2):
+        store, remove = record_block_inputs(lm.model, [1])
+        lm.model(**enc, position_ids=position_ids_from_mask(enc["attention_mask"]), use_cache=False)
+        remove()
+    moved = (store[1][0] - base[1])[:, T - 1].norm(dim=-1)
+    torch.testing.assert_close(moved, torch.tensor([0.75, 1.5, 3.0, 0.0]), atol=1e-4, rtol=1e-4)
+
+
+def test_threshold_gating(lm):
+    tok0, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
+    _, log_hi, ctx, _ = run_steered(lm, PROMPTS, els(eta=2.0, threshold=1e9))
+    assert torch.equal(log_hi, log0) and ctx.stats["els"][1]["steered"] == 0
+    _, log_lo, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, threshold=-1e9))
+    _, log_un, _, _ = run_steered(lm, PROMPTS, els(eta=2.0))
+    assert torch.equal(log_lo, log_un)
+    # gating is per position: a threshold between the energies steers only the positions above it
+    m = energy_models(layers=(1,))
+    x = 5 * torch.randn(6, 1, H)
+    e = m[1].energy(x).detach()
+    srt = e.flatten().sort().values
+    thr = float(srt[2] + srt[3]) / 2  # between two energies: half the positions above
+    out = EnergySteering(m, eta=0.5, steps=1, scale_by_norm=False, threshold=thr).steer(1, x, torch.ones(6, 1, 1))
+    moved = (out - x).norm(dim=-1).squeeze(1) > 0
+    assert torch.equal(moved, e.squeeze(1) > thr) and int(moved.sum()) == 3
+
+
+def test_hooks_removed_on_exit_and_exception(lm):
+    n0 = hook_counts(lm.model)
+    st = els(eta=1.0)
+    ctx = SteerContext(prompt_len=3)
+    with st.attach(lm.model, ctx):
+        assert hook_counts(lm.model) == n0 + 2
+    assert hook_counts(lm.model) == n0
+    with pytest.raises(RuntimeError, match="boom"), st.attach(lm.model, ctx):
+        raise RuntimeError("boom")
+    assert hook_counts(lm.model) == n0
+    for iv in (DirectionAblation(torch.randn(H)), ActivationAddition({1: torch.randn(H)}),
+               ConditionalSteering(torch.randn(H), 1, 0.0, torch.randn(H))):
+        with pytest.raises(ValueError), iv.attach(lm.model, ctx):
+            raise ValueError
+        assert hook_counts(lm.model) == n0
+
+
+def test_nan_states_raise(lm):
+    st = els(eta=1.0)
+    x = torch.randn(2, 3, H)
+    x[0, 1, 0] = float("nan")
+    blocks = decoder_layers(lm.model)
+    ctx = SteerContext(prompt_len=3)
+
+    def poison(module, args, kwargs):
+        h = args[0].clone()
+        h[:, -1] = float("nan")
+        return (h, *args[1:]), kwargs
+
+    handle = blocks[1].register_forward_pre_hook(poison, with_kwargs=True, prepend=True)
+    try:
+        with pytest.raises(AligntaxError, match="NaN"), torch.no_grad(), st.attach(lm.model, ctx):
+            lm.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+    finally:
+        handle.remove()
+
+
+def test_generate_integration_and_stats(lm):
+    st = els(eta=0.3, steps=2)
+    cfg = GenerationConfig(max_new_tokens=4, batch_size=2)
+    gens = generate(lm, PROMPTS, cfg, st, progress=False, steer_rows=[True, False, True, True],
+                    strengths=[1.0, 1.0, 0.5, 2.0])
+    assert len(gens) == 4 and all(g.n_tokens <= 4 for g in gens)
+    base = generate(lm, PROMPTS, cfg, progress=False)
+    assert gens[1].response == base[1].response  # the unsteered row
+    assert st.config()["layers"] == [1, 2] and st.config()["eta_by_layer"] == {1: 0.3, 2: 0.3}
+
+
+# ---- energy bank integration -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bank_dir(lm, tmp_path_factory):
+    prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(24)]
+    acts = capture(lm, prompts, "all", progress=False)
+    labels = torch.tensor([i % 2 for i in range(24)])
+    bank = train_layers(acts, labels, EnergyConfig.preset("small", widths=[16], epochs=3), fingerprint=lm.fingerprint)
+    d = tmp_path_factory.mktemp("bank")
+    bank.save(d)
+    return d
+
+
+def test_from_dir_and_fingerprint_refusal(lm, bank_dir):
+    bank = EnergyBank.load(bank_dir)
+    st = EnergySteering.from_dir(bank_dir, lm, eta=0.2, steps=2, top_k=2)
+    assert sorted(st.models) == sorted(bank.layers[:2])
+    best = bank.layers[0]
+    assert st.step_size(best) == pytest.approx(0.2 * bank.median_norm(best))
+    st1 = EnergySteering.from_dir(bank_dir, lm, layers=[0], eta=0.1)
+    assert list(st1.models) == [0]
+    _, _, ctx, _ = run_steered(lm, PROMPTS[:2], st)
+    assert set(ctx.stats["els"]) == set(st.models)
+    other = tiny_lm("qwen2", hidden=H, layers=3, seed=5)  # same shape, other weights
+    with pytest.raises(CompatibilityError) as e:
+        EnergySteering.from_dir(bank_dir, other)
+    assert lm.fingerprint["embedding_digest"] in str(e.value)
+    assert other.fingerprint["embedding_digest"] in str(e.value)
+    wider = tiny_lm("qwen2", hidden=48, layers=3)
+    with pytest.raises(CompatibilityError, match="hidden_size"):
+        EnergySteering.from_dir(bank_dir, wider)
+    with pytest.raises(AligntaxError, match="no model for layers"):
+        EnergySteering.from_dir(bank_dir, lm, layers=[7])
+
+
+# ---- vector baselines -----------------------------------------------------------------------------------
+def test_direction_ablation_removes_direction(lm):
+    r = torch.randn(H)
+    u = r / r.norm()
+    st, logits, _, _ = forward_with(lm, PROMPTS, DirectionAblation(r))
+    for layer in range(3):  # every block input, every position
+        assert (st[layer] @ u).abs().max() < 1e-4
+    # the output of the last block is ablated too: the final hidden state has no component along u
+    blocks = decoder_layers(lm.model)
+    out = {}
+    iv = DirectionAblation(r)
+    with torch.no_grad(), iv.attach(lm.model, SteerContext(prompt_len=3)):
+        # registered after the ablation's own hook, so it sees the block's final output
+        handle = blocks[-1].register_forward_hook(
+            lambda m, a, o: out.setdefault("h", o[0] if isinstance(o, tuple) else o))
+        try:
+            lm.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+        finally:
+            handle.remove()
+    assert (out["h"] @ u).abs().max() < 1e-4
+    # unsteered rows are untouched
+    base, log0, _, _ = forward_with(lm, PROMPTS, NoIntervention())
+    part, log_p, _, _ = forward_with(lm, PROMPTS, DirectionAblation(r), rows=[False, True, False, True])
+    assert torch.equal(log_p[0], log0[0]) and not torch.allclose(log_p[1], log0[1])
+
+
+def test_activation_addition_adds_exactly(lm):
+    v = torch.randn(H)
+    base, _, _, _ = forward_with(lm, PROMPTS, NoIntervention())
+    st, _, mask, _ = forward_with(lm, PROMPTS, ActivationAddition({1: v}, coeff=2.0))
+    torch.testing.assert_close(st[1] - base[1], (2.0 * v).expand_as(base[1]), atol=1e-5, rtol=1e-5)
+    assert torch.equal(st[0], base[0])
+    st2, _, _, _ = forward_with(lm, PROMPTS, ActivationAddition({1: v}, coeff=2.0, positions="last_and_generated"))
+    T = mask.shape[1]
+    assert torch.equal(st2[1][:, : T - 1], base[1][:, : T - 1])
+    tok_c, log_c, _, _ = run_steered(lm, PROMPTS, ActivationAddition({1: v}, positions="last_and_generated"))
+    tok_n, log_n, _, _ = run_steered(lm, PROMPTS, ActivationAddition({1: v}, positions="last_and_generated"),
+                                     use_cache=False)
+    assert torch.equal(tok_c, tok_n)
+    torch.testing.assert_close(log_c, log_n, atol=2e-4, rtol=2e-4)
+
+
+def test_vector_construction():
+    g = torch.Generator().manual_seed(0)
+    harmful = {1: torch.randn(10, H, generator=g) + 2, 2: torch.randn(10, H, generator=g)}
+    harmless = {1: torch.randn(12, H, generator=g), 2: torch.randn(12, H, generator=g)}
+    pseudo = {1: torch.randn(8, H, generator=g) + 1, 2: torch.randn(8, H, generator=g)}
+    r = refusal_direction(harmful, harmless)
+    torch.testing.assert_close(r[1], harmful[1].mean(0) - harmless[1].mean(0))
+    fr = false_refusal_direction(pseudo, harmless, r)
+    for layer in (1, 2):
+        assert abs(float(fr[layer] @ r[layer])) < 1e-4
+    vs = compute_vectors(harmful, harmless, pseudo, fingerprint={"hidden_size": H}, layer=1)
+    assert set(vs.vectors) == {"refusal", "false_refusal", "condition", "center"}
+    assert vs.metadata["layer"] == 1 and vs.metadata["cast"]["condition_layer"] == 1
+    assert vs.metadata["cast"]["fit_balanced_acc"] > 0.8
+
+
+def test_cast_decides_per_row(lm):
+    base, _, mask, _ = forward_with(lm, PROMPTS, NoIntervention(), layers=[1])
+    T = mask.shape[1]
+    h_last = base[1][:, T - 1]
+    c = h_last[2] - h_last.mean(0)  # only row 2 points along the condition
+    center = h_last.mean(0)
+    sims = torch.nn.functional.cosine_similarity(h_last - center, c[None], dim=-1)
+    thr = float(sims.sort().values[-2] + sims.max()) / 2  # between the top two
+    v = torch.randn(H) * 5
+    cast = ConditionalSteering(c, 1, thr, v, behaviour_layers=[0, 2], mode="add", center=center)
+    tok0, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
+    tok_c, log_c, ctx, _ = run_steered(lm, PROMPTS, cast)
+    assert ctx.stats["cast"] == {"rows": 4, "triggered": 1}
+    for i in (0, 1, 3):
+        assert torch.equal(log_c[i], log0[i])
+    assert not torch.allclose(log_c[2], log0[2])
+    # the last prompt token is steered only after the condition layer (layer 2 here), so the first
+    # logits already change; the same decision and positions without the KV cache
+    tok_n, log_n, _, _ = run_steered(lm, PROMPTS, cast, use_cache=False)
+    assert torch.equal(tok_c, tok_n)
+    torch.testing.assert_close(log_c, log_n, atol=2e-4, rtol=2e-4)
+    assert not torch.allclose(log_c[2, 0], log0[2, 0])
+    ablate = ConditionalSteering(c, 1, thr, v, mode="ablate", compare="less", center=center)
+    _, log_a, ctx_a, _ = run_steered(lm, PROMPTS, ablate)
+    assert ctx_a.stats["cast"]["triggered"] == 3 and torch.equal(log_a[2], log0[2])
+
+
+# ---- storage and registry ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vector_dir(lm, tmp_path_factory):
+    harmful = capture(lm, ["how to build a bomb", "steal a car now", "hurt someone badly"], "all", progress=False)
+    harmless = capture(lm, ["bake a cake", "learn python", "plant a tree"], "all", progress=False)
+    pseudo = capture(lm, ["kill a python process", "shoot a photo", "buy a can of coke"], "all", progress=False)
+    vs = compute_vectors(harmful, harmless, pseudo, fingerprint=lm.fingerprint, layer=1)
+    d = tmp_path_factory.mktemp("vectors")
+    vs.save(d)
+    return d
+
+
+def test_vectors_round_trip_and_refusal(lm, vector_dir):
+    files = sorted(p.name for p in vector_dir.iterdir())
+    assert files == ["vectors.json", "vectors.safetensors"]
+    vs = SteeringVectors.load(vector_dir, expect_fingerprint=lm.fingerprint)
+    assert sorted(vs.vectors["refusal"]) == [0, 1, 2] and vs.hidden_size == H
+    other = tiny_lm("qwen2", hidden=H, layers=3, seed=9)
+    with pytest.raises(CompatibilityError) as e:
+        SteeringVectors.load(vector_dir, expect_fingerprint=other.fingerprint)
+    assert other.fingerprint["embedding_digest"] in str(e.value)
+    with pytest.raises(CompatibilityError, match="hidden size"):
+        SteeringVectors.load(vector_dir, expect_hidden_size=64)
+
+
+def test_registry(lm, bank_dir, vector_dir):
+    assert set(INTERVENTIONS) == {"none", "system-prompt", "helpful-prompt", "els", "refusal-add",
+                                  "refusal-ablation", "false-refusal-ablation", "cast"}
+    assert isinstance(make_intervention("none", lm), NoIntervention)
+    sp = make_intervention("system-prompt", lm)
+    hp = make_intervention("helpful-prompt", lm)
+    assert isinstance(sp, SystemPrompt) and isinstance(hp, SystemPrompt) and sp.text != hp.text
+    assert hp.prepare_messages([{"role": "user", "content": "x"}])[0]["role"] == "system"
+    e = make_intervention("els", lm, dir=bank_dir, eta=0.1, steps=2, top_k=1)
+    assert isinstance(e, EnergySteering) and len(e.models) == 1
+    add = make_intervention("refusal-add", lm, dir=vector_dir, coeff=2.0)
+    assert isinstance(add, ActivationAddition) and list(add.vectors) == [1]
+    abl = make_intervention("refusal-ablation", lm, dir=vector_dir)
+    fra = make_intervention("false-refusal-ablation", lm, dir=vector_dir, layer=2)
+    assert isinstance(abl, DirectionAblation) and isinstance(fra, DirectionAblation)
+    cast = make_intervention("cast", lm, dir=vector_dir)
+    assert isinstance(cast, ConditionalSteering) and cast.mode == "ablate" and cast.condition_layer == 1
+    for iv in (e, add, abl, fra, cast):
+        tok, _, _, _ = run_steered(lm, PROMPTS[:2], iv, max_new_tokens=2)
+        assert tok.shape == (2, 2)
+    with pytest.raises(AligntaxError, match="needs dir"):
+        make_intervention("els", lm)
+    with pytest.raises(AligntaxError, match="Unknown intervention"):
+        make_intervention("magic", lm)
+    with pytest.raises(AligntaxError, match="Unknown options"):
+        make_intervention("refusal-ablation", lm, dir=vector_dir, colour="red")
+    other = tiny_lm("qwen2", hidden=H, layers=3, seed=9)
+    with pytest.raises(CompatibilityError):
+        make_intervention("refusal-ablation", other, dir=vector_dir)
+
+
+def test_bf16_eta_zero_identical():
+    lm16 = tiny_lm("llama", hidden=H, layers=2)
+    lm16.model.to(torch.bfloat16)
+    st = EnergySteering(energy_models(layers=(1,)), eta=0.0, steps=2, scale_by_norm=False)
+    _, log0, _, _ = run_steered(lm16, PROMPTS[:2], NoIntervention(), max_new_tokens=3)
+    _, log1, _, _ = run_steered(lm16, PROMPTS[:2], st, max_new_tokens=3)
+    assert torch.equal(log0, log1)
+    st2 = EnergySteering(energy_models(layers=(1,)), eta=1.0, steps=2, scale_by_norm=False)
+    _, log2, ctx, _ = run_steered(lm16, PROMPTS[:2], st2, max_new_tokens=3)
+    assert torch.isfinite(log2).all() and ctx.stats["els"][1]["positions"] == 2 * 3

@@ -1,0 +1,153 @@
+"""Tiny, randomly initialised chat models for fast tests (no downloads, no caches).
+
+A byte-level tokenizer (one token per byte, a few special tokens and a simple chat template) and
+tiny Llama / Qwen2 / Gemma / Gemma2 / Mistral models built from a config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIALS = ["<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+VOCAB = 300
+
+_TOKENIZER = None
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer without merges (262 tokens) with a chat template; left padding."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers.pre_tokenizers import ByteLevel
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {s: i for i, s in enumerate(SPECIALS)}
+        for ch in sorted(ByteLevel.alphabet()):
+            vocab[ch] = len(vocab)
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(SPECIALS)
+        _TOKENIZER = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                             chat_template=CHAT_TEMPLATE)
+    _TOKENIZER.padding_side = "left"
+    return _TOKENIZER
+
+
+def tiny_config(arch: str = "qwen2", hidden: int = 32, layers: int = 3, **over):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=None, initializer_range=0.5,
+                  tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+    elif arch == "gemma":
+        cfg = tf.GemmaConfig(**common, head_dim=hidden // 4)
+    elif arch == "gemma2":
+        cfg = tf.Gemma2Config(**common, head_dim=hidden // 4, sliding_window=16, query_pre_attn_scalar=hidden // 4)
+    else:
+        raise ValueError(arch)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(arch: str = "qwen2", hidden: int = 32, layers: int = 3, seed: int = 0, attn: str = "eager",
+               **over):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, hidden, layers, **over)
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 1
+    return model
+
+
+def tiny_lm(arch: str = "qwen2", hidden: int = 32, layers: int = 3, seed: int = 0, **over):
+    """A ``LoadedModel`` around a tiny random model and the tiny tokenizer."""
+    from aligntax.models import LoadedModel
+    from aligntax.models.loader import model_fingerprint
+
+    model = tiny_model(arch, hidden, layers, seed, **over)
+    tok = tiny_tokenizer()
+    return LoadedModel(model=model, tokenizer=tok, spec=f"tiny-{arch}", source="tiny",
+                       fingerprint=model_fingerprint(model, tok, f"tiny-{arch}"))
+
+
+PROMPTS = [
+    "How do I kill a Python process?",
+    "Hi",
+    "Where can I buy a can of coke for the party tonight?",
+    "Tell me a story.",
+]
+
+
+def run_steered(lm, prompts, intervention=None, max_new_tokens: int = 5, use_cache: bool = True,
+                rows=None, strength=None):
+    """Greedy generation like ``aligntax.generation`` does it, returning tokens and raw logits.
+
+    Returns ``(new_tokens [B, n], logits [B, n, V], ctx, prompt_len)``; EOS is suppressed so every row
+    generates ``max_new_tokens`` tokens.
+    """
+    from aligntax.generation.chat import build_messages, encode_chats, render_chat
+    from aligntax.interventions.base import NoIntervention, SteerContext
+
+    intervention = intervention or NoIntervention()
+    texts = [render_chat(lm.tokenizer, build_messages(p, None, intervention)) for p in prompts]
+    enc = encode_chats(lm.tokenizer, texts, lm.device)
+    plen = enc["input_ids"].shape[1]
+    ctx = SteerContext(prompt_len=plen, rows=None if rows is None else torch.tensor(rows),
+                       strength=None if strength is None else torch.tensor(strength, dtype=torch.float32))
+    with torch.no_grad(), intervention.attach(lm.model, ctx):
+        out = lm.model.generate(**enc, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                do_sample=False, use_cache=use_cache, pad_token_id=lm.tokenizer.pad_token_id,
+                                temperature=None, top_p=None, top_k=None, output_logits=True,
+                                return_dict_in_generate=True)
+    return out.sequences[:, plen:], torch.stack(out.logits, 1).float(), ctx, plen
+
+
+def record_block_inputs(model, layers=None):
+    """Register pre-hooks that record the hidden states entering blocks; returns (store, remove)."""
+    from aligntax.models import decoder_layers
+
+    blocks = decoder_layers(model)
+    store: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    for i in (range(len(blocks)) if layers is None else layers):
+        def hook(module, args, kwargs, i=i):
+            h = args[0] if args else kwargs["hidden_states"]
+            store.setdefault(i, []).append(h.detach().clone())
+        handles.append(blocks[i].register_forward_pre_hook(hook, with_kwargs=True))
+
+    def remove():
+        for h in handles:
+            h.remove()
+    return store, remove
+
+
+def hook_counts(model) -> int:
+    """Total number of forward (pre-)hooks on the model's modules."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def single_thread():
+    """Generator for an autouse fixture: tiny models run faster on one thread on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
