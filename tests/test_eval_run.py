@@ -10,8 +10,7 @@ import time
 import pytest
 
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
-
-from .conftest import make_tiny_lm
+from conftest import make_tiny_lm
 
 
 def test_read_jsonl_drops_torn_line_and_repairs(tmp_path):

@@ -418,6 +418,8 @@ def test_registry(lm, bank_dir, vector_dir):
     assert isinstance(e, EnergySteering) and len(e.models) == 1
     add = make_intervention("refusal-add", lm, dir=vector_dir, coeff=2.0)
     assert isinstance(add, ActivationAddition) and list(add.vectors) == [1]
+    add2 = make_intervention("refusal-add", lm, path=vector_dir, layers=[0, 2])
+    assert sorted(add2.vectors) == [0, 2]
     abl = make_intervention("refusal-ablation", lm, dir=vector_dir)
     fra = make_intervention("false-refusal-ablation", lm, dir=vector_dir, layer=2)
     assert isinstance(abl, DirectionAblation) and isinstance(fra, DirectionAblation)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -80,8 +79,8 @@ def data_list() -> None:
 
 
 # ---------------------------------------------------------------- generate / judge / eval
-def _intervention_args(steer: Optional[str], eta: Optional[float], steps: Optional[int],
-                       layers: Optional[str], threshold: Optional[float], vectors: Optional[str]) -> dict:
+def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
+                       layers: str | None, threshold: float | None, vectors: str | None) -> dict:
     args: dict = {}
     if steer:
         args["path"] = steer
@@ -102,22 +101,22 @@ def _intervention_args(steer: Optional[str], eta: Optional[float], steps: Option
 def generate(
     prompt: list[str] = typer.Argument(None, help="prompts; or use --in"),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
-    in_file: Optional[Path] = typer.Option(None, "--in", help="prompts: a file or dataset name"),
-    out: Optional[Path] = typer.Option(None, help="write JSONL here instead of stdout"),
-    system: Optional[str] = typer.Option(None, help="system prompt"),
+    in_file: Path | None = typer.Option(None, "--in", help="prompts: a file or dataset name"),
+    out: Path | None = typer.Option(None, help="write JSONL here instead of stdout"),
+    system: str | None = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(128),
     batch_size: int = typer.Option(32),
     sample: bool = typer.Option(False, help="sample instead of greedy"),
     temperature: float = typer.Option(0.7),
     top_p: float = typer.Option(1.0),
-    seed: Optional[int] = typer.Option(None),
+    seed: int | None = typer.Option(None),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
-    limit: Optional[int] = typer.Option(None),
-    intervention: Optional[str] = typer.Option(None, help="none, els, system-prompt, refusal-ablation, ..."),
-    steer: Optional[str] = typer.Option(None, help="energy model folder (implies --intervention els)"),
-    eta: Optional[float] = typer.Option(None), steps: Optional[int] = typer.Option(None),
-    layers: Optional[str] = typer.Option(None, help="comma-separated layer indices"),
-    threshold: Optional[float] = typer.Option(None, help="energy gate"),
+    limit: int | None = typer.Option(None),
+    intervention: str | None = typer.Option(None, help="none, els, system-prompt, refusal-ablation, ..."),
+    steer: str | None = typer.Option(None, help="energy model folder (implies --intervention els)"),
+    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
+    layers: str | None = typer.Option(None, help="comma-separated layer indices"),
+    threshold: float | None = typer.Option(None, help="energy gate"),
 ) -> None:
     """Generate chat responses for prompts, in batches."""
     from aligntax.generation import GenerationConfig
@@ -163,11 +162,11 @@ def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors):
 
 @app.command()
 def chat(
-    model: str = typer.Option(DEFAULT_MODEL), system: Optional[str] = typer.Option(None),
+    model: str = typer.Option(DEFAULT_MODEL), system: str | None = typer.Option(None),
     max_new_tokens: int = typer.Option(256), dtype: str = typer.Option("bf16"),
-    intervention: Optional[str] = typer.Option(None), steer: Optional[str] = typer.Option(None),
-    eta: Optional[float] = typer.Option(None), steps: Optional[int] = typer.Option(None),
-    layers: Optional[str] = typer.Option(None), threshold: Optional[float] = typer.Option(None),
+    intervention: str | None = typer.Option(None), steer: str | None = typer.Option(None),
+    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
+    layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
 ) -> None:
     """Interactive chat (one line a turn; an empty line or Ctrl-D ends)."""
     from aligntax.generation import GenerationConfig
@@ -204,33 +203,33 @@ def judge(
     from aligntax.judges import get_judge, judge_jsonl
 
     try:
-        n = judge_jsonl(in_file, out, get_judge(judge_name))
+        summary = judge_jsonl(in_file, out, get_judge(judge_name))
     except AligntaxError as exc:
         _fail(exc)
-    console.print(f"judged {n} lines -> {out}")
+    console.print(f"judged {summary['n']} lines ({summary['n_refused']} refused) with {summary['judge']} -> {out}")
 
 
 @app.command("eval")
 def eval_cmd(
     data: list[str] = typer.Option(None, "--data", help="file or dataset name; repeatable"),
-    out: Optional[Path] = typer.Option(None, help="run folder"),
-    model: Optional[str] = typer.Option(None, help=f"model spec (default {DEFAULT_MODEL})"),
-    config: Optional[Path] = typer.Option(None, help="YAML config; flags override it"),
-    judge_name: Optional[str] = typer.Option(None, "--judge", help="keyword, prefix, classifier, llm"),
-    system: Optional[str] = typer.Option(None),
-    max_new_tokens: Optional[int] = typer.Option(None),
-    limit: Optional[int] = typer.Option(None, help="first N items of each dataset"),
-    batch_size: Optional[int] = typer.Option(None),
-    dtype: Optional[str] = typer.Option(None),
-    sample: Optional[bool] = typer.Option(None, help="sample instead of greedy"),
-    temperature: Optional[float] = typer.Option(None), top_p: Optional[float] = typer.Option(None),
-    seed: Optional[int] = typer.Option(None),
-    intervention: Optional[str] = typer.Option(None, help="els, system-prompt, helpful-prompt, refusal-ablation, "
+    out: Path | None = typer.Option(None, help="run folder"),
+    model: str | None = typer.Option(None, help=f"model spec (default {DEFAULT_MODEL})"),
+    config: Path | None = typer.Option(None, help="YAML config; flags override it"),
+    judge_name: str | None = typer.Option(None, "--judge", help="keyword, prefix, classifier, llm"),
+    system: str | None = typer.Option(None),
+    max_new_tokens: int | None = typer.Option(None),
+    limit: int | None = typer.Option(None, help="first N items of each dataset"),
+    batch_size: int | None = typer.Option(None),
+    dtype: str | None = typer.Option(None),
+    sample: bool | None = typer.Option(None, help="sample instead of greedy"),
+    temperature: float | None = typer.Option(None), top_p: float | None = typer.Option(None),
+    seed: int | None = typer.Option(None),
+    intervention: str | None = typer.Option(None, help="els, system-prompt, helpful-prompt, refusal-ablation, "
                                                "false-refusal-ablation, refusal-add, cast"),
-    steer: Optional[str] = typer.Option(None, help="energy model folder (implies --intervention els)"),
-    vectors: Optional[str] = typer.Option(None, help="vector folder for the vector baselines"),
-    eta: Optional[float] = typer.Option(None), steps: Optional[int] = typer.Option(None),
-    layers: Optional[str] = typer.Option(None), threshold: Optional[float] = typer.Option(None),
+    steer: str | None = typer.Option(None, help="energy model folder (implies --intervention els)"),
+    vectors: str | None = typer.Option(None, help="vector folder for the vector baselines"),
+    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
+    layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
@@ -255,40 +254,99 @@ def eval_cmd(
     console.print(f"run folder: {cfg.out}")
 
 
-BASELINE_SETS = ["orbench-hard-test", "xstest-safe", "xstest-unsafe", "oktest", "jailbreakbench",
-                 "harmbench-test", "strongreject"]
+els_app = typer.Typer(help="Energy Landscape Steering: train energy models and tune steering.",
+                      no_args_is_help=True)
+app.add_typer(els_app, name="els")
+
+
+def _split_list(values: list[str] | None) -> list | None:
+    return list(values) if values else None
+
+
+@els_app.command("train")
+def els_train(
+    out: Path = typer.Option(..., help="output folder (energy models, vectors, report)"),
+    model: str | None = typer.Option(None), config: Path | None = typer.Option(None, help="YAML config"),
+    benign: list[str] = typer.Option(None, help="over-refusal prompts (default orbench-hard-train)"),
+    harmful: list[str] = typer.Option(None, help="harmful prompts (default harmful-train)"),
+    harmless: list[str] = typer.Option(None, help="harmless prompts for the vector baselines"),
+    limit_benign: int | None = typer.Option(None), limit_harmful: int | None = typer.Option(None),
+    layers: str | None = typer.Option(None, help="comma-separated layers (default all)"),
+    objective: str | None = typer.Option(None, help="infonce or logistic"),
+    preset: str | None = typer.Option(None, help="small or paper (widths)"),
+    epochs: int | None = typer.Option(None), lr: float | None = typer.Option(None),
+    judge_name: str | None = typer.Option(None, "--judge"),
+    max_new_tokens: int | None = typer.Option(None), batch_size: int | None = typer.Option(None),
+    dtype: str | None = typer.Option(None),
+) -> None:
+    """Label the model's behaviour, capture activations, train one energy model per layer."""
+    from aligntax.config import load_config
+    from aligntax.runs.els import ELSTrainConfig, train_els
+
+    try:
+        cfg = load_config(ELSTrainConfig, config, out=str(out), model=model, benign=_split_list(benign),
+                          harmful=_split_list(harmful), harmless=_split_list(harmless), limit_benign=limit_benign,
+                          limit_harmful=limit_harmful,
+                          layers=[int(x) for x in layers.split(",")] if layers else None, objective=objective,
+                          preset=preset, epochs=epochs, lr=lr, judge=judge_name, max_new_tokens=max_new_tokens,
+                          batch_size=batch_size, dtype=dtype)
+        train_els(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    console.print(f"energy models and report: {out}")
+
+
+@els_app.command("sweep")
+def els_sweep(
+    steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
+    out: Path | None = typer.Option(None, help="default STEER/sweep"),
+    model: str | None = typer.Option(None), config: Path | None = typer.Option(None),
+    benign: list[str] = typer.Option(None, help="validation benign sets (default orbench-hard-val)"),
+    harmful: list[str] = typer.Option(None, help="validation harmful sets (default harmful-val, harmbench-val)"),
+    method: str | None = typer.Option(None, help="first-token (screen, then confirm) or generate"),
+    eta: str | None = typer.Option(None, help="comma-separated grid"),
+    top_k: str | None = typer.Option(None, help="comma-separated grid of how many best layers"),
+    baselines: bool | None = typer.Option(None, help="also score the baselines"),
+    judge_name: str | None = typer.Option(None, "--judge"), dtype: str | None = typer.Option(None),
+) -> None:
+    """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
+    from aligntax.config import load_config
+    from aligntax.runs.els import SweepConfig, run_sweep
+
+    try:
+        cfg = load_config(SweepConfig, config, steer=str(steer), out=str(out) if out else None, model=model,
+                          benign=_split_list(benign), harmful=_split_list(harmful), method=method,
+                          eta=[float(x) for x in eta.split(",")] if eta else None,
+                          top_k=[int(x) for x in top_k.split(",")] if top_k else None, baselines=baselines,
+                          judge=judge_name, dtype=dtype)
+        res = run_sweep(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(json.dumps(res, indent=2))
 
 
 @app.command()
 def demo(
     out: Path = typer.Option(Path("runs/demo"), help="run folder"),
     model: str = typer.Option(DEFAULT_MODEL),
-    limit: Optional[int] = typer.Option(None, help="first N items of each dataset"),
-    max_new_tokens: int = typer.Option(64),
+    limit: int | None = typer.Option(None, help="first N items of each test set"),
+    max_new_tokens: int = typer.Option(48),
     judge_name: str = typer.Option("classifier", "--judge"),
+    dtype: str = typer.Option("bf16"),
 ) -> None:
-    """The main job on the embedded model: baseline over-refusal and safety evaluation."""
-    from aligntax.runs import EvalConfig, run_eval
-    from aligntax.reports import eval_table
+    """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
+    from aligntax.runs.demo import DemoConfig, run_demo
 
     try:
-        cfg = EvalConfig(data=BASELINE_SETS, out=str(out / "baseline"), model=model, judge=judge_name,
-                         max_new_tokens=max_new_tokens, limit=limit)
-        results = run_eval(cfg)
+        run_demo(DemoConfig(out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
+                            judge=judge_name, dtype=dtype))
     except AligntaxError as exc:
         _fail(exc)
-    Console().print(eval_table(results))
-    console.print(f"report: {out / 'baseline' / 'report.md'}")
+    Console().print((out / "report.md").read_text())
 
 
 def _mount_optional() -> None:
     """Sub-apps of later pipeline stages, mounted when their modules are present."""
-    try:
-        from aligntax.energy.cli import app as els_app
-
-        app.add_typer(els_app, name="els")
-    except ImportError:
-        pass
     try:
         from aligntax.vat.cli import app as vat_app
 

@@ -7,7 +7,6 @@ on exit, also when the body raises, so the user's model is never left changed.
 
 from __future__ import annotations
 
-from abc import ABC
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,7 +56,7 @@ def steered_slice(seq_len: int, ctx: SteerContext, positions: str = "last_and_ge
     return slice(min(start, seq_len), seq_len)
 
 
-class Intervention(ABC):
+class Intervention:
     """Base class. Subclasses override ``prepare_messages`` and/or ``attach``."""
 
     name: str = "none"

@@ -8,14 +8,16 @@ system-prompt              the safety system prompt (``text=`` to override)
 helpful-prompt             the over-refusal-aware helpful system prompt (``text=`` to override)
 els                        energy landscape steering from an energy bank folder (``dir=``, ``eta``,
                            ``steps``, ``top_k``, ``layers``, ``threshold``, ``positions``, ``scale_by_norm``)
-refusal-add                add the refusal vector of one layer (``dir=``, ``layer``, ``coeff``, ``positions``)
-refusal-ablation           project the refusal direction out at all layers (``dir=``, ``layer``, ``coeff``)
-false-refusal-ablation     project the false-refusal vector out at all layers (``dir=``, ``layer``, ``coeff``)
+refusal-add                add the refusal vector of one layer (``dir=``, ``layer``, ``coeff``, ``positions``;
+                           ``layers=[...]`` adds each listed layer's own vector)
+refusal-ablation           project the refusal direction (of ``layer``) out at all layers (``dir=``, ``layer``,
+                           ``coeff``, ``layers`` to restrict where)
+false-refusal-ablation     the same with the false-refusal vector
 cast                       conditional steering from the saved CAST condition (``dir=``, ``threshold``,
                            ``mode``, ``coeff``, ``compare``, ``behaviour``)
 =========================  ====================================================================
 
-Vector folders are made by :func:`aligntax.interventions.vectors.compute_vectors` then ``.save(dir)``;
+``dir=`` may also be spelt ``path=`` or ``directory=``. Vector folders are made by :func:`aligntax.interventions.vectors.compute_vectors` then ``.save(dir)``;
 every artefact is checked against ``lm.fingerprint``.
 """
 
@@ -83,7 +85,9 @@ def make_intervention(name: str, lm=None, **kwargs) -> Intervention:
         vec = vs.get(kind, layer)
         coeff = float(kwargs.pop("coeff", 1.0))
         if name == "refusal-add":
-            iv = ActivationAddition({layer: vec}, coeff=coeff, positions=kwargs.pop("positions", "all"), name=name)
+            add_layers = kwargs.pop("layers", None)  # several layers: each gets its own layer's vector
+            vecs = {layer: vec} if add_layers is None else {int(x): vs.get(kind, int(x)) for x in add_layers}
+            iv = ActivationAddition(vecs, coeff=coeff, positions=kwargs.pop("positions", "all"), name=name)
         else:
             iv = DirectionAblation(vec, layers=kwargs.pop("layers", "all"), coeff=coeff,
                                    positions=kwargs.pop("positions", "all"), name=name)

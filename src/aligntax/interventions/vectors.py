@@ -335,7 +335,7 @@ class ConditionalSteering(Intervention):
             seq = h.shape[1]
             if seq == 1 and state["decision"] is not None:
                 return None  # a cached decode step: the decision is kept
-            if seq < ctx.prompt_len and not (seq == 1 and ctx.prompt_len == 1):
+            if seq < ctx.prompt_len:
                 raise AligntaxError("CAST needs the whole prompt in one forward (no chunked prefill).")
             state["decision"] = self.decide(h[:, ctx.prompt_len - 1])
             return None

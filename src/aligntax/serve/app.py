@@ -441,7 +441,7 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
 
     @app.get("/health")
     async def health():
-        ok = not engine.closed and (engine.alive or engine._thread is None)
+        ok = not engine.closed and (engine.alive or not engine.started)
         body = {"status": "ok" if ok else ("shutting_down" if engine.closed else "worker_dead"),
                 "models": server.model_names(), "queue_depth": engine.queue_depth}
         return JSONResponse(body, status_code=200 if ok else 503)

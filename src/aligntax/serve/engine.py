@@ -309,33 +309,37 @@ class _BatchController(StoppingCriteria):
         last = input_ids[:, -1]
         active = ~self.done
         hit_eos = torch.isin(last, self.eos) & active
-        hit_len = (self.max_new <= t) & active
-        ending = hit_eos | hit_len
-        out = _Outbox()
+        ending = hit_eos | ((self.max_new <= t) & active)
+        # Host syncs first, outside the tokenizer lock: the new tokens only when some row needs text
+        # now, and the (usually empty) list of rows that end at this step.
         live = [i for i in self.text if not self.finished[i]]
+        toks = last.tolist() if live else None
+        ending_rows = ending.nonzero().flatten().tolist()
+        eos_rows = set(hit_eos.nonzero().flatten().tolist()) if ending_rows else set()
+        cancels = self.engine.cancel_epoch != self.cancel_epoch
+        if not (live or ending_rows or cancels):
+            return self.done.clone()
+        out = _Outbox()
         with self.engine.tokenizer_lock:
-            if live:
-                toks = last.tolist()
-                for i in live:
-                    if toks[i] in self.eos_set:
-                        continue  # finished below
-                    row = self.text[i]
-                    emit, stopped = row.stop.feed(row.detok.push(toks[i]))
-                    if emit and self.jobs[i].stream:
-                        self.jobs[i].emitted = True
-                        out.put(self.jobs[i], Delta(emit))
-                    if stopped:
-                        self._finish(i, "stop", t, out)
-            if self.engine.cancel_epoch != self.cancel_epoch:
+            for i in live:
+                if toks[i] in self.eos_set:
+                    continue  # finished below
+                row = self.text[i]
+                emit, stopped = row.stop.feed(row.detok.push(toks[i]))
+                if emit and self.jobs[i].stream:
+                    self.jobs[i].emitted = True
+                    out.put(self.jobs[i], Delta(emit))
+                if stopped:
+                    self._finish(i, "stop", t, out)
+            if cancels:
                 self.cancel_epoch = self.engine.cancel_epoch
                 for i, j in enumerate(self.jobs):
                     if j.cancelled and not self.finished[i]:
                         self.finished[i] = j.done = True
-            if bool(ending.any()):
-                eos_rows = hit_eos.tolist()
-                for i in ending.nonzero().flatten().tolist():
-                    if not self.finished[i]:
-                        self._finish(i, "stop" if eos_rows[i] else "length", t, out, eos=eos_rows[i])
+            for i in ending_rows:
+                if not self.finished[i]:
+                    eos = i in eos_rows
+                    self._finish(i, "stop" if eos else "length", t, out, eos=eos)
         out.flush()
         self.done = torch.tensor(self.finished, device=self.done.device)
         return self.done.clone()
@@ -421,6 +425,10 @@ class BatchEngine:
         return self._q.qsize() + len(self._held) + (self._waiting is not None)
 
     @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -435,15 +443,16 @@ class BatchEngine:
                 self._thread.start()
 
     def submit(self, job: Job) -> Job:
-        if self._closed:
-            raise EngineClosed("The server is shutting down.")
         if self._thread is None:
             self.start()
         job.enqueued_at = time.perf_counter()
-        try:
-            self._q.put_nowait(job)
-        except queue.Full:
-            raise EngineOverloaded("The server is overloaded; retry later.") from None
+        with self._lock:  # so that nothing lands behind the stop marker of shutdown()
+            if self._closed:
+                raise EngineClosed("The server is shutting down.")
+            try:
+                self._q.put_nowait(job)
+            except queue.Full:
+                raise EngineOverloaded("The server is overloaded; retry later.") from None
         return job
 
     def cancel(self, job: Job) -> None:
@@ -593,7 +602,9 @@ class BatchEngine:
         )
         if not sampler.all_greedy:
             kwargs["logits_processor"] = LogitsProcessorList([sampler])
-        self.metrics.record_batch(n, steered=sum(j.steer for j in jobs))
+        now = time.perf_counter()
+        self.metrics.record_batch(n, steered=sum(j.steer for j in jobs),
+                                  queue_wait_s=sum(now - j.enqueued_at for j in jobs))
         intervention = self.intervention if steered else NoIntervention()
         with torch.no_grad(), intervention.attach(model, ctx):
             model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)

@@ -22,6 +22,7 @@ class ServeMetrics:
         self.batch_rows = 0
         self.steered_rows = 0
         self.batch_sizes: Counter[int] = Counter()
+        self.queue_wait_sum = 0.0
 
     def record_request(self, status: int, latency_s: float) -> None:
         with self._lock:
@@ -31,8 +32,9 @@ class ServeMetrics:
                 self.latency_sum += latency_s
                 self.latency_count += 1
 
-    def record_batch(self, size: int, steered: int = 0) -> None:
+    def record_batch(self, size: int, steered: int = 0, queue_wait_s: float = 0.0) -> None:
         with self._lock:
+            self.queue_wait_sum += queue_wait_s
             self.batches += 1
             self.batch_rows += size
             self.steered_rows += steered
@@ -61,6 +63,7 @@ class ServeMetrics:
                 "batch_size_mean": round(self.batch_rows / self.batches, 3) if self.batches else 0.0,
                 "batch_size_max": max(self.batch_sizes, default=0),
                 "steered_rows_total": self.steered_rows,
+                "queue_wait_mean_s": round(self.queue_wait_sum / self.batch_rows, 4) if self.batch_rows else 0.0,
                 "latency_mean_s": round(self.latency_sum / self.latency_count, 4) if self.latency_count else 0.0,
                 "completion_tokens_per_s": round(self.completion_tokens / uptime, 3) if uptime > 0 else 0.0,
             }

@@ -118,12 +118,13 @@ def validation_error(errors: list[dict]) -> APIError:
                        "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
                        None, "invalid_json")
     param = loc_to_param(loc)
+    not_object = "The request body must be a JSON object, sent with Content-Type: application/json."
     if kind == "missing":
         if param is None:
-            return invalid("The request body must be a JSON object.", None, "invalid_json")
+            return invalid(not_object, None, "invalid_json")
         return invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     if param is None:
-        return invalid("The request body must be a JSON object.", None, "invalid_json")
+        return invalid(not_object, None, "invalid_json")
     if kind == "extra_forbidden":
         return invalid(f"Unrecognized request argument supplied: '{param}'.", param, "unknown_parameter")
     code = "invalid_type" if kind.endswith("_type") or kind in {"model_attributes_type", "is_instance_of"} \

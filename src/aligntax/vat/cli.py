@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -36,25 +35,26 @@ def run(
                              help="builtin | value-action-lens | Hub id | .jsonl/.json/.csv file"),
     intervention: str = typer.Option("persona", "--intervention", "-i",
                                      help="none | persona | fewshot-2 | fewshot-4 | fewshot-8 | steer | lora | dpo"),
-    limit_per_value: Optional[int] = typer.Option(None, help="evaluate at most N items per value (balanced polarity)"),
-    scenes: Optional[int] = typer.Option(None, help="evaluate only N randomly chosen scenes"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (rerun to resume)"),
+    limit_per_value: int | None = typer.Option(None, help="evaluate at most N items per value (balanced polarity)"),
+    scenes: int | None = typer.Option(None, help="evaluate only N randomly chosen scenes"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="output folder (rerun to resume)"),
     dtype: str = typer.Option("bf16", help="bf16 | fp32 | fp16"),
     batch_size: int = typer.Option(16, help="prompts per forward pass"),
     strength: float = typer.Option(4.0, help="steering strength (multiplies the mean-difference vector)"),
-    layer: Optional[int] = typer.Option(None, help="steering layer (default: middle)"),
-    steps: Optional[int] = typer.Option(None, help="training steps for lora/dpo (default 30/20)"),
-    lr: Optional[float] = typer.Option(None, help="learning rate for lora/dpo"),
-    adapter_dir: Optional[Path] = typer.Option(None, help="where to save (or load) the lora/dpo adapter"),
+    layer: int | None = typer.Option(None, help="steering layer (default: middle)"),
+    steps: int | None = typer.Option(None, help="training steps for lora/dpo (default 30/20)"),
+    lr: float | None = typer.Option(None, help="learning rate for lora/dpo"),
+    adapter_dir: Path | None = typer.Option(None, help="where to save (or load) the lora/dpo adapter"),
     train_fraction: float = typer.Option(0.2, help="share of scenes held out for few-shot/steer/lora/dpo data"),
     split_by: str = typer.Option("scene", help="scene | context | item"),
-    templates: str = typer.Option("acceptable", help=f"comma-separated templates (names: acceptable, appropriate, rate)"),
+    templates: str = typer.Option("acceptable", help="comma-separated templates (names: acceptable, appropriate, rate)"),
     reverse_order: bool = typer.Option(False, help="also ask with the reversed scale and average"),
     method: str = typer.Option("logits", help="logits (next-token probabilities) | generate (parse text)"),
     scale_max: int = typer.Option(5, help="Likert scale 1..N (N <= 9)"),
     seed: int = typer.Option(0),
     bootstrap: int = typer.Option(500, help="bootstrap repetitions (0: none)"),
     permutations: int = typer.Option(999, help="Mantel permutations"),
+    null_reps: int = typer.Option(200, help="permutations for the no-coupling nVAT baseline (0: skip)"),
     no_cache: bool = typer.Option(False, help="do not read or write the judgment cache"),
     field: list[str] = typer.Option([], help="Hub field mapping OURS=COLUMN (repeatable)"),
     split: str = typer.Option("test", help="Hub dataset split"),
@@ -87,7 +87,8 @@ def run(
         iv = build_intervention(intervention, lm, t, train_items, jcfg, strength=strength, layer=layer,
                                 steps=steps, lr=lr, adapter_dir=adapter_dir or (out_dir / "adapter"), seed=seed,
                                 exclude_ids={it.id for it in eval_items}, progress=True)
-        cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, seed=seed,
+        cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
+                        seed=seed,
                         extra={"data": data, "intervention": intervention, "limit_per_value": limit_per_value,
                                "scenes": scenes, "train_fraction": train_fraction, "split_by": split_by})
         res = run_vat(lm, eval_items, t, iv, out_dir, cfg)
@@ -102,7 +103,7 @@ def run(
 
 @app.command("compare")
 def compare_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
-                out: Optional[Path] = typer.Option(None, "--out", "-o", help="where to write the comparison")) -> None:
+                out: Path | None = typer.Option(None, "--out", "-o", help="where to write the comparison")) -> None:
     """Gain versus tax across runs: gain_vs_tax.png and compare.md."""
     from aligntax.vat.report import compare
 
@@ -113,6 +114,29 @@ def compare_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
         return
     typer.echo(c.markdown.read_text())
     typer.echo(f"wrote {c.markdown} and {c.png}", err=True)
+
+
+@app.command("rescore")
+def rescore_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
+                bootstrap: int = typer.Option(500, help="bootstrap repetitions (0: none)"),
+                permutations: int = typer.Option(999, help="Mantel permutations"),
+                null_reps: int = typer.Option(200, help="permutations for the no-coupling nVAT baseline"),
+                eps: float = typer.Option(1e-3, help="|gain| below which GND and VAT are undefined"),
+                coupling: str = typer.Option("spearman", help="spearman | kendall | pearson"),
+                include_diagonal: bool = typer.Option(False, help="count the diagonal of R in nVAT"),
+                seed: int = typer.Option(0)) -> None:
+    """Recompute results.json and the report from items.jsonl with new metric settings (no model)."""
+    from aligntax.vat.runner import VATConfig, rescore
+
+    try:
+        for d in dirs:
+            res = rescore(d, VATConfig(bootstrap_reps=bootstrap, n_perm=permutations, eps=eps,
+                                       nvat_null_reps=null_reps,
+                                       coupling_method=coupling, include_diagonal=include_diagonal, seed=seed))
+            typer.echo(f"{d}: gain {res['gain']['value']:+.4f}, VAT abs {res['vat']['absolute']}, "
+                       f"nVAT {res['nvat']:.3f}")
+    except AligntaxError as exc:
+        _fail(exc)
 
 
 @app.command("values")

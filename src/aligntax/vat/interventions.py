@@ -409,7 +409,7 @@ def train_lora_sft(lm, train_items: Sequence[ValueItem], target: str, out_dir: s
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(str(out))
@@ -433,7 +433,9 @@ def train_dpo(lm, train_items: Sequence[ValueItem], target: str, out_dir: str | 
     import tempfile
 
     from datasets import Dataset
+    from datasets.utils import logging as datasets_logging
     from peft import LoraConfig
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import DPOConfig, DPOTrainer
 
     judge_cfg = judge_cfg or JudgeConfig()
@@ -460,13 +462,19 @@ def train_dpo(lm, train_items: Sequence[ValueItem], target: str, out_dir: str | 
             gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(), seed=seed,
             max_length=1024, disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0,
             dataloader_num_workers=0)
-        trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
-                             peft_config=LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
-                                                    target_modules=mods, task_type="CAUSAL_LM"))
+        bars_were_on = datasets_logging.is_progress_bar_enabled()
+        datasets_logging.disable_progress_bar()
         try:
+            trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
+                                 peft_config=LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                        target_modules=mods, task_type="CAUSAL_LM"))
+            for cb in (PrinterCallback, ProgressCallback):
+                trainer.remove_callback(cb)
             result = trainer.train()
         finally:
             tok.padding_side = saved_side
+            if bars_were_on:
+                datasets_logging.enable_progress_bar()
         trainer.model.save_pretrained(str(out))
         history = [h for h in trainer.state.log_history if "loss" in h]
     _write_meta(out, lm, {"method": "dpo", "target": t, "steps": steps, "lr": lr, "beta": beta, "r": r,

@@ -147,8 +147,9 @@ def load_value_action_lens(path: str | Path | None = None, *, context_template: 
                            skip_unparsed: bool = True) -> list[ValueItem]:
     """Load the ValueActionLens CSV (14,784 rows: country, topic, value = SVS item, polarity,
     generation_prompt). The SVS item is mapped to its basic value; the action is the "Human Action" of
-    the JSON in ``generation_prompt``; the context is built from country and topic. Rows whose action
-    cannot be parsed are skipped (``skip_unparsed``) or raise ``DataError``."""
+    the JSON in ``generation_prompt``; the context is built from country and topic. Item ids are
+    ``val-<data row number, from 0>`` (the file's own index columns repeat). Rows whose action cannot be
+    parsed (the generator's refusals) are skipped (``skip_unparsed``) or raise ``DataError``."""
     if path is None:
         from aligntax.paths import shared_data_dir
 
@@ -174,10 +175,9 @@ def load_value_action_lens(path: str | Path | None = None, *, context_template: 
                 continue
             raise DataError(f"{where}no 'Human Action' in generation_prompt")
         basic, svs = parse_value(row["value"], where)
-        rid = (row.get("") or row.get("Unnamed: 0") or str(i)).strip() or str(i)
         country, topic = row["country"].strip(), row["topic"].strip()
         items.append(ValueItem(
-            id=f"val-{rid}", context=context_template.format(country=_country_phrase(country), topic=topic),
+            id=f"val-{i}", context=context_template.format(country=_country_phrase(country), topic=topic),
             action=action, value=basic, polarity=parse_polarity(row["polarity"], where),
             svs_item=svs or str(row["value"]).strip(), scene=f"{country} / {topic}", country=country,
             topic=topic, source="value-action-lens"))
@@ -316,7 +316,7 @@ VAT_HUB_ID = "Tinyhope/Value_Alignment_Tax"
 # Candidate column names per field, tried in order (the dataset card is the authority: pass
 # ``fields=`` when they differ).
 VAT_FIELD_CANDIDATES: dict[str, tuple[str, ...]] = {
-    "context": ("scenario", "context", "scene_description", "situation", "scene"),
+    "context": ("scenario", "context", "scene_description", "situation"),
     "action": ("action", "Human Action", "human_action", "action_text", "behavior"),
     "value": ("value", "svs_value", "value_name"),
     "polarity": ("polarity", "label", "direction"),

@@ -181,6 +181,30 @@ def nvat(R: np.ndarray, include_diagonal: bool = False) -> float:
     return float(np.sqrt((R ** 2).sum()) / math.sqrt(R.shape[0]))
 
 
+def nvat_null(table: pd.DataFrame, reps: int = 200, seed: int = 0, method: str = "spearman",
+              min_groups: int = 4, include_diagonal: bool = False) -> dict:
+    """The nVAT expected with no coupling at all: each value's column of the scene-shift table is
+    permuted independently across scenes (NaN cells stay in place) and nVAT recomputed. With few
+    scenes, sampling noise alone gives a large nVAT (about sqrt(9 / (n_scenes - 1)) for 10 values), so
+    compare the observed nVAT with this null: returns the observed value, the null mean and 95th
+    percentile, and p = (1 + #{null >= observed}) / (1 + reps)."""
+    obs = nvat(coupling_matrix(table, method, min_groups), include_diagonal)
+    rng = np.random.default_rng(seed)
+    X = table.to_numpy(dtype=float)
+    null = np.empty(reps)
+    for i in range(reps):
+        Y = X.copy()
+        for j in range(Y.shape[1]):
+            ok = np.where(np.isfinite(Y[:, j]))[0]
+            Y[ok, j] = Y[rng.permutation(ok), j]
+        null[i] = nvat(coupling_matrix(pd.DataFrame(Y, columns=table.columns), method, min_groups),
+                       include_diagonal)
+    return {"observed": obs, "null_mean": float(null.mean()) if reps else None,
+            "null_q95": float(np.percentile(null, 95)) if reps else None,
+            "p_value": float((1 + (null >= obs - 1e-12).sum()) / (1 + reps)) if reps else None,
+            "reps": reps, "null": "columns permuted independently across scenes"}
+
+
 def hubs(R: np.ndarray, order: Sequence[str] = VALUES, top: int = 3) -> dict:
     """Hub values of the coupling matrix: row strength s_j = sum_{k != j} |R_jk| and eigenvector
     centrality (leading eigenvector of the off-diagonal |R|, scaled to max 1)."""
@@ -356,39 +380,67 @@ def per_value_tests(d, values, order: Sequence[str] = VALUES, test: str = "signf
 # ----------------------------------------------------------------- bootstrap
 def bootstrap_intervals(d, values, groups, target: str, reps: int = 500, fraction: float = 0.8,
                         replace: bool = False, seed: int = 0, order: Sequence[str] = VALUES,
-                        level: float = 0.95, eps: float = DEFAULT_EPS) -> dict:
-    """Percentile intervals of the gain, each drift and the VAT scalars over resampled scenes: each
-    repetition draws ``fraction`` of the scene groups (without replacement by default, i.e. an
-    80% subsample; ``replace=True`` gives a classic bootstrap of that size) and recomputes everything
-    from the items of those scenes."""
+                        level: float = 0.95, eps: float = DEFAULT_EPS, rescale: bool = True) -> dict:
+    """Intervals of the gain, each drift and the VAT scalars from resampled scenes. Each repetition
+    draws m = ``fraction`` x n of the n scene groups (without replacement by default: an 80% subsample;
+    ``replace=True``: a bootstrap sample of size m) and recomputes everything from their items.
+
+    A subsample of 80% varies much less than the full-sample estimate does, so by default
+    (``rescale=True``) the deviations theta_b - theta_hat are scaled to the full sample before taking
+    percentiles: by sqrt(m / (n - m)) without replacement (the subsampling / finite-population factor,
+    = 2 at 80%) and by sqrt(m / n) with replacement, giving an interval theta_hat + c * [q_lo, q_hi].
+    ``rescale=False`` returns the raw percentiles of the subsample estimates (the spread across 80%
+    subsamples, a stability check rather than a confidence interval)."""
     d, values, groups = np.asarray(d, dtype=float), np.asarray(values), np.asarray(groups)
     uniq = np.unique(groups)
+    n = len(uniq)
+    size = max(1, int(round(fraction * n)))
+    if not replace and size >= n:
+        size = n - 1
+    out = {"reps": reps, "fraction": fraction, "replace": replace, "n_groups": int(n), "level": level,
+           "subsample_size": size, "rescaled": rescale}
+    if n < 2 or size < 1 or reps <= 0:
+        return {**out, "gain": None, "drift": {v: None for v in order}, "vat_signed": None,
+                "vat_absolute": None, "scale": None}
+    c = (math.sqrt(size / (n - size)) if not replace else math.sqrt(size / n)) if rescale else 1.0
+    out["scale"] = c
     rng = np.random.default_rng(seed)
-    size = max(1, int(round(fraction * len(uniq))))
     idx_by_group = {g: np.where(groups == g)[0] for g in uniq}
+
+    def stats(dd, vv):
+        g = gain(dd, vv, target)
+        dr = drifts(dd, vv, order)
+        t = vat(dr, g, target, eps)
+        return g, dr, (np.nan if t["signed"] is None else t["signed"]), (
+            np.nan if t["absolute"] is None else t["absolute"])
+
+    g0, dr0, vs0, va0 = stats(d, values)
     G, Dj, VS, VA = [], {v: [] for v in order}, [], []
     for _ in range(reps):
         pick = rng.choice(uniq, size=size, replace=replace)
         idx = np.concatenate([idx_by_group[g] for g in pick])
-        dd, vv = d[idx], values[idx]
-        g = gain(dd, vv, target)
-        dr = drifts(dd, vv, order)
+        g, dr, vs, va = stats(d[idx], values[idx])
         G.append(g)
         for v in order:
             Dj[v].append(dr[v])
-        t = vat(dr, g, target, eps)
-        VS.append(np.nan if t["signed"] is None else t["signed"])
-        VA.append(np.nan if t["absolute"] is None else t["absolute"])
+        VS.append(vs)
+        VA.append(va)
     lo, hi = (1 - level) / 2 * 100, (1 + level) / 2 * 100
 
-    def ci(xs) -> list[float] | None:
+    def ci(xs, point) -> list[float] | None:
         xs = np.asarray(xs, dtype=float)
         xs = xs[np.isfinite(xs)]
-        return [float(np.percentile(xs, lo)), float(np.percentile(xs, hi))] if xs.size else None
+        if not xs.size:
+            return None
+        if not rescale:
+            return [float(np.percentile(xs, lo)), float(np.percentile(xs, hi))]
+        if point is None or not math.isfinite(point):
+            return None
+        dev = xs - point
+        return [float(point + c * np.percentile(dev, lo)), float(point + c * np.percentile(dev, hi))]
 
-    return {"gain": ci(G), "drift": {v: ci(Dj[v]) for v in order}, "vat_signed": ci(VS),
-            "vat_absolute": ci(VA), "reps": reps, "fraction": fraction, "replace": replace,
-            "n_groups": int(len(uniq)), "level": level}
+    return {**out, "gain": ci(G, g0), "drift": {v: ci(Dj[v], dr0[v]) for v in order},
+            "vat_signed": ci(VS, vs0), "vat_absolute": ci(VA, va0)}
 
 
 # ----------------------------------------------------------------- robustness

@@ -35,6 +35,21 @@ def _ci(ci) -> str:
     return "" if not ci else f" [{ci[0]:+.3f}, {ci[1]:+.3f}]"
 
 
+def _boot_text(b: dict) -> str:
+    if not b:
+        return "No intervals (bootstrap off)."
+    kind = "with" if b.get("replace") else "without"
+    txt = (f"Intervals: {b.get('reps')} resamples of {b.get('subsample_size')} of {b.get('n_groups')} scenes "
+           f"({kind} replacement)")
+    if b.get("rescaled"):
+        return txt + f", deviations rescaled to the full sample (x{b.get('scale', 0):.2f})."
+    return txt + ", raw percentiles (subsample spread, not a confidence interval)."
+
+
+def _null_p(p) -> str:
+    return "" if p is None else f" (p {p:.3f})"
+
+
 def _intervention_label(results: dict) -> str:
     iv = (results.get("config") or {}).get("intervention") or {}
     return str(iv.get("name") or "?")
@@ -78,7 +93,7 @@ def plot_radar(results: dict, path: str | Path) -> Path:
     ax.legend(loc="lower right", bbox_to_anchor=(1.15, -0.1), fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -88,8 +103,7 @@ def plot_coupling(results: dict, path: str | Path) -> Path:
     order = results.get("values", list(VALUES))
     R = np.array([[np.nan if x is None else x for x in row] for row in results["coupling"]], dtype=float)
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
-    cmap = plt.get_cmap("RdBu_r").copy()
-    cmap.set_bad("#dddddd")
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#dddddd")
     im = ax.imshow(np.ma.masked_invalid(R), cmap=cmap, vmin=-1, vmax=1)
     codes = [CODES.get(v, v[:2]) for v in order]
     ax.set_xticks(range(len(order)), codes)
@@ -106,7 +120,7 @@ def plot_coupling(results: dict, path: str | Path) -> Path:
                  f"{results.get('n_groups', '?')} scenes); nVAT = {_f(results.get('nvat'))}", fontsize=9)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -147,6 +161,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
     hubs = results.get("hubs", {})
     rob = results.get("robustness", {})
     judge = cfg.get("judge", {})
+    nn = results.get("nvat_null") or {}
     lines = [
         f"# Value Alignment Tax: {_intervention_label(results)} -> {results['target']}",
         "",
@@ -163,7 +178,9 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
         f"- VAT signed = {_f(v.get('signed'))}{_ci(v.get('ci95_signed'))}, "
         f"absolute = {_f(v.get('absolute'))}{_ci(v.get('ci95_absolute'))}"
         + (f" ({v['reason']})" if v.get("reason") else ""),
-        f"- nVAT = {_f(results.get('nvat'))} (diagonal {results.get('nvat_diagonal')})",
+        f"- nVAT = {_f(results.get('nvat'))} (diagonal {results.get('nvat_diagonal')})"
+        + (f"; no-coupling null: mean {_f(nn.get('null_mean'))}, 95th pct {_f(nn.get('null_q95'))}, "
+           f"p = {nn.get('p_value'):.3f}" if nn.get("p_value") is not None else ""),
         f"- circumplex (Mantel) test: statistic = {_f(ct.get('statistic'))}, p = "
         f"{_f(ct.get('p_value'))[1:] if ct.get('p_value') is not None else 'n/a'} "
         f"({ct.get('method')} of R vs {ct.get('distance')}, alternative {ct.get('alternative')}, "
@@ -176,8 +193,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
         "## Per value",
         "",
         "e = polarity x (score - midpoint), mean over the value's items; D = mean shift e_post - e_pre; "
-        "GND = D / |G_T|. Intervals: percentile bootstrap over "
-        f"{int(100 * ((results.get('bootstrap') or {}).get('fraction') or 0))}% scene subsamples. "
+        "GND = D / |G_T|. " + _boot_text(results.get("bootstrap") or {}) + " "
         "q: Benjamini-Hochberg over the 10 values (* = significant).",
         "",
         value_table(results),
@@ -215,6 +231,7 @@ def compare(dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> Co
             "vat_signed": r["vat"].get("signed"), "vat_absolute": r["vat"].get("absolute"),
             "vat_absolute_ci95": r["vat"].get("ci95_absolute"),
             "off_target_abs_sum": r["vat"].get("off_target_abs_sum"), "nvat": r.get("nvat"),
+            "nvat_null_p": (r.get("nvat_null") or {}).get("p_value"),
             "circumplex_stat": (r.get("circumplex_test") or {}).get("statistic"),
             "circumplex_p": (r.get("circumplex_test") or {}).get("p_value"), "n_items": r.get("n_items"),
         })
@@ -243,14 +260,16 @@ def compare(dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> Co
     ax.legend(fontsize=8)
     fig.tight_layout()
     png = out / "gain_vs_tax.png"
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    md = ["| run | intervention | target | gain [95% CI] | VAT signed | VAT absolute [95% CI] | nVAT | "
-          "circumplex stat (p) | n |", "|---|---|---|---|---:|---|---:|---|---:|"]
+    md = ["| run | intervention | target | gain [95% CI] | VAT signed | VAT absolute [95% CI] | nVAT (null p) | "
+          "circumplex stat (p) | n |", "|---|---|---|---|---:|---|---|---|---:|"]
     for r in rows:
         md.append(f"| {r['run']} | {r['intervention']} | {r['target']} | {_f(r['gain'])}{_ci(r['gain_ci95'])} | "
                   f"{_f(r['vat_signed'])} | {_f(r['vat_absolute'])}{_ci(r['vat_absolute_ci95'])} | "
-                  f"{_f(r['nvat'])} | {_f(r['circumplex_stat'])} "
+                  f"{_f(r['nvat'])}"
+                  f"{_null_p(r['nvat_null_p'])} | "
+                  f"{_f(r['circumplex_stat'])} "
                   f"({'n/a' if r['circumplex_p'] is None else format(r['circumplex_p'], '.3f')}) | "
                   f"{r['n_items']} |")
     mdp = out / "compare.md"

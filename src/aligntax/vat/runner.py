@@ -39,7 +39,9 @@ class VATConfig:
     bootstrap_reps: int = 500
     bootstrap_fraction: float = 0.8
     bootstrap_replace: bool = False
+    bootstrap_rescale: bool = True  # scale subsample deviations to the full sample (see metrics)
     n_perm: int = 999  # Mantel permutations
+    nvat_null_reps: int = 200  # permutations for the no-coupling nVAT baseline (0: skip)
     test: str = "signflip"  # per-value test of D_j = 0: "signflip" or "ttest"
     alpha: float = 0.05  # BH false discovery rate
     coupling_method: str = "spearman"
@@ -133,7 +135,8 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
     off = {v: dr[v] for v in VALUES if v != target}
     boot = M.bootstrap_intervals(d, values, groups, target, reps=cfg.bootstrap_reps,
                                  fraction=cfg.bootstrap_fraction, replace=cfg.bootstrap_replace,
-                                 seed=cfg.seed, eps=cfg.eps) if cfg.bootstrap_reps > 0 else None
+                                 seed=cfg.seed, eps=cfg.eps, rescale=cfg.bootstrap_rescale
+                                 ) if cfg.bootstrap_reps > 0 else None
     table = M.scene_shift_table(d, values, groups)
     R = M.coupling_matrix(table, cfg.coupling_method, cfg.min_groups)
     D = distance_matrix(cfg.circle_convention)
@@ -167,12 +170,14 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
         "coupling_diagonal": "1 on the diagonal (self-correlation), NaN -> null where undefined",
         "nvat": M.nvat(R, cfg.include_diagonal),
         "nvat_diagonal": "included" if cfg.include_diagonal else "excluded (off-diagonal entries only)",
+        "nvat_null": (M.nvat_null(table, cfg.nvat_null_reps, cfg.seed, cfg.coupling_method, cfg.min_groups,
+                                  cfg.include_diagonal) if cfg.nvat_null_reps > 0 else None),
         "hubs": M.hubs(R),
         "circumplex_test": mantel,
         "tests": {"method": cfg.test, "alpha": cfg.alpha, "correction": "Benjamini-Hochberg",
                   "per_value": tests},
-        "bootstrap": ({k: boot[k] for k in ("reps", "fraction", "replace", "n_groups", "level")}
-                      if boot else None),
+        "bootstrap": ({k: boot[k] for k in ("reps", "fraction", "replace", "n_groups", "level",
+                                            "subsample_size", "rescaled", "scale")} if boot else None),
         "robustness": {
             **M.coupling_robustness(table, cfg.min_groups),
             "svs_weighted_drift": svs,
@@ -266,3 +271,31 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
 
         write_report(results, out)
     return results
+
+
+def rescore(out_dir: str | Path, cfg: VATConfig | None = None) -> dict:
+    """Recompute ``results.json`` (and the report) of a finished run from its ``items.jsonl`` with new
+    metric settings (bootstrap, permutations, eps, coupling method...), without the model. The judge
+    configuration and model identity are kept from the run."""
+    out = Path(out_dir)
+    old_file = out / "results.json"
+    if not (out / "items.jsonl").is_file() or not old_file.is_file():
+        raise AligntaxError(f"{out} is not a finished VAT run (needs items.jsonl and results.json)")
+    old = json.loads(old_file.read_text())
+    cfg = cfg or VATConfig()
+    jd = dict(old.get("config", {}).get("judge") or {})
+    if jd:
+        sc = jd.pop("scale", {})
+        cfg.judge = JudgeConfig(scale=LikertScale(**sc) if sc else LikertScale(), **jd)
+    rows = read_rows(out / "items.jsonl")
+    res = compute_results(rows, old["target"], cfg.judge.scale, cfg)
+    res["config"] = _clean({**cfg.to_dict(), "extra": old.get("config", {}).get("extra", {}),
+                            "intervention": old.get("config", {}).get("intervention")})
+    res["model_fingerprint"] = old.get("model_fingerprint")
+    res["timing"] = old.get("timing")
+    old_file.write_text(json.dumps(res, indent=2))
+    if cfg.report:
+        from aligntax.vat.report import write_report
+
+        write_report(res, out)
+    return res

@@ -1,0 +1,174 @@
+"""The batching engine without HTTP: incremental decoding, stop strings, batch limits and grouping,
+back-pressure, draining, and independence from the model's own generation_config."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+
+import pytest
+import torch
+
+from aligntax.serve.engine import (
+    BatchEngine,
+    Delta,
+    EngineClosed,
+    EngineOverloaded,
+    Failed,
+    Finished,
+    IncrementalDetokenizer,
+    Job,
+    SamplingParams,
+    StopMatcher,
+)
+from serve_tiny import AddVector, tiny_lm
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_lm()
+    torch.set_num_threads(threads)
+
+
+def _ids(lm, text: str) -> list[int]:
+    tok = lm.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                     tokenize=False)
+    return tok(prompt, add_special_tokens=False)["input_ids"]
+
+
+def _run(engine: BatchEngine, jobs: list[Job], pause: bool = False) -> list[tuple[object, str]]:
+    """Submit jobs (all queued before the worker may start when ``pause``); return (final event, deltas)."""
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        if pause:
+            engine.pause()
+        try:
+            for j in jobs:
+                j.loop, j.events = loop, asyncio.Queue()
+                engine.submit(j)
+        finally:
+            engine.resume()
+        out = []
+        for j in jobs:
+            deltas = []
+            while True:
+                ev = await asyncio.wait_for(j.events.get(), 60)
+                if isinstance(ev, Delta):
+                    deltas.append(ev.text)
+                else:
+                    out.append((ev, "".join(deltas)))
+                    break
+        return out
+
+    return asyncio.run(go())
+
+
+def test_incremental_detokenizer_matches_full_decode(lm):
+    tok = lm.tokenizer
+    rng = random.Random(0)
+    vocab = len(tok)
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
+        detok = IncrementalDetokenizer(tok)
+        parts = [detok.push(i) for i in ids]
+        assert all(not p.endswith("\ufffd") for p in parts)  # never emits a half character mid-stream
+        assert "".join(parts) + detok.flush() == tok.decode(ids, skip_special_tokens=True)
+    # a multi-byte character sent one byte token at a time comes out whole
+    byte_ids = [tok.convert_tokens_to_ids(c) for c in "ðŁĻĤ"]  # byte-level symbols of the UTF-8 of 🙂
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push(i) for i in byte_ids] == ["", "", "", "🙂"]
+
+
+def test_stop_matcher_holds_back_partial_stops():
+    m = StopMatcher(["END", "xy"])
+    assert m.feed("abcE") == ("abc", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("Dzzz") == ("", True)
+    assert m.text == "abc"
+    m = StopMatcher(["END"])
+    assert m.feed("abE") == ("ab", False)
+    assert m.feed("x") == ("Ex", False)
+    assert m.feed("E") == ("", False)
+    assert m.flush() == "E" and m.text == "abExE"
+    m = StopMatcher([])
+    assert m.feed("hello") == ("hello", False)
+
+
+def test_batches_respect_max_size_and_mixing(lm):
+    engine = BatchEngine(lm, AddVector(lm.hidden_size), max_batch_size=4, batch_wait_ms=50)
+    jobs = [Job(_ids(lm, f"question {i}"), GREEDY) for i in range(10)]
+    res = _run(engine, jobs, pause=True)
+    assert dict(engine.metrics.batch_sizes) == {4: 2, 2: 1}
+    assert all(isinstance(ev, Finished) and ev.completion_tokens == 12 for ev, _ in res)
+    engine.shutdown()
+
+    alone = _run(BatchEngine(lm, AddVector(lm.hidden_size)), [Job(_ids(lm, "hi"), GREEDY)])[0][0].text
+    separate = BatchEngine(lm, AddVector(lm.hidden_size), batch_wait_ms=50, mix_steered=False)
+    jobs = [Job(_ids(lm, "hi"), GREEDY, steer=bool(i % 2)) for i in range(6)]
+    res = _run(separate, jobs, pause=True)
+    assert dict(separate.metrics.batch_sizes) == {3: 2}
+    assert separate.metrics.steered_rows == 3
+    texts = [ev.text for ev, _ in res]
+    assert texts[0::2] == [alone] * 3 and texts[1::2] != [alone] * 3
+    separate.shutdown()
+
+
+def test_streaming_rows_and_plain_rows_agree(lm):
+    engine = BatchEngine(lm, None, batch_wait_ms=50)
+    ids = _ids(lm, "Café 🙂 naïve")
+    params = SamplingParams(max_tokens=20, temperature=0)
+    (plain, _), (streamed, deltas) = _run(engine, [Job(ids, params), Job(ids, params, stream=True)], pause=True)
+    assert plain.text == streamed.text == deltas
+    engine.shutdown()
+
+
+def test_queue_limit_and_closed_engine(lm):
+    engine = BatchEngine(lm, None, max_queue=2)
+    engine.start()
+    engine.pause()
+    submitted = []
+    with pytest.raises(EngineOverloaded):
+        for _ in range(10):
+            submitted.append(engine.submit(Job(_ids(lm, "hi"), GREEDY)))
+    assert 2 <= len(submitted) <= 3
+    engine.resume()
+    engine.shutdown(drain=True, timeout=60)
+    assert all(j.done for j in submitted)
+    with pytest.raises(EngineClosed):
+        engine.submit(Job(_ids(lm, "hi"), GREEDY))
+
+
+def test_engine_ignores_model_generation_config_sampling_options(lm):
+    ids = _ids(lm, "Hello there")
+    engine = BatchEngine(lm, None)
+    before = _run(engine, [Job(ids, GREEDY)])[0][0].text
+    engine.shutdown()
+    saved = copy.deepcopy(lm.model.generation_config)
+    try:
+        gc = lm.model.generation_config
+        gc.repetition_penalty, gc.no_repeat_ngram_size, gc.min_new_tokens = 5.0, 1, 8
+        gc.do_sample, gc.temperature, gc.top_k = True, 0.3, 3
+        engine = BatchEngine(lm, None)
+        after = _run(engine, [Job(ids, GREEDY)])[0][0].text
+        engine.shutdown()
+    finally:
+        lm.model.generation_config = saved
+    assert after == before
+
+
+def test_failed_batch_is_retried_per_request(lm):
+    engine = BatchEngine(lm, AddVector(lm.hidden_size, fail_strength=13.0), batch_wait_ms=50)
+    jobs = [Job(_ids(lm, "hi"), GREEDY, steer=True, strength=13.0), Job(_ids(lm, "hi"), GREEDY),
+            Job(_ids(lm, "hi"), GREEDY, steer=True, strength=1.0)]
+    res = _run(engine, jobs, pause=True)
+    assert isinstance(res[0][0], Failed) and "test intervention failure" in res[0][0].message
+    assert isinstance(res[1][0], Finished) and isinstance(res[2][0], Finished)
+    assert engine.alive
+    engine.shutdown()
