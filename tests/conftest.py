@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny randomly initialised chat models built from a config, and data paths."""
+"""Shared fixtures: tiny randomly initialised chat models built from a config, one intra-op thread,
+and data paths."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from aligntax.models.embedded import converted_dir, is_fetched
 from aligntax.paths import shared_data_dir
+from tiny import make_tiny_lm
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 
@@ -25,28 +27,22 @@ def qwen_tokenizer():
     return tok
 
 
-def make_tiny_lm(tokenizer, arch: str = "qwen2", layers: int = 2, hidden: int = 64, seed: int = 0,
-                 dtype=torch.float32):
-    """A randomly initialised decoder-only LM of the given architecture, wrapped as a LoadedModel."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from aligntax.models.loader import LoadedModel, model_fingerprint
-
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(arch, vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=512, tie_word_embeddings=True,
-                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=f"tiny-{arch}", source="config",
-                       fingerprint=model_fingerprint(model, tokenizer, f"tiny-{arch}"))
-
-
 @pytest.fixture()
 def tiny_lm(qwen_tokenizer):
     return make_tiny_lm(qwen_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a
+    small shared machine, OpenMP barriers across busy cores make every step of a tiny model wait for a
+    descheduled thread (10x slower, and noisy timings)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

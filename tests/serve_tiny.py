@@ -20,12 +20,8 @@ from aligntax.interventions.base import (
     steered_slice,
 )
 from aligntax.models.layers import decoder_layers
-from aligntax.models.loader import LoadedModel, prepare_tokenizer
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from aligntax.models.loader import LoadedModel
+from tiny import CHATML_TEMPLATE, fast_tokenizer, make_tiny_lm
 
 _CORPUS = [
     "Hello there, how are you today? I am fine, thank you.",
@@ -39,7 +35,6 @@ _CORPUS = [
 
 def tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -50,29 +45,15 @@ def tiny_tokenizer():
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(_CORPUS * 4, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = CHAT_TEMPLATE
-    tok.padding_side = "left"
-    return tok
+    return fast_tokenizer(bpe, CHATML_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def tiny_lm(seed: int = 0) -> LoadedModel:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tok = tiny_tokenizer()
-    cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, initializer_range=0.2,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    prepare_tokenizer(tok, model)
-    return LoadedModel(model=model, tokenizer=tok, spec="test:tiny-qwen2", source="memory",
-                       fingerprint={"spec": "test:tiny-qwen2", "embedding_digest": "0123456789abcdef"})
+    """A 2-layer Qwen2 with hidden size 64 around :func:`tiny_tokenizer`, with a fixed fingerprint."""
+    return make_tiny_lm(tiny_tokenizer(), "qwen2", layers=2, hidden=64, seed=seed, dtype=None,
+                        spec="test:tiny-qwen2", source="memory", prepare=True,
+                        fingerprint={"spec": "test:tiny-qwen2", "embedding_digest": "0123456789abcdef"},
+                        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None)
 
 
 class AddVector(Intervention):

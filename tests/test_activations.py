@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 try:
-    from tests.tiny import PROMPTS, single_thread, tiny_lm, tiny_model
+    from tests.tiny import PROMPTS, tiny_lm, tiny_model
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from tiny import PROMPTS, single_thread, tiny_lm, tiny_model
+    from tiny import PROMPTS, tiny_lm, tiny_model
 
 from aligntax.activations import (
     ActivationCache,
@@ -25,7 +25,7 @@ from aligntax.activations import (
 from aligntax.errors import AligntaxError, CompatibilityError
 from aligntax.models import decoder_layers, hidden_size, num_layers
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def lm():

@@ -7,11 +7,6 @@ import json
 import pytest
 import torch
 
-try:
-    from tests.tiny import single_thread
-except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from tiny import single_thread
-
 from aligntax.energy import (
     EnergyBank,
     EnergyConfig,
@@ -25,7 +20,7 @@ from aligntax.energy import (
 )
 from aligntax.errors import AligntaxError, CompatibilityError, DataError
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 D = 16
 FP = {"spec": "tiny-a", "model_type": "qwen2", "num_layers": 3, "hidden_size": D, "vocab_size": 300,

@@ -127,3 +127,31 @@ def test_summary_rates_and_intervals():
     assert lo < 0.9 < hi and (round(lo, 3), round(hi, 3)) == (0.596, 0.982)
     assert s["datasets"]["b"]["harmful"]["n"] == 4 and "benign" not in s["datasets"]["b"]
     assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+
+
+def test_rejudge_rewrites_verdicts(tmp_path, tiny_lm):
+    from aligntax.judges import get_judge
+    from aligntax.runs import EvalConfig, run_eval
+    from aligntax.runs.eval import rejudge
+
+    data = _prompts(tmp_path, n=6)
+    out = tmp_path / "r"
+    run_eval(EvalConfig(data=[str(data)], out=str(out), judge="keyword", max_new_tokens=4, progress=False),
+             lm=tiny_lm, judge=get_judge("keyword"))
+    before = read_jsonl(out / "samples.jsonl")
+
+    class AlwaysRefuses:
+        name = "always"
+
+        def judge(self, prompts, responses):
+            from aligntax.judges import Verdict
+
+            return [Verdict(True, 1.0) for _ in prompts]
+
+    res = rejudge(out, "always", judge=AlwaysRefuses())
+    after = read_jsonl(out / "samples.jsonl")
+    assert [r["id"] for r in after] == [r["id"] for r in before]
+    assert [r["response"] for r in after] == [r["response"] for r in before]
+    assert all(r["refused"] and r["judge"] == "always" for r in after)
+    assert res["benign"]["compliance_rate"] == 0.0 and res["harmful"]["refusal_rate"] == 1.0
+    assert json.loads((out / "config.json").read_text())["judge"] == "always"

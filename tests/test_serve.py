@@ -12,7 +12,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 
 from aligntax.serve import create_app
@@ -56,13 +55,8 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def lm():
-    # One intra-op thread: on a small shared machine, OpenMP barriers across busy cores make every
-    # step of the tiny model wait for a descheduled thread (10x slower, and noisy timings).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_lm()
-    torch.set_num_threads(threads)
+def lm(one_thread):
+    return tiny_lm()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import copy
 import random
 
 import pytest
-import torch
 
 from aligntax.serve.engine import (
     BatchEngine,
@@ -28,11 +27,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def lm():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_lm()
-    torch.set_num_threads(threads)
+def lm(one_thread):
+    return tiny_lm()
 
 
 def _ids(lm, text: str) -> list[int]:

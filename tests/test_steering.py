@@ -6,9 +6,9 @@ import pytest
 import torch
 
 try:
-    from tests.tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, single_thread, tiny_lm
+    from tests.tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, tiny_lm
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, single_thread, tiny_lm
+    from tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, tiny_lm
 
 from aligntax.activations import capture, position_ids_from_mask
 from aligntax.energy import EnergyBank, EnergyConfig, EnergyModel, train_layers
@@ -34,7 +34,7 @@ from aligntax.models import decoder_layers
 H = 32
 
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def lm():

@@ -44,7 +44,7 @@ from aligntax.vat.judge import (
 # ================================================================= fixtures
 @pytest.fixture(scope="module")
 def tiny():
-    from aligntax.vat.tiny import tiny_lm
+    from vat_tiny import tiny_lm
 
     return tiny_lm(seed=0)
 

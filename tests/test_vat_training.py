@@ -15,7 +15,7 @@ from aligntax.vat.judge import JudgeConfig, LikertScale, Variant, judgment_promp
 
 @pytest.fixture(scope="module")
 def setup():
-    from aligntax.vat.tiny import tiny_lm
+    from vat_tiny import tiny_lm
 
     lm = tiny_lm(seed=1)
     ev, tr = split_items(load_builtin(), 0.2, seed=0)

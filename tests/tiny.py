@@ -1,7 +1,9 @@
 """Tiny, randomly initialised chat models for fast tests (no downloads, no caches).
 
 A byte-level tokenizer (one token per byte, a few special tokens and a simple chat template) and
-tiny Llama / Qwen2 / Gemma / Gemma2 / Mistral models built from a config.
+tiny Llama / Qwen2 / Gemma / Gemma2 / Mistral models built from a config; :func:`make_tiny_lm` and
+:func:`fast_tokenizer`, which the other tiny builders (``serve_tiny``, ``vat_tiny``, ``conftest``)
+share.
 """
 
 from __future__ import annotations
@@ -12,10 +14,26 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# The ChatML layout (Qwen's), for the tokenizers of serve_tiny and vat_tiny.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 VOCAB = 300
 
 _TOKENIZER = None
+
+
+def fast_tokenizer(backend, chat_template: str, **tokens):
+    """A ``PreTrainedTokenizerFast`` around a ``tokenizers.Tokenizer``, with ``tokens`` (pad_token=,
+    eos_token=, ...), the chat template and left padding."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **tokens)
+    tok.chat_template = chat_template
+    tok.padding_side = "left"
+    return tok
 
 
 def tiny_tokenizer():
@@ -24,7 +42,6 @@ def tiny_tokenizer():
     if _TOKENIZER is None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
         from tokenizers.pre_tokenizers import ByteLevel
-        from transformers import PreTrainedTokenizerFast
 
         vocab = {s: i for i, s in enumerate(SPECIALS)}
         for ch in sorted(ByteLevel.alphabet()):
@@ -33,8 +50,7 @@ def tiny_tokenizer():
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(SPECIALS)
-        _TOKENIZER = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                             chat_template=CHAT_TEMPLATE)
+        _TOKENIZER = fast_tokenizer(tok, CHAT_TEMPLATE, pad_token="<pad>", eos_token="<eos>")
     _TOKENIZER.padding_side = "left"
     return _TOKENIZER
 
@@ -85,6 +101,34 @@ def tiny_lm(arch: str = "qwen2", hidden: int = 32, layers: int = 3, seed: int = 
     tok = tiny_tokenizer()
     return LoadedModel(model=model, tokenizer=tok, spec=f"tiny-{arch}", source="tiny",
                        fingerprint=model_fingerprint(model, tok, f"tiny-{arch}"))
+
+
+def make_tiny_lm(tokenizer, arch: str = "qwen2", layers: int = 2, hidden: int = 64, seed: int = 0,
+                 dtype=torch.float32, *, spec: str | None = None, source: str = "config",
+                 fingerprint: dict | None = None, prepare: bool = False, **config):
+    """A randomly initialised decoder-only LM of the given architecture, sized to ``tokenizer``, wrapped
+    as a LoadedModel (spec ``tiny-<arch>`` unless given; fingerprint computed unless given).
+
+    ``config`` adds or overrides config fields (default: 512 positions, tied embeddings); ``prepare``
+    runs ``prepare_tokenizer`` on the tokenizer and model. ``dtype=None``: torch's default dtype, with
+    the config's ``dtype`` left unset."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from aligntax.models.loader import LoadedModel, model_fingerprint, prepare_tokenizer
+
+    torch.manual_seed(seed)
+    config = {"max_position_embeddings": 512, "tie_word_embeddings": True, **config}
+    cfg = AutoConfig.for_model(arch, vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **config)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if prepare:
+        prepare_tokenizer(tokenizer, model)
+    spec = spec or f"tiny-{arch}"
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=source,
+                       fingerprint=fingerprint or model_fingerprint(model, tokenizer, spec))
 
 
 PROMPTS = [
@@ -141,13 +185,3 @@ def record_block_inputs(model, layers=None):
 def hook_counts(model) -> int:
     """Total number of forward (pre-)hooks on the model's modules."""
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
-
-
-def single_thread():
-    """Generator for an autouse fixture: tiny models run faster on one thread on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

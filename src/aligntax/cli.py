@@ -254,6 +254,22 @@ def eval_cmd(
     console.print(f"run folder: {cfg.out}")
 
 
+@app.command()
+def rejudge(
+    run: Path = typer.Argument(..., help="an evaluation run folder"),
+    judge_name: str | None = typer.Option(None, "--judge", help="default: the run's own judge"),
+) -> None:
+    """Judge an existing run's responses again and rewrite its samples, results and report."""
+    from aligntax.reports import eval_table
+    from aligntax.runs.eval import rejudge as rejudge_run
+
+    try:
+        results = rejudge_run(run, judge_name)
+    except AligntaxError as exc:
+        _fail(exc)
+    Console().print(eval_table(results))
+
+
 els_app = typer.Typer(help="Energy Landscape Steering: train energy models and tune steering.",
                       no_args_is_help=True)
 app.add_typer(els_app, name="els")

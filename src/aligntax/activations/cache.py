@@ -14,15 +14,14 @@ Nothing is pickled.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from aligntax.activations.compat import check_fingerprint, read_json, write_json
+from aligntax.activations.compat import check_fingerprint, check_format, read_json, save_tensors, write_json
 from aligntax.errors import CompatibilityError, DataError
 
 FORMAT = "aligntax.activations/1"
@@ -124,9 +123,7 @@ class ActivationCache:
         else:
             meta = self._sidecar_header()
         name = f"shard-{len(meta['shards']):05d}.safetensors"
-        tmp = directory / (name + ".tmp")
-        save_file(self._shard_tensors(), str(tmp), metadata={"format": FORMAT})
-        os.replace(tmp, directory / name)
+        save_tensors(self._shard_tensors(), directory / name, FORMAT)
         meta["shards"].append({"file": name, "n_prompts": len(self.prompt_ids),
                                "n_rows": int(next(iter(self.acts.values())).shape[0]) if self.acts else 0,
                                "prompt_ids": self.prompt_ids, "labels": list(self.labels)})
@@ -179,8 +176,7 @@ class ActivationCache:
 
 
 def _check_format(meta: dict, directory: Path) -> None:
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{directory / SIDECAR} is not an aligntax activation cache (format {meta.get('format')!r}).")
+    check_format(meta, FORMAT, directory / SIDECAR, "activation cache")
 
 
 def capture_to_cache(lm, prompts: Sequence[str | list[dict]], prompt_ids: Sequence[str],

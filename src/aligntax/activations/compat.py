@@ -1,4 +1,4 @@
-"""Shared helpers for saved artefacts: model fingerprints and JSON sidecars.
+"""Shared helpers for saved artefacts: model fingerprints, JSON sidecars and safetensors files.
 
 Every artefact made from a model's activations (activation caches, energy banks, steering vectors)
 records the model fingerprint (``LoadedModel.fingerprint``) and refuses to load for another model.
@@ -9,9 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from aligntax.errors import CompatibilityError
+from aligntax.errors import CompatibilityError, DataError
+
+if TYPE_CHECKING:
+    import torch
 
 # The fingerprint keys that decide whether an artefact fits a model (the spec string may differ:
 # the same weights can be loaded from the Hub, a folder or the embedded cache).
@@ -76,3 +81,65 @@ def write_json(path: Path, obj: dict) -> None:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def check_format(meta: dict, fmt: str, sidecar: Path, noun: str) -> None:
+    """Raise ``DataError`` unless the sidecar ``meta`` (read from ``sidecar``) has format ``fmt``."""
+    if meta.get("format") != fmt:
+        raise DataError(f"{sidecar} is not an aligntax {noun} (format {meta.get('format')!r}).")
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
+    """Write a safetensors file atomically (temp file then rename), with ``fmt`` in its metadata."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": fmt})
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class TensorArtefact:
+    """A folder holding one safetensors file and a JSON sidecar with the format, the model fingerprint
+    and the hidden size (energy banks, steering vectors). The nouns name it in messages: ``what`` in
+    compatibility errors, ``missing`` when the folder lacks the files, ``kind`` for a wrong format
+    (both default to ``what``)."""
+
+    format: str
+    sidecar: str
+    weights: str
+    what: str
+    missing: str = ""
+    kind: str = ""
+
+    def save(self, directory: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+        """Write the tensors, then the sidecar (``format`` first, then ``meta``); returns the folder."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_tensors(tensors, directory / self.weights, self.format)
+        write_json(directory / self.sidecar, {"format": self.format, **meta})
+        return directory
+
+    def load(self, directory: str | Path, expect_fingerprint: dict | None = None,
+             expect_hidden_size: int | None = None, device: str = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
+        """The sidecar and the tensors, after checking the format, the fingerprint and the hidden size
+        (from ``expect_fingerprint`` when not given); the sidecar's ``fingerprint`` is ``{}`` if unset."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        side = directory / self.sidecar
+        if not side.is_file() or not (directory / self.weights).is_file():
+            raise DataError(
+                f"No {self.missing or self.what} in {directory} (need {self.sidecar} and {self.weights})."
+            )
+        meta = read_json(side)
+        check_format(meta, self.format, side, self.kind or self.what)
+        saved_fp = meta.get("fingerprint") or {}
+        meta["fingerprint"] = saved_fp
+        what = f"{self.what} {directory}"
+        check_fingerprint(saved_fp, expect_fingerprint, what)
+        if expect_hidden_size is None and expect_fingerprint is not None:
+            expect_hidden_size = expect_fingerprint.get("hidden_size")
+        check_hidden_size(meta["hidden_size"], expect_hidden_size, what, saved_fp, expect_fingerprint)
+        return meta, load_file(str(directory / self.weights), device=str(device))

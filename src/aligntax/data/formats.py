@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from aligntax.data._io import Row, Table, describe_columns, read_table
 from aligntax.data.base import Label, PromptItem, normalize_label
@@ -99,6 +100,34 @@ def _row_id(source: str, row: Row, upstream: str = "") -> str:
     return f"{source}:{upstream}" if upstream else f"{source}:{row.num - 1}"
 
 
+def _row_item(
+    table: Table,
+    row: Row,
+    source: str,
+    label: Label,
+    pcol: str,
+    ccol: str | None = None,
+    icol: str | None = None,
+    *,
+    category: str | None = None,
+    verbatim_id: bool = False,
+) -> PromptItem:
+    """One row as a PromptItem: the id from ``icol`` (``{source}:{id}``, or the cell itself with
+    ``verbatim_id``; ``{source}:{row}`` where there is none), the prompt from ``pcol``, the category
+    from ``ccol`` (or ``category`` when there is no category column)."""
+    upstream = _cell_text(table, row, icol, "id")
+    item_id = upstream if verbatim_id and upstream else _row_id(source, row, upstream)
+    prompt = _prompt(table, row, pcol)
+    if ccol is not None:
+        category = _category(table, row, ccol)
+    return PromptItem(item_id, prompt, label, source, category)
+
+
+def _map_rows(table: Table, make: Callable[[Row], PromptItem | None]) -> list[PromptItem]:
+    """``make`` applied to every row (``None``: the row is left out), with ids checked for duplicates."""
+    return _finish(table, [(row, item) for row in table.rows if (item := make(row)) is not None])
+
+
 # --------------------------------------------------------------------------- mappers
 
 
@@ -116,18 +145,7 @@ def _fixed(
         pcol = table.require_column(prompt_cols, fmt)
         ccol = table.find_column(category_cols) if category_cols else None
         icol = table.find_column(id_cols) if id_cols else None
-        out = []
-        for row in table.rows:
-            upstream = _cell_text(table, row, icol, "id")
-            item = PromptItem(
-                _row_id(source, row, upstream),
-                _prompt(table, row, pcol),
-                lab,
-                source,
-                _category(table, row, ccol),
-            )
-            out.append((row, item))
-        return _finish(table, out)
+        return _map_rows(table, lambda row: _row_item(table, row, source, lab, pcol, ccol, icol))
 
     return mapper
 
@@ -139,19 +157,12 @@ def _map_generic(table: Table, source: str, default: Label | None) -> list[Promp
     icol = table.find_column(("id",))
     if lcol is None:
         default = _need_label(table, "generic", default)
-    out = []
-    for row in table.rows:
+
+    def make(row: Row) -> PromptItem:
         lab = _label_cell(table, row, lcol, default, "'benign' or 'harmful'") if lcol else default
-        given = _cell_text(table, row, icol, "id")
-        item = PromptItem(
-            given or _row_id(source, row),
-            _prompt(table, row, pcol),
-            lab,
-            source,
-            _category(table, row, ccol),
-        )
-        out.append((row, item))
-    return _finish(table, out)
+        return _row_item(table, row, source, lab, pcol, ccol, icol, verbatim_id=True)
+
+    return _map_rows(table, make)
 
 
 def _map_xstest(table: Table, source: str, default: Label | None) -> list[PromptItem]:
@@ -161,8 +172,8 @@ def _map_xstest(table: Table, source: str, default: Label | None) -> list[Prompt
     icol = table.find_column(("id",))
     if lcol is None and tcol is None:
         table.require_column(("label", "type"), "xstest")
-    out = []
-    for row in table.rows:
+
+    def make(row: Row) -> PromptItem:
         kind = _cell_text(table, row, tcol, "type") or None
         if lcol is not None:
             lab = _label_cell(table, row, lcol, None, "'safe' or 'unsafe'")
@@ -170,15 +181,9 @@ def _map_xstest(table: Table, source: str, default: Label | None) -> list[Prompt
             raise DataError(f"{table.name}, {row.where}: empty 'type' and no 'label' column")
         else:  # the completions files have no label; unsafe types start with contrast_
             lab = "harmful" if kind.startswith("contrast_") else "benign"
-        item = PromptItem(
-            _row_id(source, row, _cell_text(table, row, icol, "id")),
-            _prompt(table, row, pcol),
-            lab,
-            source,
-            kind,
-        )
-        out.append((row, item))
-    return _finish(table, out)
+        return _row_item(table, row, source, lab, pcol, None, icol, category=kind)
+
+    return _map_rows(table, make)
 
 
 def _harmbench(standard_only: bool) -> Mapper:
@@ -190,24 +195,20 @@ def _harmbench(standard_only: bool) -> Mapper:
         scol = table.find_column(("SemanticCategory", "category"))
         ctx = table.find_column(("ContextString",))
         icol = table.find_column(("BehaviorID",))
-        out = []
-        for row in table.rows:
+
+        def make(row: Row) -> PromptItem | None:
             functional = _cell_text(table, row, fcol, "FunctionalCategory")
             if standard_only and functional != "standard":
-                continue
+                return None
             prompt = _prompt(table, row, pcol)
             context = _cell_text(table, row, ctx, "ContextString")
             if context:  # HarmBench's own layout for contextual behaviours
                 prompt = f"{context}\n\n---\n\n{prompt}"
-            item = PromptItem(
-                _row_id(source, row, _cell_text(table, row, icol, "id")),
-                prompt,
-                "harmful",
-                source,
-                _category(table, row, scol) or functional or None,
-            )
-            out.append((row, item))
-        return _finish(table, out)
+            item_id = _row_id(source, row, _cell_text(table, row, icol, "id"))
+            category = _category(table, row, scol) or functional or None
+            return PromptItem(item_id, prompt, "harmful", source, category)
+
+        return _map_rows(table, make)
 
     return mapper
 
@@ -441,24 +442,32 @@ def load_orbench(path: str | Path, *, source: str | None = None) -> list[PromptI
     return load_file(path, fmt, source=source)
 
 
-def load_orbench_toxic(path: str | Path, *, source: str | None = None) -> list[PromptItem]:
-    """OR-Bench toxic prompts (harmful): instruction, category."""
-    return load_file(path, "orbench-toxic", source=source)
+class FileLoader(Protocol):
+    """A ``load_*`` function of one fixed format."""
+
+    def __call__(self, path: str | Path, *, source: str | None = None) -> list[PromptItem]: ...
 
 
-def load_xstest(path: str | Path, *, source: str | None = None) -> list[PromptItem]:
-    """XSTest prompts: safe -> benign, unsafe -> harmful; category = ``type``."""
-    return load_file(path, "xstest", source=source)
+def _loader(fmt: str, doc: str) -> FileLoader:
+    """``load_<fmt>(path, *, source=None)``: :func:`load_file` with the format fixed to ``fmt``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}")
+
+    def load(path: str | Path, *, source: str | None = None) -> list[PromptItem]:
+        return load_file(path, fmt, source=source)
+
+    load.__name__ = load.__qualname__ = "load_" + fmt.replace("-", "_")
+    load.__doc__ = doc
+    return load
 
 
-def load_advbench(path: str | Path, *, source: str | None = None) -> list[PromptItem]:
-    """AdvBench harmful behaviours (``goal``)."""
-    return load_file(path, "advbench", source=source)
-
-
-def load_jailbreakbench(path: str | Path, *, source: str | None = None) -> list[PromptItem]:
-    """JBB-Behaviors (``Goal``, ``Category``), harmful."""
-    return load_file(path, "jailbreakbench", source=source)
+load_orbench_toxic = _loader("orbench-toxic", "OR-Bench toxic prompts (harmful): instruction, category.")
+load_xstest = _loader("xstest", "XSTest prompts: safe -> benign, unsafe -> harmful; category = ``type``.")
+load_advbench = _loader("advbench", "AdvBench harmful behaviours (``goal``).")
+load_jailbreakbench = _loader("jailbreakbench", "JBB-Behaviors (``Goal``, ``Category``), harmful.")
+load_strongreject = _loader("strongreject", "StrongREJECT (``forbidden_prompt``, ``category``), harmful.")
+load_oktest = _loader("oktest", "OKTest (``prompt``), benign.")
+load_maliciousinstruct = _loader("maliciousinstruct", "MaliciousInstruct: one harmful prompt a line.")
 
 
 def load_harmbench(
@@ -467,21 +476,6 @@ def load_harmbench(
     """HarmBench text behaviours, harmful; category = SemanticCategory. ``standard_only`` keeps
     FunctionalCategory == "standard". Contextual behaviours get their context in front."""
     return load_file(path, "harmbench-standard" if standard_only else "harmbench", source=source)
-
-
-def load_strongreject(path: str | Path, *, source: str | None = None) -> list[PromptItem]:
-    """StrongREJECT (``forbidden_prompt``, ``category``), harmful."""
-    return load_file(path, "strongreject", source=source)
-
-
-def load_oktest(path: str | Path, *, source: str | None = None) -> list[PromptItem]:
-    """OKTest (``prompt``), benign."""
-    return load_file(path, "oktest", source=source)
-
-
-def load_maliciousinstruct(path: str | Path, *, source: str | None = None) -> list[PromptItem]:
-    """MaliciousInstruct: one harmful prompt a line."""
-    return load_file(path, "maliciousinstruct", source=source)
 
 
 def load_instruction_json(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from aligntax.data._io import Row, Table, describe_columns
 from aligntax.data.base import Label, PromptItem, normalize_label
-from aligntax.data.formats import _category, _cell_text, _finish, _prompt, _row_id
+from aligntax.data.formats import _map_rows, _row_item
 from aligntax.errors import DataError
 
 HUB_PREFIX = "hf:"
@@ -153,16 +153,9 @@ def map_records(
             f"{table.name}: the rows carry no benign/harmful label (columns: "
             f"{describe_columns(table.columns)}); pass label='benign' or label='harmful'"
         )
-    out = []
-    for row in table.rows:
+
+    def make(row: Row) -> PromptItem:
         lab = normalize_label(row.values.get(lcol)) if lcol else default
-        upstream = _cell_text(table, row, icol, "id")
-        item = PromptItem(
-            _row_id(source, row, upstream),
-            _prompt(table, row, pcol),
-            lab,
-            source,
-            _category(table, row, ccol),
-        )
-        out.append((row, item))
-    return _finish(table, out)
+        return _row_item(table, row, source, lab, pcol, ccol, icol)
+
+    return _map_rows(table, make)

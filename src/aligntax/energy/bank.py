@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from aligntax.activations.compat import check_fingerprint, check_hidden_size, read_json, write_json
+from aligntax.activations.compat import TensorArtefact
 from aligntax.energy.model import EnergyConfig, EnergyModel
 from aligntax.energy.train import EnergyTrainer, TrainResult, _score
 from aligntax.errors import AligntaxError, DataError
@@ -24,6 +23,7 @@ from aligntax.errors import AligntaxError, DataError
 FORMAT = "aligntax.energy/1"
 SIDECAR = "energy.json"
 WEIGHTS = "energy.safetensors"
+_FILES = TensorArtefact(FORMAT, SIDECAR, WEIGHTS, what="energy bank")
 
 
 @dataclass
@@ -76,15 +76,9 @@ class EnergyBank:
 
     # ---- disk -------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         tensors = {f"layer.{layer}.{name}": t.detach().float().cpu().contiguous()
                    for layer, m in self.models.items() for name, t in m.state_dict().items()}
-        tmp = directory / (WEIGHTS + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT})
-        tmp.replace(directory / WEIGHTS)
-        write_json(directory / SIDECAR, {
-            "format": FORMAT,
+        return _FILES.save(directory, tensors, {
             "fingerprint": self.fingerprint,
             "hidden_size": self.hidden_size,
             "layers": self.layers,
@@ -94,7 +88,6 @@ class EnergyBank:
             "info": {str(layer): self.info.get(layer, {}) for layer in self.models},
             "metadata": self.metadata,
         })
-        return directory
 
     @classmethod
     def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
@@ -102,19 +95,7 @@ class EnergyBank:
              map_location: str | torch.device = "cpu") -> EnergyBank:
         """Load a bank; refuse one made for another model (``CompatibilityError`` naming both)."""
         directory = Path(directory)
-        side = directory / SIDECAR
-        if not side.is_file() or not (directory / WEIGHTS).is_file():
-            raise DataError(f"No energy bank in {directory} (need {SIDECAR} and {WEIGHTS}).")
-        meta = read_json(side)
-        if meta.get("format") != FORMAT:
-            raise DataError(f"{side} is not an aligntax energy bank (format {meta.get('format')!r}).")
-        saved_fp = meta.get("fingerprint") or {}
-        check_fingerprint(saved_fp, expect_fingerprint, f"energy bank {directory}")
-        if expect_hidden_size is None and expect_fingerprint is not None:
-            expect_hidden_size = expect_fingerprint.get("hidden_size")
-        check_hidden_size(meta["hidden_size"], expect_hidden_size, f"energy bank {directory}", saved_fp,
-                          expect_fingerprint)
-        tensors = load_file(str(directory / WEIGHTS), device=str(map_location))
+        meta, tensors = _FILES.load(directory, expect_fingerprint, expect_hidden_size, device=str(map_location))
         want = [int(x) for x in (layers if layers is not None else meta["arch"].keys())]
         models = {}
         for layer in want:
@@ -128,7 +109,7 @@ class EnergyBank:
             m.load_state_dict(state, strict=True)
             models[layer] = m.to(map_location).eval()
         info = {int(k): v for k, v in meta.get("info", {}).items() if int(k) in models}
-        return cls(models, EnergyConfig.from_dict(meta.get("config", {})), saved_fp, info,
+        return cls(models, EnergyConfig.from_dict(meta.get("config", {})), meta["fingerprint"], info,
                    meta.get("metadata") or {})
 
 

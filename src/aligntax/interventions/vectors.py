@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from aligntax.activations.compat import check_fingerprint, check_hidden_size, read_json, write_json
+from aligntax.activations.compat import TensorArtefact
 from aligntax.errors import AligntaxError, DataError
 from aligntax.interventions.base import (
     Intervention,
@@ -145,7 +144,20 @@ def _as_layer_dict(vectors, what: str) -> dict[int, torch.Tensor]:
 
 
 # ---- interventions ---------------------------------------------------------------------------------------
-class ActivationAddition(Intervention):
+class _VectorIntervention(Intervention):
+    """What the vector interventions share: a coefficient, the steered positions (where they have
+    them), an optional name over the class's own, and a per-device cache of their vectors."""
+
+    def __init__(self, coeff: float, name: str | None, positions: str | None = None):
+        self.coeff = float(coeff)
+        if positions is not None:
+            self.positions = check_positions(positions)
+        if name:
+            self.name = name
+        self._cache = _VecCache()
+
+
+class ActivationAddition(_VectorIntervention):
     """Add ``coeff * v_l`` (times the row scale) to the states entering each layer l, at ``positions``."""
 
     name = "activation-addition"
@@ -153,11 +165,7 @@ class ActivationAddition(Intervention):
     def __init__(self, vectors_by_layer: dict[int, torch.Tensor], coeff: float = 1.0, positions: str = "all",
                  name: str | None = None):
         self.vectors = _as_layer_dict(vectors_by_layer, "ActivationAddition")
-        self.coeff = float(coeff)
-        self.positions = check_positions(positions)
-        if name:
-            self.name = name
-        self._cache = _VecCache()
+        super().__init__(coeff, name, positions)
 
     def config(self) -> dict:
         return {"name": self.name, "layers": sorted(self.vectors), "coeff": self.coeff, "positions": self.positions,
@@ -185,7 +193,7 @@ class ActivationAddition(Intervention):
             yield
 
 
-class DirectionAblation(Intervention):
+class DirectionAblation(_VectorIntervention):
     """Project a direction out of the residual stream at every (selected) layer and position.
 
     ``direction`` is one vector (used at every layer) or ``{layer: vector}``. The direction is removed
@@ -200,11 +208,7 @@ class DirectionAblation(Intervention):
         self.direction = ({int(k): _unit(v) for k, v in direction.items()} if isinstance(direction, dict)
                           else _unit(direction))
         self.layers = layers
-        self.coeff = float(coeff)
-        self.positions = check_positions(positions)
-        if name:
-            self.name = name
-        self._cache = _VecCache()
+        super().__init__(coeff, name, positions)
 
     def config(self) -> dict:
         layers = self.layers if isinstance(self.layers, str) else list(self.layers)
@@ -267,7 +271,7 @@ def _model_dim(model: nn.Module) -> int:
     return hidden_size(model)
 
 
-class ConditionalSteering(Intervention):
+class ConditionalSteering(_VectorIntervention):
     """CAST-style conditional steering.
 
     At the forward that holds the prompt, the state entering ``condition_layer`` at the last prompt
@@ -297,12 +301,9 @@ class ConditionalSteering(Intervention):
                           else behaviour.detach().float())
         self.behaviour_layers = behaviour_layers
         self.mode = mode
-        self.coeff = float(coeff)
+        super().__init__(coeff, name)
         self.compare = compare
         self.center = None if center is None else center.detach().float()
-        if name:
-            self.name = name
-        self._cache = _VecCache()
 
     def config(self) -> dict:
         bl = self.behaviour_layers if isinstance(self.behaviour_layers, str) else list(self.behaviour_layers)
@@ -381,6 +382,7 @@ class ConditionalSteering(Intervention):
 FORMAT = "aligntax.vectors/1"
 SIDECAR = "vectors.json"
 WEIGHTS = "vectors.safetensors"
+_FILES = TensorArtefact(FORMAT, SIDECAR, WEIGHTS, what="vector set", missing="steering vectors", kind="vector file")
 
 
 @dataclass
@@ -421,39 +423,20 @@ class SteeringVectors:
         return layers[len(layers) // 2]
 
     def save(self, directory: str | Path) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         tensors = {f"{name}.{layer}": v.contiguous() for name, d in self.vectors.items() for layer, v in d.items()}
-        tmp = directory / (WEIGHTS + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT})
-        tmp.replace(directory / WEIGHTS)
-        write_json(directory / SIDECAR, {"format": FORMAT, "fingerprint": self.fingerprint,
-                                         "hidden_size": self.hidden_size,
-                                         "vectors": {n: sorted(d) for n, d in self.vectors.items()},
-                                         "metadata": self.metadata})
-        return directory
+        return _FILES.save(directory, tensors, {"fingerprint": self.fingerprint, "hidden_size": self.hidden_size,
+                                                "vectors": {n: sorted(d) for n, d in self.vectors.items()},
+                                                "metadata": self.metadata})
 
     @classmethod
     def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
              expect_hidden_size: int | None = None) -> SteeringVectors:
-        directory = Path(directory)
-        side = directory / SIDECAR
-        if not side.is_file() or not (directory / WEIGHTS).is_file():
-            raise DataError(f"No steering vectors in {directory} (need {SIDECAR} and {WEIGHTS}).")
-        meta = read_json(side)
-        if meta.get("format") != FORMAT:
-            raise DataError(f"{side} is not an aligntax vector file (format {meta.get('format')!r}).")
-        fp = meta.get("fingerprint") or {}
-        check_fingerprint(fp, expect_fingerprint, f"vector set {directory}")
-        if expect_hidden_size is None and expect_fingerprint is not None:
-            expect_hidden_size = expect_fingerprint.get("hidden_size")
-        check_hidden_size(meta["hidden_size"], expect_hidden_size, f"vector set {directory}", fp, expect_fingerprint)
-        tensors = load_file(str(directory / WEIGHTS))
+        meta, tensors = _FILES.load(directory, expect_fingerprint, expect_hidden_size)
         vectors: dict[str, dict[int, torch.Tensor]] = {}
         for key, v in tensors.items():
             name, layer = key.rsplit(".", 1)
             vectors.setdefault(name, {})[int(layer)] = v
-        return cls(vectors, fp, meta.get("metadata") or {})
+        return cls(vectors, meta["fingerprint"], meta.get("metadata") or {})
 
 
 def compute_vectors(acts_harmful: dict[int, torch.Tensor], acts_harmless: dict[int, torch.Tensor],

@@ -1,18 +1,13 @@
-"""A tiny random chat model with a word-level tokenizer, for tests and smoke runs (no downloads)."""
+"""A tiny random chat model with a word-level tokenizer, for the VAT tests (no downloads)."""
 
 from __future__ import annotations
 
 import json
 import re
 
-import torch
-
 from aligntax.vat.items import builtin_path
+from tiny import CHATML_TEMPLATE, fast_tokenizer, make_tiny_lm
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 
 
@@ -20,7 +15,6 @@ def tiny_tokenizer(extra_text: str = ""):
     """A word-level fast tokenizer whose vocabulary covers the built-in items, the judgment templates
     and the persona prompts; digits 0-9 are single tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     from aligntax.vat.interventions import persona_text
     from aligntax.vat.judge import TEMPLATES
@@ -37,28 +31,14 @@ def tiny_tokenizer(extra_text: str = ""):
     tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
                                                 pre_tokenizers.Digits(individual_digits=True)])
     tk.decoder = decoders.WordPiece(prefix="##")
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="<|endoftext|>",
-                                  eos_token="<|im_end|>", bos_token=None)
+    tok = fast_tokenizer(tk, CHATML_TEMPLATE, unk_token="[UNK]", pad_token="<|endoftext|>",
+                         eos_token="<|im_end|>", bos_token=None)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHAT_TEMPLATE
-    tok.padding_side = "left"
     return tok
 
 
 def tiny_lm(seed: int = 0, layers: int = 4, hidden: int = 64):
     """A ``LoadedModel`` around a randomly initialised 4-layer Qwen2 with the tiny tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from aligntax.models.loader import LoadedModel, model_fingerprint, prepare_tokenizer
-
-    tok = tiny_tokenizer()
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=2048, tie_word_embeddings=True,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    model = Qwen2ForCausalLM(cfg).eval()
-    prepare_tokenizer(tok, model)
-    spec = f"tiny-random-qwen2-{seed}"
-    return LoadedModel(model=model, tokenizer=tok, spec=spec, source="tiny",
-                       fingerprint=model_fingerprint(model, tok, spec))
+    return make_tiny_lm(tiny_tokenizer(), "qwen2", layers, hidden, seed, dtype=None,
+                        spec=f"tiny-random-qwen2-{seed}", source="tiny", prepare=True,
+                        max_position_embeddings=2048, bos_token_id=None)
