@@ -8,11 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-try:
-    from tests.tiny import PROMPTS, tiny_lm, tiny_model
-except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from tiny import PROMPTS, tiny_lm, tiny_model
-
 from aligntax.activations import (
     ActivationCache,
     capture,
@@ -24,6 +19,7 @@ from aligntax.activations import (
 )
 from aligntax.errors import AligntaxError, CompatibilityError
 from aligntax.models import decoder_layers, hidden_size, num_layers
+from tiny import PROMPTS, tiny_lm, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

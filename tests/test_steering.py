@@ -5,11 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-try:
-    from tests.tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, tiny_lm
-except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, tiny_lm
-
 from aligntax.activations import capture, position_ids_from_mask
 from aligntax.energy import EnergyBank, EnergyConfig, EnergyModel, train_layers
 from aligntax.errors import AligntaxError, CompatibilityError
@@ -30,6 +25,7 @@ from aligntax.interventions import (
     refusal_direction,
 )
 from aligntax.models import decoder_layers
+from tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, tiny_lm
 
 H = 32
 

@@ -6,7 +6,7 @@ import difflib
 from collections import Counter
 from pathlib import Path
 
-from aligntax.data.base import PromptItem, normalize_label
+from aligntax.data.base import PromptItem, label_argument
 from aligntax.data.formats import load_file
 from aligntax.data.hub import HUB_PREFIX, load_hub, looks_like_hub_id
 from aligntax.data.registry import DATASETS, find_dataset, load_named
@@ -35,11 +35,7 @@ def load_prompts(
     without any such row is an error. ``limit`` keeps the first ``limit`` rows, in file order,
     after that filter. Problems raise :class:`aligntax.errors.DataError`.
     """
-    want = None
-    if label is not None:
-        want = normalize_label(label)
-        if want is None:
-            raise DataError(f"label must be 'benign' or 'harmful', got {label!r}")
+    want = label_argument(label)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise DataError(f"limit must be a whole number >= 0, got {limit!r}")
     text = str(spec).strip()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from aligntax.errors import DataError
+
 Label = Literal["benign", "harmful"]
 LABELS: tuple[str, ...] = ("benign", "harmful")
 
@@ -36,3 +38,13 @@ def normalize_label(value: object) -> Label | None:
     if not isinstance(value, str):
         return None
     return LABEL_ALIASES.get(value.strip().lower())
+
+
+def label_argument(label: str | None) -> Label | None:
+    """A ``label=`` argument as ``"benign"``/``"harmful"`` (``None`` stays ``None``); DataError otherwise."""
+    if label is None:
+        return None
+    value = normalize_label(label)
+    if value is None:
+        raise DataError(f"label must be 'benign' or 'harmful', got {label!r}")
+    return value

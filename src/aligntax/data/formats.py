@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from aligntax.data._io import Row, Table, describe_columns, read_table
-from aligntax.data.base import Label, PromptItem, normalize_label
+from aligntax.data.base import Label, PromptItem, label_argument, normalize_label
 from aligntax.errors import DataError
 
 Mapper = Callable[[Table, str, "Label | None"], list[PromptItem]]
@@ -150,6 +150,18 @@ def _fixed(
     return mapper
 
 
+def _fixed_format(
+    name: str,
+    description: str,
+    prompt_cols: Sequence[str],
+    label: Label | None,
+    category_cols: Sequence[str] = ("category",),
+    id_cols: Sequence[str] = (),
+) -> Format:
+    """The :class:`Format` ``name`` with a :func:`_fixed` mapper."""
+    return Format(name, description, _fixed(name, prompt_cols, label, category_cols, id_cols))
+
+
 def _map_generic(table: Table, source: str, default: Label | None) -> list[PromptItem]:
     pcol = table.require_column(("prompt", "instruction"), "generic")
     lcol = table.find_column(("label",))
@@ -239,33 +251,34 @@ FORMATS: dict[str, Format] = {
             "CSV/TSV/JSON/JSONL with 'prompt' and 'label' (benign/harmful), optional 'id', 'category'",
             _map_generic,
         ),
-        Format(
-            "orbench-hard-1k",
-            "OR-Bench-Hard-1K CSV: prompt, category (benign)",
-            _fixed("orbench-hard-1k", ("prompt",), "benign"),
+        _fixed_format(
+            "orbench-hard-1k", "OR-Bench-Hard-1K CSV: prompt, category (benign)", ("prompt",), "benign"
         ),
-        Format(
+        _fixed_format(
             "orbench-hard-split",
             "or_bench_hard_{train,val,test}.json: instruction, category (benign)",
-            _fixed("orbench-hard-split", ("instruction",), "benign"),
+            ("instruction",),
+            "benign",
         ),
-        Format(
+        _fixed_format(
             "orbench-toxic",
             "or-bench-toxic-harmful.json: instruction, category (harmful)",
-            _fixed("orbench-toxic", ("instruction",), "harmful"),
+            ("instruction",),
+            "harmful",
         ),
         Format(
             "xstest",
             "XSTest CSV: id, prompt, type, label safe/unsafe (or completions CSV: label from type)",
             _map_xstest,
         ),
-        Format(
-            "advbench", "AdvBench CSV: goal, target (harmful)", _fixed("advbench", ("goal",), "harmful", ())
-        ),
-        Format(
+        _fixed_format("advbench", "AdvBench CSV: goal, target (harmful)", ("goal",), "harmful", ()),
+        _fixed_format(
             "jailbreakbench",
             "JBB-Behaviors CSV: Goal, Category, ... (harmful)",
-            _fixed("jailbreakbench", ("Goal",), "harmful", ("Category",), ("", "Index")),
+            ("Goal",),
+            "harmful",
+            ("Category",),
+            ("", "Index"),
         ),
         Format(
             "harmbench", "HarmBench behaviours CSV, all functional categories (harmful)", _harmbench(False)
@@ -275,41 +288,43 @@ FORMATS: dict[str, Format] = {
             "HarmBench behaviours CSV, FunctionalCategory == 'standard' only",
             _harmbench(True),
         ),
-        Format(
+        _fixed_format(
             "strongreject",
             "StrongREJECT CSV: category, source, forbidden_prompt (harmful)",
-            _fixed("strongreject", ("forbidden_prompt",), "harmful"),
+            ("forbidden_prompt",),
+            "harmful",
         ),
-        Format("oktest", "OKTest CSV: prompt (benign)", _fixed("oktest", ("prompt",), "benign", ())),
-        Format(
+        _fixed_format("oktest", "OKTest CSV: prompt (benign)", ("prompt",), "benign", ()),
+        _fixed_format(
             "maliciousinstruct",
             "MaliciousInstruct.txt: one prompt a line (harmful)",
-            _fixed("maliciousinstruct", ("prompt",), "harmful", ()),
+            ("prompt",),
+            "harmful",
+            (),
         ),
-        Format(
+        _fixed_format(
             "harmful-json",
             "harmful_{train,val,test}.json: instruction, category (harmful)",
-            _fixed("harmful-json", ("instruction",), "harmful"),
+            ("instruction",),
+            "harmful",
         ),
-        Format(
+        _fixed_format(
             "harmless-json",
             "harmless_{train,val}.json: instruction, category (benign)",
-            _fixed("harmless-json", ("instruction",), "benign"),
+            ("instruction",),
+            "benign",
         ),
-        Format(
+        _fixed_format(
             "wildguard-adv",
             "wildguard_test_adv.json: instruction, category (harmful)",
-            _fixed("wildguard-adv", ("instruction",), "harmful"),
+            ("instruction",),
+            "harmful",
         ),
-        Format(
-            "dan-safe",
-            "DAN_safe.json: instruction, category (benign)",
-            _fixed("dan-safe", ("instruction",), "benign"),
+        _fixed_format(
+            "dan-safe", "DAN_safe.json: instruction, category (benign)", ("instruction",), "benign"
         ),
-        Format(
-            "dan-unsafe",
-            "DAN_unsafe.json: instruction, category (harmful)",
-            _fixed("dan-unsafe", ("instruction",), "harmful"),
+        _fixed_format(
+            "dan-unsafe", "DAN_unsafe.json: instruction, category (harmful)", ("instruction",), "harmful"
         ),
         Format(
             "instruction-json",
@@ -414,11 +429,7 @@ def load_file(
     """Load every row of ``path``. ``label`` labels rows that carry none (generic without a label
     column, plain text, unknown instruction JSON); it does not relabel rows that have one."""
     path = Path(path)
-    default = None
-    if label is not None:
-        default = normalize_label(label)
-        if default is None:
-            raise DataError(f"label must be 'benign' or 'harmful', got {label!r}")
+    default = label_argument(label)
     key = normalize_format(fmt) if fmt else None
     table = read_table(path)
     key = key or detect_format(path, table)

@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 
 from aligntax.data._io import Row, Table, describe_columns
-from aligntax.data.base import Label, PromptItem, normalize_label
+from aligntax.data.base import Label, PromptItem, label_argument, normalize_label
 from aligntax.data.formats import _map_rows, _row_item
 from aligntax.errors import DataError
 
@@ -81,11 +81,7 @@ def load_hub(
     repo, cfg, spl = parse_hub_id(dataset_id)
     config = config or cfg
     split = split or spl
-    default: Label | None = None
-    if label is not None:
-        default = normalize_label(label)
-        if default is None:
-            raise DataError(f"label must be 'benign' or 'harmful', got {label!r}")
+    default = label_argument(label)
     shown = HUB_PREFIX + repo + (f":{config}" if config else "")
     try:
         import datasets
