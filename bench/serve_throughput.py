@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -61,37 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steer_concurrency is None:
         args.steer_concurrency = [max(args.concurrency)]
     return args
-
-
-class LiveServer:
-    """uvicorn in a daemon thread on a socket bound to a free loopback port (as tests/test_serve.py)."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.app = app
-        # IPPROTO_TCP so that asyncio sets TCP_NODELAY on accepted connections (no Nagle delay)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=30)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self, timeout: float = 60) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
 
 
 async def _clients(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -127,6 +94,7 @@ def main(argv=None) -> dict:
     threads = bl.set_threads(args.threads)
     from aligntax.generation import GenerationConfig, generate
     from aligntax.serve import create_app, default_model_name
+    from aligntax.serve.background import BackgroundServer
 
     print(f"loading {args.model} ({args.dtype}), {threads} torch threads", flush=True)
     lm, load_s = bl.load_lm(args.model, args.dtype, args.device)
@@ -143,7 +111,7 @@ def main(argv=None) -> dict:
                      max_new_tokens_limit=max(args.max_tokens, 1), default_max_tokens=args.max_tokens)
     steered_name = app.state.settings.steered_name
     metrics = app.state.metrics
-    srv = LiveServer(app).start()
+    srv = BackgroundServer(app).start()
     print(f"server at {srv.url}/v1 serving {name}" + (f" and {steered_name}" if steered_name else ""),
           flush=True)
 

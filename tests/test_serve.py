@@ -5,16 +5,15 @@ background thread, serving a tiny random Qwen2 model, queried with the official 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from aligntax.serve import create_app
+from aligntax.serve.background import BackgroundServer
 from serve_tiny import AddVector, tiny_lm
 
 KEY = "sk-test-key"
@@ -23,35 +22,6 @@ STEERED = "tiny+addvec"
 FAIL_STRENGTH = 13.0
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
-
-class LiveServer:
-    """uvicorn in a daemon thread on a socket bound to a free port."""
-
-    def __init__(self, app):
-        self.app = app
-        # proto=IPPROTO_TCP so that asyncio sets TCP_NODELAY on accepted connections (else Nagle's
-        # algorithm adds ~40 ms to every response)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=30)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self, timeout: float = 30) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +34,7 @@ def live(lm):
     app = create_app(lm, AddVector(lm.hidden_size, fail_strength=FAIL_STRENGTH), NAME, api_key=KEY,
                      max_batch_size=32, batch_wait_ms=20, max_prompt_tokens=200, max_new_tokens_limit=64,
                      default_max_tokens=16)
-    srv = LiveServer(app).start()
+    srv = BackgroundServer(app).start()
     yield srv
     srv.stop()
 
@@ -339,7 +309,7 @@ def test_health_and_metrics(live):
 
 
 def test_shutdown_drains_queued_requests(lm):
-    srv = LiveServer(create_app(lm, None, "drain", batch_wait_ms=5)).start()
+    srv = BackgroundServer(create_app(lm, None, "drain", batch_wait_ms=5)).start()
     engine = srv.app.state.engine
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
     results: list = []
