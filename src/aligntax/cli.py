@@ -80,8 +80,13 @@ def data_list() -> None:
 
 # ---------------------------------------------------------------- generate / judge / eval
 def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
-                       layers: str | None, threshold: float | None, vectors: str | None) -> dict:
+                       layers: str | None, threshold: float | None, vectors: str | None,
+                       top_k: int | None = None, coeff: float | None = None) -> dict:
     args: dict = {}
+    if top_k is not None:
+        args["top_k"] = top_k
+    if coeff is not None:
+        args["coeff"] = coeff
     if steer:
         args["path"] = steer
     if vectors:
@@ -117,6 +122,7 @@ def generate(
     eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
     layers: str | None = typer.Option(None, help="comma-separated layer indices"),
     threshold: float | None = typer.Option(None, help="energy gate"),
+    top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
 ) -> None:
     """Generate chat responses for prompts, in batches."""
     from aligntax.generation import GenerationConfig
@@ -135,7 +141,7 @@ def generate(
         if not prompts:
             raise AligntaxError("No prompts: give them as arguments or with --in")
         lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None)
+        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, system=system,
                                do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
         gens = gen(lm, prompts, cfg, iv)
@@ -149,7 +155,7 @@ def generate(
         fh.close()
 
 
-def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors):
+def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None):
     if steer and not intervention:
         intervention = "els"
     if not intervention or intervention == "none":
@@ -157,7 +163,7 @@ def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors):
     from aligntax.interventions.registry import make_intervention
 
     return make_intervention(intervention, lm, **_intervention_args(steer, eta, steps, layers, threshold,
-                                                                     vectors))
+                                                                     vectors, top_k))
 
 
 @app.command()
@@ -230,6 +236,8 @@ def eval_cmd(
     vectors: str | None = typer.Option(None, help="vector folder for the vector baselines"),
     eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
     layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
+    top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
+    coeff: float | None = typer.Option(None, help="vector baselines: strength"),
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
@@ -240,7 +248,7 @@ def eval_cmd(
     try:
         if steer and not intervention:
             intervention = "els"
-        iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors) or None
+        iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors, top_k, coeff) or None
         cfg = load_config(
             EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
             judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
@@ -268,6 +276,33 @@ def rejudge(
     except AligntaxError as exc:
         _fail(exc)
     Console().print(eval_table(results))
+
+
+@app.command()
+def fluency(
+    run: Path = typer.Argument(..., help="an evaluation run folder"),
+    model: str | None = typer.Option(None, help="reference model (default: the run's model, unsteered)"),
+    source: list[str] = typer.Option(None, help="only these datasets"),
+    label: str | None = typer.Option("benign", help="only items with this label ('' for all)"),
+) -> None:
+    """Perplexity of a run's responses under the unsteered reference model; writes RUN/fluency.json."""
+    from aligntax.metrics.fluency import perplexity
+    from aligntax.models import load_model
+    from aligntax.runs.jsonl import read_jsonl
+
+    try:
+        cfg = json.loads((run / "config.json").read_text())
+        rows = [r for r in read_jsonl(run / "samples.jsonl") if (not source or r["source"] in source)
+                and (not label or r["label"] == label) and r["response"].strip()]
+        if not rows:
+            raise AligntaxError(f"No responses to score in {run}")
+        lm = load_model(model or cfg["model"], dtype=cfg.get("dtype", "bf16"))
+        res = {"reference_model": model or cfg["model"], "label": label or None, "sources": source or None,
+               **perplexity(lm, [r["prompt"] for r in rows], [r["response"] for r in rows], progress=True)}
+    except (AligntaxError, FileNotFoundError) as exc:
+        _fail(exc)
+    (run / "fluency.json").write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
 
 
 els_app = typer.Typer(help="Energy Landscape Steering: train energy models and tune steering.",

@@ -1,0 +1,61 @@
+"""The command line: every command has --help, and bad input exits with a clear message."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from aligntax.cli import app
+
+runner = CliRunner()
+
+COMMANDS = [[], ["models"], ["models", "list"], ["models", "fetch"], ["models", "info"], ["data", "list"],
+            ["generate"], ["chat"], ["judge"], ["eval"], ["rejudge"], ["fluency"], ["demo"], ["els", "train"],
+            ["els", "sweep"], ["vat", "run"], ["vat", "compare"], ["serve"]]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "root")
+def test_help(cmd):
+    res = runner.invoke(app, [*cmd, "--help"])
+    assert res.exit_code == 0, res.output
+    assert "Usage" in res.output
+
+
+def test_models_list():
+    res = runner.invoke(app, ["models", "list"])
+    assert res.exit_code == 0 and "embedded:qwen" in res.output and "embedded:smollm2" in res.output
+
+
+def test_unknown_embedded_model_is_a_clear_error():
+    res = runner.invoke(app, ["models", "info", "embedded:nope"])
+    assert res.exit_code == 2 and "Unknown embedded model" in res.output
+
+
+def test_eval_without_data_is_a_clear_error(tmp_path):
+    res = runner.invoke(app, ["eval", "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "No data given" in res.output
+
+
+def test_eval_config_file_with_overrides_and_unknown_key(tmp_path):
+    from aligntax.config import load_config
+    from aligntax.errors import AligntaxError
+    from aligntax.runs import EvalConfig
+
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("data: [xstest]\nmax-new-tokens: 16\njudge: keyword\n")
+    cfg = load_config(EvalConfig, cfg_file, max_new_tokens=32, judge=None)
+    assert cfg.data == ["xstest"] and cfg.max_new_tokens == 32 and cfg.judge == "keyword"
+    cfg_file.write_text("bogus: 1\n")
+    with pytest.raises(AligntaxError, match="Unknown config keys"):
+        load_config(EvalConfig, cfg_file)
+
+
+def test_judge_command_round_trip(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "p", "response": "I'm sorry, but I can't help with that."}) + "\n"
+                   + json.dumps({"prompt": "q", "response": "Sure! Run `kill -9 1234`."}) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["judge", "--in", str(src), "--out", str(out), "--judge", "keyword"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["refused"] for r in rows] == [True, False]
