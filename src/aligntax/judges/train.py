@@ -1,7 +1,8 @@
 """Training the classifier judge's head: logistic regression or a one-hidden-layer MLP, in torch.
 
 Features are standardised with the training set's mean and std (stored with the weights); the
-loss is class-balanced-free binary cross-entropy plus an L2 penalty on the weights (not biases).
+loss is binary cross-entropy (optionally weighted per row, e.g. to count the truncated copies of a
+completion less than the completion itself) plus an L2 penalty on the weights (not biases).
 Training is full-batch and seeded, so the same data gives the same weights.
 """
 
@@ -49,8 +50,10 @@ class Head(torch.nn.Module):
         return [m.weight for m in self.net if isinstance(m, torch.nn.Linear)]
 
 
-def fit_head(x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig) -> Head:
-    """Fit a head on features ``x`` [N, F] and 0/1 labels ``y`` [N]."""
+def fit_head(x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, sample_weight: torch.Tensor | None = None) -> Head:
+    """Fit a head on features ``x`` [N, F] and 0/1 labels ``y`` [N]; ``sample_weight`` [N] weights each
+    row's loss (the weighted mean is used, so the L2 strength means the same with or without it).
+    The standardisation statistics are the unweighted ones."""
     g = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     x = x.float()
@@ -62,7 +65,16 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig) -> Head:
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=(1.0 / m.in_features) ** 0.5, generator=g)
             torch.nn.init.zeros_(m.bias)
-    bce = torch.nn.BCEWithLogitsLoss()
+    if sample_weight is None:
+        bce = torch.nn.BCEWithLogitsLoss()
+    else:
+        sw = torch.as_tensor(sample_weight, dtype=torch.float32).reshape(-1)
+        if sw.numel() != y.numel() or bool((sw < 0).any()) or float(sw.sum()) <= 0:
+            raise ValueError("sample_weight must be [N], non-negative, with a positive sum")
+
+        def bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            losses = torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="none")
+            return (losses * sw).sum() / sw.sum()
 
     def loss_fn() -> torch.Tensor:
         penalty = sum((w ** 2).sum() for w in head.weight_params())
