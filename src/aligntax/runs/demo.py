@@ -1,0 +1,99 @@
+"""``aligntax demo``: the whole over-refusal story on one model.
+
+Baseline evaluation on held-out test sets, ELS training on train splits, a strength sweep on
+validation splits, steered evaluation on the same test sets, and one report with the before/after
+table and the Pareto plot. Every stage resumes from its folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.reports.markdown import fmt_rate
+from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, train_els
+from aligntax.runs.eval import EvalConfig, run_eval
+
+TEST_SETS = ["orbench-hard-test", "xstest-safe", "oktest", "xstest-unsafe", "jailbreakbench", "harmbench-test"]
+
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    model: str = DEFAULT_MODEL
+    test_sets: list[str] = field(default_factory=lambda: list(TEST_SETS))
+    limit: int | None = None
+    judge: str = "classifier"
+    max_new_tokens: int = 48
+    batch_size: int = 32
+    dtype: str = "bf16"
+    limit_benign_train: int | None = 600
+    progress: bool = True
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    from aligntax.models import load_model
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lm = load_model(cfg.model, dtype=cfg.dtype)
+    common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                  dtype=cfg.dtype, progress=cfg.progress)
+    base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common), lm=lm)
+    train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train, **common), lm=lm)
+    sweep = run_sweep(SweepConfig(steer=str(out / "els"), model=cfg.model, judge=cfg.judge,
+                                  batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.2, 0.35, 0.5],
+                                  baseline_coeffs=[1.0],
+                                  progress=cfg.progress), lm=lm)
+    best = sweep["best"]
+    steered = None
+    if best is not None:
+        args = {"path": str(out / "els"), **best["args"]}
+        steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
+                                      intervention="els", intervention_args=args, **common), lm=lm)
+    summary = {"baseline": base, "steered": steered, "best": best}
+    write_demo_report(out, summary)
+    return summary
+
+
+def _cells(block: dict | None) -> dict[str, tuple[str, str]]:
+    """{label: (metric name, formatted rate)} for each label present in a results block."""
+    out = {}
+    if block and "benign" in block:
+        b = block["benign"]
+        out["benign"] = ("compliance", fmt_rate(b["compliance_rate"], b["ci95"]))
+    if block and "harmful" in block:
+        h = block["harmful"]
+        out["harmful"] = ("refusal", fmt_rate(h["refusal_rate"], h["ci95"]))
+    return out
+
+
+def write_demo_report(out: Path, summary: dict) -> None:
+    base, steered, best = summary["baseline"], summary["steered"], summary["best"]
+    lines = ["# aligntax demo: energy landscape steering against over-refusal", "",
+             f"Model `{base['config']['model']}`, judge `{base['config']['judge']}`, greedy, "
+             f"{base['config']['max_new_tokens']} new tokens. Trained on train splits, tuned on validation "
+             "splits, reported on test sets. Wilson 95% intervals.", ""]
+    if best:
+        lines += [f"Selected ELS setting (validation, {best['method']}): `{json.dumps(best['args'])}` "
+                  f"(val compliance {best['benign_compliance']:.3f}, val harmful refusal "
+                  f"{best['harmful_refusal']:.3f}).", ""]
+    else:
+        lines += ["No ELS setting kept validation safety at the unsteered level; no steered run.", ""]
+    lines += ["| dataset | label | metric | unsteered | ELS |", "|---|---|---|---|---|"]
+    after_sets = (steered or {}).get("datasets", {})
+    blocks = [(name, block, after_sets.get(name)) for name, block in base["datasets"].items()]
+    blocks.append(("**all**", base, steered))
+    for name, block, after in blocks:
+        after_cells = _cells(after)
+        for label, (metric, before) in _cells(block).items():
+            lines.append(f"| {name} | {label} | {metric} | {before} | {after_cells.get(label, ('', ''))[1]} |")
+    timing_b, timing_s = base.get("timing", {}), (steered or {}).get("timing", {})
+    lines += ["", f"Throughput (tokens/s): unsteered {timing_b.get('tokens_per_second')}, "
+                  f"steered {timing_s.get('tokens_per_second')}.", "",
+              "![Pareto plot](els/sweep/pareto.png)", "", "Energy histograms: ![energy](els/energy_histograms.png)",
+              "", "Run folders: `baseline/`, `els/` (labels, activations, energy models, vectors, sweep), "
+              "`steered/`.", ""]
+    (out / "report.md").write_text("\n".join(lines))

@@ -1,0 +1,187 @@
+"""``aligntax eval``: generate, judge and score, appending every sample as it is produced.
+
+Rerunning the same command after a crash or Ctrl-C resumes: finished (source, id) pairs are read back
+from ``samples.jsonl`` and skipped, so nothing is redone and nothing is duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from aligntax.errors import AligntaxError
+from aligntax.generation import GenerationConfig, iter_generate
+from aligntax.metrics import summarize_refusals
+from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.runs.jsonl import append_jsonl, read_jsonl
+
+# Fields that change what a sample is; a resumed run must agree on all of them.
+_RESULT_FIELDS = ("model", "judge", "system", "max_new_tokens", "do_sample", "temperature", "top_p",
+                  "seed", "dtype", "intervention", "intervention_args")
+
+
+@dataclass
+class EvalConfig:
+    data: list[str] = field(default_factory=list)
+    out: str = "runs/eval"
+    model: str = DEFAULT_MODEL
+    judge: str = "classifier"
+    system: str | None = None
+    max_new_tokens: int = 64
+    limit: int | None = None
+    batch_size: int = 32
+    dtype: str = "bf16"
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    intervention: str | None = None
+    intervention_args: dict = field(default_factory=dict)
+    progress: bool = True
+
+    def generation(self) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
+                                temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                batch_size=self.batch_size, system=self.system)
+
+
+def _check_resume(out: Path, cfg: EvalConfig) -> None:
+    path = out / "config.json"
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    diffs = [f"{k}: {old.get(k)!r} -> {asdict(cfg).get(k)!r}" for k in _RESULT_FIELDS
+             if old.get(k) != asdict(cfg).get(k)]
+    if diffs:
+        raise AligntaxError(
+            f"{out} holds a run with different settings ({'; '.join(diffs)}). Use another --out, or delete "
+            "the folder to start again."
+        )
+
+
+def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None) -> dict:
+    """Run (or resume) an evaluation; returns the results dict also written to ``results.json``.
+
+    ``items`` (PromptItems) replaces loading ``cfg.data`` when given.
+    """
+    from aligntax.data import load_prompts
+    from aligntax.judges import get_judge
+
+    if not cfg.data and items is None:
+        raise AligntaxError("No data given: pass at least one --data FILE_OR_NAME")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_resume(out, cfg)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    samples_path = out / "samples.jsonl"
+
+    if items is None:
+        items = []
+        for spec in cfg.data:
+            items.extend(load_prompts(spec, limit=cfg.limit))
+    done_rows = read_jsonl(samples_path, repair=True)
+    done = {(r["source"], r["id"]) for r in done_rows}
+    seen: set = set()
+    todo = []
+    wanted = {(it.source, it.id) for it in items}
+    for it in items:
+        key = (it.source, it.id)
+        if key not in done and key not in seen:
+            todo.append(it)
+        seen.add(key)
+
+    t0 = time.perf_counter()
+    gen_seconds, n_tokens = 0.0, 0
+    if todo:
+        if lm is None:
+            from aligntax.models import load_model
+
+            lm = load_model(cfg.model, dtype=cfg.dtype)
+        if intervention is None and cfg.intervention:
+            from aligntax.interventions.registry import make_intervention
+
+            intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
+        judge = judge or get_judge(cfg.judge)
+        batches = iter_generate(lm, [it.prompt for it in todo], cfg.generation(), intervention,
+                                progress=cfg.progress, desc="eval")
+        tb = time.perf_counter()
+        for idx, gens in batches:
+            gen_seconds += time.perf_counter() - tb
+            n_tokens += sum(g.n_tokens for g in gens)
+            batch_items = [todo[i] for i in idx]
+            verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
+            append_jsonl(samples_path, [
+                {**it.to_dict(), "response": g.response, "refused": v.refused,
+                 "refusal_score": round(float(v.refusal_score), 6), "judge": judge.name,
+                 "n_tokens": g.n_tokens, "finish_reason": g.finish_reason}
+                for it, g, v in zip(batch_items, gens, verdicts, strict=True)
+            ])
+            tb = time.perf_counter()
+    rows = read_jsonl(samples_path)
+    rows = [r for r in rows if (r["source"], r["id"]) in wanted]
+    results = {
+        "config": asdict(cfg),
+        "model_fingerprint": getattr(lm, "fingerprint", None) or _previous(out).get("model_fingerprint"),
+        **summarize_refusals(rows),
+        "timing": _timing(_previous(out).get("timing", {}) if done else {}, time.perf_counter() - t0,
+                          gen_seconds, n_tokens, len(todo), len(done & wanted)),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    from aligntax.reports import write_eval_report
+
+    write_eval_report(results, out / "report.md")
+    return results
+
+
+def _timing(prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int, resumed: int) -> dict:
+    """Throughput over every invocation that produced samples in this run folder."""
+    gen_total = prev.get("generation_seconds_total", 0.0) + gen_seconds
+    tok_total = prev.get("generated_tokens_total", 0) + n_tokens
+    return {
+        "wall_seconds": round(wall, 2),
+        "generation_seconds": round(gen_seconds, 2),
+        "generated_tokens": n_tokens,
+        "new_samples": new,
+        "resumed_samples": resumed,
+        "generation_seconds_total": round(gen_total, 2),
+        "generated_tokens_total": tok_total,
+        "tokens_per_second": round(tok_total / gen_total, 2) if gen_total else None,
+    }
+
+
+def _previous(out: Path) -> dict:
+    path = out / "results.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def rejudge(out: str | Path, judge_name: str | None = None, judge=None) -> dict:
+    """Judge the responses of an existing run folder again (a new judge, or a retrained one) and rewrite
+    ``samples.jsonl``, ``results.json`` and ``report.md``; no generation. The rewrite is atomic."""
+    import os
+
+    from aligntax.judges import get_judge
+
+    out = Path(out)
+    prev = _previous(out)
+    if not prev or not (out / "samples.jsonl").exists():
+        raise AligntaxError(f"{out} is not a finished evaluation run (no results.json / samples.jsonl)")
+    cfg = EvalConfig(**prev["config"])
+    cfg.judge = judge_name or cfg.judge
+    judge = judge or get_judge(cfg.judge)
+    rows = read_jsonl(out / "samples.jsonl", repair=True)
+    verdicts = judge.judge([r["prompt"] for r in rows], [r["response"] for r in rows])
+    for r, v in zip(rows, verdicts, strict=True):
+        r.update(refused=v.refused, refusal_score=round(float(v.refusal_score), 6), judge=judge.name)
+    tmp = out / "samples.jsonl.partial"
+    tmp.unlink(missing_ok=True)
+    append_jsonl(tmp, rows)
+    os.replace(tmp, out / "samples.jsonl")
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    results = {**prev, "config": asdict(cfg), **summarize_refusals(rows)}
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    from aligntax.reports import write_eval_report
+
+    write_eval_report(results, out / "report.md")
+    return results
