@@ -38,7 +38,8 @@ def test_batched_equals_unbatched_on_real_model(qwen_fp32):
 
 def test_cli_eval_end_to_end(tmp_path, data_dir):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "aligntax", "eval", "--data", "xstest", "--limit", "12", "--out", str(out),
+    cmd = [sys.executable, "-m", "aligntax", "eval", "--data", "xstest-safe", "--data", "xstest-unsafe", "--limit", "6",
+           "--out", str(out),
            "--max-new-tokens", "32", "--no-progress"]
     subprocess.run(cmd, check=True, capture_output=True)
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -46,5 +47,5 @@ def test_cli_eval_end_to_end(tmp_path, data_dir):
     assert {"id", "source", "label", "category", "prompt", "response", "refused", "refusal_score", "judge"} <= set(rows[0])
     res = json.loads((out / "results.json").read_text())
     assert res["model_fingerprint"]["hidden_size"] == 896
-    assert res["benign"]["n"] + res["harmful"]["n"] == 12
+    assert res["benign"]["n"] == 6 and res["harmful"]["n"] == 6
     assert "| xstest" in (out / "report.md").read_text()
