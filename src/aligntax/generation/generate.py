@@ -132,9 +132,3 @@ def prompt_logits(lm, prompts: Sequence[str | list[dict]], system: str | None = 
             logits = lm.model(**enc, use_cache=False, logits_to_keep=1).logits[:, -1, :]
         out.append(logits.float().cpu())
     return torch.cat(out) if out else torch.empty(0)
-
-
-def tokens_per_second(gens: Sequence[Generation], seconds: float) -> float:
-    return sum(g.n_tokens for g in gens) / seconds if seconds > 0 else 0.0
-
-

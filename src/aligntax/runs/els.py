@@ -16,7 +16,7 @@ import torch
 
 from aligntax.errors import AligntaxError
 from aligntax.models.spec import DEFAULT_MODEL
-from aligntax.runs.eval import EvalConfig, run_eval
+from aligntax.runs.eval import EvalConfig, load_prompt_sets, run_eval
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
 
 
@@ -45,15 +45,6 @@ class ELSTrainConfig:
     progress: bool = True
 
 
-def _items(specs: list[str], limit: int | None):
-    from aligntax.data import load_prompts
-
-    out = []
-    for s in specs:
-        out.extend(load_prompts(s, limit=limit))
-    return out
-
-
 def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     """Run the whole training pipeline; returns the training summary also written to ``report.md``."""
     from aligntax.activations import capture_to_cache
@@ -71,8 +62,8 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     label_cfg = EvalConfig(data=[], out=str(out / "labels"), model=cfg.model, judge=cfg.judge,
                            max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
                            progress=cfg.progress)
-    benign = _items(cfg.benign, cfg.limit_benign)
-    harmful = _items(cfg.harmful, cfg.limit_harmful)
+    benign = load_prompt_sets(cfg.benign, cfg.limit_benign)
+    harmful = load_prompt_sets(cfg.harmful, cfg.limit_harmful)
     if not benign or not harmful:
         raise AligntaxError("ELS training needs both benign (over-refusal) and harmful prompts.")
     label_cfg.data = [*cfg.benign, *cfg.harmful]
@@ -104,7 +95,7 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     plot_energy_histograms(bank, acts, y, out / "energy_histograms.png", layers=bank.top(6))
 
     # 4. vectors for the baselines: refusal (harmful - harmless), false refusal (pseudo-harmful - harmless)
-    harmless = _items(cfg.harmless, cfg.limit_harmless)
+    harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
     h_cache = capture_to_cache(lm, [it.prompt for it in harmless], [f"{it.source}/{it.id}" for it in harmless],
                                layers, out / "activations_harmless", labels=[it.label for it in harmless],
                                batch_size=cfg.batch_size, progress=cfg.progress)
@@ -240,7 +231,7 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
     out = Path(cfg.out or Path(cfg.steer) / "sweep")
     out.mkdir(parents=True, exist_ok=True)
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
-    benign, harmful = _items(cfg.benign, None), _items(cfg.harmful, None)
+    benign, harmful = load_prompt_sets(cfg.benign, None), load_prompt_sets(cfg.harmful, None)
     path = out / "sweep.jsonl"
     rows = read_jsonl(path, repair=True)
     done = {r["key"] for r in rows}

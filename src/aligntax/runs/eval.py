@@ -47,6 +47,13 @@ class EvalConfig:
                                 batch_size=self.batch_size, system=self.system)
 
 
+def load_prompt_sets(specs: list[str], limit: int | None = None) -> list:
+    """The items of several datasets (files, names or Hub ids), in order; ``limit`` applies to each."""
+    from aligntax.data import load_prompts
+
+    return [item for spec in specs for item in load_prompts(spec, limit=limit)]
+
+
 def _check_resume(out: Path, cfg: EvalConfig) -> None:
     path = out / "config.json"
     if not path.exists():
@@ -66,7 +73,6 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
 
     ``items`` (PromptItems) replaces loading ``cfg.data`` when given.
     """
-    from aligntax.data import load_prompts
     from aligntax.judges import get_judge
 
     if not cfg.data and items is None:
@@ -78,9 +84,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
     samples_path = out / "samples.jsonl"
 
     if items is None:
-        items = []
-        for spec in cfg.data:
-            items.extend(load_prompts(spec, limit=cfg.limit))
+        items = load_prompt_sets(cfg.data, cfg.limit)
     done_rows = read_jsonl(samples_path, repair=True)
     done = {(r["source"], r["id"]) for r in done_rows}
     seen: set = set()
@@ -121,11 +125,12 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
             tb = time.perf_counter()
     rows = read_jsonl(samples_path)
     rows = [r for r in rows if (r["source"], r["id"]) in wanted]
+    prev = _previous(out)
     results = {
         "config": asdict(cfg),
-        "model_fingerprint": getattr(lm, "fingerprint", None) or _previous(out).get("model_fingerprint"),
+        "model_fingerprint": getattr(lm, "fingerprint", None) or prev.get("model_fingerprint"),
         **summarize_refusals(rows),
-        "timing": _timing(_previous(out).get("timing", {}) if done else {}, time.perf_counter() - t0,
+        "timing": _timing(prev.get("timing", {}) if done else {}, time.perf_counter() - t0,
                           gen_seconds, n_tokens, len(todo), len(done & wanted)),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
