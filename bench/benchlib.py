@@ -32,9 +32,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "embedded:qwen2.5-coder-0.5b-instruct"
 SMALL_MODEL = "embedded:smollm2-135m-instruct"
-DEFAULT_ELS = {"top_k": 2, "eta": 0.3, "steps": 3, "threshold": None}
-
-
 # ---------------------------------------------------------------------------------------------- CLI
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
@@ -80,6 +77,8 @@ def add_steer_args(p: argparse.ArgumentParser, *, required_note: str = "") -> No
     p.add_argument("--steps", type=int, default=None, help="descent steps; default: best.json, else 3")
     p.add_argument("--threshold", type=optional_float, default=argparse.SUPPRESS,
                    help="energy gate ('none' for no gate); default: best.json, else none")
+    p.add_argument("--gate", type=optional_float, default=argparse.SUPPRESS,
+                   help="harm-gate threshold ('none' for no gate); default: best.json, else none")
     p.add_argument("--synthetic-preset", default="small", choices=("small", "paper"),
                    help="architecture of the synthetic energy models (default small, as `els train`)")
     p.add_argument("--synthetic-layers", type=int_list, default=None,
@@ -168,33 +167,16 @@ def load_prompt_texts(dataset: str, n: int | None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- ELS
-def read_best(directory: str | Path) -> dict | None:
-    """The best ELS setting of ``DIR/sweep/best.json`` (``aligntax els sweep``), or None."""
-    path = Path(directory) / "sweep" / "best.json"
-    if not path.is_file():
-        return None
-    best = (json.loads(path.read_text()) or {}).get("best") or {}
-    args = best.get("args") or {}
-    return {k: args[k] for k in ("top_k", "eta", "steps", "threshold") if k in args} or None
-
-
 def els_settings(args, steer: str | None) -> tuple[dict, str]:
-    """ELS settings: explicit flags win, then DIR/sweep/best.json, then the defaults."""
-    settings = dict(DEFAULT_ELS)
-    origin = "defaults"
-    if steer and steer != "synthetic":
-        best = read_best(steer)
-        if best:
-            settings.update(best)
-            origin = f"{Path(steer) / 'sweep' / 'best.json'}"
-    flags = {"top_k": args.top_k, "eta": args.eta, "steps": args.steps}
-    explicit = {k: v for k, v in flags.items() if v is not None}
-    if hasattr(args, "threshold"):
-        explicit["threshold"] = args.threshold
-    if explicit:
-        settings.update(explicit)
-        origin += " + flags " + ",".join(sorted(explicit))
-    return settings, origin
+    """ELS settings: explicit flags win, then DIR/sweep/best.json, then the library defaults
+    (:func:`aligntax.interventions.els.resolve_settings`)."""
+    from aligntax.interventions.els import resolve_settings
+
+    given = {"top_k": args.top_k, "eta": args.eta, "steps": args.steps}
+    for key in ("threshold", "gate"):  # set on the command line: None there means "off"
+        if hasattr(args, key):
+            given[key] = "none" if getattr(args, key) is None else getattr(args, key)
+    return resolve_settings(steer if steer and steer != "synthetic" else None, **given)
 
 
 def synthetic_layers(lm, top_k: int, layers: Sequence[int] | None) -> list[int]:
@@ -243,6 +225,8 @@ def build_els(lm, args, grad_methods: Sequence[str] = ("closed",)) -> tuple[dict
                   "3 epochs on RANDOM labels (timing only depends on the architecture; the steering "
                   "itself is meaningless)")
     else:
+        # from a folder, None would mean "take the tuned value": say "none" to keep the gates off
+        kw.update({k: "none" if settings[k] is None else settings[k] for k in ("threshold", "gate")})
         ivs = {gm: EnergySteering.from_dir(args.steer, lm, grad_method=gm, **kw) for gm in grad_methods}
         source = f"energy bank {args.steer}"
     first = next(iter(ivs.values()))

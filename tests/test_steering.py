@@ -445,3 +445,95 @@ def test_bf16_eta_zero_identical():
     st2 = EnergySteering(energy_models(layers=(1,)), eta=1.0, steps=2, scale_by_norm=False)
     _, log2, ctx, _ = run_steered(lm16, PROMPTS[:2], st2, max_new_tokens=3)
     assert torch.isfinite(log2).all() and ctx.stats["els"][1]["positions"] == 2 * 3
+
+
+# ---- harm gate -------------------------------------------------------------------------------------------
+def _split_gate(lm, layer=1):
+    """A gate at ``layer`` that holds back exactly two of the four PROMPTS (rows 0..3)."""
+    from aligntax.energy.gate import HarmGate
+
+    h = capture(lm, PROMPTS, [layer], progress=False)[layer]
+    torch.manual_seed(3)
+    w = torch.randn(H)
+    mu, sc = h.mean(0), h.std(0)
+    s = ((h - mu) / sc) @ w
+    srt = s.sort().values
+    gate = HarmGate(layer, w, -float(srt[1] + srt[2]) / 2, mu, sc, fingerprint=lm.fingerprint)
+    return gate, (s > (srt[1] + srt[2]) / 2)
+
+
+def test_harm_gate_holds_back_rows(lm):
+    gate, held = _split_gate(lm)
+    assert int(held.sum()) == 2
+    tok0, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
+    _, log_all, _, _ = run_steered(lm, PROMPTS, els(eta=2.0))
+    for use_cache in (True, False):
+        _, log_g, ctx, _ = run_steered(lm, PROMPTS, els(eta=2.0, gate=gate), use_cache=use_cache)
+        for i in range(4):  # held rows are exactly unsteered, the others exactly steered
+            ref = log0[i] if held[i] else log_all[i]
+            torch.testing.assert_close(log_g[i], ref, rtol=0, atol=1e-5 if use_cache else 1e-4)
+        assert ctx.stats["els_gate"]["held"] == 2
+    assert not torch.equal(log_all, log0)
+    # a gate threshold above every probability holds nothing back; one near 0 holds back every row
+    _, log_none, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, gate=gate, gate_threshold=1 - 1e-9))
+    _, log_every, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, gate=gate, gate_threshold=1e-9))
+    assert torch.equal(log_none, log_all) and torch.equal(log_every, log0)
+
+
+def test_harm_gate_must_decide_before_steering(lm):
+    gate, _ = _split_gate(lm, layer=2)
+    with pytest.raises(AligntaxError, match="before steering"):
+        els(gate=gate)  # steering starts at layer 1
+    with pytest.raises(AligntaxError, match="gate_threshold"):
+        els(gate=_split_gate(lm)[0], gate_threshold=1.5)
+
+
+def test_train_harm_gate_and_files(lm, bank_dir, tmp_path):
+    from aligntax.energy.gate import HarmGate, train_harm_gate
+
+    torch.manual_seed(0)
+    n = 200
+    y = torch.arange(n) % 2 == 0
+    direction = torch.randn(H)
+    acts = {0: torch.randn(n, H), 1: torch.randn(n, H) + 4.0 * y[:, None].float() * direction / direction.norm()}
+    gate = train_harm_gate(acts, y, seed=0, fingerprint=lm.fingerprint)
+    assert gate.layer == 1 and gate.info["val"]["acc"] > 0.9
+    assert gate.info["per_layer_val"]["0"]["balanced_acc"] < 0.7  # noise layer is near chance
+    assert (gate.harmful(acts[1]) == y).float().mean() > 0.9
+    with pytest.raises(Exception, match="both benign and harmful"):
+        train_harm_gate(acts, torch.ones(n, dtype=torch.bool))
+    # saved beside an energy bank: from_dir(gate=...) loads it, checked against the model
+    d = tmp_path / "bank"
+    import shutil
+    shutil.copytree(bank_dir, d)
+    with pytest.raises(AligntaxError, match="no harm gate"):
+        EnergySteering.from_dir(d, lm, gate=True)
+    gate.layer = 0  # before every bank layer
+    gate.save(d)
+    back = HarmGate.load(d)
+    assert torch.equal(back.weight, gate.weight) and back.layer == 0
+    st = EnergySteering.from_dir(d, lm, gate=0.7)
+    assert st.gate_threshold == 0.7 and st.config()["gate"] == {"layer": 0, "threshold": 0.7}
+    other = tiny_lm("qwen2", hidden=H, layers=3, seed=5)
+    with pytest.raises(CompatibilityError):
+        HarmGate.load(d, expect_fingerprint=other.fingerprint)
+
+
+def test_from_dir_takes_the_tuned_setting(lm, bank_dir, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "bank"
+    shutil.copytree(bank_dir, d)
+    plain = EnergySteering.from_dir(d, lm)
+    assert (plain.eta, plain.steps, plain.threshold, len(plain.models)) == (0.3, 3, None, 2)
+    assert plain.settings_from == "defaults"
+    (d / "sweep").mkdir()
+    (d / "sweep" / "best.json").write_text(json.dumps(
+        {"best": {"args": {"top_k": 1, "eta": 0.45, "steps": 2, "threshold": 0.0}}}))
+    tuned = EnergySteering.from_dir(d, lm)
+    assert (tuned.eta, tuned.steps, tuned.threshold, len(tuned.models)) == (0.45, 2, 0.0, 1)
+    assert tuned.settings_from.endswith("best.json")
+    mixed = EnergySteering.from_dir(d, lm, eta=0.1, threshold="none")
+    assert (mixed.eta, mixed.steps, mixed.threshold) == (0.1, 2, None)
+    assert "eta" in mixed.settings_from and "threshold" in mixed.settings_from

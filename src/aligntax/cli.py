@@ -81,8 +81,10 @@ def data_list() -> None:
 # ---------------------------------------------------------------- generate / judge / eval
 def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
                        layers: str | None, threshold: float | None, vectors: str | None,
-                       top_k: int | None = None, coeff: float | None = None) -> dict:
+                       top_k: int | None = None, coeff: float | None = None, gate: float | None = None) -> dict:
     args: dict = {}
+    if gate is not None:
+        args["gate"] = gate
     if top_k is not None:
         args["top_k"] = top_k
     if coeff is not None:
@@ -123,6 +125,7 @@ def generate(
     layers: str | None = typer.Option(None, help="comma-separated layer indices"),
     threshold: float | None = typer.Option(None, help="energy gate"),
     top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
+    gate: float | None = typer.Option(None, help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE"),
 ) -> None:
     """Generate chat responses for prompts, in batches."""
     from aligntax.generation import GenerationConfig
@@ -141,7 +144,7 @@ def generate(
         if not prompts:
             raise AligntaxError("No prompts: give them as arguments or with --in")
         lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k)
+        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, system=system,
                                do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
         gens = gen(lm, prompts, cfg, iv)
@@ -155,7 +158,7 @@ def generate(
         fh.close()
 
 
-def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None):
+def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None, gate=None):
     if steer and not intervention:
         intervention = "els"
     if not intervention or intervention == "none":
@@ -163,7 +166,7 @@ def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, to
     from aligntax.interventions.registry import make_intervention
 
     return make_intervention(intervention, lm, **_intervention_args(steer, eta, steps, layers, threshold,
-                                                                     vectors, top_k))
+                                                                     vectors, top_k, gate=gate))
 
 
 @app.command()
@@ -173,6 +176,8 @@ def chat(
     intervention: str | None = typer.Option(None), steer: str | None = typer.Option(None),
     eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
     layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
+    top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
+    gate: float | None = typer.Option(None, help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE"),
 ) -> None:
     """Interactive chat (one line a turn; an empty line or Ctrl-D ends)."""
     from aligntax.generation import GenerationConfig
@@ -181,7 +186,7 @@ def chat(
 
     try:
         lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None)
+        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate)
     except AligntaxError as exc:
         _fail(exc)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -238,6 +243,7 @@ def eval_cmd(
     layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
     top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
     coeff: float | None = typer.Option(None, help="vector baselines: strength"),
+    gate: float | None = typer.Option(None, help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE"),
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
@@ -248,7 +254,7 @@ def eval_cmd(
     try:
         if steer and not intervention:
             intervention = "els"
-        iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors, top_k, coeff) or None
+        iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors, top_k, coeff, gate) or None
         cfg = load_config(
             EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
             judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
@@ -329,6 +335,9 @@ def els_train(
     judge_name: str | None = typer.Option(None, "--judge"),
     max_new_tokens: int | None = typer.Option(None), batch_size: int | None = typer.Option(None),
     dtype: str | None = typer.Option(None),
+    gate: bool | None = typer.Option(None, help="also train the harm gate (default on)"),
+    gate_harmful: list[str] = typer.Option(None, help="extra harmful prompts for the harm gate (default orbench-toxic)"),
+    limit_gate_harmful: int | None = typer.Option(None, help="sample this many of them (default 600)"),
 ) -> None:
     """Label the model's behaviour, capture activations, train one energy model per layer."""
     from aligntax.config import load_config
@@ -340,11 +349,19 @@ def els_train(
                           limit_harmful=limit_harmful,
                           layers=[int(x) for x in layers.split(",")] if layers else None, objective=objective,
                           preset=preset, epochs=epochs, lr=lr, judge=judge_name, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, dtype=dtype)
+                          batch_size=batch_size, dtype=dtype, gate=gate, gate_harmful=_split_list(gate_harmful),
+                          limit_gate_harmful=limit_gate_harmful)
         train_els(cfg)
     except AligntaxError as exc:
         _fail(exc)
     console.print(f"energy models and report: {out}")
+
+
+def _opt_floats(text: str | None) -> list[float | None] | None:
+    """``"none,0,0.5"`` -> ``[None, 0.0, 0.5]``."""
+    if not text:
+        return None
+    return [None if x.strip().lower() == "none" else float(x) for x in text.split(",")]
 
 
 @els_app.command("sweep")
@@ -357,6 +374,9 @@ def els_sweep(
     method: str | None = typer.Option(None, help="first-token (screen, then confirm) or generate"),
     eta: str | None = typer.Option(None, help="comma-separated grid"),
     top_k: str | None = typer.Option(None, help="comma-separated grid of how many best layers"),
+    steps: str | None = typer.Option(None, help="comma-separated grid of step counts"),
+    threshold: str | None = typer.Option(None, help="comma-separated grid of energy gates ('none' = ungated)"),
+    gate: str | None = typer.Option(None, help="comma-separated grid of harm-gate thresholds ('none' = no gate)"),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
     judge_name: str | None = typer.Option(None, "--judge"), dtype: str | None = typer.Option(None),
 ) -> None:
@@ -368,7 +388,9 @@ def els_sweep(
         cfg = load_config(SweepConfig, config, steer=str(steer), out=str(out) if out else None, model=model,
                           benign=_split_list(benign), harmful=_split_list(harmful), method=method,
                           eta=[float(x) for x in eta.split(",")] if eta else None,
-                          top_k=[int(x) for x in top_k.split(",")] if top_k else None, baselines=baselines,
+                          top_k=[int(x) for x in top_k.split(",")] if top_k else None,
+                          steps=[int(x) for x in steps.split(",")] if steps else None,
+                          threshold=_opt_floats(threshold), gate=_opt_floats(gate), baselines=baselines,
                           judge=judge_name, dtype=dtype)
         res = run_sweep(cfg)
     except AligntaxError as exc:

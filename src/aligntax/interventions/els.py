@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from aligntax.energy.bank import EnergyBank
+from aligntax.energy.gate import HarmGate
 from aligntax.energy.model import EnergyModel
 from aligntax.errors import AligntaxError
 from aligntax.interventions.base import (
@@ -39,6 +40,38 @@ from aligntax.interventions.base import (
 from aligntax.models.layers import decoder_layers
 
 POSITION_MODES = ("last_and_generated", "generated", "all")
+# Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one.
+DEFAULT_SETTINGS = {"top_k": 2, "eta": 0.3, "steps": 3, "threshold": None, "gate": None}
+TUNED_KEYS = tuple(DEFAULT_SETTINGS)
+
+
+def tuned_settings(directory: str | Path) -> dict | None:
+    """The ELS setting selected on validation data by ``aligntax els sweep`` (``DIR/sweep/best.json``)."""
+    import json
+
+    path = Path(directory) / "sweep" / "best.json"
+    if not path.is_file():
+        return None
+    args = ((json.loads(path.read_text()) or {}).get("best") or {}).get("args") or {}
+    return {k: args[k] for k in TUNED_KEYS if k in args} or None
+
+
+def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
+    """ELS settings: values given (not None) win, then the folder's tuned setting, then the defaults.
+
+    Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. Returns the settings and a
+    note saying where they came from.
+    """
+    settings, origin = dict(DEFAULT_SETTINGS), "defaults"
+    tuned = tuned_settings(directory) if directory is not None else None
+    if tuned:
+        settings.update({"threshold": None, "gate": None, **tuned})
+        origin = str(Path(directory) / "sweep" / "best.json")
+    explicit = {k: v for k, v in given.items() if v is not None}
+    if explicit:
+        settings.update({k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in explicit.items()})
+        origin += " + " + ",".join(sorted(explicit))
+    return settings, origin
 
 
 def check_positions(positions: str) -> str:
@@ -65,7 +98,8 @@ class EnergySteering(Intervention):
                  positions: str = "last_and_generated", scale_by_norm: bool = True,
                  norms: dict[int, float] | None = None, threshold: float | None = None,
                  layer_eta: dict[int, float] | None = None, source: str | None = None,
-                 grad_method: str = "closed"):
+                 grad_method: str = "closed", gate: HarmGate | None = None,
+                 gate_threshold: float | None = None):
         if not models:
             raise AligntaxError("Energy steering needs at least one layer's energy model.")
         if steps < 0:
@@ -87,7 +121,17 @@ class EnergySteering(Intervention):
             if missing:
                 raise AligntaxError(f"scale_by_norm needs the median residual norm of layers {missing}; pass "
                                     "norms= (see aligntax.activations.residual_norms) or scale_by_norm=False.")
+        self.gate = gate
+        self.gate_threshold = (None if gate is None else
+                               float(gate.threshold if gate_threshold is None else gate_threshold))
+        if gate is not None:
+            if not 0.0 < self.gate_threshold < 1.0:
+                raise AligntaxError(f"gate_threshold must be in (0, 1); got {self.gate_threshold}.")
+            if gate.layer > min(self.models):
+                raise AligntaxError(f"The harm gate reads layer {gate.layer}, after the first steered layer "
+                                    f"{min(self.models)}; it must decide before steering starts.")
         self._device_models: dict[tuple[int, str], EnergyModel] = {}
+        self.settings_from: str | None = None
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -104,25 +148,49 @@ class EnergySteering(Intervention):
         return cls({layer: bank[layer] for layer in chosen}, **kwargs)
 
     @classmethod
-    def from_dir(cls, directory: str | Path, lm=None, layers: Sequence[int] | None = None, eta: float = 0.3,
-                 steps: int = 3, top_k: int | None = None, **kwargs) -> EnergySteering:
-        """Load a saved :class:`EnergyBank` (checked against ``lm.fingerprint``) and steer its best layers."""
+    def from_dir(cls, directory: str | Path, lm=None, layers: Sequence[int] | None = None,
+                 eta: float | None = None, steps: int | None = None, top_k: int | None = None,
+                 threshold: float | str | None = None, gate: bool | float | str | None = None,
+                 **kwargs) -> EnergySteering:
+        """Load a saved :class:`EnergyBank` (checked against ``lm.fingerprint``) and steer its best layers.
+
+        Settings not given (None) come from the setting tuned by ``aligntax els sweep`` in
+        ``DIR/sweep/best.json`` when there is one, else from ``DEFAULT_SETTINGS`` (see
+        :func:`resolve_settings`; ``"none"`` turns a tuned energy or harm gate off). ``gate``: None/False
+        steers every row; True holds back rows the folder's harm gate
+        (:class:`aligntax.energy.gate.HarmGate`) calls harmful at its saved threshold; a float in (0, 1)
+        uses that threshold. With ``layers`` given, ``top_k`` is not taken from the tuned setting.
+        """
+        settings, origin = resolve_settings(directory, eta=eta, steps=steps, threshold=threshold, gate=gate,
+                                            top_k=top_k)
+        top_k = settings["top_k"] if layers is None else top_k
+        eta, steps, threshold, gate = settings["eta"], settings["steps"], settings["threshold"], settings["gate"]
+        kwargs["threshold"] = threshold
         fp = dict(lm.fingerprint) if lm is not None and getattr(lm, "fingerprint", None) else None
         hs = lm.hidden_size if lm is not None else None
         bank = EnergyBank.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
+        if gate is not None and gate is not False:
+            if not HarmGate.exists(directory):
+                raise AligntaxError(f"{directory} has no harm gate (gate.json); train one with "
+                                    "`aligntax els train` (it writes one unless --no-gate).")
+            kwargs["gate"] = HarmGate.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
+            if gate is not True:
+                kwargs["gate_threshold"] = float(gate)
         if lm is not None:
             n = lm.num_layers
             bad = [layer for layer in bank.models if layer >= n]
             if bad:
                 raise AligntaxError(f"Energy bank {directory} has layers {bad} but the model has {n} layers.")
-        return cls.from_bank(bank, layers=layers, top_k=top_k, eta=eta, steps=steps, source=str(directory),
-                             **kwargs)
+        iv = cls.from_bank(bank, layers=layers, top_k=top_k, eta=eta, steps=steps, source=str(directory), **kwargs)
+        iv.settings_from = origin
+        return iv
 
     def config(self) -> dict:
         return {"name": self.name, "layers": sorted(self.models), "eta": self.eta, "steps": self.steps,
                 "positions": self.positions, "scale_by_norm": self.scale_by_norm, "threshold": self.threshold,
                 "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
-                "grad_method": self.grad_method, "source": self.source}
+                "grad_method": self.grad_method, "source": self.source, "settings_from": self.settings_from,
+                "gate": None if self.gate is None else {"layer": self.gate.layer, "threshold": self.gate_threshold}}
 
     def step_size(self, layer: int) -> float:
         if layer in self.layer_eta:
@@ -194,6 +262,16 @@ class EnergySteering(Intervention):
             if not 0 <= layer < n:
                 raise AligntaxError(f"Energy steering layer {layer} does not exist: the model has {n} layers.")
         accs: dict[int, dict] = {layer: {} for layer in self.models}
+        state: dict = {"held": None}  # harm gate decision per row, made at the prompt's forward
+
+        def gate_hook(module, args, kwargs):
+            h = hidden_from_args(args, kwargs)
+            if h.shape[1] == 1 and state["held"] is not None:
+                return None  # a cached decode step keeps the decision
+            if h.shape[1] < ctx.prompt_len:
+                raise AligntaxError("The harm gate needs the whole prompt in one forward (no chunked prefill).")
+            state["held"] = self.gate.harmful(h[:, ctx.prompt_len - 1], self.gate_threshold)
+            return None
 
         def make_hook(layer: int):
             def hook(module, args, kwargs):
@@ -204,14 +282,23 @@ class EnergySteering(Intervention):
                 if sl.start >= sl.stop:
                     return None
                 scale = ctx.row_scale(h.shape[0], h.device, torch.float32)
+                if state["held"] is not None:
+                    scale = scale * (~state["held"]).view(-1, 1, 1).to(scale.dtype)
                 x = self.steer(layer, h[:, sl].float(), scale, accs[layer])
                 new = h.clone()
                 new[:, sl] = x.to(h.dtype)
                 return replace_hidden_in_args(args, kwargs, new)
             return hook
 
-        with hooks_attached([(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]):
+        regs = [] if self.gate is None else [(blocks[self.gate.layer], gate_hook, True)]
+        regs += [(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]
+        with hooks_attached(regs):
             yield
+        if state["held"] is not None:
+            held = state["held"].cpu()
+            g = ctx.stats.setdefault("els_gate", {"rows": 0, "held": 0})
+            g["rows"] += len(held)
+            g["held"] += int(held.sum())
         # Only reached when the body did not raise: summarise (one device sync per layer).
         stats = {}
         nonfinite = False

@@ -32,6 +32,11 @@ class ELSTrainConfig:
     limit_benign: int | None = 600
     limit_harmful: int | None = None
     limit_harmless: int | None = 300
+    # harm gate: a benign-vs-harmful probe (labels from the prompt sets, no judge), trained on the benign and
+    # harmful prompts above, the harmless ones, and these extra harmful prompts (captured, not generated)
+    gate: bool = True
+    gate_harmful: list[str] = field(default_factory=lambda: ["orbench-toxic"])
+    limit_gate_harmful: int | None = 600
     layers: list[int] | None = None  # None: every layer
     objective: str = "logistic"
     preset: str = "small"  # "small" or "paper"
@@ -106,11 +111,42 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
                               layer=bank.layers[0])
     vectors.save(out / "vectors")
 
+    # 5. the harm gate, read at or before the best energy layers so that it decides before steering
+    if cfg.gate:
+        _train_gate(cfg, lm, out, items, acts, harmless, h_cache, bank)
+
     summary = {"layers": bank.summary(), "n_states": int(len(y)), "n_bad": int(y.sum()),
                "seconds": round(time.perf_counter() - t0, 1), "config": asdict(cfg)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _write_train_report(out, bank, summary)
     return summary
+
+
+def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless, h_cache, bank) -> None:
+    from aligntax.activations import capture_to_cache
+    from aligntax.energy.gate import train_harm_gate
+
+    last = min(bank.top(3))
+    cand = [layer for layer in sorted(acts) if layer <= last and layer >= last // 3]
+    extra = load_prompt_sets(cfg.gate_harmful, None) if cfg.gate_harmful else []
+    if cfg.limit_gate_harmful is not None and len(extra) > cfg.limit_gate_harmful:
+        keep = torch.randperm(len(extra), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.limit_gate_harmful]
+        extra = [extra[i] for i in sorted(keep.tolist())]
+    x = {layer: [acts[layer], h_cache[layer]] for layer in cand}
+    y = [it.label == "harmful" for it in items] + [it.label == "harmful" for it in harmless]
+    if extra:
+        g_cache = capture_to_cache(lm, [it.prompt for it in extra], [f"{it.source}/{it.id}" for it in extra], cand,
+                                   out / "activations_gate", labels=[it.label for it in extra],
+                                   batch_size=cfg.batch_size, progress=cfg.progress)
+        order = {pid: i for i, pid in enumerate(g_cache.prompt_ids)}
+        idx = torch.tensor([order[f"{it.source}/{it.id}"] for it in extra])
+        for layer in cand:
+            x[layer].append(g_cache[layer][idx])
+        y += [it.label == "harmful" for it in extra]
+    gate = train_harm_gate({layer: torch.cat(v) for layer, v in x.items()}, y, layers=cand, seed=cfg.seed,
+                           fingerprint=lm.fingerprint,
+                           metadata={"benign": [*cfg.benign, *cfg.harmless], "harmful": [*cfg.harmful, *cfg.gate_harmful]})
+    gate.save(out)
 
 
 def _existing_bank(out: Path, ecfg, lm, n_states: int):
@@ -155,6 +191,7 @@ class SweepConfig:
     eta: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.5])
     steps: list[int] = field(default_factory=lambda: [3])
     threshold: list[float | None] = field(default_factory=lambda: [None, 0.0])
+    gate: list[float | None] = field(default_factory=lambda: [None])  # harm-gate thresholds (None: no gate)
     baselines: bool = True
     baseline_coeffs: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
     method: str = "generate"  # "generate" (judge short responses) or "first-token" (screen, no generation)
@@ -172,8 +209,11 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
         for eta in cfg.eta:
             for steps in cfg.steps:
                 for thr in cfg.threshold:
-                    settings.append(("els", {"path": cfg.steer, "top_k": k, "eta": eta, "steps": steps,
-                                             "threshold": thr}))
+                    for gate in cfg.gate:
+                        args = {"path": cfg.steer, "top_k": k, "eta": eta, "steps": steps, "threshold": thr}
+                        if gate is not None:
+                            args["gate"] = gate
+                        settings.append(("els", args))
     if cfg.baselines:
         vec = str(Path(cfg.steer) / "vectors")
         settings += [("system-prompt", {}), ("helpful-prompt", {})]
@@ -242,7 +282,11 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
         key = _key(name, args, method)
         if key in done:
             return
-        iv = make_intervention(name, lm, **args)
+        iv_args = dict(args)
+        if name == "els":  # every setting of the grid is explicit: no tuned energy or harm gate creeps in
+            iv_args.setdefault("gate", None)
+            iv_args = {k: ("none" if v is None and k in ("threshold", "gate") else v) for k, v in iv_args.items()}
+        iv = make_intervention(name, lm, **iv_args)
         t = time.perf_counter()
         res = (_score_first_token(lm, iv, benign, harmful, cfg.batch_size) if method == "first-token"
                else _score_generate(lm, iv, benign, harmful, cfg, judge))
