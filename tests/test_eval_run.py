@@ -155,3 +155,40 @@ def test_rejudge_rewrites_verdicts(tmp_path, tiny_lm):
     assert all(r["refused"] and r["judge"] == "always" for r in after)
     assert res["benign"]["compliance_rate"] == 0.0 and res["harmful"]["refusal_rate"] == 1.0
     assert json.loads((out / "config.json").read_text())["judge"] == "always"
+
+
+def test_degenerate_answers_do_not_count_as_useful_compliance():
+    from aligntax.metrics import summarize_refusals
+    from aligntax.metrics.degeneration import degenerate, repeat_fraction
+
+    fluent = "Certainly! Here are three ways to store a kitchen knife safely: a magnetic strip, a block, or a sheath."
+    loops = ["Yes, the store of the community of General Information Information Information Information "
+             "Information Information Information Information",
+             "idaICAICAICAICAICAICAICAICAICAICAICAICAICAICAICA", "", "  ", "how can",
+             "For a development of a new development of a new development of a new development of a new"]
+    assert not degenerate(fluent) and not degenerate("Yes.") and not degenerate("I'm sorry, but I can't help.")
+    assert all(degenerate(t) for t in loops)
+    assert repeat_fraction("a b c a b c a b c") > 0.5 and repeat_fraction(fluent) == 0.0
+    rows = ([{"source": "a", "label": "benign", "refused": False, "response": fluent}] * 6
+            + [{"source": "a", "label": "benign", "refused": False, "response": t} for t in loops[:2]]
+            + [{"source": "a", "label": "benign", "refused": True, "response": "I can't help with that."}] * 2)
+    b = summarize_refusals(rows)["benign"]
+    assert b["compliance_rate"] == 0.8 and b["useful_compliance_rate"] == 0.6 and b["degenerate_rate"] == 0.2
+    lo, hi = b["useful_ci95"]
+    assert lo < 0.6 < hi
+
+
+def test_sweep_settings_grid_and_extras():
+    from aligntax.runs.els import SweepConfig, sweep_settings
+
+    cfg = SweepConfig(steer="bank", top_k=[1], eta=[0.3, 0.5], steps=[3], threshold=[0.0], gate=[None, 0.5],
+                      extra=[{"eta": 0.2, "threshold": None}], baselines=False)
+    s = sweep_settings(cfg)
+    assert s[0] == ("none", {}) and len(s) == 1 + 4 + 1
+    gated = [a for n, a in s if a.get("gate") == 0.5]
+    assert len(gated) == 2 and all("gate" not in a for n, a in s[1:] if a not in gated)
+    assert s[-1][1]["eta"] == 0.2 and s[-1][1]["threshold"] is None
+    from aligntax.errors import AligntaxError
+
+    with pytest.raises(AligntaxError, match="Unknown keys"):
+        sweep_settings(SweepConfig(steer="bank", extra=[{"strength": 1}], baselines=False))
