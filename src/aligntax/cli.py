@@ -311,6 +311,48 @@ def fluency(
     print(json.dumps(res, indent=2))
 
 
+@app.command("mc")
+def mc_cmd(
+    out: Path = typer.Option(..., help="output folder (results.json, samples.jsonl)"),
+    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    data: str = typer.Option("builtin", help="'builtin' (137 general questions) or a JSONL/JSON/CSV file"),
+    limit: int | None = typer.Option(None, help="first N questions"),
+    system: str | None = typer.Option(None, help="system prompt"),
+    batch_size: int = typer.Option(16),
+    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    intervention: str | None = typer.Option(None, help="els, system-prompt, helpful-prompt, refusal-ablation, "
+                                               "false-refusal-ablation, refusal-add, cast"),
+    steer: str | None = typer.Option(None, help="energy model folder (implies --intervention els)"),
+    vectors: str | None = typer.Option(None, help="vector folder for the vector baselines"),
+    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
+    layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
+    top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
+    coeff: float | None = typer.Option(None, help="vector baselines: strength"),
+    gate: float | None = typer.Option(None, help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE"),
+    no_progress: bool = typer.Option(False, help="hide progress bars"),
+) -> None:
+    """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
+    from aligntax.metrics.mc import MCConfig, format_accuracy, run_mc
+
+    try:
+        if steer and not intervention:
+            intervention = "els"
+        cfg = MCConfig(out=str(out), model=model, data=data, limit=limit, system=system, batch_size=batch_size,
+                       dtype=dtype, intervention=intervention,
+                       intervention_args=_intervention_args(steer, eta, steps, layers, threshold, vectors, top_k,
+                                                            coeff, gate),
+                       progress=not no_progress)
+        res = run_mc(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    table = Table("subject", "n", "accuracy [95% CI]")
+    for subject, r in res["by_subject"].items():
+        table.add_row(subject, str(r["n"]), format_accuracy(r))
+    table.add_row("all", str(res["n"]), format_accuracy(res))
+    Console().print(table)
+    console.print(f"mean probability on the option letters: {res['letter_mass_mean']:.3f}; results: {out}")
+
+
 els_app = typer.Typer(help="Energy Landscape Steering: train energy models and tune steering.",
                       no_args_is_help=True)
 app.add_typer(els_app, name="els")

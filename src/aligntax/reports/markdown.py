@@ -17,6 +17,9 @@ def eval_table(results: dict) -> str:
         if "benign" in block:
             b = block["benign"]
             lines.append(f"| {name} | benign | {b['n']} | compliance | {fmt_rate(b['compliance_rate'], b['ci95'])} |")
+            if "useful_compliance_rate" in b:
+                lines.append(f"| {name} | benign | {b['n']} | useful compliance (no empty or looping answers) | "
+                             f"{fmt_rate(b['useful_compliance_rate'], b['useful_ci95'])} |")
         if "harmful" in block:
             h = block["harmful"]
             lines.append(f"| {name} | harmful | {h['n']} | refusal | {fmt_rate(h['refusal_rate'], h['ci95'])} |")

@@ -30,27 +30,34 @@ class DemoConfig:
     batch_size: int = 32
     dtype: str = "bf16"
     limit_benign_train: int | None = 600
+    limit_harmful_train: int | None = None
+    limit_gate_harmful: int | None = 600
     progress: bool = True
 
 
-def run_demo(cfg: DemoConfig) -> dict:
+def run_demo(cfg: DemoConfig, lm=None) -> dict:
     from aligntax.models import load_model
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    lm = load_model(cfg.model, dtype=cfg.dtype)
+    lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                   dtype=cfg.dtype, progress=cfg.progress)
     base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common), lm=lm)
-    train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train, **common), lm=lm)
+    train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train,
+                             limit_harmful=cfg.limit_harmful_train,
+                             limit_gate_harmful=cfg.limit_gate_harmful, **common), lm=lm)
     sweep = run_sweep(SweepConfig(steer=str(out / "els"), model=cfg.model, judge=cfg.judge,
-                                  batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.2, 0.35, 0.5],
+                                  batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.5, 0.7],
+                                  threshold=[0.0, -1.0], gate=[0.5],
+                                  extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
                                   baseline_coeffs=[1.0],
                                   progress=cfg.progress), lm=lm)
     best = sweep["best"]
     steered = None
     if best is not None:
         args = {"path": str(out / "els"), **best["args"]}
+        _set_aside_if_changed(out / "steered", args)
         steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
                                       intervention="els", intervention_args=args, **common), lm=lm)
     summary = {"baseline": base, "steered": steered, "best": best}
@@ -58,15 +65,32 @@ def run_demo(cfg: DemoConfig) -> dict:
     return summary
 
 
-def _cells(block: dict | None) -> dict[str, tuple[str, str]]:
-    """{label: (metric name, formatted rate)} for each label present in a results block."""
+def _set_aside_if_changed(run: Path, args: dict) -> None:
+    """A steered run made with another setting (an earlier sweep chose differently) is kept under a new
+    name, not overwritten and not mixed with the new one."""
+    cfg_path = run / "config.json"
+    if not cfg_path.is_file():
+        return
+    old = json.loads(cfg_path.read_text()).get("intervention_args")
+    if old == args:
+        return
+    n = 1
+    while run.with_name(f"{run.name}.prev{n}").exists():
+        n += 1
+    run.rename(run.with_name(f"{run.name}.prev{n}"))
+
+
+def _cells(block: dict | None) -> dict[tuple[str, str], str]:
+    """{(label, metric name): formatted rate} for each label present in a results block."""
     out = {}
     if block and "benign" in block:
         b = block["benign"]
-        out["benign"] = ("compliance", fmt_rate(b["compliance_rate"], b["ci95"]))
+        out[("benign", "compliance")] = fmt_rate(b["compliance_rate"], b["ci95"])
+        if "useful_compliance_rate" in b:
+            out[("benign", "useful compliance")] = fmt_rate(b["useful_compliance_rate"], b["useful_ci95"])
     if block and "harmful" in block:
         h = block["harmful"]
-        out["harmful"] = ("refusal", fmt_rate(h["refusal_rate"], h["ci95"]))
+        out[("harmful", "refusal")] = fmt_rate(h["refusal_rate"], h["ci95"])
     return out
 
 
@@ -88,9 +112,11 @@ def write_demo_report(out: Path, summary: dict) -> None:
     blocks.append(("**all**", base, steered))
     for name, block, after in blocks:
         after_cells = _cells(after)
-        for label, (metric, before) in _cells(block).items():
-            lines.append(f"| {name} | {label} | {metric} | {before} | {after_cells.get(label, ('', ''))[1]} |")
+        for (label, metric), before in _cells(block).items():
+            lines.append(f"| {name} | {label} | {metric} | {before} | {after_cells.get((label, metric), '')} |")
     timing_b, timing_s = base.get("timing", {}), (steered or {}).get("timing", {})
+    lines += ["", "Useful compliance counts a benign answer only when it is neither a refusal nor empty or looping "
+                  "(`aligntax.metrics.degeneration`); the sweep selects settings by it."]
     lines += ["", f"Throughput (tokens/s): unsteered {timing_b.get('tokens_per_second')}, "
                   f"steered {timing_s.get('tokens_per_second')}.", "",
               "![Pareto plot](els/sweep/pareto.png)", "", "Energy histograms: ![energy](els/energy_histograms.png)",

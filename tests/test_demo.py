@@ -1,0 +1,40 @@
+"""The main job end to end on a tiny random model: every stage, the report, and resuming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
+    from aligntax.runs.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
+                     judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
+                     limit_gate_harmful=16, progress=False)
+    summary = run_demo(cfg, lm=tiny_lm)
+    out = tmp_path / "demo"
+    for path in ("baseline/results.json", "els/energy.json", "els/gate.json", "els/vectors/vectors.json",
+                 "els/sweep/sweep.jsonl", "els/sweep/pareto.png", "report.md"):
+        assert (out / path).is_file(), path
+    rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
+    gated = [r for r in rows if r["name"] == "els" and r["args"].get("gate") == 0.5]
+    assert len(gated) == 4 and any(r["name"] == "els" and "gate" not in r["args"] for r in rows)
+    assert all("degenerate" in r for r in rows)
+    report = (out / "report.md").read_text()
+    assert "| orbench-hard-test | benign | compliance |" in report
+    assert "useful compliance" in report and "pareto.png" in report
+    if summary["best"] is not None:  # a steered run of the selected setting, with the same test sets
+        steered = json.loads((out / "steered/config.json").read_text())
+        assert steered["intervention"] == "els" and steered["intervention_args"]["eta"] == summary["best"]["args"]["eta"]
+        # a different selection later: the old steered run is kept aside, not mixed with the new one
+        cfg_path = out / "steered/config.json"
+        old = json.loads(cfg_path.read_text())
+        old["intervention_args"]["eta"] = 123.0
+        cfg_path.write_text(json.dumps(old))
+        run_demo(cfg, lm=tiny_lm)
+        assert (out / "steered.prev1/config.json").is_file()
+        assert json.loads(cfg_path.read_text())["intervention_args"]["eta"] == summary["best"]["args"]["eta"]
