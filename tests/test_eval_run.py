@@ -192,3 +192,34 @@ def test_sweep_settings_grid_and_extras():
 
     with pytest.raises(AligntaxError, match="Unknown keys"):
         sweep_settings(SweepConfig(steer="bank", extra=[{"strength": 1}], baselines=False))
+
+
+def test_resume_refuses_when_the_tuned_setting_changed(tmp_path, tiny_lm):
+    """``--steer DIR`` without flags takes DIR/sweep/best.json; a resumed run must not mix two settings."""
+    import torch
+
+    from aligntax.activations import capture
+    from aligntax.energy import EnergyConfig, train_layers
+    from aligntax.errors import AligntaxError
+    from aligntax.judges import get_judge
+    from aligntax.runs import EvalConfig, run_eval
+
+    prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'}" for i in range(16)]
+    acts = capture(tiny_lm, prompts, "all", progress=False)
+    bank = train_layers(acts, torch.tensor([i % 2 for i in range(16)]),
+                        EnergyConfig.preset("small", widths=[8], epochs=2), fingerprint=tiny_lm.fingerprint)
+    bank_dir = tmp_path / "bank"
+    bank.save(bank_dir)
+    (bank_dir / "sweep").mkdir()
+    best = bank_dir / "sweep" / "best.json"
+    best.write_text(json.dumps({"best": {"args": {"top_k": 1, "eta": 0.2, "steps": 2, "threshold": None}}}))
+    data = _prompts(tmp_path, n=6)
+    cfg = EvalConfig(data=[str(data)], out=str(tmp_path / "r"), judge="keyword", max_new_tokens=3, limit=3,
+                     intervention="els", intervention_args={"path": str(bank_dir)}, progress=False)
+    res = run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
+    assert res["intervention"]["eta"] == 0.2 and res["intervention"]["steps"] == 2
+    assert res["intervention"]["settings_from"].endswith("best.json")
+    best.write_text(json.dumps({"best": {"args": {"top_k": 1, "eta": 0.5, "steps": 2, "threshold": None}}}))
+    cfg.limit = None  # more items to do: the intervention is resolved again, and now differs
+    with pytest.raises(AligntaxError, match="now resolve to"):
+        run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))

@@ -107,6 +107,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
             from aligntax.interventions.registry import make_intervention
 
             intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
+        _record_intervention(out, intervention)
         judge = judge or get_judge(cfg.judge)
         batches = iter_generate(lm, [it.prompt for it in todo], cfg.generation(), intervention,
                                 progress=cfg.progress, desc="eval")
@@ -130,6 +131,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
         "config": asdict(cfg),
         "model_fingerprint": getattr(lm, "fingerprint", None) or prev.get("model_fingerprint"),
         **summarize_refusals(rows),
+        "intervention": _read_intervention(out),
         "timing": _timing(prev.get("timing", {}) if done else {}, time.perf_counter() - t0,
                           gen_seconds, n_tokens, len(todo), len(done & wanted)),
     }
@@ -138,6 +140,32 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
 
     write_eval_report(results, out / "report.md")
     return results
+
+
+def _record_intervention(out: Path, intervention) -> None:
+    """Write the intervention's resolved settings (e.g. ELS settings taken from a tuned ``best.json``) to
+    ``intervention.json``; a resumed run whose intervention resolves differently is refused, so that
+    samples made with two settings never mix."""
+    resolved = json.loads(json.dumps(intervention.config() if intervention is not None else None, default=str))
+    path = out / "intervention.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if _settings(old) != _settings(resolved):
+            raise AligntaxError(
+                f"{out} was run with intervention settings {json.dumps(_settings(old))}, but they now resolve to "
+                f"{json.dumps(_settings(resolved))} (did the folder's sweep/best.json change?). Use another --out, "
+                "or give the settings explicitly.")
+        return
+    path.write_text(json.dumps(resolved, indent=2))
+
+
+def _settings(cfg):
+    return {k: v for k, v in cfg.items() if k != "settings_from"} if isinstance(cfg, dict) else cfg
+
+
+def _read_intervention(out: Path) -> dict | None:
+    path = out / "intervention.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _timing(prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int, resumed: int) -> dict:
