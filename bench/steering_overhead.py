@@ -8,8 +8,10 @@ is what ``aligntax.generation.generate`` does per batch (``SteerContext`` + ``in
 ``model.generate`` with its greedy settings), on batches tokenised beforehand (prompts sorted by length,
 as ``generate`` does), so only generation is timed.
 
-Reported per batch size: median wall time, tokens/s, and steered/unsteered time ratios (median of the
-per-repetition ratios; target <= 1.05) for the closed-form energy gradient (``grad_method='closed'``,
+Reported per batch size: median wall time, tokens/s, steered/unsteered time ratios (median of the
+per-repetition ratios; target <= 1.05), and the share of the steered run's wall time spent inside the
+steering step itself (the hook's energy descent, timed around each call: unlike the ratio, this does
+not move when other jobs share the machine) for the closed-form energy gradient (``grad_method='closed'``,
 the default) and, for comparison, ``grad_method='autograd'``.
 
 The energy bank comes from ``--steer DIR`` (a folder of ``aligntax els train``; steering settings from
@@ -73,6 +75,16 @@ def run_batches(lm, batches: list[dict], intervention, max_new_tokens: int) -> d
     kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                   use_cache=True, pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
     tokens, positions, steered = 0, 0, 0
+    in_steer = [0.0]
+    inner = getattr(intervention, "steer", None)
+    if inner is not None:  # time spent inside the steering step itself (robust to other load on the machine)
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                in_steer[0] += time.perf_counter() - t0
+        intervention.steer = timed
     t = time.perf_counter()
     for enc in batches:
         ctx = SteerContext(prompt_len=enc["input_ids"].shape[1])
@@ -86,6 +98,9 @@ def run_batches(lm, batches: list[dict], intervention, max_new_tokens: int) -> d
             positions += s["positions"]
             steered += s["steered"]
     res = {"seconds": time.perf_counter() - t, "tokens": tokens, "batches": len(batches)}
+    if inner is not None:
+        del intervention.steer
+        res["steer_seconds"] = in_steer[0]
     if positions:
         res.update(els_positions=positions, els_steered=steered)
     return res
@@ -127,7 +142,7 @@ def main(argv=None) -> dict:
     headers = ["batch", "unsteered s", "ELS s", "ELS / unsteered", "unsteered tok/s", "ELS tok/s"]
     if has_ag:
         headers += ["autograd s", "autograd / unsteered"]
-    headers.append("ELS <= 1.05")
+    headers += ["time in steering step", "ELS <= 1.05"]
     rows = []
     for b, r in results.items():
         s, ratio = r["summary"], r["ratios"]
@@ -135,6 +150,9 @@ def main(argv=None) -> dict:
                bl.fmt(s["unsteered"]["median_tok_s"], 1), bl.fmt(s["els"]["median_tok_s"], 1)]
         if has_ag:
             row += [s["els-autograd"]["median_s"], ratio["els-autograd"]["median_paired"]]
+        shares = sorted(x["steer_seconds"] / x["seconds"] for x in r["runs"]["els"] if "steer_seconds" in x)
+        r["steer_share_median"] = shares[len(shares) // 2] if shares else None
+        row.append(f"{100 * shares[len(shares) // 2]:.1f}%" if shares else "")
         row.append("yes" if ratio["els"]["median_paired"] <= 1.05 else "no")
         rows.append(row)
     env = bl.environment(lm)
