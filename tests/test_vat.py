@@ -587,6 +587,75 @@ def test_persona_and_fewshot(builtin):
         build_intervention("magic", None, "Power", tr)
 
 
+def test_fewshot_minimal_pairs_and_persona_system(builtin):
+    from aligntax.vat.interventions import build_fewshot, build_intervention, persona_text
+
+    ev, tr = split_items(builtin, 0.2)
+    by_id = {it.id: it for it in tr}
+    fs = build_fewshot(tr, "Power", 8, seed=3, exclude_ids={it.id for it in ev})
+    assert fs.paired and fs.system is None and len(fs.examples) == 8
+    shown = [by_id[i] for i in fs.example_ids]
+    # four minimal pairs: each context appears once as supporting (answered 5), once as violating (1)
+    by_context: dict[str, list] = {}
+    for it, (_, ans) in zip(shown, fs.examples, strict=True):
+        by_context.setdefault(it.context, []).append((it.polarity, ans))
+    assert len(by_context) == 4
+    assert all(sorted(v) == [(-1, "1"), (1, "5")] for v in by_context.values())
+    assert len({it.scene for it in shown}) == 4  # from distinct scenes
+    pairs = [build_fewshot(tr, "Power", 2, seed=s) for s in range(8)]
+    assert all(len({by_id[i].context for i in fs2.example_ids}) == 1 for fs2 in pairs)
+    loose = [build_fewshot(tr, "Power", 2, seed=s, paired=False) for s in range(8)]
+    assert not any(fs2.paired for fs2 in loose)
+    assert any(len({by_id[i].context for i in fs2.example_ids}) == 2 for fs2 in loose)
+    pf = build_intervention("persona-fewshot-4", None, "PO", tr)
+    assert pf.system == persona_text("Power") and pf.config()["name"] == "persona-fewshot-4"
+    msgs = pf.prepare_messages([{"role": "system", "content": "x"}, {"role": "user", "content": "q"}])
+    assert msgs[0] == {"role": "system", "content": persona_text("Power")} and len(msgs) == 10
+
+
+def test_shared_prefix_logits_equal_plain_path(tiny, builtin):
+    from aligntax.generation import prompt_logits
+    from aligntax.vat.interventions import ValuePersona, build_fewshot, compute_steering_vector
+    from aligntax.vat.judge import shared_prefix_logits
+
+    ev, tr = split_items(builtin, 0.2)
+    prompts = [judgment_prompt(it, Variant("acceptable"), LikertScale()) for it in ev[:7]]
+    for iv in (build_fewshot(tr, "Security", 4), ValuePersona.for_value("Security")):
+        fast = shared_prefix_logits(tiny, prompts, intervention=iv, batch_size=3, min_prefix=8)
+        plain = prompt_logits(tiny, prompts, intervention=iv, batch_size=3)
+        assert fast is not None and fast.shape == plain.shape
+        assert torch.allclose(torch.log_softmax(fast, -1), torch.log_softmax(plain, -1), atol=1e-4)
+    # a persona and no persona differ, so the comparison above can fail
+    assert not torch.allclose(shared_prefix_logits(tiny, prompts, min_prefix=8), plain, atol=1e-3)
+    steer = compute_steering_vector(tiny, tr, "Security", layer=1, strength=4.0)
+    assert shared_prefix_logits(tiny, prompts, intervention=steer, min_prefix=8) is None  # hooks: plain path
+    assert shared_prefix_logits(tiny, prompts, min_prefix=10_000) is None
+
+
+def test_els_intervention_from_energy_bank(tiny, builtin, tmp_path):
+    from aligntax.activations import capture
+    from aligntax.energy import EnergyConfig, train_layers
+    from aligntax.generation import prompt_logits
+    from aligntax.interventions.els import EnergySteering
+    from aligntax.vat.interventions import build_intervention
+
+    with pytest.raises(AligntaxError, match="energy"):
+        build_intervention("els", tiny, "Benevolence")
+    prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(16)]
+    acts = capture(tiny, prompts, "all", progress=False)
+    bank = train_layers(acts, torch.tensor([i % 2 for i in range(16)]),
+                        EnergyConfig.preset("small", widths=[16], epochs=2), fingerprint=tiny.fingerprint)
+    bank.save(tmp_path / "bank")
+    iv = build_intervention("els", tiny, "Benevolence", energy_dir=tmp_path / "bank")
+    assert isinstance(iv, EnergySteering) and iv.cacheable is False
+    ref = _state(tiny.model)
+    prompts = [judgment_prompt(it, Variant("acceptable"), LikertScale()) for it in builtin[:3]]
+    base = prompt_logits(tiny, prompts)
+    steered = prompt_logits(tiny, prompts, intervention=iv)
+    assert not torch.allclose(base, steered)
+    assert torch.equal(prompt_logits(tiny, prompts), base) and _same_state(tiny.model, ref)
+
+
 def test_steering_changes_logits_only_while_attached(tiny, builtin):
     from aligntax.generation import prompt_logits
     from aligntax.vat.interventions import compute_steering_vector
@@ -660,6 +729,26 @@ def test_run_vat_and_resume(tiny, builtin, cache_env):
     c = compare([out, out2], cache_env / "cmp")
     assert c.png.is_file() and "| persona | Power |" in c.markdown.read_text()
     assert list(c.table["target"]) == ["Universalism", "Power"]
+    shift_row = next(x for x in c.markdown.read_text().splitlines() if x.startswith("| run2 | PO |"))
+    assert f"**{res3['gain']['value']:+.3f}**" not in shift_row  # run2's own gain is bold, not run1's
+    assert shift_row.count("**") == 2
+
+    def fake_eval(name, comply, refuse):
+        d = cache_env / name
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({"config": {"system": None}, "datasets": {
+            "orbench-hard-test": {"benign": {"n": 100, "compliance_rate": comply, "ci95": [comply - .1, comply + .1]}},
+            "jailbreakbench": {"harmful": {"n": 100, "refusal_rate": refuse, "ci95": [refuse - .1, refuse + .1]}}}}))
+        return d
+
+    base, ev1 = fake_eval("eval-base", 0.60, 0.54), fake_eval("eval-persona", 0.45, 0.70)
+    c2 = compare([out, out2], cache_env / "cmp2", eval_dirs=[ev1], eval_baseline=base)
+    text = c2.markdown.read_text()
+    assert c2.refusal_png.is_file() and "## Refusal side" in text
+    row = next(x for x in text.splitlines() if x.startswith("| eval-persona |"))
+    assert "(-15.0 pp)" in row and "(+16.0 pp)" in row
+    with pytest.raises(AligntaxError, match="baseline"):
+        compare([out], cache_env / "cmp3", eval_dirs=[ev1])
 
 
 def test_cli(tiny, cache_env, monkeypatch):
@@ -671,6 +760,9 @@ def test_cli(tiny, cache_env, monkeypatch):
     runner = CliRunner()
     r = runner.invoke(app, ["values"])
     assert r.exit_code == 0 and "Self-Direction" in r.output and "wedge" in r.output
+    r = runner.invoke(app, ["persona", "--target", "BE"])
+    assert r.exit_code == 0 and r.output.strip().startswith("You are a person for whom Benevolence matters")
+    assert runner.invoke(app, ["persona", "--target", "kindness-ish"]).exit_code == 2
     monkeypatch.setattr(aligntax.models, "load_model", lambda spec, dtype="bf16": tiny)
     out = cache_env / "cli"
     r = runner.invoke(app, ["run", "--target", "hedonism", "--intervention", "fewshot-2", "--limit-per-value", "2",

@@ -34,7 +34,8 @@ def run(
     data: str = typer.Option("builtin", "--data", "-d",
                              help="builtin | value-action-lens | Hub id | .jsonl/.json/.csv file"),
     intervention: str = typer.Option("persona", "--intervention", "-i",
-                                     help="none | persona | fewshot-2 | fewshot-4 | fewshot-8 | steer | lora | dpo"),
+                                     help="none | persona | fewshot-2/4/8 | persona-fewshot-2/4/8 | steer | lora "
+                                          "| dpo | els"),
     limit_per_value: int | None = typer.Option(None, help="evaluate at most N items per value (balanced polarity)"),
     scenes: int | None = typer.Option(None, help="evaluate only N randomly chosen scenes"),
     out: Path | None = typer.Option(None, "--out", "-o", help="output folder (rerun to resume)"),
@@ -45,6 +46,7 @@ def run(
     steps: int | None = typer.Option(None, help="training steps for lora/dpo (default 30/20)"),
     lr: float | None = typer.Option(None, help="learning rate for lora/dpo"),
     adapter_dir: Path | None = typer.Option(None, help="where to save (or load) the lora/dpo adapter"),
+    energy_dir: Path | None = typer.Option(None, help="els: energy bank folder from `aligntax els train`"),
     train_fraction: float = typer.Option(0.2, help="share of scenes held out for few-shot/steer/lora/dpo data"),
     split_by: str = typer.Option("scene", help="scene | context | item"),
     templates: str = typer.Option("acceptable", help="comma-separated templates (names: acceptable, appropriate, rate)"),
@@ -85,7 +87,8 @@ def run(
                    f"output {out_dir}", err=True)
         lm = load_model(model, dtype=dtype)
         iv = build_intervention(intervention, lm, t, train_items, jcfg, strength=strength, layer=layer,
-                                steps=steps, lr=lr, adapter_dir=adapter_dir or (out_dir / "adapter"), seed=seed,
+                                steps=steps, lr=lr, adapter_dir=adapter_dir or (out_dir / "adapter"),
+                                energy_dir=energy_dir, seed=seed,
                                 exclude_ids={it.id for it in eval_items}, progress=True)
         cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
                         seed=seed,
@@ -103,12 +106,16 @@ def run(
 
 @app.command("compare")
 def compare_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
-                out: Path | None = typer.Option(None, "--out", "-o", help="where to write the comparison")) -> None:
-    """Gain versus tax across runs: gain_vs_tax.png and compare.md."""
+                out: Path | None = typer.Option(None, "--out", "-o", help="where to write the comparison"),
+                eval_run: list[Path] = typer.Option([], "--eval", help="an `aligntax eval` run folder (repeatable): "
+                                                    "adds the refusal-side table and refusal_side.png"),
+                eval_baseline: Path | None = typer.Option(None, help="the unsteered `aligntax eval` run to compare with")
+                ) -> None:
+    """Gain versus tax across runs: gain_vs_tax.png and compare.md (plus the refusal side with --eval)."""
     from aligntax.vat.report import compare
 
     try:
-        c = compare(dirs, out)
+        c = compare(dirs, out, eval_dirs=eval_run, eval_baseline=eval_baseline)
     except AligntaxError as exc:
         _fail(exc)
         return
@@ -136,6 +143,17 @@ def rescore_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
             typer.echo(f"{d}: gain {res['gain']['value']:+.4f}, VAT abs {res['vat']['absolute']}, "
                        f"nVAT {res['nvat']:.3f}")
     except AligntaxError as exc:
+        _fail(exc)
+
+
+@app.command("persona")
+def persona_cmd(target: str = typer.Option(..., "--target", "-t", help="target value")) -> None:
+    """Print the value-persona system prompt of a target, e.g. for `aligntax eval --system`."""
+    from aligntax.vat.interventions import persona_text
+
+    try:
+        typer.echo(persona_text(target))
+    except (AligntaxError, ValueError) as exc:
         _fail(exc)
 
 

@@ -15,7 +15,9 @@ and ``generate``, and leave the model unchanged outside ``attach``:
   adapted Linear layers while attached, so the base model is never modified.
 
 ``build_intervention(name, lm, target, train_items, ...)`` makes any of them by name: ``none``,
-``persona``, ``fewshot-2/4/8``, ``steer``, ``lora``, ``dpo``.
+``persona``, ``fewshot-2/4/8``, ``persona-fewshot-2/4/8`` (the persona as system prompt before the
+examples), ``steer``, ``lora``, ``dpo``, and ``els`` (energy landscape steering from a trained bank,
+``aligntax.interventions.els.EnergySteering``, to measure the value tax of a refusal intervention).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from aligntax.vat.items import ValueItem
 from aligntax.vat.judge import JudgeConfig, Variant, judgment_prompt, scale_token_ids, target_label
 from aligntax.vat.schwartz import DEFINITIONS, resolve_value
 
-INTERVENTIONS = ("none", "persona", "fewshot-2", "fewshot-4", "fewshot-8", "steer", "lora", "dpo")
+INTERVENTIONS = ("none", "persona", "fewshot-2", "fewshot-4", "fewshot-8", "persona-fewshot-2", "persona-fewshot-4",
+                 "persona-fewshot-8", "steer", "lora", "dpo", "els")
 
 
 # ----------------------------------------------------------------- persona
@@ -90,20 +93,33 @@ class ValueFewShot(FewShot):
 
     target: str = ""
     example_ids: list[str] = field(default_factory=list)
+    paired: bool = False
     name: str = "fewshot"
 
     def config(self) -> dict:
-        return {"name": f"fewshot-{len(self.examples)}", "target": self.target, "k": len(self.examples),
+        name = f"fewshot-{len(self.examples)}" if self.system is None else f"persona-fewshot-{len(self.examples)}"
+        return {"name": name, "target": self.target, "k": len(self.examples), "paired": self.paired,
                 "example_ids": list(self.example_ids), "system": self.system,
                 "examples_sha": hashlib.sha256(json.dumps(self.examples).encode()).hexdigest()[:16]}
 
 
+def _pair_key(it: ValueItem) -> tuple:
+    """Items that share this key are a minimal pair: same context (or scene) and value item."""
+    return (it.group, it.context, it.svs_item or it.value)
+
+
 def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_cfg: JudgeConfig | None = None,
-                  seed: int = 0, exclude_ids: set[str] | None = None) -> ValueFewShot:
+                  seed: int = 0, exclude_ids: set[str] | None = None, paired: bool = True,
+                  system: str | None = None) -> ValueFewShot:
     """k examples (half T-supporting, answered with the scale top; half T-violating, answered with the
-    bottom), drawn from ``train_items`` of the target value (never from ``exclude_ids``), from as many
-    different scenes as possible, in a seeded random order. Written with the first judgment template
-    in the normal option order."""
+    bottom), drawn from ``train_items`` of the target value (never from ``exclude_ids``), in a seeded
+    random order. Written with the first judgment template in the normal option order.
+
+    ``paired`` (default): the examples are minimal pairs, a supporting and a violating action that share
+    one context, from as many scenes as possible, so the only thing that separates a top answer from a
+    bottom answer is the value the action expresses. Without pairs (or when the pool has too few), the
+    supporting and violating examples are drawn separately from distinct scenes. ``system``: a system
+    prompt placed before the examples (e.g. the value persona), None keeps the model's own."""
     judge_cfg = judge_cfg or JudgeConfig()
     t, sup, vio = _target_pool(train_items, target, exclude_ids)
     n_sup, n_vio = (k + 1) // 2, k // 2
@@ -112,6 +128,27 @@ def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_c
                             f"outside the evaluation set; the training pool has {len(sup)} and {len(vio)}. "
                             "Raise --train-fraction or use a larger item set.")
     rng = random.Random(seed)
+    variant = Variant(judge_cfg.templates[0], "normal")
+    if paired and k >= 2:
+        vio_by_key: dict[tuple, ValueItem] = {}
+        for it in vio:
+            vio_by_key.setdefault(_pair_key(it), it)
+        pairs = [(s, vio_by_key[_pair_key(s)]) for s in sup if _pair_key(s) in vio_by_key]
+        rng.shuffle(pairs)
+        picked, seen = [], set()
+        for s, v in pairs:  # prefer distinct scenes
+            if len(picked) < k // 2 and s.group not in seen:
+                picked.append((s, v))
+                seen.add(s.group)
+        picked += [p for p in pairs if p not in picked][: k // 2 - len(picked)]
+        if len(picked) == k // 2:
+            chosen = [it for pair in picked for it in (pair if rng.random() < 0.5 else pair[::-1])]
+            if k % 2:
+                chosen.append(next(it for it in sup if it not in chosen))
+            examples = [(judgment_prompt(it, variant, judge_cfg.scale), target_label(it, t, judge_cfg.scale))
+                        for it in chosen]
+            return ValueFewShot(examples=examples, system=system, target=t, example_ids=[it.id for it in chosen],
+                                paired=True)
 
     def spread(pool: list[ValueItem], n: int) -> list[ValueItem]:
         pool = pool[:]
@@ -126,10 +163,9 @@ def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_c
 
     chosen = spread(sup, n_sup) + spread(vio, n_vio)
     rng.shuffle(chosen)
-    variant = Variant(judge_cfg.templates[0], "normal")
     examples = [(judgment_prompt(it, variant, judge_cfg.scale), target_label(it, t, judge_cfg.scale))
                 for it in chosen]
-    return ValueFewShot(examples=examples, target=t, example_ids=[it.id for it in chosen])
+    return ValueFewShot(examples=examples, system=system, target=t, example_ids=[it.id for it in chosen])
 
 
 # ----------------------------------------------------------------- activation steering
@@ -490,11 +526,15 @@ def train_dpo(lm, train_items: Sequence[ValueItem], target: str, out_dir: str | 
 def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueItem] = (),
                        judge_cfg: JudgeConfig | None = None, *, strength: float = 4.0,
                        layer: int | None = None, steps: int | None = None, lr: float | None = None,
-                       adapter_dir: str | Path | None = None, seed: int = 0,
-                       exclude_ids: set[str] | None = None, progress: bool = False) -> Intervention:
-    """Make an intervention by name: none, persona, fewshot-K, steer, lora, dpo. Training-based ones
-    use only ``train_items`` (never ``exclude_ids``, e.g. the evaluation ids). ``adapter_dir`` is
-    where a lora/dpo adapter is saved, or, if it already holds a matching adapter, loaded from."""
+                       adapter_dir: str | Path | None = None, energy_dir: str | Path | None = None,
+                       seed: int = 0, exclude_ids: set[str] | None = None,
+                       progress: bool = False) -> Intervention:
+    """Make an intervention by name: none, persona, fewshot-K, persona-fewshot-K, steer, lora, dpo, els.
+    Training-based ones use only ``train_items`` (never ``exclude_ids``, e.g. the evaluation ids).
+    ``adapter_dir`` is where a lora/dpo adapter is saved, or, if it already holds a matching adapter,
+    loaded from. ``els`` loads the energy bank in ``energy_dir`` (written by ``aligntax els train``)
+    with its tuned setting (``energy_dir/sweep/best.json``) through ``EnergySteering.from_dir``; it is not
+    aimed at any value, so ``target`` only names the value its gain is reported for."""
     key = name.strip().lower()
     t = resolve_value(target)
     judge_cfg = judge_cfg or JudgeConfig()
@@ -502,12 +542,23 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
         return NoIntervention()
     if key == "persona":
         return ValuePersona.for_value(t)
-    if key.startswith("fewshot"):
+    if key.startswith(("fewshot", "persona-fewshot")):
         try:
-            k = int(key.split("-", 1)[1])
+            k = int(key.rsplit("-", 1)[1])
         except (IndexError, ValueError):
-            raise AligntaxError("few-shot interventions are named fewshot-K, e.g. fewshot-4") from None
-        return build_fewshot(train_items, t, k, judge_cfg, seed=seed, exclude_ids=exclude_ids)
+            raise AligntaxError("few-shot interventions are named fewshot-K or persona-fewshot-K, "
+                                "e.g. fewshot-4") from None
+        system = persona_text(t) if key.startswith("persona-") else None
+        return build_fewshot(train_items, t, k, judge_cfg, seed=seed, exclude_ids=exclude_ids, system=system)
+    if key == "els":
+        if energy_dir is None:
+            raise AligntaxError("The els intervention needs the energy bank folder (--energy-dir), "
+                                "e.g. the output of `aligntax els train`")
+        from aligntax.interventions.els import EnergySteering
+
+        iv = EnergySteering.from_dir(energy_dir, lm=lm)
+        iv.cacheable = False  # its config names the folder, not the bank's content, which can be retrained
+        return iv
     if key == "steer":
         return compute_steering_vector(lm, train_items, t, judge_cfg, layer=layer, strength=strength,
                                        exclude_ids=exclude_ids)

@@ -214,11 +214,91 @@ class Comparison:
     table: pd.DataFrame
     png: Path
     markdown: Path
+    refusal_png: Path | None = None
 
 
-def compare(dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> Comparison:
-    """Gain versus tax across runs: a scatter of on-target gain vs absolute VAT (PNG) and a Markdown
-    table, written to ``out_dir`` (default: the parent of the first run folder)."""
+def _shift_of(r: dict, v: str) -> float | None:
+    """Mean shift of value ``v`` in a results dict: the gain for the target, else its drift."""
+    if v == r["target"]:
+        return r["gain"]["value"]
+    return (r.get("drift") or {}).get(v, {}).get("value")
+
+
+def _eval_rates(results: dict) -> dict[str, tuple[str, float, list | None, int]]:
+    """dataset -> (kind, rate, ci95, n) of an ``aligntax eval`` results.json: the compliance rate on
+    benign prompts, the refusal rate on harmful ones."""
+    out = {}
+    for name, parts in (results.get("datasets") or {}).items():
+        for label, key in (("benign", "compliance_rate"), ("harmful", "refusal_rate")):
+            if label in parts:
+                out[f"{name} ({label})"] = (key.replace("_rate", ""), parts[label][key], parts[label].get("ci95"),
+                                            parts[label].get("n"))
+    return out
+
+
+def refusal_side(eval_dirs: Sequence[str | Path], baseline: str | Path, out: Path) -> tuple[list[str], Path]:
+    """Markdown lines and a bar chart comparing ``aligntax eval`` runs with an unsteered baseline run:
+    benign compliance (over-refusal side) and harmful refusal (safety side) per dataset, with 95% CIs
+    and the change in percentage points. Only datasets present in every run are shown."""
+    def load(d):
+        f = Path(d) / "results.json"
+        if not f.is_file():
+            raise AligntaxError(f"{d} has no results.json (not a finished evaluation run)")
+        r = json.loads(f.read_text())
+        return {"run": Path(d).name, "system": (r.get("config") or {}).get("system"),
+                "intervention": (r.get("config") or {}).get("intervention"), "rates": _eval_rates(r)}
+
+    base = load(baseline)
+    runs = [load(d) for d in eval_dirs]
+    keys = [k for k in base["rates"] if all(k in r["rates"] for r in runs)]
+    if not keys:
+        raise AligntaxError("The evaluation runs share no dataset with the baseline")
+    md = ["## Refusal side", "",
+          "Benign rows: compliance rate (higher = less over-refusal). Harmful rows: refusal rate (higher = "
+          "safer). Change in percentage points against the baseline run "
+          f"`{base['run']}`; 95% intervals as reported by `aligntax eval`.", "",
+          "| run | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+
+    def cell(rate, ci, ref=None):
+        txt = f"{rate:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        return txt + (f" ({100 * (rate - ref):+.1f} pp)" if ref is not None else "")
+
+    md.append(f"| {base['run']} (baseline) | " + " | ".join(cell(base["rates"][k][1], base["rates"][k][2])
+                                                         for k in keys) + " |")
+    for r in runs:
+        md.append(f"| {r['run']} | " + " | ".join(cell(r["rates"][k][1], r["rates"][k][2], base["rates"][k][1])
+                                              for k in keys) + " |")
+    md.append("")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(keys) * (len(runs) + 1) / 2), 4.2))
+    width = 0.8 / (len(runs) + 1)
+    for j, r in enumerate([base, *runs]):
+        xs = np.arange(len(keys)) + (j - len(runs) / 2) * width
+        vals = [r["rates"][k][1] for k in keys]
+        errs = np.array([[v - (r["rates"][k][2] or [v, v])[0], (r["rates"][k][2] or [v, v])[1] - v]
+                         for k, v in zip(keys, vals, strict=True)]).T
+        ax.bar(xs, vals, width, yerr=errs, capsize=2, label=r["run"] + (" (baseline)" if r is base else ""),
+               color="grey" if r is base else plt.get_cmap("tab10")(j % 10))
+    ax.set_xticks(np.arange(len(keys)))
+    ax.set_xticklabels([k.replace(" (", "\n(") for k in keys], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("compliance (benign) / refusal (harmful)")
+    ax.set_title("Refusal side of the interventions")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    png = out / "refusal_side.png"
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return md + ["![refusal side](refusal_side.png)", ""], png
+
+
+def compare(dirs: Sequence[str | Path], out_dir: str | Path | None = None,
+            eval_dirs: Sequence[str | Path] = (), eval_baseline: str | Path | None = None) -> Comparison:
+    """Gain versus tax across runs: a scatter of on-target gain vs absolute VAT (PNG), a Markdown table
+    of headline numbers and one of every value's shift, written to ``out_dir`` (default: the parent of
+    the first run folder). With ``eval_dirs`` and ``eval_baseline`` (``aligntax eval`` run folders), a
+    refusal-side section (``refusal_side``) is added: the same report then holds the value tax and
+    the over-refusal/safety tax of the interventions."""
     rows = []
     for d in dirs:
         f = Path(d) / "results.json"
@@ -272,6 +352,24 @@ def compare(dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> Co
                   f"{_f(r['circumplex_stat'])} "
                   f"({'n/a' if r['circumplex_p'] is None else format(r['circumplex_p'], '.3f')}) | "
                   f"{r['n_items']} |")
+    md += ["", "## Shift of every value", "",
+           "Mean polarity-signed shift per value (the target's is its gain, in bold); Likert points.", "",
+           "| run | target | " + " | ".join(CODES[v] for v in VALUES) + " |", "|---|---|" + "---:|" * len(VALUES)]
+    for d in dirs:
+        r = json.loads((Path(d) / "results.json").read_text())
+        cells = []
+        for v in VALUES:
+            x = _shift_of(r, v)
+            txt = "n/a" if x is None else f"{x:+.3f}"
+            cells.append(f"**{txt}**" if v == r["target"] else txt)
+        md.append(f"| {Path(d).name} | {CODES[r['target']]} | " + " | ".join(cells) + " |")
+    md += ["", "![gain vs tax](gain_vs_tax.png)", ""]
+    refusal_png = None
+    if eval_dirs:
+        if eval_baseline is None:
+            raise AligntaxError("A refusal-side comparison needs the unsteered baseline evaluation run")
+        lines, refusal_png = refusal_side(eval_dirs, eval_baseline, out)
+        md += lines
     mdp = out / "compare.md"
-    mdp.write_text("# VAT comparison\n\n" + "\n".join(md) + "\n\n![gain vs tax](gain_vs_tax.png)\n")
-    return Comparison(table=df, png=png, markdown=mdp)
+    mdp.write_text("# VAT comparison\n\n" + "\n".join(md))
+    return Comparison(table=df, png=png, markdown=mdp, refusal_png=refusal_png)
