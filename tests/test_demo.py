@@ -22,7 +22,11 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
         assert (out / path).is_file(), path
     rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
     gated = [r for r in rows if r["name"] == "els" and r["args"].get("gate") == 0.5]
-    assert len(gated) == 4 and any(r["name"] == "els" and "gate" not in r["args"] for r in rows)
+    ranked = json.loads((out / "els/energy.json").read_text())["layers"]
+    runner_ups = [r for r in gated if "layers" in r["args"]]
+    assert {r["args"]["layers"][0] for r in runner_ups} == set(ranked[1:3])  # the 2nd and 3rd best layers
+    assert len(gated) == 2 * (1 + len(ranked[1:3])) and any(r["name"] == "els" and "gate" not in r["args"]
+                                                           for r in rows)
     assert all("degenerate" in r for r in rows)
     report = (out / "report.md").read_text()
     assert "| orbench-hard-test | benign | compliance |" in report

@@ -49,7 +49,8 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
                              limit_gate_harmful=cfg.limit_gate_harmful, **common), lm=lm)
     sweep = run_sweep(SweepConfig(steer=str(out / "els"), model=cfg.model, judge=cfg.judge,
                                   batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.5, 0.7],
-                                  threshold=[0.0, -1.0], gate=[0.5],
+                                  layers=_runner_up_layers(out / "els", 2),
+                                  threshold=[0.0], gate=[0.5],
                                   extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
                                   baseline_coeffs=[1.0],
                                   progress=cfg.progress), lm=lm)
@@ -63,6 +64,13 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
     summary = {"baseline": base, "steered": steered, "best": best}
     write_demo_report(out, summary)
     return summary
+
+
+def _runner_up_layers(bank_dir: Path, n: int) -> list[list[int]]:
+    """The 2nd..(n+1)th layers of the bank by validation accuracy, each as its own layer set: the most
+    accurate energy model is not always the one that steers best."""
+    ranked = json.loads((bank_dir / "energy.json").read_text())["layers"]
+    return [[int(layer)] for layer in ranked[1:n + 1]]
 
 
 def _set_aside_if_changed(run: Path, args: dict) -> None:

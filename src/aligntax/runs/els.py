@@ -192,6 +192,7 @@ class SweepConfig:
     steps: list[int] = field(default_factory=lambda: [3])
     threshold: list[float | None] = field(default_factory=lambda: [None, 0.0])
     gate: list[float | None] = field(default_factory=lambda: [None])  # harm-gate thresholds (None: no gate)
+    layers: list[list[int]] = field(default_factory=list)  # explicit layer sets, swept beside top_k
     extra: list[dict] = field(default_factory=list)  # more ELS settings outside the grid (top_k, eta, ...)
     baselines: bool = True
     baseline_coeffs: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
@@ -206,17 +207,19 @@ class SweepConfig:
 
 def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
     settings: list[tuple[str, dict]] = [("none", {})]
-    for k in cfg.top_k:
+    # which layers to steer: the K best of the bank, or explicit layer sets
+    choices = [{"top_k": k} for k in cfg.top_k] + [{"layers": [int(x) for x in lay]} for lay in cfg.layers]
+    for choice in choices:
         for eta in cfg.eta:
             for steps in cfg.steps:
                 for thr in cfg.threshold:
                     for gate in cfg.gate:
-                        args = {"path": cfg.steer, "top_k": k, "eta": eta, "steps": steps, "threshold": thr}
+                        args = {"path": cfg.steer, **choice, "eta": eta, "steps": steps, "threshold": thr}
                         if gate is not None:
                             args["gate"] = gate
                         settings.append(("els", args))
     for extra in cfg.extra:
-        unknown = set(extra) - {"top_k", "eta", "steps", "threshold", "gate"}
+        unknown = set(extra) - {"top_k", "layers", "eta", "steps", "threshold", "gate"}
         if unknown:
             raise AligntaxError(f"Unknown keys in an extra sweep setting: {sorted(unknown)}.")
         args = {"path": cfg.steer, "top_k": 1, "eta": 0.3, "steps": 3, "threshold": None, **extra}
