@@ -124,11 +124,25 @@ def prompt_logits(lm, prompts: Sequence[str | list[dict]], system: str | None = 
     """Next-token logits (float32, [N, vocab]) at the response start of each chat prompt, no generation."""
     intervention = intervention or NoIntervention()
     texts = [render_chat(lm.tokenizer, build_messages(p, system, intervention)) for p in prompts]
+    return text_logits(lm, texts, intervention, batch_size, progress)
+
+
+def text_logits(lm, texts: Sequence[str], intervention: Intervention | None = None, batch_size: int = 32,
+                progress: bool = False, desc: str = "score") -> torch.Tensor:
+    """Next-token logits (float32, [N, vocab], on the CPU, in input order) after each already rendered
+    text: batches as given (left padding, position ids from the mask), the intervention attached to
+    every forward with a :class:`SteerContext`, as in generation."""
+    from aligntax.activations.capture import position_ids_from_mask
+
+    intervention = intervention or NoIntervention()
     out = []
-    for start in tqdm(range(0, len(texts), batch_size), disable=not progress, desc="score"):
-        enc = encode_chats(lm.tokenizer, texts[start:start + batch_size], lm.device)
+    for start in tqdm(range(0, len(texts), batch_size), disable=not progress, desc=desc):
+        enc = encode_chats(lm.tokenizer, list(texts[start:start + batch_size]), lm.device)
+        mask = enc["attention_mask"]
         ctx = SteerContext(prompt_len=enc["input_ids"].shape[1])
         with torch.no_grad(), intervention.attach(lm.model, ctx):
-            logits = lm.model(**enc, use_cache=False, logits_to_keep=1).logits[:, -1, :]
+            logits = lm.model(input_ids=enc["input_ids"], attention_mask=mask,
+                              position_ids=position_ids_from_mask(mask), use_cache=False,
+                              logits_to_keep=1).logits[:, -1, :]
         out.append(logits.float().cpu())
     return torch.cat(out) if out else torch.empty(0)

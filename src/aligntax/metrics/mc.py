@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from aligntax.errors import AligntaxError, DataError
-from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
+from aligntax.interventions.base import Intervention, NoIntervention
 from aligntax.metrics.rates import rate
 
 LETTERS = "ABCDEFGH"
@@ -208,8 +207,7 @@ class MCScore:
 def score_items(lm, items: Sequence[MCItem], intervention: Intervention | None = None,
                 system: str | None = None, batch_size: int = 16, progress: bool = False) -> list[MCScore]:
     """Score every question with one forward pass each (batched, longest first), in input order."""
-    from aligntax.activations.capture import position_ids_from_mask
-    from aligntax.generation.chat import encode_chats
+    from aligntax.generation.generate import text_logits
 
     if batch_size < 1:
         raise AligntaxError("batch_size must be >= 1.")
@@ -220,25 +218,17 @@ def score_items(lm, items: Sequence[MCItem], intervention: Intervention | None =
     texts = [mc_text(tok, it, system, intervention) for it in items]
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
+    logp_sorted = torch.log_softmax(text_logits(lm, [texts[i] for i in order], intervention, batch_size,
+                                                progress, desc="mc"), dim=-1)
     out: list[MCScore | None] = [None] * len(items)
-    for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc="mc", unit="batch"):
-        idx = order[start:start + batch_size]
-        enc = encode_chats(tok, [texts[i] for i in idx], lm.device)
-        mask = enc["attention_mask"]
-        ctx = SteerContext(prompt_len=enc["input_ids"].shape[1])
-        with torch.no_grad(), intervention.attach(lm.model, ctx):
-            logits = lm.model(input_ids=enc["input_ids"], attention_mask=mask,
-                              position_ids=position_ids_from_mask(mask), use_cache=False,
-                              logits_to_keep=1).logits[:, -1, :]
-        logp = torch.log_softmax(logits.float(), dim=-1).cpu()
-        for row, i in enumerate(idx):
-            n = len(items[i].choices)
-            per = torch.stack([torch.logsumexp(logp[row, letter_ids[k]], dim=0) for k in range(n)])
-            if not torch.isfinite(per).all():
-                raise AligntaxError("Non-finite option scores: the model produced NaN/inf logits.")
-            probs = torch.softmax(per, dim=0)
-            out[i] = MCScore([float(p) for p in probs], int(per.argmax()),
-                             float(torch.logsumexp(per, dim=0).exp().clamp(0.0, 1.0)))
+    for row, i in enumerate(order):
+        n = len(items[i].choices)
+        per = torch.stack([torch.logsumexp(logp_sorted[row, letter_ids[k]], dim=0) for k in range(n)])
+        if not torch.isfinite(per).all():
+            raise AligntaxError("Non-finite option scores: the model produced NaN/inf logits.")
+        probs = torch.softmax(per, dim=0)
+        out[i] = MCScore([float(p) for p in probs], int(per.argmax()),
+                         float(torch.logsumexp(per, dim=0).exp().clamp(0.0, 1.0)))
     return out  # type: ignore[return-value]
 
 
