@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from aligntax.errors import AligntaxError
+
 
 @dataclass
 class SteerContext:
@@ -54,6 +56,22 @@ def steered_slice(seq_len: int, ctx: SteerContext, positions: str = "last_and_ge
     if seq_len == 1:
         return slice(0, 1)
     return slice(min(start, seq_len), seq_len)
+
+
+def decide_at_prefill(h: torch.Tensor, ctx: SteerContext, state: dict,
+                      decide: Callable[[torch.Tensor], torch.Tensor], what: str) -> None:
+    """A per-row decision made from the last prompt token's state and kept for the whole generation.
+
+    Called from a pre-hook with the block's input ``h``: the forward that holds the whole prompt sets
+    ``state["decision"] = decide(h[:, prompt_len - 1])``; a cached decode step (one token, decision
+    made) keeps it; without the KV cache the unchanged prompt is re-fed and the same decision is
+    reached. A forward holding only part of the prompt (chunked prefill) is refused.
+    """
+    if h.shape[1] == 1 and state.get("decision") is not None:
+        return
+    if h.shape[1] < ctx.prompt_len:
+        raise AligntaxError(f"{what} needs the whole prompt in one forward (no chunked prefill).")
+    state["decision"] = decide(h[:, ctx.prompt_len - 1])
 
 
 class Intervention:

@@ -32,6 +32,7 @@ from aligntax.errors import AligntaxError
 from aligntax.interventions.base import (
     Intervention,
     SteerContext,
+    decide_at_prefill,
     hidden_from_args,
     hooks_attached,
     replace_hidden_in_args,
@@ -262,15 +263,11 @@ class EnergySteering(Intervention):
             if not 0 <= layer < n:
                 raise AligntaxError(f"Energy steering layer {layer} does not exist: the model has {n} layers.")
         accs: dict[int, dict] = {layer: {} for layer in self.models}
-        state: dict = {"held": None}  # harm gate decision per row, made at the prompt's forward
+        state: dict = {"decision": None}  # rows the harm gate holds back, decided at the prompt's forward
 
         def gate_hook(module, args, kwargs):
-            h = hidden_from_args(args, kwargs)
-            if h.shape[1] == 1 and state["held"] is not None:
-                return None  # a cached decode step keeps the decision
-            if h.shape[1] < ctx.prompt_len:
-                raise AligntaxError("The harm gate needs the whole prompt in one forward (no chunked prefill).")
-            state["held"] = self.gate.harmful(h[:, ctx.prompt_len - 1], self.gate_threshold)
+            decide_at_prefill(hidden_from_args(args, kwargs), ctx, state,
+                              lambda last: self.gate.harmful(last, self.gate_threshold), "The harm gate")
             return None
 
         def make_hook(layer: int):
@@ -282,8 +279,8 @@ class EnergySteering(Intervention):
                 if sl.start >= sl.stop:
                     return None
                 scale = ctx.row_scale(h.shape[0], h.device, torch.float32)
-                if state["held"] is not None:
-                    scale = scale * (~state["held"]).view(-1, 1, 1).to(scale.dtype)
+                if state["decision"] is not None:
+                    scale = scale * (~state["decision"]).view(-1, 1, 1).to(scale.dtype)
                 x = self.steer(layer, h[:, sl].float(), scale, accs[layer])
                 new = h.clone()
                 new[:, sl] = x.to(h.dtype)
@@ -294,8 +291,8 @@ class EnergySteering(Intervention):
         regs += [(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]
         with hooks_attached(regs):
             yield
-        if state["held"] is not None:
-            held = state["held"].cpu()
+        if state["decision"] is not None:
+            held = state["decision"].cpu()
             g = ctx.stats.setdefault("els_gate", {"rows": 0, "held": 0})
             g["rows"] += len(held)
             g["held"] += int(held.sum())

@@ -28,6 +28,7 @@ from aligntax.errors import AligntaxError, DataError
 from aligntax.interventions.base import (
     Intervention,
     SteerContext,
+    decide_at_prefill,
     hidden_from_args,
     hooks_attached,
     replace_hidden_in_args,
@@ -332,13 +333,7 @@ class ConditionalSteering(_VectorIntervention):
         state: dict = {"decision": None}
 
         def cond_hook(module, args, kwargs):
-            h = hidden_from_args(args, kwargs)
-            seq = h.shape[1]
-            if seq == 1 and state["decision"] is not None:
-                return None  # a cached decode step: the decision is kept
-            if seq < ctx.prompt_len:
-                raise AligntaxError("CAST needs the whole prompt in one forward (no chunked prefill).")
-            state["decision"] = self.decide(h[:, ctx.prompt_len - 1])
+            decide_at_prefill(hidden_from_args(args, kwargs), ctx, state, self.decide, "CAST")
             return None
 
         def make_hook(layer: int):
