@@ -52,7 +52,6 @@ class ELSTrainConfig:
 
 def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     """Run the whole training pipeline; returns the training summary also written to ``report.md``."""
-    from aligntax.activations import capture_to_cache
     from aligntax.energy import EnergyConfig, plot_energy_histograms, state_labels, train_layers
     from aligntax.interventions.vectors import compute_vectors
     from aligntax.models import load_model
@@ -80,12 +79,7 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
 
     # 2. residual stream entering each block at the last prompt token
     layers = cfg.layers if cfg.layers is not None else "all"
-    cache = capture_to_cache(lm, [it.prompt for it in items], [f"{it.source}/{it.id}" for it in items], layers,
-                             out / "activations", labels=[it.label for it in items], batch_size=cfg.batch_size,
-                             progress=cfg.progress)
-    order = {pid: i for i, pid in enumerate(cache.prompt_ids)}
-    idx = torch.tensor([order[f"{it.source}/{it.id}"] for it in items])
-    acts = {layer: cache[layer][idx] for layer in cache.layers}
+    acts = _captured(lm, items, layers, out / "activations", cfg)
 
     # 3. one energy model per layer (kept when a bank trained with the same settings is already there)
     ecfg = EnergyConfig.preset(cfg.preset, objective=cfg.objective, epochs=cfg.epochs, lr=cfg.lr, seed=cfg.seed)
@@ -101,19 +95,16 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
 
     # 4. vectors for the baselines: refusal (harmful - harmless), false refusal (pseudo-harmful - harmless)
     harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
-    h_cache = capture_to_cache(lm, [it.prompt for it in harmless], [f"{it.source}/{it.id}" for it in harmless],
-                               layers, out / "activations_harmless", labels=[it.label for it in harmless],
-                               batch_size=cfg.batch_size, progress=cfg.progress)
+    h_acts = _captured(lm, harmless, layers, out / "activations_harmless", cfg)
     is_h = torch.tensor([it.label == "harmful" for it in items])
-    vectors = compute_vectors({lay: a[is_h] for lay, a in acts.items()},
-                              {lay: h_cache[lay] for lay in h_cache.layers},
+    vectors = compute_vectors({lay: a[is_h] for lay, a in acts.items()}, h_acts,
                               {lay: a[~is_h] for lay, a in acts.items()}, fingerprint=lm.fingerprint,
                               layer=bank.layers[0])
     vectors.save(out / "vectors")
 
     # 5. the harm gate, read at or before the best energy layers so that it decides before steering
     if cfg.gate:
-        _train_gate(cfg, lm, out, items, acts, harmless, h_cache, bank)
+        _train_gate(cfg, lm, out, items, acts, harmless, h_acts, bank)
 
     summary = {"layers": bank.summary(), "n_states": int(len(y)), "n_bad": int(y.sum()),
                "seconds": round(time.perf_counter() - t0, 1), "config": asdict(cfg)}
@@ -122,8 +113,20 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     return summary
 
 
-def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless, h_cache, bank) -> None:
+def _captured(lm, items, layers, folder: Path, cfg: ELSTrainConfig) -> dict[int, torch.Tensor]:
+    """Last-prompt-token states of ``items`` (captured into ``folder``, or read back from it), one row per
+    item in their order, ``{layer: [N, d]}``."""
     from aligntax.activations import capture_to_cache
+
+    ids = [f"{it.source}/{it.id}" for it in items]
+    cache = capture_to_cache(lm, [it.prompt for it in items], ids, layers, folder,
+                             labels=[it.label for it in items], batch_size=cfg.batch_size, progress=cfg.progress)
+    order = {pid: i for i, pid in enumerate(cache.prompt_ids)}
+    idx = torch.tensor([order[pid] for pid in ids])
+    return {layer: cache[layer][idx] for layer in cache.layers}
+
+
+def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless, h_acts: dict, bank) -> None:
     from aligntax.energy.gate import train_harm_gate
 
     last = min(bank.top(3))
@@ -132,16 +135,12 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
     if cfg.limit_gate_harmful is not None and len(extra) > cfg.limit_gate_harmful:
         keep = torch.randperm(len(extra), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.limit_gate_harmful]
         extra = [extra[i] for i in sorted(keep.tolist())]
-    x = {layer: [acts[layer], h_cache[layer]] for layer in cand}
+    x = {layer: [acts[layer], h_acts[layer]] for layer in cand}
     y = [it.label == "harmful" for it in items] + [it.label == "harmful" for it in harmless]
     if extra:
-        g_cache = capture_to_cache(lm, [it.prompt for it in extra], [f"{it.source}/{it.id}" for it in extra], cand,
-                                   out / "activations_gate", labels=[it.label for it in extra],
-                                   batch_size=cfg.batch_size, progress=cfg.progress)
-        order = {pid: i for i, pid in enumerate(g_cache.prompt_ids)}
-        idx = torch.tensor([order[f"{it.source}/{it.id}"] for it in extra])
+        g_acts = _captured(lm, extra, cand, out / "activations_gate", cfg)
         for layer in cand:
-            x[layer].append(g_cache[layer][idx])
+            x[layer].append(g_acts[layer])
         y += [it.label == "harmful" for it in extra]
     gate = train_harm_gate({layer: torch.cat(v) for layer, v in x.items()}, y, layers=cand, seed=cfg.seed,
                            fingerprint=lm.fingerprint,
