@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -79,6 +80,25 @@ def data_list() -> None:
 
 
 # ---------------------------------------------------------------- generate / judge / eval
+# The intervention options shared by generate, chat, eval and mc.
+InterventionOpt = Annotated[str | None, typer.Option(
+    help="none, els, system-prompt, helpful-prompt, refusal-ablation, false-refusal-ablation, refusal-add, cast")]
+SteerOpt = Annotated[str | None, typer.Option(help="energy model folder (implies --intervention els)")]
+VectorsOpt = Annotated[str | None, typer.Option(help="vector folder for the vector baselines")]
+EtaOpt = Annotated[float | None, typer.Option(help="ELS step size (x the layer's median norm)")]
+StepsOpt = Annotated[int | None, typer.Option(help="ELS descent steps")]
+LayersOpt = Annotated[str | None, typer.Option(help="comma-separated layer indices")]
+ThresholdOpt = Annotated[float | None, typer.Option(help="ELS energy gate")]
+TopKOpt = Annotated[int | None, typer.Option(help="ELS: steer the K best layers of the bank")]
+CoeffOpt = Annotated[float | None, typer.Option(help="vector baselines: strength")]
+GateOpt = Annotated[float | None, typer.Option(help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE")]
+
+
+def _iv_name(intervention: str | None, steer: str | None) -> str | None:
+    """``--steer DIR`` alone means ELS."""
+    return "els" if steer and not intervention else intervention
+
+
 def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
                        layers: str | None, threshold: float | None, vectors: str | None,
                        top_k: int | None = None, coeff: float | None = None, gate: float | None = None) -> dict:
@@ -119,13 +139,8 @@ def generate(
     seed: int | None = typer.Option(None),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     limit: int | None = typer.Option(None),
-    intervention: str | None = typer.Option(None, help="none, els, system-prompt, refusal-ablation, ..."),
-    steer: str | None = typer.Option(None, help="energy model folder (implies --intervention els)"),
-    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
-    layers: str | None = typer.Option(None, help="comma-separated layer indices"),
-    threshold: float | None = typer.Option(None, help="energy gate"),
-    top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
-    gate: float | None = typer.Option(None, help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE"),
+    intervention: InterventionOpt = None, steer: SteerOpt = None, eta: EtaOpt = None, steps: StepsOpt = None,
+    layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None, gate: GateOpt = None,
 ) -> None:
     """Generate chat responses for prompts, in batches."""
     from aligntax.generation import GenerationConfig
@@ -159,8 +174,7 @@ def generate(
 
 
 def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None, gate=None):
-    if steer and not intervention:
-        intervention = "els"
+    intervention = _iv_name(intervention, steer)
     if not intervention or intervention == "none":
         return None
     from aligntax.interventions.registry import make_intervention
@@ -173,11 +187,8 @@ def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, to
 def chat(
     model: str = typer.Option(DEFAULT_MODEL), system: str | None = typer.Option(None),
     max_new_tokens: int = typer.Option(256), dtype: str = typer.Option("bf16"),
-    intervention: str | None = typer.Option(None), steer: str | None = typer.Option(None),
-    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
-    layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
-    top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
-    gate: float | None = typer.Option(None, help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE"),
+    intervention: InterventionOpt = None, steer: SteerOpt = None, eta: EtaOpt = None, steps: StepsOpt = None,
+    layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None, gate: GateOpt = None,
 ) -> None:
     """Interactive chat (one line a turn; an empty line or Ctrl-D ends)."""
     from aligntax.generation import GenerationConfig
@@ -235,15 +246,9 @@ def eval_cmd(
     sample: bool | None = typer.Option(None, help="sample instead of greedy"),
     temperature: float | None = typer.Option(None), top_p: float | None = typer.Option(None),
     seed: int | None = typer.Option(None),
-    intervention: str | None = typer.Option(None, help="els, system-prompt, helpful-prompt, refusal-ablation, "
-                                               "false-refusal-ablation, refusal-add, cast"),
-    steer: str | None = typer.Option(None, help="energy model folder (implies --intervention els)"),
-    vectors: str | None = typer.Option(None, help="vector folder for the vector baselines"),
-    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
-    layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
-    top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
-    coeff: float | None = typer.Option(None, help="vector baselines: strength"),
-    gate: float | None = typer.Option(None, help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE"),
+    intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
+    steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
+    coeff: CoeffOpt = None, gate: GateOpt = None,
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
@@ -252,8 +257,7 @@ def eval_cmd(
     from aligntax.runs import EvalConfig, run_eval
 
     try:
-        if steer and not intervention:
-            intervention = "els"
+        intervention = _iv_name(intervention, steer)
         iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors, top_k, coeff, gate) or None
         cfg = load_config(
             EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
@@ -320,23 +324,16 @@ def mc_cmd(
     system: str | None = typer.Option(None, help="system prompt"),
     batch_size: int = typer.Option(16),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
-    intervention: str | None = typer.Option(None, help="els, system-prompt, helpful-prompt, refusal-ablation, "
-                                               "false-refusal-ablation, refusal-add, cast"),
-    steer: str | None = typer.Option(None, help="energy model folder (implies --intervention els)"),
-    vectors: str | None = typer.Option(None, help="vector folder for the vector baselines"),
-    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
-    layers: str | None = typer.Option(None), threshold: float | None = typer.Option(None),
-    top_k: int | None = typer.Option(None, help="ELS: steer the K best layers of the bank"),
-    coeff: float | None = typer.Option(None, help="vector baselines: strength"),
-    gate: float | None = typer.Option(None, help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE"),
+    intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
+    steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
+    coeff: CoeffOpt = None, gate: GateOpt = None,
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
     from aligntax.metrics.mc import MCConfig, format_accuracy, run_mc
 
     try:
-        if steer and not intervention:
-            intervention = "els"
+        intervention = _iv_name(intervention, steer)
         cfg = MCConfig(out=str(out), model=model, data=data, limit=limit, system=system, batch_size=batch_size,
                        dtype=dtype, intervention=intervention,
                        intervention_args=_intervention_args(steer, eta, steps, layers, threshold, vectors, top_k,
