@@ -141,6 +141,13 @@ def environment(lm=None) -> dict:
 
 
 # ---------------------------------------------------------------------------------- model and data
+def start(args) -> tuple:
+    """Set ``--threads``, say what is being loaded, and load ``--model``: ``(lm, load seconds)``."""
+    threads = set_threads(args.threads)
+    print(f"loading {args.model} ({args.dtype}), {threads} torch threads", flush=True)
+    return load_lm(args.model, args.dtype, args.device)
+
+
 def load_lm(spec: str, dtype: str, device: str | None):
     from transformers.utils import logging as hf_logging
 

@@ -49,13 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = bl.set_threads(args.threads)
     import torch
 
     from aligntax.activations.capture import _pad_left, capture, capture_ids, chat_ids, position_ids_from_mask
 
-    print(f"loading {args.model} ({args.dtype}), {threads} torch threads", flush=True)
-    lm, load_s = bl.load_lm(args.model, args.dtype, args.device)
+    lm, load_s = bl.start(args)
     model = lm.model
     prompts = bl.load_prompt_texts(args.dataset, args.prompts)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0

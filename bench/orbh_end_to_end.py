@@ -53,12 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = bl.set_threads(args.threads)
     from aligntax.judges import get_judge
     from aligntax.runs.eval import EvalConfig, run_eval
 
-    print(f"loading {args.model} ({args.dtype}), {threads} torch threads", flush=True)
-    lm, load_s = bl.load_lm(args.model, args.dtype, args.device)
+    lm, load_s = bl.start(args)
     t = time.perf_counter()
     judge = get_judge(args.judge)
     judge.judge(["Hello?"], ["Hello! How can I help you today?"])  # loads the embedding model

@@ -91,13 +91,11 @@ async def _clients(url: str, model: str, prompts: list[str], concurrency: int, m
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = bl.set_threads(args.threads)
     from aligntax.generation import GenerationConfig, generate
     from aligntax.serve import create_app, default_model_name
     from aligntax.serve.background import BackgroundServer
 
-    print(f"loading {args.model} ({args.dtype}), {threads} torch threads", flush=True)
-    lm, load_s = bl.load_lm(args.model, args.dtype, args.device)
+    lm, load_s = bl.start(args)
     iv, els_info = None, None
     if args.steer:
         ivs, els_info = bl.build_els(lm, args, ("closed",))

@@ -108,11 +108,9 @@ def run_batches(lm, batches: list[dict], intervention, max_new_tokens: int) -> d
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    threads = bl.set_threads(args.threads)
     from aligntax.interventions.base import NoIntervention
 
-    print(f"loading {args.model} ({args.dtype}), {threads} torch threads", flush=True)
-    lm, load_s = bl.load_lm(args.model, args.dtype, args.device)
+    lm, load_s = bl.start(args)
     grad_methods = ("closed",) if args.no_autograd else ("closed", "autograd")
     ivs, els_info = bl.build_els(lm, args, grad_methods)
     print(f"ELS: {els_info['source']}; layers {els_info['layers']}; settings {els_info['settings']} "
