@@ -35,17 +35,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from aligntax.activations.capture import capture
 from aligntax.errors import AligntaxError, CompatibilityError
 from aligntax.interventions.base import (
     Intervention,
     NoIntervention,
     SteerContext,
-    hidden_from_args,
     hooks_attached,
-    replace_hidden_in_args,
-    steered_slice,
 )
 from aligntax.interventions.prompting import FewShot, SystemPrompt
+from aligntax.interventions.vectors import ActivationAddition as VectorAddition
 from aligntax.vat.items import ValueItem
 from aligntax.vat.judge import JudgeConfig, Variant, judgment_prompt, scale_token_ids, target_label
 from aligntax.vat.schwartz import DEFINITIONS, resolve_value
@@ -169,84 +168,25 @@ def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_c
 
 
 # ----------------------------------------------------------------- activation steering
-@dataclass(eq=False)
-class ActivationAddition(Intervention):
+class ActivationAddition(VectorAddition):
     """Add ``strength * vector`` to the residual stream entering decoder layer ``layer``, at the
     steered positions (default: the last prompt token, i.e. the response start, and every generated
-    token), via a forward pre-hook that exists only while attached."""
+    token): :class:`aligntax.interventions.vectors.ActivationAddition` on one layer, with the value
+    target in its config (which keys the judgment cache)."""
 
-    vector: torch.Tensor
-    layer: int
-    strength: float = 1.0
-    positions: str = "last_and_generated"
-    target: str = ""
-    name: str = "steer"
-
-    @contextmanager
-    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
-        from aligntax.models.layers import decoder_layers
-
-        block = decoder_layers(model)[self.layer]
-        cache: dict = {}
-
-        def hook(module, args, kwargs):
-            h = hidden_from_args(args, kwargs)
-            key = (h.device, h.dtype)
-            if key not in cache:
-                cache[key] = self.vector.to(device=h.device, dtype=h.dtype)
-            sl = steered_slice(h.shape[1], ctx, self.positions)
-            scale = ctx.row_scale(h.shape[0], h.device, h.dtype) * self.strength
-            h = h.clone()
-            h[:, sl] = h[:, sl] + scale * cache[key]
-            return replace_hidden_in_args(args, kwargs, h)
-
-        with hooks_attached([(block, hook, True)]):
-            yield
+    def __init__(self, vector: torch.Tensor, layer: int, strength: float = 1.0,
+                 positions: str = "last_and_generated", target: str = "", name: str = "steer"):
+        self.vector = vector.detach().float().cpu()
+        self.layer = int(layer)
+        self.strength = float(strength)
+        self.target = target
+        super().__init__({self.layer: self.vector}, coeff=self.strength, positions=positions, name=name)
 
     def config(self) -> dict:
-        v = self.vector.detach().float().cpu().contiguous()
+        v = self.vector.contiguous()
         return {"name": self.name, "target": self.target, "layer": self.layer, "strength": self.strength,
                 "positions": self.positions, "norm": float(v.norm()),
                 "vector_sha": hashlib.sha256(v.numpy().tobytes()).hexdigest()[:16]}
-
-    def save(self, path: str | Path, extra: dict | None = None) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"vector": self.vector.detach().float().cpu(), "layer": self.layer,
-                    "strength": self.strength, "positions": self.positions, "target": self.target,
-                    **(extra or {})}, path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> ActivationAddition:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-        return cls(vector=obj["vector"], layer=int(obj["layer"]), strength=float(obj["strength"]),
-                   positions=obj.get("positions", "last_and_generated"), target=obj.get("target", ""))
-
-
-def response_start_activations(lm, prompts: Sequence[str], layer: int, system: str | None = None,
-                               batch_size: int = 16) -> torch.Tensor:
-    """Residual-stream input of decoder layer ``layer`` at the last prompt token (the response start)
-    of each chat prompt: [N, hidden], float32."""
-    from aligntax.generation import build_messages, encode_chats, render_chat
-    from aligntax.models.layers import decoder_layers
-
-    block = decoder_layers(lm.model)[layer]
-    texts = [render_chat(lm.tokenizer, build_messages(p, system)) for p in prompts]
-    out: list[torch.Tensor] = []
-    grabbed: list[torch.Tensor] = []
-
-    def hook(module, args, kwargs):
-        grabbed.append(hidden_from_args(args, kwargs)[:, -1, :].detach().float().cpu())
-
-    with hooks_attached([(block, hook, True)]):
-        for start in range(0, len(texts), batch_size):
-            enc = encode_chats(lm.tokenizer, texts[start:start + batch_size], lm.device)
-            grabbed.clear()
-            with torch.no_grad():
-                lm.model(**enc, use_cache=False, logits_to_keep=1)
-            out.append(grabbed[0])
-    return torch.cat(out)
 
 
 def compute_steering_vector(lm, train_items: Sequence[ValueItem], target: str,
@@ -267,7 +207,8 @@ def compute_steering_vector(lm, train_items: Sequence[ValueItem], target: str,
 
     def acts(items):
         prompts = [judgment_prompt(it, v, judge_cfg.scale) for it in items for v in variants]
-        return response_start_activations(lm, prompts, layer, judge_cfg.system, judge_cfg.batch_size)
+        return capture(lm, prompts, [layer], position="last", system=judge_cfg.system,
+                       batch_size=judge_cfg.batch_size, progress=False)[layer]
 
     vec = acts(sup).mean(0) - acts(vio).mean(0)
     return ActivationAddition(vector=vec, layer=layer, strength=strength, target=t)
