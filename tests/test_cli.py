@@ -59,3 +59,15 @@ def test_judge_command_round_trip(tmp_path):
     assert res.exit_code == 0, res.output
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["refused"] for r in rows] == [True, False]
+
+
+def test_els_flags_take_none_to_turn_a_tuned_setting_off():
+    import typer
+
+    from aligntax.cli import _intervention_args
+
+    args = _intervention_args("bank", None, None, None, "none", None, gate="0.3", horizon="8")
+    assert args == {"path": "bank", "threshold": "none", "gate": 0.3, "horizon": 8}
+    assert _intervention_args("bank", None, None, None, "-1", None, gate="None")["gate"] == "none"
+    with pytest.raises(typer.BadParameter, match="--horizon"):
+        _intervention_args("bank", None, None, None, None, None, horizon="eight")

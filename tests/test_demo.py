@@ -14,19 +14,22 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
 
     cfg = DemoConfig(out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
                      judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
-                     limit_gate_harmful=16, progress=False)
+                     limit_gate_harmful=16, sweep_max_new_tokens=6, progress=False)
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"
     for path in ("baseline/results.json", "els/energy.json", "els/gate.json", "els/vectors/vectors.json",
                  "els/sweep/sweep.jsonl", "els/sweep/pareto.png", "report.md"):
         assert (out / path).is_file(), path
+    gate = json.loads((out / "els/gate.json").read_text())["info"]
+    # harmful train prompts plus at most 16 of each extra gate set (OR-Bench toxic, StrongREJECT, MaliciousInstruct)
+    assert gate["harmful"][1:] == ["orbench-toxic", "strongreject", "maliciousinstruct"] and gate["n_harmful"] == 16 + 3 * 16
     rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
     gated = [r for r in rows if r["name"] == "els" and r["args"].get("gate") == 0.5]
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]
     runner_ups = [r for r in gated if "layers" in r["args"]]
     assert {r["args"]["layers"][0] for r in runner_ups} == set(ranked[1:3])  # the 2nd and 3rd best layers
-    assert len(gated) == 2 * (1 + len(ranked[1:3])) and any(r["name"] == "els" and "gate" not in r["args"]
-                                                           for r in rows)
+    assert len(gated) == 1 + len(ranked[1:3]) and any(r["name"] == "els" and "gate" not in r["args"] for r in rows)
+    assert all(r["args"]["threshold"] is None and r["args"]["horizon"] == 16 for r in gated)
     assert all("degenerate" in r for r in rows)
     report = (out / "report.md").read_text()
     assert "| orbench-hard-test | benign | compliance |" in report

@@ -192,6 +192,19 @@ def test_sweep_settings_grid_and_extras():
 
     with pytest.raises(AligntaxError, match="Unknown keys"):
         sweep_settings(SweepConfig(steer="bank", extra=[{"strength": 1}], baselines=False))
+    # a horizon grid multiplies the settings; unset horizons stay out of the args (and the keys)
+    s = sweep_settings(SweepConfig(steer="bank", top_k=[1], eta=[0.3], threshold=[None], gate=[0.5],
+                                   horizon=[None, 8], baselines=False))
+    assert [a.get("horizon") for _, a in s[1:]] == [None, 8] and "horizon" not in s[1][1]
+
+
+def test_sweep_keys_carry_the_answer_length():
+    """Degeneration shows only after some tokens: scores at two lengths must never be mixed."""
+    from aligntax.runs.els import _key
+
+    args = {"path": "bank", "eta": 0.3}
+    assert _key("els", args, "generate", 24) != _key("els", args, "generate", 48)
+    assert _key("els", args, "generate", 24) == _key("els", {**args, "path": "elsewhere"}, "generate", 24)
 
 
 def test_resume_refuses_when_the_tuned_setting_changed(tmp_path, tiny_lm):

@@ -101,6 +101,27 @@ def test_kv_cache_equals_no_cache(arch):
     assert ctx_c.stats["els"][1]["positions"] == 4 * 5
 
 
+def test_horizon_steers_only_the_first_generated_tokens(lm):
+    """A horizon H steers the last prompt token and the first H generated tokens, with and without the
+    KV cache alike; a horizon beyond the generation is the same as none."""
+    st = els(eta=2.0, threshold=-1e9, horizon=2)
+    tok_c, log_c, ctx_c, _ = run_steered(lm, PROMPTS, st, use_cache=True)
+    tok_n, log_n, _, _ = run_steered(lm, PROMPTS, st, use_cache=False)
+    assert torch.equal(tok_c, tok_n)
+    torch.testing.assert_close(log_c, log_n, atol=2e-4, rtol=2e-4)
+    assert ctx_c.stats["els"][1]["positions"] == 4 * (1 + 2)  # 4 rows x (last prompt token + 2 tokens)
+    _, log_all, ctx_all, _ = run_steered(lm, PROMPTS, els(eta=2.0, threshold=-1e9))
+    _, log_far, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, threshold=-1e9, horizon=100))
+    assert torch.equal(log_all, log_far) and ctx_all.stats["els"][1]["positions"] == 4 * 5
+    # the first logits (from the steered last prompt token) agree; later ones differ once steering stops
+    torch.testing.assert_close(log_c[:, :3], log_all[:, :3], atol=2e-4, rtol=2e-4)
+    assert not torch.allclose(log_c[:, 3:], log_all[:, 3:], atol=1e-3)
+    _, _, ctx0, _ = run_steered(lm, PROMPTS, els(eta=2.0, threshold=-1e9, horizon=0))
+    assert ctx0.stats["els"][1]["positions"] == 4
+    with pytest.raises(AligntaxError, match="horizon"):
+        els(horizon=-1)
+
+
 def test_steering_lands_on_claimed_positions(lm):
     base, _, mask, _ = forward_with(lm, PROMPTS, NoIntervention())
     steered, _, _, ctx = forward_with(lm, PROMPTS, EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1,
@@ -497,11 +518,13 @@ def test_train_harm_gate_and_files(lm, bank_dir, tmp_path):
     direction = torch.randn(H)
     acts = {0: torch.randn(n, H), 1: torch.randn(n, H) + 4.0 * y[:, None].float() * direction / direction.norm()}
     gate = train_harm_gate(acts, y, seed=0, fingerprint=lm.fingerprint)
-    assert gate.layer == 1 and gate.info["val"]["acc"] > 0.9
+    assert gate.layer == 1 and gate.info["val"]["acc"] > 0.9 and gate.info["cv_folds"] == 5
     assert gate.info["per_layer_val"]["0"]["balanced_acc"] < 0.7  # noise layer is near chance
     assert (gate.harmful(acts[1]) == y).float().mean() > 0.9
     with pytest.raises(Exception, match="both benign and harmful"):
         train_harm_gate(acts, torch.ones(n, dtype=torch.bool))
+    with pytest.raises(AligntaxError, match="2 folds"):
+        train_harm_gate(acts, y, folds=1)
     # saved beside an energy bank: from_dir(gate=...) loads it, checked against the model
     d = tmp_path / "bank"
     import shutil

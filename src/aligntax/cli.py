@@ -88,10 +88,12 @@ VectorsOpt = Annotated[str | None, typer.Option(help="vector folder for the vect
 EtaOpt = Annotated[float | None, typer.Option(help="ELS step size (x the layer's median norm)")]
 StepsOpt = Annotated[int | None, typer.Option(help="ELS descent steps")]
 LayersOpt = Annotated[str | None, typer.Option(help="comma-separated layer indices")]
-ThresholdOpt = Annotated[float | None, typer.Option(help="ELS energy gate")]
+ThresholdOpt = Annotated[str | None, typer.Option(help="ELS energy gate ('none': off, even if tuned)")]
 TopKOpt = Annotated[int | None, typer.Option(help="ELS: steer the K best layers of the bank")]
 CoeffOpt = Annotated[float | None, typer.Option(help="vector baselines: strength")]
-GateOpt = Annotated[float | None, typer.Option(help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE")]
+GateOpt = Annotated[str | None, typer.Option(
+    help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('none': off, even if tuned)")]
+HorizonOpt = Annotated[str | None, typer.Option(help="ELS: steer only the first N generated tokens ('none': all)")]
 
 
 def _iv_name(intervention: str | None, steer: str | None) -> str | None:
@@ -100,11 +102,14 @@ def _iv_name(intervention: str | None, steer: str | None) -> str | None:
 
 
 def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
-                       layers: str | None, threshold: float | None, vectors: str | None,
-                       top_k: int | None = None, coeff: float | None = None, gate: float | None = None) -> dict:
+                       layers: str | None, threshold: str | None, vectors: str | None,
+                       top_k: int | None = None, coeff: float | None = None, gate: str | None = None,
+                       horizon: str | None = None) -> dict:
     args: dict = {}
+    if horizon is not None:
+        args["horizon"] = _number_or_none(horizon, int, "--horizon")
     if gate is not None:
-        args["gate"] = gate
+        args["gate"] = _number_or_none(gate, float, "--gate")
     if top_k is not None:
         args["top_k"] = top_k
     if coeff is not None:
@@ -120,8 +125,18 @@ def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
     if layers:
         args["layers"] = [int(x) for x in layers.split(",") if x.strip()]
     if threshold is not None:
-        args["threshold"] = threshold
+        args["threshold"] = _number_or_none(threshold, float, "--threshold")
     return args
+
+
+def _number_or_none(text: str, kind, flag: str):
+    """A flag's number, or ``"none"`` (which turns a tuned ELS setting off)."""
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return kind(text)
+    except ValueError:
+        raise typer.BadParameter(f"{flag} takes a number or 'none', not {text!r}.") from None
 
 
 @app.command()
@@ -141,6 +156,7 @@ def generate(
     limit: int | None = typer.Option(None),
     intervention: InterventionOpt = None, steer: SteerOpt = None, eta: EtaOpt = None, steps: StepsOpt = None,
     layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None, gate: GateOpt = None,
+    horizon: HorizonOpt = None,
 ) -> None:
     """Generate chat responses for prompts, in batches."""
     from aligntax.generation import GenerationConfig
@@ -159,7 +175,7 @@ def generate(
         if not prompts:
             raise AligntaxError("No prompts: give them as arguments or with --in")
         lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate)
+        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate, horizon)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, system=system,
                                do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
         gens = gen(lm, prompts, cfg, iv)
@@ -173,14 +189,15 @@ def generate(
         fh.close()
 
 
-def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None, gate=None):
+def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None, gate=None, horizon=None):
     intervention = _iv_name(intervention, steer)
     if not intervention or intervention == "none":
         return None
     from aligntax.interventions.registry import make_intervention
 
     return make_intervention(intervention, lm, **_intervention_args(steer, eta, steps, layers, threshold,
-                                                                     vectors, top_k, gate=gate))
+                                                                     vectors, top_k, gate=gate,
+                                                                     horizon=horizon))
 
 
 @app.command()
@@ -189,6 +206,7 @@ def chat(
     max_new_tokens: int = typer.Option(256), dtype: str = typer.Option("bf16"),
     intervention: InterventionOpt = None, steer: SteerOpt = None, eta: EtaOpt = None, steps: StepsOpt = None,
     layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None, gate: GateOpt = None,
+    horizon: HorizonOpt = None,
 ) -> None:
     """Interactive chat (one line a turn; an empty line or Ctrl-D ends)."""
     from aligntax.generation import GenerationConfig
@@ -197,7 +215,7 @@ def chat(
 
     try:
         lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate)
+        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate, horizon)
     except AligntaxError as exc:
         _fail(exc)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -248,7 +266,7 @@ def eval_cmd(
     seed: int | None = typer.Option(None),
     intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
     steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
-    coeff: CoeffOpt = None, gate: GateOpt = None,
+    coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
@@ -258,7 +276,8 @@ def eval_cmd(
 
     try:
         intervention = _iv_name(intervention, steer)
-        iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors, top_k, coeff, gate) or None
+        iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors, top_k, coeff, gate,
+                                     horizon) or None
         cfg = load_config(
             EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
             judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
@@ -326,7 +345,7 @@ def mc_cmd(
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
     steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
-    coeff: CoeffOpt = None, gate: GateOpt = None,
+    coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
@@ -337,7 +356,7 @@ def mc_cmd(
         cfg = MCConfig(out=str(out), model=model, data=data, limit=limit, system=system, batch_size=batch_size,
                        dtype=dtype, intervention=intervention,
                        intervention_args=_intervention_args(steer, eta, steps, layers, threshold, vectors, top_k,
-                                                            coeff, gate),
+                                                            coeff, gate, horizon),
                        progress=not no_progress)
         res = run_mc(cfg)
     except AligntaxError as exc:
@@ -375,8 +394,8 @@ def els_train(
     max_new_tokens: int | None = typer.Option(None), batch_size: int | None = typer.Option(None),
     dtype: str | None = typer.Option(None),
     gate: bool | None = typer.Option(None, help="also train the harm gate (default on)"),
-    gate_harmful: list[str] = typer.Option(None, help="extra harmful prompts for the harm gate (default orbench-toxic)"),
-    limit_gate_harmful: int | None = typer.Option(None, help="sample this many of them (default 600)"),
+    gate_harmful: list[str] = typer.Option(None, help="extra harmful prompts for the harm gate (default orbench-toxic, strongreject, maliciousinstruct)"),
+    limit_gate_harmful: int | None = typer.Option(None, help="sample at most this many of each set (default 600)"),
 ) -> None:
     """Label the model's behaviour, capture activations, train one energy model per layer."""
     from aligntax.config import load_config
@@ -416,6 +435,8 @@ def els_sweep(
     steps: str | None = typer.Option(None, help="comma-separated grid of step counts"),
     threshold: str | None = typer.Option(None, help="comma-separated grid of energy gates ('none' = ungated)"),
     gate: str | None = typer.Option(None, help="comma-separated grid of harm-gate thresholds ('none' = no gate)"),
+    horizon: str | None = typer.Option(None, help="comma-separated grid of steered generated tokens ('none' = all)"),
+    max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (default 24)"),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
     judge_name: str | None = typer.Option(None, "--judge"), dtype: str | None = typer.Option(None),
 ) -> None:
@@ -429,8 +450,9 @@ def els_sweep(
                           eta=[float(x) for x in eta.split(",")] if eta else None,
                           top_k=[int(x) for x in top_k.split(",")] if top_k else None,
                           steps=[int(x) for x in steps.split(",")] if steps else None,
-                          threshold=_opt_floats(threshold), gate=_opt_floats(gate), baselines=baselines,
-                          judge=judge_name, dtype=dtype)
+                          threshold=_opt_floats(threshold), gate=_opt_floats(gate),
+                          horizon=[None if x is None else int(x) for x in _opt_floats(horizon) or []] or None,
+                          max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype)
         res = run_sweep(cfg)
     except AligntaxError as exc:
         _fail(exc)

@@ -122,18 +122,21 @@ def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict:
 
 
 def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bool] | torch.Tensor,
-                    layers: Sequence[int] | None = None, l2: float = 1e-2, val_fraction: float = 0.2,
+                    layers: Sequence[int] | None = None, l2: float = 1e-2, folds: int = 5,
                     seed: int = 0, fingerprint: dict | None = None, metadata: dict | None = None) -> HarmGate:
-    """Fit one probe per candidate layer on a train split, keep the layer with the best balanced
-    validation accuracy (ties: the earlier layer), and refit it on all the data."""
+    """Score one probe per candidate layer by ``folds``-fold cross-validated balanced accuracy, keep the
+    best layer (ties: the earlier layer), and refit it on all the data.
+
+    Cross-validation rather than one split: the candidate layers differ by about a point, which is
+    the noise of a single 20% split."""
     y = torch.as_tensor(harmful).bool().flatten()
     if y.all() or not y.any():
         raise DataError("The harm gate needs both benign and harmful prompts.")
+    if folds < 2:
+        raise AligntaxError(f"The harm gate needs at least 2 folds; got {folds}.")
     cand = sorted(int(x) for x in (layers if layers is not None else acts_by_layer))
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(y), generator=gen)
-    n_val = max(1, int(round(len(y) * val_fraction)))
-    va, tr = perm[:n_val], perm[n_val:]
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    splits = [perm[i::folds] for i in range(folds)]
     per_layer = {}
     for layer in cand:
         x = acts_by_layer[layer].float()
@@ -141,15 +144,20 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
             raise DataError(f"Layer {layer}: {len(x)} states but {len(y)} labels.")
         if not torch.isfinite(x).all():
             raise DataError(f"Layer {layer}: activations contain NaN or inf.")
-        mu, sd = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
-        w, b = _fit_logistic((x[tr] - mu) / sd, y[tr], l2)
-        per_layer[layer] = _rates(((x[va] - mu) / sd) @ w + b, y[va])
+        logits = torch.empty(len(y))
+        for va in splits:
+            tr = torch.ones(len(y), dtype=torch.bool)
+            tr[va] = False
+            mu, sd = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
+            w, b = _fit_logistic((x[tr] - mu) / sd, y[tr], l2)
+            logits[va] = ((x[va] - mu) / sd) @ w + b
+        per_layer[layer] = _rates(logits, y)
         per_layer[layer]["balanced_acc"] = (per_layer[layer]["harmful_caught"] + per_layer[layer]["benign_passed"]) / 2
-    best = max(cand, key=lambda layer: (per_layer[layer]["balanced_acc"], -layer))
+    best = max(cand, key=lambda layer: (round(per_layer[layer]["balanced_acc"], 6), -layer))
     x = acts_by_layer[best].float()
     mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
     w, b = _fit_logistic((x - mu) / sd, y, l2)
-    info = {"val": per_layer[best], "per_layer_val": {str(k): v for k, v in per_layer.items()}, "l2": l2,
-            "n": len(y), "n_harmful": int(y.sum()), "train_fit": _rates(((x - mu) / sd) @ w + b, y),
+    info = {"val": per_layer[best], "cv_folds": folds, "per_layer_val": {str(k): v for k, v in per_layer.items()},
+            "l2": l2, "n": len(y), "n_harmful": int(y.sum()), "train_fit": _rates(((x - mu) / sd) @ w + b, y),
             **(metadata or {})}
     return HarmGate(best, w, b, mu, sd, 0.5, dict(fingerprint or {}), info)

@@ -8,8 +8,11 @@ the steered positions (by default the last prompt token and every generated toke
 where ``eta_l = eta * median residual norm of layer l`` when ``scale_by_norm`` (the norm stored in the
 energy bank at training time), else ``eta``; ``s_row`` is the context's per-row scale (0 for rows not
 steered, or a per-row strength). With a ``threshold``, a position is only moved while its energy is
-above it (gating, re-checked at every step). The energy and its gradient come from the energy model's
-closed-form backward in float32, so no autograd graph is built and nothing flows through the LLM.
+above it (gating, re-checked at every step). With a ``horizon`` H only the first H generated tokens
+are steered after the last prompt token: refusal is decided in the first few tokens, and steering
+every later token of a long answer pushes the model off its manifold (loops). The energy and its
+gradient come from the energy model's closed-form backward in float32, so no autograd graph is built
+and nothing flows through the LLM.
 
 The positions follow :func:`aligntax.interventions.base.steered_slice`, so steering is the same with
 and without the KV cache, and independent of left padding (steered positions are the last ones).
@@ -42,7 +45,7 @@ from aligntax.models.layers import decoder_layers
 
 POSITION_MODES = ("last_and_generated", "generated", "all")
 # Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one.
-DEFAULT_SETTINGS = {"top_k": 2, "eta": 0.3, "steps": 3, "threshold": None, "gate": None}
+DEFAULT_SETTINGS = {"top_k": 2, "eta": 0.3, "steps": 3, "threshold": None, "gate": None, "horizon": None}
 TUNED_KEYS = tuple(DEFAULT_SETTINGS)
 
 
@@ -90,6 +93,22 @@ def positions_slice(seq_len: int, ctx: SteerContext, positions: str) -> slice:
     return steered_slice(seq_len, ctx, positions)
 
 
+def within_horizon(sl: slice, seq_len: int, ctx: SteerContext, next_pos: dict, key, horizon: int | None) -> slice:
+    """``sl`` cut to positions before ``prompt_len + horizon``: the last prompt token and the first
+    ``horizon`` generated tokens (the k-th generated token is fed at position ``prompt_len - 1 + k``).
+
+    ``next_pos[key]`` tracks the absolute position of the next token a hook sees: a forward of more
+    than one token (prefill, or the whole sequence re-fed without the KV cache) starts at 0; a
+    single-token forward after it is a cached decode step. So the cut is the same with and without
+    the KV cache."""
+    if horizon is None:
+        return sl
+    start_abs = next_pos[key] if seq_len == 1 and key in next_pos else 0
+    next_pos[key] = start_abs + seq_len
+    stop = max(sl.start, min(sl.stop, ctx.prompt_len + horizon - start_abs))
+    return slice(sl.start, stop)
+
+
 class EnergySteering(Intervention):
     """ELS on a set of layers, each with its own energy model."""
 
@@ -100,11 +119,14 @@ class EnergySteering(Intervention):
                  norms: dict[int, float] | None = None, threshold: float | None = None,
                  layer_eta: dict[int, float] | None = None, source: str | None = None,
                  grad_method: str = "closed", gate: HarmGate | None = None,
-                 gate_threshold: float | None = None):
+                 gate_threshold: float | None = None, horizon: int | None = None):
         if not models:
             raise AligntaxError("Energy steering needs at least one layer's energy model.")
         if steps < 0:
             raise AligntaxError("steps must be >= 0.")
+        if horizon is not None and int(horizon) < 0:
+            raise AligntaxError(f"horizon must be >= 0 generated tokens (or None for all); got {horizon}.")
+        self.horizon = None if horizon is None else int(horizon)
         self.models = {int(k): m.eval() for k, m in models.items()}
         self.eta = float(eta)
         self.steps = int(steps)
@@ -152,7 +174,7 @@ class EnergySteering(Intervention):
     def from_dir(cls, directory: str | Path, lm=None, layers: Sequence[int] | None = None,
                  eta: float | None = None, steps: int | None = None, top_k: int | None = None,
                  threshold: float | str | None = None, gate: bool | float | str | None = None,
-                 **kwargs) -> EnergySteering:
+                 horizon: int | str | None = None, **kwargs) -> EnergySteering:
         """Load a saved :class:`EnergyBank` (checked against ``lm.fingerprint``) and steer its best layers.
 
         Settings not given (None) come from the setting tuned by ``aligntax els sweep`` in
@@ -160,13 +182,15 @@ class EnergySteering(Intervention):
         :func:`resolve_settings`; ``"none"`` turns a tuned energy or harm gate off). ``gate``: None/False
         steers every row; True holds back rows the folder's harm gate
         (:class:`aligntax.energy.gate.HarmGate`) calls harmful at its saved threshold; a float in (0, 1)
-        uses that threshold. With ``layers`` given, ``top_k`` is not taken from the tuned setting.
+        uses that threshold. ``horizon``: steer only the first N generated tokens (``"none"``: all).
+        With ``layers`` given, ``top_k`` is not taken from the tuned setting.
         """
         settings, origin = resolve_settings(directory, eta=eta, steps=steps, threshold=threshold, gate=gate,
-                                            top_k=top_k)
+                                            top_k=top_k, horizon=horizon)
         top_k = settings["top_k"] if layers is None else top_k
         eta, steps, threshold, gate = settings["eta"], settings["steps"], settings["threshold"], settings["gate"]
         kwargs["threshold"] = threshold
+        kwargs["horizon"] = settings["horizon"]
         fp = dict(lm.fingerprint) if lm is not None and getattr(lm, "fingerprint", None) else None
         hs = lm.hidden_size if lm is not None else None
         bank = EnergyBank.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
@@ -188,7 +212,7 @@ class EnergySteering(Intervention):
 
     def config(self) -> dict:
         return {"name": self.name, "layers": sorted(self.models), "eta": self.eta, "steps": self.steps,
-                "positions": self.positions, "scale_by_norm": self.scale_by_norm, "threshold": self.threshold,
+                "positions": self.positions, "horizon": self.horizon, "scale_by_norm": self.scale_by_norm, "threshold": self.threshold,
                 "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
                 "grad_method": self.grad_method, "source": self.source, "settings_from": self.settings_from,
                 "gate": None if self.gate is None else {"layer": self.gate.layer, "threshold": self.gate_threshold}}
@@ -264,6 +288,7 @@ class EnergySteering(Intervention):
                 raise AligntaxError(f"Energy steering layer {layer} does not exist: the model has {n} layers.")
         accs: dict[int, dict] = {layer: {} for layer in self.models}
         state: dict = {"decision": None}  # rows the harm gate holds back, decided at the prompt's forward
+        next_pos: dict[int, int] = {}  # per layer: absolute position of the next token (for the horizon)
 
         def gate_hook(module, args, kwargs):
             decide_at_prefill(hidden_from_args(args, kwargs), ctx, state,
@@ -276,6 +301,7 @@ class EnergySteering(Intervention):
                     return None
                 h = hidden_from_args(args, kwargs)
                 sl = positions_slice(h.shape[1], ctx, self.positions)
+                sl = within_horizon(sl, h.shape[1], ctx, next_pos, layer, self.horizon)
                 if sl.start >= sl.stop:
                     return None
                 scale = ctx.row_scale(h.shape[0], h.device, torch.float32)

@@ -7,7 +7,8 @@ none                       no intervention
 system-prompt              the safety system prompt (``text=`` to override)
 helpful-prompt             the over-refusal-aware helpful system prompt (``text=`` to override)
 els                        energy landscape steering from an energy bank folder (``dir=``, ``eta``,
-                           ``steps``, ``top_k``, ``layers``, ``threshold``, ``positions``, ``scale_by_norm``)
+                           ``steps``, ``top_k``, ``layers``, ``threshold``, ``gate``, ``horizon``,
+                           ``positions``, ``scale_by_norm``)
 refusal-add                add the refusal vector of one layer (``dir=``, ``layer``, ``coeff``, ``positions``;
                            ``layers=[...]`` adds each listed layer's own vector)
 refusal-ablation           project the refusal direction (of ``layer``) out at all layers (``dir=``, ``layer``,

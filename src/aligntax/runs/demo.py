@@ -32,6 +32,7 @@ class DemoConfig:
     limit_benign_train: int | None = 600
     limit_harmful_train: int | None = None
     limit_gate_harmful: int | None = 600
+    sweep_max_new_tokens: int = 32  # long enough to see answers loop after a 16-token steering horizon
     progress: bool = True
 
 
@@ -48,10 +49,12 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
                              limit_harmful=cfg.limit_harmful_train,
                              limit_gate_harmful=cfg.limit_gate_harmful, **common), lm=lm)
     sweep = run_sweep(SweepConfig(steer=str(out / "els"), model=cfg.model, judge=cfg.judge,
-                                  batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.5, 0.7],
+                                  batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.35],
                                   layers=_runner_up_layers(out / "els", 2),
-                                  threshold=[0.0], gate=[0.5],
+                                  # the harm gate decides which rows are steered, the first 16 tokens
+                                  threshold=[None], gate=[0.5], horizon=[16],
                                   extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
+                                  max_new_tokens=cfg.sweep_max_new_tokens,
                                   baseline_coeffs=[1.0],
                                   progress=cfg.progress), lm=lm)
     best = sweep["best"]

@@ -7,6 +7,7 @@ activations are safetensors shards skipped by prompt id, and the sweep appends o
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,10 +34,12 @@ class ELSTrainConfig:
     limit_harmful: int | None = None
     limit_harmless: int | None = 300
     # harm gate: a benign-vs-harmful probe (labels from the prompt sets, no judge), trained on the benign and
-    # harmful prompts above, the harmless ones, and these extra harmful prompts (captured, not generated)
+    # harmful prompts above, the harmless ones, and these extra harmful prompts (captured, not generated).
+    # The extra sets differ in form on purpose: OR-Bench toxic is written like OR-Bench-Hard (so the probe
+    # learns harm, not style), StrongREJECT and MaliciousInstruct hold short questions and requests.
     gate: bool = True
-    gate_harmful: list[str] = field(default_factory=lambda: ["orbench-toxic"])
-    limit_gate_harmful: int | None = 600
+    gate_harmful: list[str] = field(default_factory=lambda: ["orbench-toxic", "strongreject", "maliciousinstruct"])
+    limit_gate_harmful: int | None = 600  # per set, sampled
     layers: list[int] | None = None  # None: every layer
     objective: str = "logistic"
     preset: str = "small"  # "small" or "paper"
@@ -131,10 +134,8 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
 
     last = min(bank.top(3))
     cand = [layer for layer in sorted(acts) if layer <= last and layer >= last // 3]
-    extra = load_prompt_sets(cfg.gate_harmful, None) if cfg.gate_harmful else []
-    if cfg.limit_gate_harmful is not None and len(extra) > cfg.limit_gate_harmful:
-        keep = torch.randperm(len(extra), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.limit_gate_harmful]
-        extra = [extra[i] for i in sorted(keep.tolist())]
+    extra = [it for spec in cfg.gate_harmful for it in _sampled(load_prompt_sets([spec], None),
+                                                                  cfg.limit_gate_harmful, cfg.seed)]
     x = {layer: [acts[layer], h_acts[layer]] for layer in cand}
     y = [it.label == "harmful" for it in items] + [it.label == "harmful" for it in harmless]
     if extra:
@@ -146,6 +147,14 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
                            fingerprint=lm.fingerprint,
                            metadata={"benign": [*cfg.benign, *cfg.harmless], "harmful": [*cfg.harmful, *cfg.gate_harmful]})
     gate.save(out)
+
+
+def _sampled(items: list, limit: int | None, seed: int) -> list:
+    """At most ``limit`` of ``items``, drawn at random (fixed seed), in their original order."""
+    if limit is None or len(items) <= limit:
+        return items
+    keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
+    return [items[i] for i in sorted(keep.tolist())]
 
 
 def _existing_bank(out: Path, ecfg, lm, n_states: int):
@@ -191,6 +200,7 @@ class SweepConfig:
     steps: list[int] = field(default_factory=lambda: [3])
     threshold: list[float | None] = field(default_factory=lambda: [None, 0.0])
     gate: list[float | None] = field(default_factory=lambda: [None])  # harm-gate thresholds (None: no gate)
+    horizon: list[int | None] = field(default_factory=lambda: [None])  # generated tokens steered (None: all)
     layers: list[list[int]] = field(default_factory=list)  # explicit layer sets, swept beside top_k
     extra: list[dict] = field(default_factory=list)  # more ELS settings outside the grid (top_k, eta, ...)
     baselines: bool = True
@@ -211,19 +221,19 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
     for choice in choices:
         for eta in cfg.eta:
             for steps in cfg.steps:
-                for thr in cfg.threshold:
-                    for gate in cfg.gate:
-                        args = {"path": cfg.steer, **choice, "eta": eta, "steps": steps, "threshold": thr}
-                        if gate is not None:
-                            args["gate"] = gate
-                        settings.append(("els", args))
+                for thr, gate, horizon in itertools.product(cfg.threshold, cfg.gate, cfg.horizon):
+                    args = {"path": cfg.steer, **choice, "eta": eta, "steps": steps, "threshold": thr}
+                    # optional keys only when set, so that rows scored before they existed keep their keys
+                    args.update({k: v for k, v in (("gate", gate), ("horizon", horizon)) if v is not None})
+                    settings.append(("els", args))
     for extra in cfg.extra:
-        unknown = set(extra) - {"top_k", "layers", "eta", "steps", "threshold", "gate"}
+        unknown = set(extra) - {"top_k", "layers", "eta", "steps", "threshold", "gate", "horizon"}
         if unknown:
             raise AligntaxError(f"Unknown keys in an extra sweep setting: {sorted(unknown)}.")
         args = {"path": cfg.steer, "top_k": 1, "eta": 0.3, "steps": 3, "threshold": None, **extra}
-        if args.get("gate") is None:
-            args.pop("gate", None)
+        for k in ("gate", "horizon"):
+            if args.get(k) is None:
+                args.pop(k, None)
         settings.append(("els", args))
     if cfg.baselines:
         vec = str(Path(cfg.steer) / "vectors")
@@ -234,10 +244,11 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
     return settings
 
 
-def _key(name: str, args: dict, method: str) -> str:
+def _key(name: str, args: dict, method: str, tokens: int) -> str:
     key = {"name": name, "args": {k: v for k, v in sorted(args.items()) if k != "path"}, "method": method}
     if method == "generate":
         key["score"] = "useful"  # compliance counts non-degenerate answers only (rows without this are stale)
+        key["tokens"] = tokens  # answers loop only after some tokens: scores at other lengths do not mix
     return json.dumps(key, sort_keys=True)
 
 
@@ -296,13 +307,14 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
     judge = get_judge(cfg.judge) if cfg.method == "generate" or cfg.confirm else None
 
     def score(name, args, method):
-        key = _key(name, args, method)
+        key = _key(name, args, method, cfg.max_new_tokens)
         if key in done:
             return
         iv_args = dict(args)
         if name == "els":  # every setting of the grid is explicit: no tuned energy or harm gate creeps in
-            iv_args.setdefault("gate", None)
-            iv_args = {k: ("none" if v is None and k in ("threshold", "gate") else v) for k, v in iv_args.items()}
+            iv_args = {"gate": None, "horizon": None, **iv_args}
+            iv_args = {k: ("none" if v is None and k in ("threshold", "gate", "horizon") else v)
+                       for k, v in iv_args.items()}
         iv = make_intervention(name, lm, **iv_args)
         t = time.perf_counter()
         res = (_score_first_token(lm, iv, benign, harmful, cfg.batch_size) if method == "first-token"
@@ -321,19 +333,19 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
         base_ft = next(r for r in rows if r["name"] == "none" and r["method"] == "first-token")
         # the most compliant settings that keep (screened) safety, plus the unsteered model and the baselines
         cands = sorted([r for r in rows if r["method"] == "first-token" and r["name"] == "els"
-                        and r["key"] in {_key(n, a, "first-token") for n, a in settings}
+                        and r["key"] in {_key(n, a, "first-token", cfg.max_new_tokens) for n, a in settings}
                         and r["harmful_refusal"] >= base_ft["harmful_refusal"] - 0.05],
                        key=lambda r: -r["benign_compliance"])[:cfg.confirm]
-        lookup = {_key(n, a, "first-token"): (n, a) for n, a in settings}
+        lookup = {_key(n, a, "first-token", cfg.max_new_tokens): (n, a) for n, a in settings}
         confirm = [("none", {})] + [lookup[c["key"]] for c in cands]
         confirm += [(n, a) for n, a in settings if n not in ("none", "els")]
         for name, args in tqdm(confirm, desc="sweep (generate)", disable=not cfg.progress):
             score(name, args, "generate")
     method = "generate" if any(r["method"] == "generate" for r in rows) else cfg.method
-    wanted = {_key(n, a, method) for n, a in settings}
+    wanted = {_key(n, a, method, cfg.max_new_tokens) for n, a in settings}
     rows = [r for r in rows if r["key"] in wanted]
     best = select_best(rows, method)
-    result = {"method": method, "best": best, "n_settings": len(rows),
+    result = {"method": method, "best": best, "n_settings": len(rows), "max_new_tokens": cfg.max_new_tokens,
               "benign": cfg.benign, "harmful": cfg.harmful}
     (out / "best.json").write_text(json.dumps(result, indent=2))
     pareto_plot([r for r in rows if r["method"] == method], out / "pareto.png",
