@@ -33,7 +33,9 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     assert all("degenerate" in r for r in rows)
     report = (out / "report.md").read_text()
     assert "| orbench-hard-test | benign | compliance |" in report
-    assert "useful compliance" in report and "pareto.png" in report
+    assert "useful compliance" in report and "pareto.png" in report and "Wall time (minutes)" in report
+    minutes = json.loads((out / "timing.json").read_text())
+    assert minutes["total"] >= minutes["baseline evaluation"] >= 0 and "validation sweep" in minutes
     if summary["best"] is not None:  # a steered run of the selected setting, with the same test sets
         steered = json.loads((out / "steered/config.json").read_text())
         assert steered["intervention"] == "els" and steered["intervention_args"]["eta"] == summary["best"]["args"]["eta"]

@@ -8,6 +8,7 @@ table and the Pareto plot. Every stage resumes from its folder.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,13 +42,17 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    clock = _Clock()
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
+    clock.lap("model load")
     common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                   dtype=cfg.dtype, progress=cfg.progress)
     base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common), lm=lm)
+    clock.lap("baseline evaluation")
     train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train,
                              limit_harmful=cfg.limit_harmful_train,
                              limit_gate_harmful=cfg.limit_gate_harmful, **common), lm=lm)
+    clock.lap("ELS training (labels, activations, energy models, vectors, harm gate)")
     sweep = run_sweep(SweepConfig(steer=str(out / "els"), model=cfg.model, judge=cfg.judge,
                                   batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.35],
                                   layers=_runner_up_layers(out / "els", 2),
@@ -57,6 +62,7 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
                                   max_new_tokens=cfg.sweep_max_new_tokens,
                                   baseline_coeffs=[1.0],
                                   progress=cfg.progress), lm=lm)
+    clock.lap("validation sweep")
     best = sweep["best"]
     steered = None
     if best is not None:
@@ -64,9 +70,27 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
         _set_aside_if_changed(out / "steered", args)
         steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
                                       intervention="els", intervention_args=args, **common), lm=lm)
-    summary = {"baseline": base, "steered": steered, "best": best}
+        clock.lap("steered evaluation")
+    summary = {"baseline": base, "steered": steered, "best": best, "minutes": clock.minutes()}
+    (out / "timing.json").write_text(json.dumps(summary["minutes"], indent=2))
     write_demo_report(out, summary)
     return summary
+
+
+class _Clock:
+    """Wall minutes per stage (a resumed stage counts only the time it took this time)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round((now - self.t) / 60, 2)
+        self.t = now
+
+    def minutes(self) -> dict:
+        return {**self.laps, "total": round(sum(self.laps.values()), 2)}
 
 
 def _runner_up_layers(bank_dir: Path, n: int) -> list[list[int]]:
@@ -129,8 +153,11 @@ def write_demo_report(out: Path, summary: dict) -> None:
     lines += ["", "Useful compliance counts a benign answer only when it is neither a refusal nor empty or looping "
                   "(`aligntax.metrics.degeneration`); the sweep selects settings by it."]
     lines += ["", f"Throughput (tokens/s): unsteered {timing_b.get('tokens_per_second')}, "
-                  f"steered {timing_s.get('tokens_per_second')}.", "",
-              "![Pareto plot](els/sweep/pareto.png)", "", "Energy histograms: ![energy](els/energy_histograms.png)",
+                  f"steered {timing_s.get('tokens_per_second')}.", ""]
+    if summary.get("minutes"):
+        lines += ["Wall time (minutes): " + ", ".join(f"{k} {v:.1f}" for k, v in summary["minutes"].items()) + ".",
+                  ""]
+    lines += ["![Pareto plot](els/sweep/pareto.png)", "", "Energy histograms: ![energy](els/energy_histograms.png)",
               "", "Run folders: `baseline/`, `els/` (labels, activations, energy models, vectors, sweep), "
               "`steered/`.", ""]
     (out / "report.md").write_text("\n".join(lines))
