@@ -64,10 +64,13 @@ def test_judge_command_round_trip(tmp_path):
 def test_els_flags_take_none_to_turn_a_tuned_setting_off():
     import typer
 
-    from aligntax.cli import _intervention_args
+    from aligntax.cli import _intervention_args, _opt_numbers
 
     args = _intervention_args("bank", None, None, None, "none", None, gate="0.3", horizon="8")
     assert args == {"path": "bank", "threshold": "none", "gate": 0.3, "horizon": 8}
     assert _intervention_args("bank", None, None, None, "-1", None, gate="None")["gate"] == "none"
     with pytest.raises(typer.BadParameter, match="--horizon"):
         _intervention_args("bank", None, None, None, None, None, horizon="eight")
+    assert _opt_numbers("none, 8,16", int, "--horizon") == [None, 8, 16]  # sweep grids parse the same way
+    with pytest.raises(typer.BadParameter, match="--gate"):
+        _opt_numbers("0.5,half", float, "--gate")

@@ -415,11 +415,11 @@ def els_train(
     console.print(f"energy models and report: {out}")
 
 
-def _opt_floats(text: str | None) -> list[float | None] | None:
-    """``"none,0,0.5"`` -> ``[None, 0.0, 0.5]``."""
+def _opt_numbers(text: str | None, kind, flag: str) -> list | None:
+    """A sweep grid: ``"none,0,0.5"`` -> ``[None, 0.0, 0.5]`` (numbers of ``kind``)."""
     if not text:
         return None
-    return [None if x.strip().lower() == "none" else float(x) for x in text.split(",")]
+    return [None if v == "none" else v for v in (_number_or_none(x, kind, flag) for x in text.split(","))]
 
 
 @els_app.command("sweep")
@@ -450,8 +450,8 @@ def els_sweep(
                           eta=[float(x) for x in eta.split(",")] if eta else None,
                           top_k=[int(x) for x in top_k.split(",")] if top_k else None,
                           steps=[int(x) for x in steps.split(",")] if steps else None,
-                          threshold=_opt_floats(threshold), gate=_opt_floats(gate),
-                          horizon=[None if x is None else int(x) for x in _opt_floats(horizon) or []] or None,
+                          threshold=_opt_numbers(threshold, float, "--threshold"),
+                          gate=_opt_numbers(gate, float, "--gate"), horizon=_opt_numbers(horizon, int, "--horizon"),
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype)
         res = run_sweep(cfg)
     except AligntaxError as exc:

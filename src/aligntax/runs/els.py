@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from aligntax.errors import AligntaxError
+from aligntax.interventions.els import TUNED_KEYS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.eval import EvalConfig, load_prompt_sets, run_eval
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
@@ -214,6 +215,11 @@ class SweepConfig:
     progress: bool = True
 
 
+# ELS settings added after the first sweeps: left out of a setting's args (and so its key) when unset,
+# so that rows scored before they existed keep their keys. Unset means off, never "take the tuned value".
+_OPTIONAL_ELS_KEYS = ("gate", "horizon")
+
+
 def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
     settings: list[tuple[str, dict]] = [("none", {})]
     # which layers to steer: the K best of the bank, or explicit layer sets
@@ -223,15 +229,15 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
             for steps in cfg.steps:
                 for thr, gate, horizon in itertools.product(cfg.threshold, cfg.gate, cfg.horizon):
                     args = {"path": cfg.steer, **choice, "eta": eta, "steps": steps, "threshold": thr}
-                    # optional keys only when set, so that rows scored before they existed keep their keys
-                    args.update({k: v for k, v in (("gate", gate), ("horizon", horizon)) if v is not None})
+                    args.update({k: v for k, v in zip(_OPTIONAL_ELS_KEYS, (gate, horizon), strict=True)
+                                 if v is not None})
                     settings.append(("els", args))
     for extra in cfg.extra:
-        unknown = set(extra) - {"top_k", "layers", "eta", "steps", "threshold", "gate", "horizon"}
+        unknown = set(extra) - {*TUNED_KEYS, "layers"}
         if unknown:
             raise AligntaxError(f"Unknown keys in an extra sweep setting: {sorted(unknown)}.")
         args = {"path": cfg.steer, "top_k": 1, "eta": 0.3, "steps": 3, "threshold": None, **extra}
-        for k in ("gate", "horizon"):
+        for k in _OPTIONAL_ELS_KEYS:
             if args.get(k) is None:
                 args.pop(k, None)
         settings.append(("els", args))
@@ -312,8 +318,8 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
             return
         iv_args = dict(args)
         if name == "els":  # every setting of the grid is explicit: no tuned energy or harm gate creeps in
-            iv_args = {"gate": None, "horizon": None, **iv_args}
-            iv_args = {k: ("none" if v is None and k in ("threshold", "gate", "horizon") else v)
+            iv_args = {**dict.fromkeys(_OPTIONAL_ELS_KEYS), **iv_args}
+            iv_args = {k: ("none" if v is None and k in ("threshold", *_OPTIONAL_ELS_KEYS) else v)
                        for k, v in iv_args.items()}
         iv = make_intervention(name, lm, **iv_args)
         t = time.perf_counter()
