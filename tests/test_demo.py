@@ -31,6 +31,9 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     assert len(gated) == 1 + len(ranked[1:3]) and any(r["name"] == "els" and "gate" not in r["args"] for r in rows)
     assert all(r["args"]["threshold"] is None and r["args"]["horizon"] == 16 for r in gated)
     assert all("degenerate" in r for r in rows)
+    # the sweep keeps the unsteered answers, and gated settings take the rows the gate holds back from them
+    assert (out / "els/sweep/unsteered-6tok.jsonl").is_file()
+    assert all(0 <= r["reused_unsteered"] <= 132 + 39 + 41 for r in gated)
     report = (out / "report.md").read_text()
     assert "| orbench-hard-test | benign | compliance |" in report
     assert "useful compliance" in report and "pareto.png" in report and "Wall time (minutes)" in report
@@ -39,6 +42,9 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     if summary["best"] is not None:  # a steered run of the selected setting, with the same test sets
         steered = json.loads((out / "steered/config.json").read_text())
         assert steered["intervention"] == "els" and steered["intervention_args"]["eta"] == summary["best"]["args"]["eta"]
+        assert steered["reuse_unsteered"] == str(out / "baseline")
+        timing = summary["steered"]["timing"]
+        assert timing["new_samples"] + timing["reused_unsteered_samples"] == 12
         # a different selection later: the old steered run is kept aside, not mixed with the new one
         cfg_path = out / "steered/config.json"
         old = json.loads(cfg_path.read_text())

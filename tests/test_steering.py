@@ -396,6 +396,9 @@ def test_cast_decides_per_row(lm):
     ablate = ConditionalSteering(c, 1, thr, v, mode="ablate", compare="less", center=center)
     _, log_a, ctx_a, _ = run_steered(lm, PROMPTS, ablate)
     assert ctx_a.stats["cast"]["triggered"] == 3 and torch.equal(log_a[2], log0[2])
+    # decided before generating: exactly the rows the hooks leave alone
+    assert cast.unsteered_rows(lm, PROMPTS) == [True, True, False, True]
+    assert ablate.unsteered_rows(lm, PROMPTS) == [False, False, True, False]
 
 
 # ---- storage and registry ---------------------------------------------------------------------------------
@@ -499,6 +502,49 @@ def test_harm_gate_holds_back_rows(lm):
     _, log_none, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, gate=gate, gate_threshold=1 - 1e-9))
     _, log_every, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, gate=gate, gate_threshold=1e-9))
     assert torch.equal(log_none, log_all) and torch.equal(log_every, log0)
+
+
+def test_unsteered_rows_are_the_gate_held_rows(lm):
+    gate, held = _split_gate(lm)
+    assert els(eta=2.0, gate=gate).unsteered_rows(lm, PROMPTS) == held.tolist()
+    assert els(eta=2.0).unsteered_rows(lm, PROMPTS) is None  # without a gate any row may be steered
+    assert NoIntervention().unsteered_rows(lm, PROMPTS) is None
+
+
+def test_eval_reuses_unsteered_answers_for_held_rows(lm, tmp_path):
+    """A steered evaluation that copies the gate-held rows from an unsteered run gives the same samples
+    as one that generates every row, and generates only the rows the gate lets through."""
+    import json
+
+    from aligntax.runs.eval import EvalConfig, run_eval
+    from aligntax.runs.jsonl import read_jsonl
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "label": "benign"}) + "\n"
+                            for i, p in enumerate(PROMPTS)))
+    gate, held = _split_gate(lm)
+    common = dict(data=[str(data)], judge="keyword", max_new_tokens=6, batch_size=4, dtype="fp32", progress=False)
+    run_eval(EvalConfig(out=str(tmp_path / "base"), **common), lm=lm)
+    full = run_eval(EvalConfig(out=str(tmp_path / "full"), **common), lm=lm, intervention=els(eta=2.0, gate=gate))
+    fast = run_eval(EvalConfig(out=str(tmp_path / "fast"), reuse_unsteered=str(tmp_path / "base"), **common),
+                    lm=lm, intervention=els(eta=2.0, gate=gate))
+    key = lambda r: r["id"]  # noqa: E731
+    rf = sorted(read_jsonl(tmp_path / "full" / "samples.jsonl"), key=key)
+    rr = sorted(read_jsonl(tmp_path / "fast" / "samples.jsonl"), key=key)
+    assert [r["response"] for r in rf] == [r["response"] for r in rr]
+    assert [bool(r.get("reused")) for r in rr] == held.tolist()
+    assert fast["timing"]["reused_unsteered_samples"] == 2 and fast["timing"]["new_samples"] == 2
+    assert full["timing"]["new_samples"] == 4
+    # only an unsteered, greedy run made with the same settings can be reused
+    with pytest.raises(AligntaxError, match="must be an unsteered run"):
+        run_eval(EvalConfig(out=str(tmp_path / "x1"), reuse_unsteered=str(tmp_path / "full"), **common),
+                 lm=lm, intervention=els(eta=2.0, gate=gate))
+    with pytest.raises(AligntaxError, match="max_new_tokens"):
+        run_eval(EvalConfig(out=str(tmp_path / "x2"), reuse_unsteered=str(tmp_path / "base"),
+                            **{**common, "max_new_tokens": 5}), lm=lm, intervention=els(eta=2.0, gate=gate))
+    with pytest.raises(AligntaxError, match="not an evaluation run"):
+        run_eval(EvalConfig(out=str(tmp_path / "x3"), reuse_unsteered=str(tmp_path / "nowhere"), **common),
+                 lm=lm, intervention=els(eta=2.0, gate=gate))
 
 
 def test_harm_gate_must_decide_before_steering(lm):

@@ -267,6 +267,9 @@ def eval_cmd(
     intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
     steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
     coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
+    reuse_unsteered: Path | None = typer.Option(
+        None, help="an unsteered run folder with the same settings: rows the intervention leaves unsteered "
+                   "(ELS harm gate, CAST condition) take their answers from it instead of being generated"),
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
@@ -283,6 +286,7 @@ def eval_cmd(
             judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
             batch_size=batch_size, dtype=dtype, do_sample=sample, temperature=temperature, top_p=top_p,
             seed=seed, intervention=intervention, intervention_args=iv_args,
+            reuse_unsteered=str(reuse_unsteered) if reuse_unsteered else None,
             progress=False if no_progress else None)
         results = run_eval(cfg)
     except AligntaxError as exc:

@@ -89,6 +89,30 @@ class Intervention:
     def config(self) -> dict:
         return {"name": self.name}
 
+    def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
+        """Which prompts this intervention leaves exactly as the unmodified model would answer them,
+        decided from the prompt alone (before generating); None when it cannot tell in advance.
+
+        An evaluation may take those rows' answers from an unsteered run instead of generating them
+        again. Interventions that decide once per row at the last prompt token (the ELS harm gate,
+        CAST's condition) answer with :func:`prefill_decisions`; the others change every row."""
+        return None
+
+
+def prefill_decisions(lm, prompts, layer: int, decide: Callable[[torch.Tensor], torch.Tensor],
+                      intervention: Intervention, system: str | None = None,
+                      batch_size: int = 32) -> list[bool]:
+    """``decide`` applied to the state entering block ``layer`` at each prompt's last token, as the
+    intervention's pre-hook sees it in generation (same chat template and message changes), in
+    batches that stop after that block."""
+    from aligntax.activations.capture import capture
+
+    if not prompts:
+        return []
+    h = capture(lm, prompts, [layer], system=system, batch_size=batch_size, progress=False,
+                intervention=intervention)[layer]
+    return [bool(x) for x in decide(h.to(lm.device)).cpu()]
+
 
 class NoIntervention(Intervention):
     name = "none"

@@ -38,6 +38,7 @@ from aligntax.interventions.base import (
     decide_at_prefill,
     hidden_from_args,
     hooks_attached,
+    prefill_decisions,
     replace_hidden_in_args,
     steered_slice,
 )
@@ -216,6 +217,13 @@ class EnergySteering(Intervention):
                 "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
                 "grad_method": self.grad_method, "source": self.source, "settings_from": self.settings_from,
                 "gate": None if self.gate is None else {"layer": self.gate.layer, "threshold": self.gate_threshold}}
+
+    def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
+        """The rows the harm gate holds back (never steered); None without a gate (every row may be)."""
+        if self.gate is None:
+            return None
+        return prefill_decisions(lm, prompts, self.gate.layer, lambda h: self.gate.harmful(h, self.gate_threshold),
+                                 self, system, batch_size)
 
     def step_size(self, layer: int) -> float:
         if layer in self.layer_eta:

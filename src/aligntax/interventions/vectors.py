@@ -31,6 +31,7 @@ from aligntax.interventions.base import (
     decide_at_prefill,
     hidden_from_args,
     hooks_attached,
+    prefill_decisions,
     replace_hidden_in_args,
 )
 from aligntax.interventions.els import check_positions, positions_slice
@@ -313,6 +314,12 @@ class ConditionalSteering(_VectorIntervention):
 
     def _vec(self, layer: int) -> torch.Tensor | None:
         return self.behaviour.get(layer) if isinstance(self.behaviour, dict) else self.behaviour
+
+    def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
+        """The rows whose prompt does not meet the condition (never steered)."""
+        n = lm.num_layers
+        return prefill_decisions(lm, prompts, _resolve_layers(self.condition_layer, n)[0],
+                                 lambda h: ~self.decide(h), self, system, batch_size)
 
     def decide(self, h_last: torch.Tensor) -> torch.Tensor:
         """Rows (bool ``[B]``) whose last-prompt-token state meets the condition."""

@@ -68,8 +68,10 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
     if best is not None:
         args = {"path": str(out / "els"), **best["args"]}
         _set_aside_if_changed(out / "steered", args)
+        # rows the harm gate holds back are answered exactly as unsteered: take them from the baseline
         steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
-                                      intervention="els", intervention_args=args, **common), lm=lm)
+                                      intervention="els", intervention_args=args,
+                                      reuse_unsteered=str(out / "baseline"), **common), lm=lm)
         clock.lap("steered evaluation")
     summary = {"baseline": base, "steered": steered, "best": best, "minutes": clock.minutes()}
     (out / "timing.json").write_text(json.dumps(summary["minutes"], indent=2))

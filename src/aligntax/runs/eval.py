@@ -39,6 +39,10 @@ class EvalConfig:
     seed: int | None = None
     intervention: str | None = None
     intervention_args: dict = field(default_factory=dict)
+    # An unsteered run folder (same model, system prompt and greedy generation settings): rows the
+    # intervention leaves unsteered, decided from the prompt (the ELS harm gate, CAST's condition), take
+    # their answers from it instead of being generated again.
+    reuse_unsteered: str | None = None
     progress: bool = True
 
     def generation(self) -> GenerationConfig:
@@ -97,7 +101,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
         seen.add(key)
 
     t0 = time.perf_counter()
-    gen_seconds, n_tokens = 0.0, 0
+    gen_seconds, n_tokens, n_reused = 0.0, 0, 0
     if todo:
         if lm is None:
             from aligntax.models import load_model
@@ -109,6 +113,8 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
             intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
         _record_intervention(out, intervention)
         judge = judge or get_judge(cfg.judge)
+        if cfg.reuse_unsteered and intervention is not None:
+            todo, n_reused = _reuse_unsteered(cfg, lm, intervention, todo, judge, samples_path)
         batches = iter_generate(lm, [it.prompt for it in todo], cfg.generation(), intervention,
                                 progress=cfg.progress, desc="eval")
         tb = time.perf_counter()
@@ -133,7 +139,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
         **summarize_refusals(rows),
         "intervention": _read_intervention(out),
         "timing": _timing(prev.get("timing", {}) if done else {}, time.perf_counter() - t0,
-                          gen_seconds, n_tokens, len(todo), len(done & wanted)),
+                          gen_seconds, n_tokens, len(todo), len(done & wanted), n_reused),
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     from aligntax.reports import write_eval_report
@@ -168,7 +174,47 @@ def _read_intervention(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _timing(prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int, resumed: int) -> dict:
+def _reuse_unsteered(cfg: EvalConfig, lm, intervention, todo: list, judge, samples_path: Path) -> tuple[list, int]:
+    """Copy the unsteered run's answers for the rows ``intervention`` leaves unsteered (appended to the
+    samples with ``"reused": True``); returns the rows still to generate and how many were copied."""
+    src = Path(cfg.reuse_unsteered)
+    cfg_path, samples = src / "config.json", src / "samples.jsonl"
+    if not cfg_path.is_file() or not samples.is_file():
+        raise AligntaxError(f"--reuse-unsteered {src}: not an evaluation run folder (no config.json / samples.jsonl).")
+    old = json.loads(cfg_path.read_text())
+    used = old.get("intervention") or ((_read_intervention(src) or {}).get("name") or "none")
+    if used != "none":
+        raise AligntaxError(f"--reuse-unsteered {src}: that run used the intervention '{used}'; "
+                            "it must be an unsteered run.")
+    if old.get("do_sample") or cfg.do_sample:
+        raise AligntaxError("--reuse-unsteered needs greedy decoding in both runs (sampled answers are not "
+                            "reproducible).")
+    diffs = [f"{k}: {old.get(k)!r} there, {getattr(cfg, k)!r} here" for k in ("model", "system", "max_new_tokens",
+                                                                             "dtype") if old.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise AligntaxError(f"--reuse-unsteered {src} was made with other settings ({'; '.join(diffs)}).")
+    prior = {(r["source"], r["id"]): r for r in read_jsonl(samples, repair=True)}
+    cands = [it for it in todo if (it.source, it.id) in prior and prior[(it.source, it.id)]["prompt"] == it.prompt]
+    held = intervention.unsteered_rows(lm, [it.prompt for it in cands], cfg.system, cfg.batch_size)
+    if not held:
+        return todo, 0
+    reuse = [it for it, h in zip(cands, held, strict=True) if h]
+    rows = [prior[(it.source, it.id)] for it in reuse]
+    same_judge = all(r.get("judge") == judge.name for r in rows)
+    verdicts = None if same_judge else judge.judge([r["prompt"] for r in rows], [r["response"] for r in rows])
+    append_jsonl(samples_path, [
+        {**it.to_dict(), "response": r["response"],
+         "refused": r["refused"] if verdicts is None else v.refused,
+         "refusal_score": r["refusal_score"] if verdicts is None else round(float(v.refusal_score), 6),
+         "judge": judge.name, "n_tokens": r["n_tokens"], "finish_reason": r["finish_reason"], "reused": True}
+        for i, (it, r) in enumerate(zip(reuse, rows, strict=True))
+        for v in [None if verdicts is None else verdicts[i]]])
+    kept = {(it.source, it.id) for it in reuse}
+    return [it for it in todo if (it.source, it.id) not in kept], len(reuse)
+
+
+def _timing(prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int, resumed: int,
+            reused: int = 0) -> dict:
     """Throughput over every invocation that produced samples in this run folder."""
     gen_total = prev.get("generation_seconds_total", 0.0) + gen_seconds
     tok_total = prev.get("generated_tokens_total", 0) + n_tokens
@@ -177,6 +223,7 @@ def _timing(prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int
         "generation_seconds": round(gen_seconds, 2),
         "generated_tokens": n_tokens,
         "new_samples": new,
+        "reused_unsteered_samples": reused,
         "resumed_samples": resumed,
         "generation_seconds_total": round(gen_total, 2),
         "generated_tokens_total": tok_total,
