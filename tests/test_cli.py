@@ -74,3 +74,7 @@ def test_els_flags_take_none_to_turn_a_tuned_setting_off():
     assert _opt_numbers("none, 8,16", int, "--horizon") == [None, 8, 16]  # sweep grids parse the same way
     with pytest.raises(typer.BadParameter, match="--gate"):
         _opt_numbers("0.5,half", float, "--gate")
+    # 'saved' is the gate's own (recall-calibrated) threshold, on the command line and in sweep grids
+    assert _intervention_args("bank", None, None, None, None, None, gate="saved")["gate"] is True
+    from aligntax.cli import _gate_value
+    assert _opt_numbers("none,saved,0.5", float, "--gate", _gate_value) == [None, True, 0.5]

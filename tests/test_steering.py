@@ -567,6 +567,15 @@ def test_train_harm_gate_and_files(lm, bank_dir, tmp_path):
     assert gate.layer == 1 and gate.info["val"]["acc"] > 0.9 and gate.info["cv_folds"] == 5
     assert gate.info["per_layer_val"]["0"]["balanced_acc"] < 0.7  # noise layer is near chance
     assert (gate.harmful(acts[1]) == y).float().mean() > 0.9
+    assert gate.threshold == 0.5 and gate.info["recall_target"] is None
+    # calibrated for recall: the threshold holds back 99% of the harmful prompts out of fold (never above 0.5)
+    safe = train_harm_gate(acts, y, seed=0, recall=0.99)
+    cv = safe.info["cv_at_threshold"]
+    assert safe.threshold <= 0.5 and cv["harmful_caught"] >= 0.99
+    assert safe.threshold == min(0.5, safe.info["cv_recall_thresholds"]["0.99"])
+    assert torch.equal(safe.weight, gate.weight)  # the same probe, another threshold
+    with pytest.raises(AligntaxError, match="recall"):
+        train_harm_gate(acts, y, recall=1.0)
     with pytest.raises(Exception, match="both benign and harmful"):
         train_harm_gate(acts, torch.ones(n, dtype=torch.bool))
     with pytest.raises(AligntaxError, match="2 folds"):

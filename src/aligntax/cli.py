@@ -92,7 +92,8 @@ ThresholdOpt = Annotated[str | None, typer.Option(help="ELS energy gate ('none':
 TopKOpt = Annotated[int | None, typer.Option(help="ELS: steer the K best layers of the bank")]
 CoeffOpt = Annotated[float | None, typer.Option(help="vector baselines: strength")]
 GateOpt = Annotated[str | None, typer.Option(
-    help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('none': off, even if tuned)")]
+    help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
+         "threshold; 'none': off, even if tuned)")]
 HorizonOpt = Annotated[str | None, typer.Option(help="ELS: steer only the first N generated tokens ('none': all)")]
 
 
@@ -109,7 +110,7 @@ def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
     if horizon is not None:
         args["horizon"] = _number_or_none(horizon, int, "--horizon")
     if gate is not None:
-        args["gate"] = _number_or_none(gate, float, "--gate")
+        args["gate"] = _gate_value(gate)
     if top_k is not None:
         args["top_k"] = top_k
     if coeff is not None:
@@ -127,6 +128,11 @@ def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
     if threshold is not None:
         args["threshold"] = _number_or_none(threshold, float, "--threshold")
     return args
+
+
+def _gate_value(text: str):
+    """``--gate``: a probability, ``saved`` (True: the threshold stored with the gate) or ``none``."""
+    return True if text.strip().lower() == "saved" else _number_or_none(text, float, "--gate")
 
 
 def _number_or_none(text: str, kind, flag: str):
@@ -400,6 +406,9 @@ def els_train(
     gate: bool | None = typer.Option(None, help="also train the harm gate (default on)"),
     gate_harmful: list[str] = typer.Option(None, help="extra harmful prompts for the harm gate (default orbench-toxic, strongreject, maliciousinstruct)"),
     limit_gate_harmful: int | None = typer.Option(None, help="sample at most this many of each set (default 600)"),
+    gate_recall: str | None = typer.Option(
+        None, help="the gate's threshold holds back this share of the harmful training prompts out of fold "
+                   "(default 0.99; 'none': threshold 0.5)"),
 ) -> None:
     """Label the model's behaviour, capture activations, train one energy model per layer."""
     from aligntax.config import load_config
@@ -413,17 +422,21 @@ def els_train(
                           preset=preset, epochs=epochs, lr=lr, judge=judge_name, max_new_tokens=max_new_tokens,
                           batch_size=batch_size, dtype=dtype, gate=gate, gate_harmful=_split_list(gate_harmful),
                           limit_gate_harmful=limit_gate_harmful)
+        if gate_recall is not None:
+            value = _number_or_none(gate_recall, float, "--gate-recall")
+            cfg.gate_recall = None if value == "none" else value
         train_els(cfg)
     except AligntaxError as exc:
         _fail(exc)
     console.print(f"energy models and report: {out}")
 
 
-def _opt_numbers(text: str | None, kind, flag: str) -> list | None:
-    """A sweep grid: ``"none,0,0.5"`` -> ``[None, 0.0, 0.5]`` (numbers of ``kind``)."""
+def _opt_numbers(text: str | None, kind, flag: str, parse=None) -> list | None:
+    """A sweep grid: ``"none,0,0.5"`` -> ``[None, 0.0, 0.5]`` (numbers of ``kind``, or ``parse``)."""
     if not text:
         return None
-    return [None if v == "none" else v for v in (_number_or_none(x, kind, flag) for x in text.split(","))]
+    parse = parse or (lambda x: _number_or_none(x, kind, flag))
+    return [None if v == "none" else v for v in (parse(x) for x in text.split(","))]
 
 
 @els_app.command("sweep")
@@ -438,7 +451,8 @@ def els_sweep(
     top_k: str | None = typer.Option(None, help="comma-separated grid of how many best layers"),
     steps: str | None = typer.Option(None, help="comma-separated grid of step counts"),
     threshold: str | None = typer.Option(None, help="comma-separated grid of energy gates ('none' = ungated)"),
-    gate: str | None = typer.Option(None, help="comma-separated grid of harm-gate thresholds ('none' = no gate)"),
+    gate: str | None = typer.Option(None, help="comma-separated grid of harm-gate thresholds ('none' = no gate, "
+                                               "'saved' = the gate's own threshold)"),
     horizon: str | None = typer.Option(None, help="comma-separated grid of steered generated tokens ('none' = all)"),
     max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (default 24)"),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
@@ -455,7 +469,7 @@ def els_sweep(
                           top_k=[int(x) for x in top_k.split(",")] if top_k else None,
                           steps=[int(x) for x in steps.split(",")] if steps else None,
                           threshold=_opt_numbers(threshold, float, "--threshold"),
-                          gate=_opt_numbers(gate, float, "--gate"), horizon=_opt_numbers(horizon, int, "--horizon"),
+                          gate=_opt_numbers(gate, float, "--gate", _gate_value), horizon=_opt_numbers(horizon, int, "--horizon"),
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype)
         res = run_sweep(cfg)
     except AligntaxError as exc:

@@ -123,21 +123,26 @@ def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict:
 
 def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bool] | torch.Tensor,
                     layers: Sequence[int] | None = None, l2: float = 1e-2, folds: int = 5,
-                    seed: int = 0, fingerprint: dict | None = None, metadata: dict | None = None) -> HarmGate:
+                    seed: int = 0, fingerprint: dict | None = None, metadata: dict | None = None,
+                    recall: float | None = None) -> HarmGate:
     """Score one probe per candidate layer by ``folds``-fold cross-validated balanced accuracy, keep the
     best layer (ties: the earlier layer), and refit it on all the data.
 
     Cross-validation rather than one split: the candidate layers differ by about a point, which is
-    the noise of a single 20% split."""
+    the noise of a single 20% split. The gate's threshold is 0.5, or with ``recall`` the out-of-fold
+    probability above which that share of the harmful prompts falls (never above 0.5): a gate is a
+    safety device, and a harmful prompt it lets through may be steered out of its refusal."""
     y = torch.as_tensor(harmful).bool().flatten()
     if y.all() or not y.any():
         raise DataError("The harm gate needs both benign and harmful prompts.")
     if folds < 2:
         raise AligntaxError(f"The harm gate needs at least 2 folds; got {folds}.")
+    if recall is not None and not 0.0 < recall < 1.0:
+        raise AligntaxError(f"The harm gate's recall target must be in (0, 1); got {recall}.")
     cand = sorted(int(x) for x in (layers if layers is not None else acts_by_layer))
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     splits = [perm[i::folds] for i in range(folds)]
-    per_layer = {}
+    per_layer, oof = {}, {}
     for layer in cand:
         x = acts_by_layer[layer].float()
         if len(x) != len(y):
@@ -152,12 +157,25 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
             w, b = _fit_logistic((x[tr] - mu) / sd, y[tr], l2)
             logits[va] = ((x[va] - mu) / sd) @ w + b
         per_layer[layer] = _rates(logits, y)
+        oof[layer] = logits
         per_layer[layer]["balanced_acc"] = (per_layer[layer]["harmful_caught"] + per_layer[layer]["benign_passed"]) / 2
     best = max(cand, key=lambda layer: (round(per_layer[layer]["balanced_acc"], 6), -layer))
+    # out of fold: the probability above which a given share of the harmful prompts falls
+    p_oof = torch.sigmoid(oof[best])
+    harm_p = p_oof[y].sort().values
+
+    def at_recall(r: float) -> float:
+        return max(1e-6, float(harm_p[min(len(harm_p) - 1, int((1 - r) * len(harm_p)))]))
+
+    recall_thresholds = {str(r): at_recall(r) for r in sorted({0.9, 0.95, 0.98, 0.99, *([recall] if recall else [])})}
+    threshold = 0.5 if recall is None else min(0.5, at_recall(recall))
+    cv_at_threshold = {"harmful_caught": float((p_oof[y] >= threshold).float().mean()),
+                       "benign_passed": float((p_oof[~y] < threshold).float().mean())}
     x = acts_by_layer[best].float()
     mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
     w, b = _fit_logistic((x - mu) / sd, y, l2)
-    info = {"val": per_layer[best], "cv_folds": folds, "per_layer_val": {str(k): v for k, v in per_layer.items()},
+    info = {"val": per_layer[best], "cv_folds": folds, "recall_target": recall, "threshold": threshold,
+            "cv_at_threshold": cv_at_threshold, "cv_recall_thresholds": recall_thresholds, "per_layer_val": {str(k): v for k, v in per_layer.items()},
             "l2": l2, "n": len(y), "n_harmful": int(y.sum()), "train_fit": _rates(((x - mu) / sd) @ w + b, y),
             **(metadata or {})}
-    return HarmGate(best, w, b, mu, sd, 0.5, dict(fingerprint or {}), info)
+    return HarmGate(best, w, b, mu, sd, threshold, dict(fingerprint or {}), info)

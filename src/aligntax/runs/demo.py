@@ -57,7 +57,7 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
                                   batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.35],
                                   layers=_runner_up_layers(out / "els", 2),
                                   # the harm gate decides which rows are steered, the first 16 tokens
-                                  threshold=[None], gate=[0.5], horizon=[16],
+                                  threshold=[None], gate=[True], horizon=[16],
                                   extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
                                   max_new_tokens=cfg.sweep_max_new_tokens,
                                   baseline_coeffs=[1.0],

@@ -41,6 +41,10 @@ class ELSTrainConfig:
     gate: bool = True
     gate_harmful: list[str] = field(default_factory=lambda: ["orbench-toxic", "strongreject", "maliciousinstruct"])
     limit_gate_harmful: int | None = 600  # per set, sampled
+    # the gate's threshold: the probability above which this share of the harmful training prompts falls
+    # out of fold (capped at 0.5); None: 0.5. A harmful prompt the gate lets through may be steered out
+    # of its refusal, so the gate is tuned for recall on the harmful side.
+    gate_recall: float | None = 0.99
     layers: list[int] | None = None  # None: every layer
     objective: str = "logistic"
     preset: str = "small"  # "small" or "paper"
@@ -145,7 +149,7 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
             x[layer].append(g_acts[layer])
         y += [it.label == "harmful" for it in extra]
     gate = train_harm_gate({layer: torch.cat(v) for layer, v in x.items()}, y, layers=cand, seed=cfg.seed,
-                           fingerprint=lm.fingerprint,
+                           fingerprint=lm.fingerprint, recall=cfg.gate_recall,
                            metadata={"benign": [*cfg.benign, *cfg.harmless], "harmful": [*cfg.harmful, *cfg.gate_harmful]})
     gate.save(out)
 
@@ -200,7 +204,7 @@ class SweepConfig:
     eta: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.5])
     steps: list[int] = field(default_factory=lambda: [3])
     threshold: list[float | None] = field(default_factory=lambda: [None, 0.0])
-    gate: list[float | None] = field(default_factory=lambda: [None])  # harm-gate thresholds (None: no gate)
+    gate: list[float | bool | None] = field(default_factory=lambda: [None])  # harm-gate thresholds (None: no gate, True: its saved one)
     horizon: list[int | None] = field(default_factory=lambda: [None])  # generated tokens steered (None: all)
     layers: list[list[int]] = field(default_factory=list)  # explicit layer sets, swept beside top_k
     extra: list[dict] = field(default_factory=list)  # more ELS settings outside the grid (top_k, eta, ...)
