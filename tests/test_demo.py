@@ -24,7 +24,8 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     # harmful train prompts plus at most 16 of each extra gate set (OR-Bench toxic, StrongREJECT, MaliciousInstruct)
     assert gate["harmful"][1:] == ["orbench-toxic", "strongreject", "maliciousinstruct"] and gate["n_harmful"] == 16 + 3 * 16
     # calibrated for 99% out-of-fold recall on the harmful prompts, never above 0.5
-    assert gate["recall_target"] == 0.99 and gate["threshold"] <= 0.5 and gate["cv_at_threshold"]["harmful_caught"] >= 0.99
+    threshold = json.loads((out / "els/gate.json").read_text())["threshold"]
+    assert gate["recall_target"] == 0.99 and threshold <= 0.5 and gate["cv_at_threshold"]["harmful_caught"] >= 0.99
     rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
     gated = [r for r in rows if r["name"] == "els" and r["args"].get("gate") is True]  # the saved threshold
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]

@@ -174,7 +174,7 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
     x = acts_by_layer[best].float()
     mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
     w, b = _fit_logistic((x - mu) / sd, y, l2)
-    info = {"val": per_layer[best], "cv_folds": folds, "recall_target": recall, "threshold": threshold,
+    info = {"val": per_layer[best], "cv_folds": folds, "recall_target": recall,
             "cv_at_threshold": cv_at_threshold, "cv_recall_thresholds": recall_thresholds, "per_layer_val": {str(k): v for k, v in per_layer.items()},
             "l2": l2, "n": len(y), "n_harmful": int(y.sum()), "train_fit": _rates(((x - mu) / sd) @ w + b, y),
             **(metadata or {})}

@@ -114,6 +114,18 @@ def prefill_decisions(lm, prompts, layer: int, decide: Callable[[torch.Tensor], 
     return [bool(x) for x in decide(h.to(lm.device)).cpu()]
 
 
+def rows_to_copy(intervention: Intervention, lm, prompts, available, system: str | None = None,
+                 batch_size: int = 32) -> list[bool]:
+    """Per prompt: an unsteered answer is ``available`` and the intervention leaves the row unsteered,
+    so that answer can be copied instead of generating the row again."""
+    idx = [i for i, a in enumerate(available) if a]
+    held = intervention.unsteered_rows(lm, [prompts[i] for i in idx], system, batch_size) if idx else None
+    out = [False] * len(prompts)
+    for i, h in zip(idx, held or [False] * len(idx), strict=True):
+        out[i] = bool(h)
+    return out
+
+
 class NoIntervention(Intervention):
     name = "none"
 

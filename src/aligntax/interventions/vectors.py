@@ -317,9 +317,11 @@ class ConditionalSteering(_VectorIntervention):
 
     def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
         """The rows whose prompt does not meet the condition (never steered)."""
-        n = lm.num_layers
-        return prefill_decisions(lm, prompts, _resolve_layers(self.condition_layer, n)[0],
-                                 lambda h: ~self.decide(h), self, system, batch_size)
+        return prefill_decisions(lm, prompts, self._condition_block(lm.num_layers), lambda h: ~self.decide(h),
+                                 self, system, batch_size)
+
+    def _condition_block(self, n_layers: int) -> int:
+        return _resolve_layers(self.condition_layer, n_layers)[0]
 
     def decide(self, h_last: torch.Tensor) -> torch.Tensor:
         """Rows (bool ``[B]``) whose last-prompt-token state meets the condition."""
@@ -332,7 +334,7 @@ class ConditionalSteering(_VectorIntervention):
     def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
         blocks = decoder_layers(model)
         n = len(blocks)
-        cl = _resolve_layers(self.condition_layer, n)[0]
+        cl = self._condition_block(n)
         if isinstance(self.behaviour, dict) and self.behaviour_layers == "all":
             layers = _resolve_layers(list(self.behaviour), n)
         else:

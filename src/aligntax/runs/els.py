@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from aligntax.errors import AligntaxError
+from aligntax.interventions.base import rows_to_copy
 from aligntax.interventions.els import TUNED_KEYS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.eval import EvalConfig, load_prompt_sets, run_eval
@@ -281,10 +282,7 @@ def _score_generate(lm, iv, benign, harmful, cfg: SweepConfig, judge, unsteered:
     items = [*benign, *harmful]
     prompts = [it.prompt for it in items]
     known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
-    held = None
-    if iv is not None and iv.name != "none" and all(p in known for p in prompts):
-        held = iv.unsteered_rows(lm, prompts, None, cfg.batch_size)
-    held = held or [False] * len(items)
+    held = rows_to_copy(iv, lm, prompts, [p in known for p in prompts], None, cfg.batch_size)
     todo = [i for i, h in enumerate(held) if not h]
     gens = generate(lm, [prompts[i] for i in todo], GenerationConfig(max_new_tokens=cfg.max_new_tokens,
                                                                     batch_size=cfg.batch_size), iv,
@@ -292,7 +290,7 @@ def _score_generate(lm, iv, benign, harmful, cfg: SweepConfig, judge, unsteered:
     responses = [known.get(p) for p in prompts]
     for i, g in zip(todo, gens, strict=True):
         responses[i] = g.response
-    if iv is None or iv.name == "none":
+    if iv.name == "none":
         unsteered.unlink(missing_ok=True)
         append_jsonl(unsteered, [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)])
     verdicts = judge.judge(prompts, responses)

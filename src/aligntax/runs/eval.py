@@ -13,6 +13,7 @@ from pathlib import Path
 
 from aligntax.errors import AligntaxError
 from aligntax.generation import GenerationConfig, iter_generate
+from aligntax.interventions.base import rows_to_copy
 from aligntax.metrics import summarize_refusals
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
@@ -58,13 +59,24 @@ def load_prompt_sets(specs: list[str], limit: int | None = None) -> list:
     return [item for spec in specs for item in load_prompts(spec, limit=limit)]
 
 
+def _setting_diffs(old: dict, cfg: EvalConfig, fields) -> list[str]:
+    """``"field: old -> new"`` for each of ``fields`` where a run's saved config differs from ``cfg``."""
+    new = asdict(cfg)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fields if old.get(k) != new.get(k)]
+
+
+def _sample(it, response: str, refused: bool, refusal_score: float, judge: str, n_tokens: int,
+            finish_reason: str, **extra) -> dict:
+    """One line of ``samples.jsonl``."""
+    return {**it.to_dict(), "response": response, "refused": refused, "refusal_score": round(float(refusal_score), 6),
+            "judge": judge, "n_tokens": n_tokens, "finish_reason": finish_reason, **extra}
+
+
 def _check_resume(out: Path, cfg: EvalConfig) -> None:
     path = out / "config.json"
     if not path.exists():
         return
-    old = json.loads(path.read_text())
-    diffs = [f"{k}: {old.get(k)!r} -> {asdict(cfg).get(k)!r}" for k in _RESULT_FIELDS
-             if old.get(k) != asdict(cfg).get(k)]
+    diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
     if diffs:
         raise AligntaxError(
             f"{out} holds a run with different settings ({'; '.join(diffs)}). Use another --out, or delete "
@@ -124,9 +136,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
             batch_items = [todo[i] for i in idx]
             verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
             append_jsonl(samples_path, [
-                {**it.to_dict(), "response": g.response, "refused": v.refused,
-                 "refusal_score": round(float(v.refusal_score), 6), "judge": judge.name,
-                 "n_tokens": g.n_tokens, "finish_reason": g.finish_reason}
+                _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason)
                 for it, g, v in zip(batch_items, gens, verdicts, strict=True)
             ])
             tb = time.perf_counter()
@@ -189,28 +199,25 @@ def _reuse_unsteered(cfg: EvalConfig, lm, intervention, todo: list, judge, sampl
     if old.get("do_sample") or cfg.do_sample:
         raise AligntaxError("--reuse-unsteered needs greedy decoding in both runs (sampled answers are not "
                             "reproducible).")
-    diffs = [f"{k}: {old.get(k)!r} there, {getattr(cfg, k)!r} here" for k in ("model", "system", "max_new_tokens",
-                                                                             "dtype") if old.get(k) != getattr(cfg, k)]
+    diffs = _setting_diffs(old, cfg, ("model", "system", "max_new_tokens", "dtype"))
     if diffs:
         raise AligntaxError(f"--reuse-unsteered {src} was made with other settings ({'; '.join(diffs)}).")
     prior = {(r["source"], r["id"]): r for r in read_jsonl(samples, repair=True)}
-    cands = [it for it in todo if (it.source, it.id) in prior and prior[(it.source, it.id)]["prompt"] == it.prompt]
-    held = intervention.unsteered_rows(lm, [it.prompt for it in cands], cfg.system, cfg.batch_size)
-    if not held:
+    known = [(it.source, it.id) in prior and prior[(it.source, it.id)]["prompt"] == it.prompt for it in todo]
+    copy = rows_to_copy(intervention, lm, [it.prompt for it in todo], known, cfg.system, cfg.batch_size)
+    reuse = [it for it, c in zip(todo, copy, strict=True) if c]
+    if not reuse:
         return todo, 0
-    reuse = [it for it, h in zip(cands, held, strict=True) if h]
     rows = [prior[(it.source, it.id)] for it in reuse]
-    same_judge = all(r.get("judge") == judge.name for r in rows)
-    verdicts = None if same_judge else judge.judge([r["prompt"] for r in rows], [r["response"] for r in rows])
-    append_jsonl(samples_path, [
-        {**it.to_dict(), "response": r["response"],
-         "refused": r["refused"] if verdicts is None else v.refused,
-         "refusal_score": r["refusal_score"] if verdicts is None else round(float(v.refusal_score), 6),
-         "judge": judge.name, "n_tokens": r["n_tokens"], "finish_reason": r["finish_reason"], "reused": True}
-        for i, (it, r) in enumerate(zip(reuse, rows, strict=True))
-        for v in [None if verdicts is None else verdicts[i]]])
-    kept = {(it.source, it.id) for it in reuse}
-    return [it for it in todo if (it.source, it.id) not in kept], len(reuse)
+    if all(r.get("judge") == judge.name for r in rows):
+        verdicts = [(r["refused"], r["refusal_score"]) for r in rows]
+    else:
+        verdicts = [(v.refused, v.refusal_score) for v in judge.judge([r["prompt"] for r in rows],
+                                                                      [r["response"] for r in rows])]
+    append_jsonl(samples_path, [_sample(it, r["response"], refused, score, judge.name, r["n_tokens"],
+                                        r["finish_reason"], reused=True)
+                                for it, r, (refused, score) in zip(reuse, rows, verdicts, strict=True)])
+    return [it for it, c in zip(todo, copy, strict=True) if not c], len(reuse)
 
 
 def _timing(prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int, resumed: int,
