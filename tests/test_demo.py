@@ -14,15 +14,24 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
 
     cfg = DemoConfig(out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
                      judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
-                     limit_gate_harmful=16, sweep_max_new_tokens=6, progress=False)
+                     limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, progress=False)
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"
     for path in ("baseline/results.json", "els/energy.json", "els/gate.json", "els/vectors/vectors.json",
                  "els/sweep/sweep.jsonl", "els/sweep/pareto.png", "report.md"):
         assert (out / path).is_file(), path
     gate = json.loads((out / "els/gate.json").read_text())["info"]
-    # harmful train prompts plus at most 16 of each extra gate set (OR-Bench toxic, StrongREJECT, MaliciousInstruct)
-    assert gate["harmful"][1:] == ["orbench-toxic", "strongreject", "maliciousinstruct"] and gate["n_harmful"] == 16 + 3 * 16
+    # harmful train prompts plus 16 of each extra gate set (OR-Bench toxic, StrongREJECT, MaliciousInstruct,
+    # Do-Not-Answer); benign: the 24 train prompts, the harmless ones and up to 16 more OR-Bench-Hard train
+    # prompts that are not already among the 24
+    assert gate["harmful"][1:] == ["orbench-toxic", "strongreject", "maliciousinstruct", "do-not-answer"]
+    assert gate["n_harmful"] == 16 + 4 * 16 and gate["benign"][-1] == "orbench-hard-train"
+    from aligntax.runs.els import _sampled
+    from aligntax.runs.eval import load_prompt_sets
+
+    first24 = {it.id for it in load_prompt_sets(["orbench-hard-train"], 24)}
+    extra = {it.id for it in _sampled(load_prompt_sets(["orbench-hard-train"]), 16, 0)} - first24
+    assert gate["n"] - gate["n_harmful"] == 24 + 300 + len(extra)  # 300 harmless; duplicates dropped
     # calibrated for 99% out-of-fold recall on the harmful prompts, never above 0.5
     threshold = json.loads((out / "els/gate.json").read_text())["threshold"]
     assert gate["recall_target"] == 0.99 and threshold <= 0.5 and gate["cv_at_threshold"]["harmful_caught"] >= 0.99

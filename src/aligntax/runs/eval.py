@@ -84,10 +84,12 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
         )
 
 
-def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None) -> dict:
+def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None, recorder=None) -> dict:
     """Run (or resume) an evaluation; returns the results dict also written to ``results.json``.
 
-    ``items`` (PromptItems) replaces loading ``cfg.data`` when given.
+    ``items`` (PromptItems) replaces loading ``cfg.data`` when given. ``recorder`` (a
+    :class:`~aligntax.activations.capture.PrefillRecorder`, unsteered runs only) keeps the prompt states
+    of every row generated now under ``"{source}/{id}"``.
     """
     from aligntax.judges import get_judge
 
@@ -127,13 +129,17 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
         judge = judge or get_judge(cfg.judge)
         if cfg.reuse_unsteered and intervention is not None:
             todo, n_reused = _reuse_unsteered(cfg, lm, intervention, todo, judge, samples_path)
-        batches = iter_generate(lm, [it.prompt for it in todo], cfg.generation(), intervention,
+        if recorder is not None and intervention is not None:
+            raise AligntaxError("Prompt states can be recorded only in an unsteered run.")
+        batches = iter_generate(lm, [it.prompt for it in todo], cfg.generation(), recorder or intervention,
                                 progress=cfg.progress, desc="eval")
         tb = time.perf_counter()
         for idx, gens in batches:
             gen_seconds += time.perf_counter() - tb
             n_tokens += sum(g.n_tokens for g in gens)
             batch_items = [todo[i] for i in idx]
+            if recorder is not None:
+                recorder.keep([f"{it.source}/{it.id}" for it in batch_items], [it.label for it in batch_items])
             verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
             append_jsonl(samples_path, [
                 _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason)

