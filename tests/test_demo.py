@@ -26,6 +26,9 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     # prompts that are not already among the 24
     assert gate["harmful"][1:] == ["orbench-toxic", "strongreject", "maliciousinstruct", "do-not-answer"]
     assert gate["n_harmful"] == 16 + 4 * 16 and gate["benign"][-1] == "orbench-hard-train"
+    # the energy models' states were recorded during label generation: no second pass, one shard
+    shards = json.loads((out / "els/activations/cache.json").read_text())["shards"]
+    assert len(shards) == 1 and shards[0]["n_prompts"] == 24 + 16
     from aligntax.runs.els import _sampled
     from aligntax.runs.eval import load_prompt_sets
 
