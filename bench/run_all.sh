@@ -13,6 +13,7 @@ $py bench/steering_overhead.py --threads "$threads" --steer "$steer" --batch-siz
 $py bench/steering_overhead.py --threads "$threads" --steer "$steer" --batch-sizes 8,32 --prompts 32 \
   --repeats 3 --no-autograd --out "$out/steering_b8_32.json"
 $py bench/capture_overhead.py --threads "$threads" --repeats 3 --out "$out/capture_overhead.json"
+$py bench/label_states.py --threads "$threads" --out "$out/label_states.json"
 $py bench/orbh_end_to_end.py --threads "$threads" --steer "$steer" --max-new-tokens 48 --repeats 2 \
   --out "$out/orbh_end_to_end.json"
 $py bench/serve_throughput.py --threads "$threads" --steer "$steer" --prompts 32 --repeats 2 \

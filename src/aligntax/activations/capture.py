@@ -264,6 +264,10 @@ class PrefillRecorder(Intervention):
         self.labels += list(labels) if labels is not None else []
         self._last = None
 
+    def states(self) -> dict[int, torch.Tensor]:
+        """``{layer: [N, d]}`` float32: the kept states, rows in the order of :attr:`prompt_ids`."""
+        return {layer: torch.cat(v) if v else torch.empty(0) for layer, v in self._acts.items()}
+
     def save(self, lm, directory, system: str | None = None) -> None:
         """Append the kept states to the activation cache in ``directory`` (nothing if none were kept);
         ``system`` is the system prompt the generation used."""
@@ -274,7 +278,7 @@ class PrefillRecorder(Intervention):
         if not keep:
             return
         idx = torch.tensor(keep)
-        acts = {layer: torch.cat(v)[idx] for layer, v in self._acts.items()}
+        acts = {layer: h[idx] for layer, h in self.states().items()}
         ActivationCache(acts, "last", [self.prompt_ids[i] for i in keep],
                         [self.labels[i] for i in keep] if self.labels else [], None, dict(lm.fingerprint),
                         {"system": system}).append_to(directory)
