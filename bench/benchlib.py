@@ -58,6 +58,13 @@ def add_common_args(p: argparse.ArgumentParser, *, repeats: int, out_name: str) 
                         "table is written next to it (.md)")
 
 
+def add_prompt_args(p: argparse.ArgumentParser, *, dataset: str, prompts: int, batch_size: int = 32) -> None:
+    """``--dataset``, ``--prompts`` (per measurement) and ``--batch-size``."""
+    p.add_argument("--dataset", default=dataset, help=f"prompt set (default {dataset})")
+    p.add_argument("--prompts", type=int, default=prompts, help=f"prompts per measurement (default {prompts})")
+    p.add_argument("--batch-size", type=int, default=batch_size, help=f"default {batch_size}")
+
+
 def parse_with_quick(p: argparse.ArgumentParser, argv, quick: dict) -> argparse.Namespace:
     """Parse; with --quick, ``quick`` replaces the defaults (flags given explicitly still win)."""
     args = p.parse_args(argv)

@@ -37,9 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     bl.add_common_args(p, repeats=5, out_name=NAME)
-    p.add_argument("--dataset", default="orbench-hard-test", help="prompt set (default orbench-hard-test)")
-    p.add_argument("--prompts", type=int, default=128, help="prompts per measurement (default 128)")
-    p.add_argument("--batch-size", type=int, default=32, help="default 32")
+    bl.add_prompt_args(p, dataset="orbench-hard-test", prompts=128)
     p.add_argument("--layers", default="all", help="captured layers: 'all' (default) or a comma list")
     p.add_argument("--position", default="last", choices=("last", "mean"), help="default last")
     args = bl.parse_with_quick(p, argv, dict(prompts=8, batch_size=4, repeats=1))

@@ -36,9 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     bl.add_common_args(p, repeats=3, out_name=NAME)
-    p.add_argument("--dataset", default="orbench-hard-train", help="prompt set (default orbench-hard-train)")
-    p.add_argument("--prompts", type=int, default=64, help="prompts per measurement (default 64)")
-    p.add_argument("--batch-size", type=int, default=32, help="default 32")
+    bl.add_prompt_args(p, dataset="orbench-hard-train", prompts=64)
     p.add_argument("--max-new-tokens", type=int, default=48, help="default 48, as ELS training labels")
     return bl.parse_with_quick(p, argv, dict(prompts=8, batch_size=4, max_new_tokens=4, repeats=1))
 

@@ -174,3 +174,10 @@ def test_prefill_recorder_gives_the_captured_states_and_leaves_the_model_alone(l
     rec.save(lm, d)  # saving again adds nothing (ids already there)
     assert len(json.loads((d / "cache.json").read_text())["shards"]) == 1
     assert all(not b._forward_pre_hooks for b in decoder_layers(lm.model))
+    # recording belongs to unsteered runs; a steered one is refused before anything is written
+    from aligntax.runs.eval import EvalConfig, run_eval
+
+    with pytest.raises(AligntaxError, match="only in an unsteered run"):
+        run_eval(EvalConfig(data=["x"], out=str(tmp_path / "ev"), intervention="system-prompt"), lm=lm,
+                 recorder=PrefillRecorder(lm.model, [0]))
+    assert not (tmp_path / "ev").exists()

@@ -23,7 +23,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions.base import Intervention, SteerContext, hidden_from_args, hooks_attached
+from aligntax.interventions.base import (
+    Intervention,
+    SteerContext,
+    decide_at_prefill,
+    hidden_from_args,
+    hooks_attached,
+)
 from aligntax.models.layers import decoder_layers, hidden_size
 
 POSITIONS = ("last", "mean", "response")
@@ -45,6 +51,11 @@ def resolve_layers(model: nn.Module, layers: int | str | Sequence[int] | None) -
         if idx not in out:
             out.append(idx)
     return out
+
+
+def _require_finite(h: torch.Tensor, layer: int) -> None:
+    if not torch.isfinite(h).all():
+        raise AligntaxError(f"Non-finite hidden states entering layer {layer}; the model produced NaN/inf.")
 
 
 def _pad_left(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +133,7 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
             width = ids.shape[1]
             for layer in layer_ids:
                 h = current[layer].float()
-                if not torch.isfinite(h[mask.bool()]).all():
-                    raise AligntaxError(f"Non-finite hidden states entering layer {layer}; the model produced NaN/inf.")
+                _require_finite(h[mask.bool()], layer)
                 picked = []
                 for i, (s, p) in enumerate(zip(batch, bp, strict=True)):
                     off = width - len(s)
@@ -225,30 +235,23 @@ class PrefillRecorder(Intervention):
         self.prompt_ids: list[str] = []
         self.labels: list = []
 
-    def config(self) -> dict:
-        return {"name": "none"}
-
     @contextmanager
     def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
         blocks = decoder_layers(model)
-        got: dict[int, torch.Tensor] = {}
+        state: dict[int, dict] = {layer: {} for layer in self.layers}
 
         def make_hook(layer: int):
-            def hook(module, args, kwargs):
-                h = hidden_from_args(args, kwargs)
-                if layer in got:  # a decode step: the prompt's state is already taken
-                    return
-                if h.shape[1] < ctx.prompt_len:
-                    raise AligntaxError("Recording prompt states needs the whole prompt in one forward.")
-                got[layer] = h[:, ctx.prompt_len - 1].detach().float().cpu()
+            def hook(module, args, kwargs):  # the prefill takes the state; decode steps keep it
+                decide_at_prefill(hidden_from_args(args, kwargs), ctx, state[layer],
+                                  lambda h: h.detach().float().cpu(), "Recording prompt states")
             return hook
 
         self._last = None
         with hooks_attached([(blocks[layer], make_hook(layer), True) for layer in self.layers]):
             yield
+        got = {layer: st["decision"] for layer, st in state.items() if "decision" in st}
         for layer, h in got.items():
-            if not torch.isfinite(h).all():
-                raise AligntaxError(f"Non-finite hidden states entering layer {layer}; the model produced NaN/inf.")
+            _require_finite(h, layer)
         self._last = got
 
     def keep(self, prompt_ids: Sequence[str], labels: Sequence | None = None) -> None:

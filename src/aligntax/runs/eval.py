@@ -95,6 +95,8 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
 
     if not cfg.data and items is None:
         raise AligntaxError("No data given: pass at least one --data FILE_OR_NAME")
+    if recorder is not None and (intervention is not None or cfg.intervention):
+        raise AligntaxError("Prompt states can be recorded only in an unsteered run.")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     _check_resume(out, cfg)
@@ -129,8 +131,6 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
         judge = judge or get_judge(cfg.judge)
         if cfg.reuse_unsteered and intervention is not None:
             todo, n_reused = _reuse_unsteered(cfg, lm, intervention, todo, judge, samples_path)
-        if recorder is not None and intervention is not None:
-            raise AligntaxError("Prompt states can be recorded only in an unsteered run.")
         batches = iter_generate(lm, [it.prompt for it in todo], cfg.generation(), recorder or intervention,
                                 progress=cfg.progress, desc="eval")
         tb = time.perf_counter()
