@@ -176,6 +176,43 @@ def test_train_layers_ranks_and_round_trip(tmp_path):
     assert list(one.models) == [2]
 
 
+def test_folds_rank_by_mean_over_disjoint_validation_blocks():
+    acts, labels = _layer_data(n=60)
+    one = train_layers(acts, labels, fast_config())
+    five = train_layers(acts, labels, fast_config(folds=5))
+    assert five.layers == [2, 0]
+    info = five.info[2]
+    assert len(info["fold_metrics"]) == 5
+    # fold 0 is the single split: the same kept model, the same validation metrics
+    assert info["fold_metrics"][0] == one.metrics(2)
+    torch.testing.assert_close(five[2].energy(acts[2]), one[2].energy(acts[2]))
+    assert five.metrics(2)["acc"] == pytest.approx(sum(m["acc"] for m in info["fold_metrics"]) / 5)
+    # the five validation blocks are disjoint and cover every state once
+    assert five.metrics(2)["n_good"] == 60 and five.metrics(2)["n_bad"] == 60
+    assert five.metadata["folds"] == 5 and "fold_metrics" not in one.info[2]
+
+
+def test_fold_validation_blocks_are_disjoint():
+    from aligntax.energy.train import _split
+    held = [set(_split(23, 0.2, torch.Generator().manual_seed(0), f)[1].tolist()) for f in range(5)]
+    assert all(not (a & b) for i, a in enumerate(held) for b in held[i + 1:])
+    for f in range(5):
+        tr, va = _split(23, 0.2, torch.Generator().manual_seed(0), f)
+        assert sorted([*tr.tolist(), *va.tolist()]) == list(range(23))
+
+
+def test_folds_are_checked():
+    with pytest.raises(AligntaxError, match="folds"):
+        EnergyConfig(folds=6, val_fraction=0.2)
+    with pytest.raises(AligntaxError, match="folds"):
+        EnergyConfig(folds=0)
+    good, bad = clusters(n=4)
+    with pytest.raises(DataError, match="fewer folds"):
+        EnergyTrainer(fast_config(folds=5)).train(good, bad[:2], fold=4)
+    with pytest.raises(AligntaxError, match="fold must be"):
+        EnergyTrainer(fast_config(folds=2)).train(good, bad, fold=2)
+
+
 def test_bank_refuses_other_model(tmp_path):
     acts, labels = _layer_data(n=40)
     bank = train_layers({2: acts[2]}, labels, fast_config(epochs=2), fingerprint=FP)

@@ -418,6 +418,8 @@ def els_train(
     layers: str | None = typer.Option(None, help="comma-separated layers (default all)"),
     objective: str | None = typer.Option(None, help="infonce or logistic"),
     preset: str | None = typer.Option(None, help="small or paper (widths)"),
+    energy_folds: int | None = typer.Option(None, help="rank layers by validation accuracy over this many "
+                                                          "disjoint folds (default 5; 1: one 80/20 split)"),
     epochs: int | None = typer.Option(None), lr: float | None = typer.Option(None),
     judge_name: str | None = typer.Option(None, "--judge"),
     max_new_tokens: int | None = typer.Option(None), batch_size: int | None = typer.Option(None),
@@ -441,8 +443,8 @@ def els_train(
                           harmful=_split_list(harmful), harmless=_split_list(harmless), limit_benign=limit_benign,
                           limit_harmful=limit_harmful,
                           layers=[int(x) for x in layers.split(",")] if layers else None, objective=objective,
-                          preset=preset, epochs=epochs, lr=lr, judge=judge_name, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, dtype=dtype, gate=gate, gate_harmful=_split_list(gate_harmful),
+                          preset=preset, energy_folds=energy_folds, epochs=epochs, lr=lr, judge=judge_name,
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, gate=gate, gate_harmful=_split_list(gate_harmful),
                           limit_gate_harmful=limit_gate_harmful, gate_benign=_split_list(gate_benign),
                           limit_gate_benign=limit_gate_benign)
         if gate_recall is not None:

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from aligntax.activations.compat import TensorArtefact
 from aligntax.energy.model import EnergyConfig, EnergyModel
-from aligntax.energy.train import EnergyTrainer, TrainResult, _score
+from aligntax.energy.train import EnergyTrainer, _score
 from aligntax.errors import AligntaxError, DataError
 
 FORMAT = "aligntax.energy/1"
@@ -127,17 +128,40 @@ def train_layers(acts_by_layer: dict[int, torch.Tensor], labels: Sequence[int] |
         raise DataError("labels must be 0 (good) or 1 (bad).")
     models: dict[int, EnergyModel] = {}
     info: dict[int, dict] = {}
-    results: dict[int, TrainResult] = {}
-    for layer in (layers if layers is not None else sorted(acts_by_layer)):
+    todo = list(layers if layers is not None else sorted(acts_by_layer))
+    bar = tqdm(total=len(todo) * config.folds, desc="energy models", unit="model", disable=not progress)
+    for layer in todo:
         x = acts_by_layer[layer]
         if len(x) != len(y):
             raise DataError(f"Layer {layer}: {len(x)} states but {len(y)} labels.")
-        res = EnergyTrainer(config).train(x[y == 0], x[y == 1])
-        results[layer] = res
+        trainer = EnergyTrainer(config)
+        runs = []
+        for f in range(config.folds):
+            runs.append(trainer.train(x[y == 0], x[y == 1], fold=f))
+            bar.update()
+        res = runs[0]
         models[int(layer)] = res.model
-        info[int(layer)] = {"metrics": res.metrics, "train_metrics": res.train_metrics, "data": res.data,
-                            "best_epoch": res.best_epoch, "epochs_run": len(res.history)}
-        if progress:
-            print(f"layer {layer}: val acc {res.val_acc:.3f} auroc {res.val_auroc:.3f} (epoch {res.best_epoch})")
-    meta = {"n_states": len(y), "n_good": int((y == 0).sum()), "n_bad": int((y == 1).sum()), **(metadata or {})}
+        info[int(layer)] = {"metrics": _mean_metrics([r.metrics for r in runs]), "train_metrics": res.train_metrics,
+                            "data": res.data, "best_epoch": res.best_epoch, "epochs_run": len(res.history)}
+        if config.folds > 1:
+            info[int(layer)]["fold_metrics"] = [r.metrics for r in runs]
+        m = info[int(layer)]["metrics"]
+        bar.set_postfix_str(f"layer {layer}: val acc {m['acc']:.3f} auroc {m['auroc']:.3f}")
+    bar.close()
+    meta = {"n_states": len(y), "folds": config.folds, "n_good": int((y == 0).sum()), "n_bad": int((y == 1).sum()), **(metadata or {})}
     return EnergyBank(models, config, dict(fingerprint or {}), info, meta)
+
+
+def _mean_metrics(per_fold: list[dict]) -> dict:
+    """Validation metrics averaged over folds (counts summed); one fold is returned as it is."""
+    if len(per_fold) == 1:
+        return per_fold[0]
+    out = {}
+    for key in per_fold[0]:
+        vals = [float(m[key]) for m in per_fold if m.get(key) is not None]
+        if key.startswith("n_"):
+            out[key] = int(sum(vals))
+        else:
+            finite = [v for v in vals if v == v]
+            out[key] = sum(finite) / len(finite) if finite else float("nan")
+    return out

@@ -46,6 +46,11 @@ class EnergyConfig:
     epochs: int = 120
     weight_decay: float = 0.0
     val_fraction: float = 0.2
+    # >1: train each layer once per fold (fold i holds out the i-th val_fraction of the data) and rank
+    # layers by the mean validation metrics over folds; the model of fold 0 is the one kept. One split
+    # of a few hundred states moves a layer's accuracy by a validation sample or two, enough to reorder
+    # nearly tied layers.
+    folds: int = 1
     patience: int | None = 20  # epochs without val improvement before stopping (None: never stop early)
     normalize: str = "standard"  # "standard" (per-feature mean/std) | "norm" (divide by median norm) | "none"
     balance: str = "truncate"  # "truncate" (paper: equal-size good/bad) | "weight" (logistic only) | "none"
@@ -62,6 +67,9 @@ class EnergyConfig:
             raise AligntaxError(f"Unknown balance '{self.balance}'; use one of {BALANCES}.")
         if not 0.0 < self.val_fraction < 1.0:
             raise AligntaxError("val_fraction must be between 0 and 1.")
+        if self.folds < 1 or self.folds * self.val_fraction > 1 + 1e-9:
+            raise AligntaxError(f"folds must be at least 1 and folds * val_fraction at most 1; got folds {self.folds} "
+                                f"with val_fraction {self.val_fraction}.")
         self.widths = [int(w) for w in self.widths]
 
     @classmethod

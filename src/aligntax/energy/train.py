@@ -137,10 +137,12 @@ class TrainResult:
         return float(self.metrics.get("auroc", float("nan")))
 
 
-def _split(n: int, frac: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _split(n: int, frac: float, gen: torch.Generator, fold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val) indices: the ``fold``-th block of ``frac * n`` of a seeded permutation is held out."""
     perm = torch.randperm(n, generator=gen)
     n_val = max(1, int(round(n * frac))) if n >= 2 else 0
-    return perm[n_val:], perm[:n_val]
+    lo, hi = fold * n_val, min(n, (fold + 1) * n_val)
+    return torch.cat([perm[:lo], perm[hi:]]), perm[lo:hi]
 
 
 def _score(key: dict) -> tuple:
@@ -158,8 +160,11 @@ class EnergyTrainer:
     def __init__(self, config: EnergyConfig | None = None):
         self.config = config or EnergyConfig()
 
-    def train(self, good: torch.Tensor, bad: torch.Tensor, progress: bool = False) -> TrainResult:
+    def train(self, good: torch.Tensor, bad: torch.Tensor, progress: bool = False, fold: int = 0) -> TrainResult:
+        """Train on all but the ``fold``-th validation block (see ``EnergyConfig.folds``)."""
         cfg = self.config
+        if not 0 <= fold < cfg.folds:
+            raise AligntaxError(f"fold must be in [0, {cfg.folds}); got {fold}.")
         good, bad = good.detach().float().cpu(), bad.detach().float().cpu()
         if good.ndim != 2 or bad.ndim != 2 or good.shape[1] != bad.shape[1]:
             raise DataError(f"good and bad must be [n, d] with the same d; got {tuple(good.shape)} and {tuple(bad.shape)}.")
@@ -169,8 +174,11 @@ class EnergyTrainer:
             raise AligntaxError("Training states contain NaN or inf.")
         gen = torch.Generator().manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        g_tr, g_val = _split(len(good), cfg.val_fraction, gen)
-        b_tr, b_val = _split(len(bad), cfg.val_fraction, gen)
+        g_tr, g_val = _split(len(good), cfg.val_fraction, gen, fold)
+        b_tr, b_val = _split(len(bad), cfg.val_fraction, gen, fold)
+        if len(g_val) == 0 or len(b_val) == 0:
+            raise DataError(f"Fold {fold} of {cfg.folds} holds out no good or no bad state ({len(good)} good, "
+                            f"{len(bad)} bad); use fewer folds.")
         if cfg.balance == "truncate":
             m = min(len(g_tr), len(b_tr))
             g_tr, b_tr = g_tr[:m], b_tr[:m]
