@@ -196,8 +196,8 @@ class EnergyTrainer:
             mean, scale = torch.zeros(d), torch.ones(d)
         model.set_normalization(mean, scale)
         model.to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) \
-            if cfg.weight_decay else torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True) \
+            if cfg.weight_decay else torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=True)
         xg_d, xb_d = xg.to(device), xb.to(device)
         pos_weight = torch.tensor(len(xg) / len(xb), device=device) if cfg.balance == "weight" else None
 
