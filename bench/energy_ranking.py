@@ -12,29 +12,13 @@ measured side by side in one run.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import benchlib
-import torch
 
-from aligntax.activations.cache import ActivationCache
-from aligntax.energy import EnergyConfig, state_labels, train_layers
-from aligntax.runs.eval import load_prompt_sets
-from aligntax.runs.jsonl import read_jsonl
-
-
-def _states(folder: Path, train_cfg: dict) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """States and good/bad labels in the order training used them (benign sets, then harmful sets)."""
-    items = [*load_prompt_sets(train_cfg["benign"], train_cfg["limit_benign"]),
-             *load_prompt_sets(train_cfg["harmful"], train_cfg["limit_harmful"])]
-    judged = {(r["source"], r["id"]): r for r in read_jsonl(folder / "labels" / "samples.jsonl")}
-    cache = ActivationCache.load(folder / "activations")
-    row = {pid: i for i, pid in enumerate(cache.prompt_ids)}
-    idx = torch.tensor([row[f"{it.source}/{it.id}"] for it in items])
-    y = state_labels([it.label for it in items], [bool(judged[(it.source, it.id)]["refused"]) for it in items])
-    return {layer: cache[layer][idx] for layer in cache.layers}, y
+from aligntax.energy import train_layers
+from aligntax.runs.els import training_states
 
 
 def main() -> None:
@@ -48,14 +32,10 @@ def main() -> None:
     threads = benchlib.set_threads(args.threads)
     rows = []
     for folder in map(Path, args.folders):
-        train_cfg = json.loads((folder / "train_config.json").read_text())
-        acts, y = _states(folder, train_cfg)
+        train_cfg, acts, y = training_states(folder)
         for folds in args.folds:
-            cfg = EnergyConfig.preset(train_cfg.get("preset", "small"), objective=train_cfg.get("objective", "logistic"),
-                                      epochs=train_cfg.get("epochs", 60), lr=train_cfg.get("lr", 1e-3),
-                                      seed=train_cfg.get("seed", 0), folds=folds)
             t0 = time.perf_counter()
-            bank = train_layers(acts, y, cfg, progress=True)
+            bank = train_layers(acts, y, train_cfg.energy_config(folds=folds), progress=True)
             secs = time.perf_counter() - t0
             top = [{"layer": layer, "acc": round(bank.metrics(layer)["acc"], 4),
                     "auroc": round(bank.metrics(layer)["auroc"], 4)} for layer in bank.top(args.top)]

@@ -29,6 +29,15 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     # the energy models' states were recorded during label generation: no second pass, one shard
     shards = json.loads((out / "els/activations/cache.json").read_text())["shards"]
     assert len(shards) == 1 and shards[0]["n_prompts"] == 24 + 16
+    # read back from the folder alone, the states and labels retrain the same bank
+    from aligntax.energy import EnergyBank, train_layers
+    from aligntax.runs.els import training_states
+
+    train_cfg, acts, y = training_states(out / "els")
+    bank = EnergyBank.load(out / "els")
+    assert train_cfg.energy_config() == bank.config and len(y) == bank.metadata["n_states"] == 24 + 16
+    again = train_layers(acts, y, train_cfg.energy_config())
+    assert again.layers == bank.layers and again.metrics(bank.layers[0]) == bank.metrics(bank.layers[0])
     from aligntax.runs.els import _sampled
     from aligntax.runs.eval import load_prompt_sets
 

@@ -134,10 +134,10 @@ def train_layers(acts_by_layer: dict[int, torch.Tensor], labels: Sequence[int] |
         x = acts_by_layer[layer]
         if len(x) != len(y):
             raise DataError(f"Layer {layer}: {len(x)} states but {len(y)} labels.")
-        trainer = EnergyTrainer(config)
+        trainer, good, bad = EnergyTrainer(config), x[y == 0], x[y == 1]
         runs = []
         for f in range(config.folds):
-            runs.append(trainer.train(x[y == 0], x[y == 1], fold=f))
+            runs.append(trainer.train(good, bad, fold=f))
             bar.update()
         res = runs[0]
         models[int(layer)] = res.model

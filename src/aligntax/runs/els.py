@@ -19,7 +19,7 @@ from aligntax.errors import AligntaxError
 from aligntax.interventions.base import rows_to_copy
 from aligntax.interventions.els import TUNED_KEYS
 from aligntax.models.spec import DEFAULT_MODEL
-from aligntax.runs.eval import EvalConfig, load_prompt_sets, run_eval
+from aligntax.runs.eval import EvalConfig, activation_id, load_prompt_sets, run_eval
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
 
 
@@ -67,11 +67,18 @@ class ELSTrainConfig:
     seed: int = 0
     progress: bool = True
 
+    def energy_config(self, **overrides):
+        """The :class:`~aligntax.energy.EnergyConfig` of the energy models these settings train."""
+        from aligntax.energy import EnergyConfig
+
+        return EnergyConfig.preset(self.preset, **{"objective": self.objective, "epochs": self.epochs, "lr": self.lr,
+                                                   "seed": self.seed, "folds": self.energy_folds, **overrides})
+
 
 def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     """Run the whole training pipeline; returns the training summary also written to ``report.md``."""
     from aligntax.activations.capture import PrefillRecorder
-    from aligntax.energy import EnergyConfig, plot_energy_histograms, state_labels, train_layers
+    from aligntax.energy import plot_energy_histograms, train_layers
     from aligntax.interventions.vectors import compute_vectors
     from aligntax.models import load_model
 
@@ -89,8 +96,7 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     label_cfg = EvalConfig(data=[], out=str(out / "labels"), model=cfg.model, judge=cfg.judge,
                            max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
                            progress=cfg.progress)
-    benign = load_prompt_sets(cfg.benign, cfg.limit_benign)
-    harmful = load_prompt_sets(cfg.harmful, cfg.limit_harmful)
+    benign, harmful = _training_items(cfg)
     if not benign or not harmful:
         raise AligntaxError("ELS training needs both benign (over-refusal) and harmful prompts.")
     label_cfg.data = [*cfg.benign, *cfg.harmful]
@@ -101,10 +107,8 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     run_eval(label_cfg, lm=lm, items=[*benign, *harmful], recorder=recorder)
     if recorder is not None:
         recorder.save(lm, out / "activations", label_cfg.system)
-    judged = {(r["source"], r["id"]): r for r in read_jsonl(out / "labels" / "samples.jsonl")}
     items = [*benign, *harmful]
-    refused = [bool(judged[(it.source, it.id)]["refused"]) for it in items]
-    y = state_labels([it.label for it in items], refused)
+    refused, y = _judged_labels(out / "labels", items)
     lap("labels")
 
     # 2. residual stream entering each block at the last prompt token (rows the label run did not
@@ -113,8 +117,7 @@ def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     lap("activations")
 
     # 3. one energy model per layer (kept when a bank trained with the same settings is already there)
-    ecfg = EnergyConfig.preset(cfg.preset, objective=cfg.objective, epochs=cfg.epochs, lr=cfg.lr, seed=cfg.seed,
-                                folds=cfg.energy_folds)
+    ecfg = cfg.energy_config()
     bank = _existing_bank(out, ecfg, lm, len(y)) or train_layers(acts, y, ecfg, fingerprint=lm.fingerprint,
                         progress=cfg.progress,
                         metadata={"benign": cfg.benign, "harmful": cfg.harmful, "judge": cfg.judge,
@@ -154,12 +157,44 @@ def _captured(lm, items, layers, folder: Path, cfg: ELSTrainConfig) -> dict[int,
     item in their order, ``{layer: [N, d]}``."""
     from aligntax.activations import capture_to_cache
 
-    ids = [f"{it.source}/{it.id}" for it in items]
+    ids = [activation_id(it) for it in items]
     cache = capture_to_cache(lm, [it.prompt for it in items], ids, layers, folder,
                              labels=[it.label for it in items], batch_size=cfg.batch_size, progress=cfg.progress)
+    return _in_item_order(cache, items)
+
+
+def _training_items(cfg: ELSTrainConfig) -> tuple[list, list]:
+    """The benign and the harmful prompts the energy models learn from, in training order."""
+    return load_prompt_sets(cfg.benign, cfg.limit_benign), load_prompt_sets(cfg.harmful, cfg.limit_harmful)
+
+
+def _in_item_order(cache, items) -> dict[int, torch.Tensor]:
+    """``{layer: [N, d]}``: one row of ``cache`` per item, in the items' order."""
     order = {pid: i for i, pid in enumerate(cache.prompt_ids)}
-    idx = torch.tensor([order[pid] for pid in ids])
+    idx = torch.tensor([order[activation_id(it)] for it in items])
     return {layer: cache[layer][idx] for layer in cache.layers}
+
+
+def _judged_labels(labels_dir: Path, items) -> tuple[list[bool], torch.Tensor]:
+    """Per item: refused by the judge in the label run, and its good (0) / bad (1) state label."""
+    from aligntax.energy import state_labels
+
+    judged = {(r["source"], r["id"]): r for r in read_jsonl(labels_dir / "samples.jsonl")}
+    refused = [bool(judged[(it.source, it.id)]["refused"]) for it in items]
+    return refused, state_labels([it.label for it in items], refused)
+
+
+def training_states(folder: str | Path) -> tuple[ELSTrainConfig, dict[int, torch.Tensor], torch.Tensor]:
+    """What the energy models of an ``aligntax els train`` folder were trained on, read back without the
+    model: its settings, the states ``{layer: [N, d]}`` and their good/bad labels, in training order."""
+    from aligntax.activations.cache import ActivationCache
+    from aligntax.config import load_config
+
+    folder = Path(folder)
+    cfg = load_config(ELSTrainConfig, folder / "train_config.json")
+    items = [item for part in _training_items(cfg) for item in part]
+    _, y = _judged_labels(folder / "labels", items)
+    return cfg, _in_item_order(ActivationCache.load(folder / "activations"), items), y
 
 
 def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless, h_acts: dict, bank) -> None:

@@ -84,6 +84,11 @@ def _check_resume(out: Path, cfg: EvalConfig) -> None:
         )
 
 
+def activation_id(item) -> str:
+    """The prompt id under which a prompt's states are kept in an activation cache: ``"{source}/{id}"``."""
+    return f"{item.source}/{item.id}"
+
+
 def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None, recorder=None) -> dict:
     """Run (or resume) an evaluation; returns the results dict also written to ``results.json``.
 
@@ -139,7 +144,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
             n_tokens += sum(g.n_tokens for g in gens)
             batch_items = [todo[i] for i in idx]
             if recorder is not None:
-                recorder.keep([f"{it.source}/{it.id}" for it in batch_items], [it.label for it in batch_items])
+                recorder.keep([activation_id(it) for it in batch_items], [it.label for it in batch_items])
             verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
             append_jsonl(samples_path, [
                 _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason)
