@@ -65,6 +65,19 @@ def add_prompt_args(p: argparse.ArgumentParser, *, dataset: str, prompts: int, b
     p.add_argument("--batch-size", type=int, default=batch_size, help=f"default {batch_size}")
 
 
+def generation_parser(doc: str, name: str, *, dataset: str, note: str, repeats: int = 3) -> argparse.ArgumentParser:
+    """The parser of a greedy-generation benchmark: the common options, ``--dataset`` / ``--prompts`` /
+    ``--batch-size`` (64 prompts of ``dataset`` by default) and ``--max-new-tokens`` (48, ``note``)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, repeats=repeats, out_name=name)
+    add_prompt_args(p, dataset=dataset, prompts=64)
+    p.add_argument("--max-new-tokens", type=int, default=48, help=f"default 48, {note}")
+    return p
+
+
+GENERATION_QUICK = dict(prompts=8, batch_size=4, max_new_tokens=4, repeats=1)
+
+
 def parse_with_quick(p: argparse.ArgumentParser, argv, quick: dict) -> argparse.Namespace:
     """Parse; with --quick, ``quick`` replaces the defaults (flags given explicitly still win)."""
     args = p.parse_args(argv)

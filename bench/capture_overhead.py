@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from aligntax.activations.capture import _pad_left, capture, capture_ids, chat_ids, position_ids_from_mask
+    from aligntax.activations.capture import capture, capture_ids, chat_ids, pad_left, position_ids_from_mask
 
     lm, load_s = bl.start(args)
     model = lm.model
@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
     def encode(seqs: list[list[int]]) -> list[tuple]:
         out = []
         for s in range(0, len(seqs), bs):
-            ids, mask = _pad_left(seqs[s:s + bs], pad, lm.device)
+            ids, mask = pad_left(seqs[s:s + bs], pad, lm.device)
             out.append((ids, mask, position_ids_from_mask(mask)))
         return out
 

@@ -33,12 +33,8 @@ NAME = "label_states"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    bl.add_common_args(p, repeats=3, out_name=NAME)
-    bl.add_prompt_args(p, dataset="orbench-hard-train", prompts=64)
-    p.add_argument("--max-new-tokens", type=int, default=48, help="default 48, as ELS training labels")
-    return bl.parse_with_quick(p, argv, dict(prompts=8, batch_size=4, max_new_tokens=4, repeats=1))
+    p = bl.generation_parser(__doc__, NAME, dataset="orbench-hard-train", note="as ELS training labels")
+    return bl.parse_with_quick(p, argv, bl.GENERATION_QUICK)
 
 
 def main(argv=None) -> dict:

@@ -33,7 +33,7 @@ from aligntax.data import (
 from aligntax.errors import DataError, HashMismatchError
 from aligntax.paths import shared_data_dir
 
-# name -> (rows, benign, harmful), from /work/shared/data/README.md
+# name -> (rows, benign, harmful), from ../shared/data/README.md (the data folder beside the checkout)
 EXPECTED = {
     "orbench-hard-train": (1055, 1055, 0),
     "orbench-hard-val": (132, 132, 0),

@@ -1,9 +1,12 @@
 """Generation invariants on tiny random models (fp32 for exactness)."""
 
+import pytest
 import torch
 
 from aligntax.generation import GenerationConfig, generate, prompt_logits
 from aligntax.interventions import SystemPrompt
+from tiny import end_token_for_varied_lengths
+from tiny import tiny_lm as byte_tiny_lm
 
 PROMPTS = [
     "Hi",
@@ -60,3 +63,69 @@ def test_stop_strings_and_finish_reason(tiny_lm):
         stop = full[1:3]
         cut = generate(tiny_lm, PROMPTS[:1], GenerationConfig(max_new_tokens=6, stop=[stop]), progress=False)[0]
         assert stop not in cut.response and cut.finish_reason == "stop"
+
+
+def _ids(gens):
+    return [(g.response, g.n_tokens, g.finish_reason) for g in gens]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "llama"])
+def test_dropping_finished_rows_equals_generate(arch):
+    """Greedy decoding that drops finished rows from the batch and its KV cache gives, row for row,
+    what ``model.generate`` gives keeping them (gemma2: sliding-window cache layers)."""
+    lm = byte_tiny_lm(arch, layers=2)
+    prompts = PROMPTS + ["a", "Tell me a story about a dragon", "zzz", "What is 2+2?"]
+    ref_cfg = GenerationConfig(max_new_tokens=20, batch_size=16, drop_finished=False)
+    long = generate(lm, prompts, ref_cfg, progress=False)
+    rows = [lm.tokenizer(g.response, add_special_tokens=False)["input_ids"] for g in long]
+    lm.model.generation_config.eos_token_id = end_token_for_varied_lengths(rows)
+    kept = generate(lm, prompts, ref_cfg, progress=False)
+    dropped = generate(lm, prompts, GenerationConfig(max_new_tokens=20, batch_size=16), progress=False)
+    assert _ids(dropped) == _ids(kept)
+    ends = {g.n_tokens for g in kept if g.finish_reason == "stop"}
+    assert len(ends) >= 3 and any(g.finish_reason == "length" for g in kept)  # rows leave at several steps
+
+
+def test_greedy_decode_only_where_it_is_plain_argmax(tiny_lm):
+    from aligntax.generation.generate import plain_greedy
+
+    assert plain_greedy(tiny_lm.model)
+    tiny_lm.model.generation_config.repetition_penalty = 1.3
+    try:
+        assert not plain_greedy(tiny_lm.model)  # generate() applies the penalty: it decodes such a model
+        penalised = generate(tiny_lm, PROMPTS, GenerationConfig(max_new_tokens=12), progress=False)
+        reference = generate(tiny_lm, PROMPTS, GenerationConfig(max_new_tokens=12, drop_finished=False),
+                             progress=False)
+        assert _ids(penalised) == _ids(reference)
+    finally:
+        tiny_lm.model.generation_config.repetition_penalty = 1.0
+
+
+def test_shared_prefix_cached_once_gives_the_prompts_logits():
+    """The prefix every prompt shares, computed once and repeated, plus the rest of each prompt with
+    padding between them: the same next-token logits as the whole left-padded prompts."""
+    from aligntax.activations.capture import position_ids_from_mask
+    from aligntax.generation.chat import build_messages, encode_chats, render_chat
+    from aligntax.generation.generate import greedy_decode
+    from aligntax.generation.prefix import prefix_cache, shared_prefix_len
+
+    lm = byte_tiny_lm("qwen2", layers=2)
+    texts = [render_chat(lm.tokenizer, build_messages(p, "Be brief.")) for p in PROMPTS]
+    enc = encode_chats(lm.tokenizer, texts, "cpu")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    prefix = shared_prefix_len(ids, mask)
+    shared = lm.tokenizer(render_chat(lm.tokenizer, build_messages("", "Be brief.")), add_special_tokens=False)
+    assert prefix >= 10 and prefix <= len(shared["input_ids"])  # the system turn and the user tag
+    with torch.no_grad():
+        full = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[:, -1]
+        cache, rest, rest_mask = prefix_cache(lm.model, ids, mask, prefix)
+        assert rest.shape[1] == ids.shape[1] - prefix and cache.get_seq_length() == prefix
+        both = torch.cat([torch.ones(len(PROMPTS), prefix, dtype=mask.dtype), rest_mask], 1)
+        split = lm.model(input_ids=rest, attention_mask=both, position_ids=position_ids_from_mask(both)[:, prefix:],
+                         cache=cache).logits[:, -1]
+    torch.testing.assert_close(split, full, rtol=1e-4, atol=1e-4)
+    assert shared_prefix_len(ids[:1], mask[:1]) == int(mask[0].sum()) - 1  # one row: all but its last token
+    eos = {lm.tokenizer.eos_token_id}
+    cache, rest, rest_mask = prefix_cache(lm.model, ids, mask, prefix)
+    assert greedy_decode(lm.model, rest, rest_mask, 6, eos, cache=cache, cached=prefix) == \
+        greedy_decode(lm.model, ids, mask, 6, eos)

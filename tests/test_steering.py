@@ -25,7 +25,7 @@ from aligntax.interventions import (
     refusal_direction,
 )
 from aligntax.models import decoder_layers
-from tiny import PROMPTS, hook_counts, record_block_inputs, run_steered, tiny_lm
+from tiny import PROMPTS, end_token_for_varied_lengths, hook_counts, record_block_inputs, run_steered, tiny_lm
 
 H = 32
 
@@ -509,6 +509,98 @@ def test_unsteered_rows_are_the_gate_held_rows(lm):
     assert els(eta=2.0, gate=gate).unsteered_rows(lm, PROMPTS) == held.tolist()
     assert els(eta=2.0).unsteered_rows(lm, PROMPTS) is None  # without a gate any row may be steered
     assert NoIntervention().unsteered_rows(lm, PROMPTS) is None
+
+
+def test_per_row_state_follows_rows_leaving_the_batch(lm):
+    """Generation drops finished rows from the batch: the harm gate's and CAST's per-row decisions,
+    the steered rows and strengths, and the prompt states a recorder takes go with them, so every
+    answer is the one ``model.generate`` gives keeping finished rows, and the stats cover every row."""
+    from aligntax.activations.capture import PrefillRecorder
+
+    gate, _ = _split_gate(lm)
+    prompts = PROMPTS + ["a", "Tell me a story about a dragon", "zzz", "What is 2+2?"]
+    base, _, mask, _ = forward_with(lm, prompts, NoIntervention(), layers=[1])
+    h_last = base[1][:, mask.shape[1] - 1]
+    c, center = h_last[2] - h_last.mean(0), h_last.mean(0)
+    sims = torch.nn.functional.cosine_similarity(h_last - center, c[None], dim=-1)
+    cast = ConditionalSteering(c, 1, float(sims.median()), torch.randn(H) * 5, behaviour_layers=[0, 2],
+                               mode="add", center=center)
+    steer_rows = [i % 3 != 1 for i in range(len(prompts))]
+    strengths = [0.5 + 0.25 * i for i in range(len(prompts))]
+    ablate_all = DirectionAblation(torch.randn(H), layers=[1, 2], positions="all")  # not prefix-free
+    cases = [(els(eta=2.0, gate=gate), {"steer_rows": steer_rows, "strengths": strengths}), (cast, {}),
+             (PrefillRecorder(lm.model, [0, 2]), {}), (ablate_all, {"steer_rows": steer_rows})]
+    assert [iv.prefix_free for iv, _ in cases] == [True, True, True, False]
+    eos = lm.model.generation_config.eos_token_id
+    try:
+        for iv, kw in cases:
+            lm.model.generation_config.eos_token_id = eos
+            runs = {}
+            ref_cfg = GenerationConfig(max_new_tokens=16, batch_size=16, drop_finished=False)
+            long = generate(lm, prompts, ref_cfg, iv, progress=False, **kw)
+            rows = [lm.tokenizer(g.response, add_special_tokens=False)["input_ids"] for g in long]
+            lm.model.generation_config.eos_token_id = end_token_for_varied_lengths(rows)
+            for drop in (False, True):
+                cfg = GenerationConfig(max_new_tokens=16, batch_size=16, drop_finished=drop)
+                gens = generate(lm, prompts, cfg, iv, progress=False, **kw)
+                states = iv._last if isinstance(iv, PrefillRecorder) else None
+                runs[drop] = ([(g.response, g.n_tokens) for g in gens], states)
+            assert runs[True][0] == runs[False][0], iv.name
+            assert len({n for _, n in runs[True][0]}) >= 3
+            if isinstance(iv, PrefillRecorder):
+                for layer in (0, 2):
+                    assert runs[True][1][layer].shape[0] == len(prompts)
+                    ref = runs[False][1][layer]  # fp32 rounding only: the shared prefix is computed apart
+                    torch.testing.assert_close(runs[True][1][layer], ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
+    finally:
+        lm.model.generation_config.eos_token_id = eos
+
+
+def test_prefix_free_hooks_see_the_prompt_after_the_shared_prefix(lm):
+    """Generation computes the prefix all prompts share once, without hooks, for prefix-free
+    interventions: their prefill forward holds the rest of the prompts (ctx.prompt_len), and the
+    last prompt token is still its last position."""
+    from aligntax.generation.chat import build_messages, encode_chats, render_chat
+    from aligntax.interventions.base import hidden_from_args, hooks_attached
+
+    seen = {}
+
+    class Probe(NoIntervention):
+        def __init__(self, free):
+            self.prefix_free = free
+
+        def attach(self, model, ctx):
+            return hooks_attached([(decoder_layers(model)[0], self.hook(ctx), True)])
+
+        def hook(self, ctx):
+            def fn(module, args, kwargs):
+                h = hidden_from_args(args, kwargs)
+                seen.setdefault(self.prefix_free, (h.shape[1], ctx.prompt_len))
+            return fn
+
+    width = encode_chats(lm.tokenizer, [render_chat(lm.tokenizer, build_messages(p)) for p in PROMPTS],
+                         "cpu")["input_ids"].shape[1]
+    outs = {free: generate(lm, PROMPTS, GenerationConfig(max_new_tokens=4), Probe(free), progress=False)
+            for free in (True, False)}
+    assert seen[False] == (width, width)
+    assert seen[True][0] == seen[True][1] < width
+    assert [g.response for g in outs[True]] == [g.response for g in outs[False]]
+
+
+def test_gate_and_cast_stats_count_every_row_when_rows_leave(lm):
+    from aligntax.generation.chat import build_messages, encode_chats, render_chat
+    from aligntax.generation.generate import greedy_decode
+
+    gate, held = _split_gate(lm)
+    enc = encode_chats(lm.tokenizer, [render_chat(lm.tokenizer, build_messages(p)) for p in PROMPTS], "cpu")
+    ref = greedy_decode(lm.model, enc["input_ids"], enc["attention_mask"], 8, set())
+    end = end_token_for_varied_lengths(ref)
+    ctx = SteerContext(prompt_len=enc["input_ids"].shape[1])
+    with els(eta=2.0, gate=gate).attach(lm.model, ctx):
+        out = greedy_decode(lm.model, enc["input_ids"], enc["attention_mask"], 8, {end}, ctx)
+    assert any(len(r) < 8 for r in out)
+    assert ctx.stats["els_gate"] == {"rows": 4, "held": int(held.sum())}
+    assert ctx.row_state[next(iter(ctx.row_state))].shape[0] < 4  # the live state shrank with the batch
 
 
 def test_eval_reuses_unsteered_answers_for_held_rows(lm, tmp_path):

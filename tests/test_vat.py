@@ -614,22 +614,25 @@ def test_fewshot_minimal_pairs_and_persona_system(builtin):
 
 
 def test_shared_prefix_logits_equal_plain_path(tiny, builtin):
-    from aligntax.generation import prompt_logits
+    """Judgment prompts share a long prefix (persona, few-shot turns): run once, the same logits."""
+    from aligntax.generation import build_messages, prompt_logits, render_chat
+    from aligntax.generation.generate import text_logits
+    from aligntax.generation.prefix import common_prefix_len
     from aligntax.vat.interventions import ValuePersona, build_fewshot, compute_steering_vector
-    from aligntax.vat.judge import shared_prefix_logits
 
     ev, tr = split_items(builtin, 0.2)
     prompts = [judgment_prompt(it, Variant("acceptable"), LikertScale()) for it in ev[:7]]
-    for iv in (build_fewshot(tr, "Security", 4), ValuePersona.for_value("Security")):
-        fast = shared_prefix_logits(tiny, prompts, intervention=iv, batch_size=3, min_prefix=8)
-        plain = prompt_logits(tiny, prompts, intervention=iv, batch_size=3)
-        assert fast is not None and fast.shape == plain.shape
+    steer = compute_steering_vector(tiny, tr, "Security", layer=1, strength=4.0)  # last_and_generated
+    for iv in (build_fewshot(tr, "Security", 4), ValuePersona.for_value("Security"), steer):
+        fast = prompt_logits(tiny, prompts, intervention=iv, batch_size=3)
+        texts = [render_chat(tiny.tokenizer, build_messages(p, None, iv)) for p in prompts]
+        plain = text_logits(tiny, texts, iv, batch_size=3, share_prefix=False)
+        ids = [tiny.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        assert common_prefix_len(ids) >= (5 if iv is steer else 20)  # a shared prefix, run once
+        assert iv.prefix_free and fast.shape == plain.shape
         assert torch.allclose(torch.log_softmax(fast, -1), torch.log_softmax(plain, -1), atol=1e-4)
     # a persona and no persona differ, so the comparison above can fail
-    assert not torch.allclose(shared_prefix_logits(tiny, prompts, min_prefix=8), plain, atol=1e-3)
-    steer = compute_steering_vector(tiny, tr, "Security", layer=1, strength=4.0)
-    assert shared_prefix_logits(tiny, prompts, intervention=steer, min_prefix=8) is None  # hooks: plain path
-    assert shared_prefix_logits(tiny, prompts, min_prefix=10_000) is None
+    assert not torch.allclose(prompt_logits(tiny, prompts, batch_size=3), plain, atol=1e-3)
 
 
 def test_els_intervention_from_energy_bank(tiny, builtin, tmp_path):

@@ -185,3 +185,19 @@ def record_block_inputs(model, layers=None):
 def hook_counts(model) -> int:
     """Total number of forward (pre-)hooks on the model's modules."""
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def end_token_for_varied_lengths(token_rows: list[list[int]]) -> int:
+    """A token id that, taken as the end token, ends the given greedy rows at as many different steps
+    as possible while leaving at least one row running to the end (ties: the smallest id)."""
+    best, best_key = None, None
+    for t in sorted({t for row in token_rows for t in row}):
+        firsts = [row.index(t) for row in token_rows if t in row]
+        if len(firsts) == len(token_rows):
+            continue
+        key = (len(set(firsts)), -t)
+        if best_key is None or key > best_key:
+            best, best_key = t, key
+    if best is None:
+        raise ValueError("every token occurs in every row")
+    return best

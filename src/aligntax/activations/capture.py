@@ -58,7 +58,8 @@ def _require_finite(h: torch.Tensor, layer: int) -> None:
         raise AligntaxError(f"Non-finite hidden states entering layer {layer}; the model produced NaN/inf.")
 
 
-def _pad_left(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_left(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id sequences as a left-padded ``(input_ids, attention_mask)`` batch on ``device``."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -85,6 +86,14 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
     the prompt). Returns ``({layer: float32 tensor [M, d]}, row_index [M])``: M is the number of
     sequences for ``last``/``mean`` and the number of response tokens for ``response``.
     """
+    from aligntax.generation.prefix import (
+        prefix_fits,
+        prefixed_inputs,
+        run_prefix,
+        shared_prefix_len,
+        split_prefix,
+    )
+
     if position not in POSITIONS:
         raise AligntaxError(f"Unknown position '{position}'; use one of {', '.join(POSITIONS)}.")
     blocks = decoder_layers(model)
@@ -118,18 +127,33 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
     # Nothing after the last captured block is needed: stop the forward there.
     if last_layer + 1 < len(blocks):
         handles.append(blocks[last_layer + 1].register_forward_pre_hook(stop_hook, with_kwargs=True))
+
+    def stopped(**kwargs) -> None:
+        try:
+            model(**kwargs)
+        except _Stop:
+            pass
+
+    share_prefix = position == "last" and prefix_fits(model, max(map(len, seqs), default=0), 0)
     try:
         starts = range(0, len(seqs), batch_size)
         for start in tqdm(starts, disable=not progress, desc=desc, unit="batch"):
             batch = seqs[start:start + batch_size]
             bp = plens[start:start + batch_size]
-            ids, mask = _pad_left(batch, pad_id, device)
+            ids, mask = pad_left(batch, pad_id, device)
             current.clear()
-            try:
-                model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                      use_cache=False)
-            except _Stop:
-                pass
+            # "last" reads one position per row: a prefix every row shares (chat template, system
+            # prompt) is computed once and the batch's forward holds only the rest of each row
+            prefix = min(shared_prefix_len(ids, mask), min(bp) - 1) if share_prefix else 0
+            if prefix > 0:
+                prefix_ids, ids, mask = split_prefix(ids, mask, prefix)
+                full, pos = prefixed_inputs(mask, prefix)
+                kwargs = dict(cache=run_prefix(model, prefix_ids, len(batch), forward=stopped), use_cache=True)
+                batch = [s[prefix:] for s in batch]
+                bp = [p - prefix for p in bp]
+            else:
+                full, pos, kwargs = mask, position_ids_from_mask(mask), dict(use_cache=False)
+            stopped(input_ids=ids, attention_mask=full, position_ids=pos, **kwargs)
             width = ids.shape[1]
             for layer in layer_ids:
                 h = current[layer].float()
@@ -227,6 +251,7 @@ class PrefillRecorder(Intervention):
     batch's prompt ids; :meth:`save` appends what was kept to an activation cache."""
 
     name = "none"
+    prefix_free = True  # reads the last prompt token only
 
     def __init__(self, model: nn.Module, layers: int | str | Sequence[int] | None = "all") -> None:
         self.layers = resolve_layers(model, layers)
@@ -238,18 +263,17 @@ class PrefillRecorder(Intervention):
     @contextmanager
     def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
         blocks = decoder_layers(model)
-        state: dict[int, dict] = {layer: {} for layer in self.layers}
 
         def make_hook(layer: int):
             def hook(module, args, kwargs):  # the prefill takes the state; decode steps keep it
-                decide_at_prefill(hidden_from_args(args, kwargs), ctx, state[layer],
+                decide_at_prefill(hidden_from_args(args, kwargs), ctx, (id(self), layer),
                                   lambda h: h.detach().float().cpu(), "Recording prompt states")
             return hook
 
         self._last = None
         with hooks_attached([(blocks[layer], make_hook(layer), True) for layer in self.layers]):
             yield
-        got = {layer: st["decision"] for layer, st in state.items() if "decision" in st}
+        got = {layer: ctx.decisions[(id(self), layer)] for layer in self.layers if (id(self), layer) in ctx.decisions}
         for layer, h in got.items():
             _require_finite(h, layer)
         self._last = got

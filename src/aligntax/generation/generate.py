@@ -3,6 +3,20 @@
 Prompts are sorted by token length so each batch wastes little padding, generated in batches with
 left padding and the KV cache, and returned in the input order. Every batch runs inside the
 intervention's ``attach`` context, so hooks exist only while the batch runs.
+
+Greedy decoding with the KV cache runs its own loop (:func:`greedy_decode`):
+
+- rows leave the batch, its KV cache and the steering context as soon as they finish
+  (``model.generate`` keeps finished rows to the end of the batch);
+- the prefix every prompt of a batch shares (the chat template's system turn, a system prompt) is
+  computed once and the prefill holds only the rest of each prompt (:func:`prefix_cache`), when the
+  intervention is :attr:`~aligntax.interventions.base.Intervention.prefix_free`.
+
+In float32 it gives ``model.generate``'s tokens (tested); in bf16 a shrinking batch and the prefix
+computed apart round differently, as another batch composition would. Sampling, decoding without
+the KV cache, and models whose generation config changes greedy choices (repetition penalty, banned
+words, ...) use ``model.generate``; ``GenerationConfig(drop_finished=False)`` asks for it too, and
+``share_prefix=False`` keeps the own loop's prefill whole.
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from aligntax.generation.chat import build_messages, encode_chats, render_chat
+from aligntax.generation.prefix import prefix_cache, prefix_fits, prefixed_inputs, shared_prefix_len
 from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
 
 
@@ -28,6 +43,8 @@ class GenerationConfig:
     system: str | None = None
     use_cache: bool = True
     stop: list[str] = field(default_factory=list)
+    drop_finished: bool = True  # greedy + KV cache: own loop, finished rows leave the batch (greedy_decode)
+    share_prefix: bool = True  # own loop: the prefix all prompts of a batch share is computed once
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,11 +64,90 @@ def _truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
+# Generation-config fields that make ``model.generate``'s greedy choice differ from the plain argmax
+# (with their neutral values): a model that sets one is decoded by ``model.generate``.
+_GREEDY_CHANGERS = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
+                    "min_length": (None, 0), "min_new_tokens": (None, 0), "suppress_tokens": (None,),
+                    "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,),
+                    "forced_eos_token_id": (None,), "sequence_bias": (None,),
+                    "exponential_decay_length_penalty": (None,), "encoder_repetition_penalty": (None, 1.0),
+                    "renormalize_logits": (None, False), "watermarking_config": (None,)}
+
+
+def plain_greedy(model) -> bool:
+    """Whether ``model.generate``'s greedy decoding is the plain argmax for this model, so
+    :func:`greedy_decode` gives the same tokens; also False for encoder-decoder models."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return False
+    gc = getattr(model, "generation_config", None)
+    return all(getattr(gc, k, None) in neutral for k, neutral in _GREEDY_CHANGERS.items())
+
+
+def eos_token_ids(lm) -> set[int]:
+    """Token ids that end a response: the generation config's eos ids and the tokenizer's."""
+    ids = getattr(lm.model.generation_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, list) else [ids]) | {lm.tokenizer.eos_token_id}
+    return {int(i) for i in ids if i is not None}
+
+
+@torch.no_grad()
+def greedy_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                  eos_ids: set[int], ctx: SteerContext | None = None, cache=None,
+                  cached: int = 0) -> list[list[int]]:
+    """Greedy decoding with the KV cache, left padding and position ids from the mask, as
+    ``model.generate`` does, except that a row leaves the batch as soon as it produces an end token:
+    its KV cache, mask and steering-context rows (:meth:`SteerContext.keep_rows`) go with it, so the
+    steps that follow run on the rows still answering. ``cache`` may already hold ``cached`` tokens of
+    every row (a shared prefix, :func:`prefix_cache`); ``input_ids`` then continue it. Returns each
+    row's new tokens, end token included (as ``generate`` would, without the padding after it)."""
+    from transformers import DynamicCache
+
+    batch = input_ids.shape[0]
+    out: list[list[int]] = [[] for _ in range(batch)]
+    if max_new_tokens <= 0 or batch == 0:
+        return out
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    eos = torch.tensor(sorted(eos_ids), device=input_ids.device)
+    alive = torch.arange(batch)  # original row of each row still in the batch
+    mask, pos = prefixed_inputs(attention_mask, cached)
+    ids = input_ids
+    for step in range(max_new_tokens):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1, :]
+        nxt = logits.argmax(-1)
+        for row, token in zip(alive.tolist(), nxt.tolist(), strict=True):
+            out[row].append(token)
+        if step == max_new_tokens - 1:
+            break
+        running = ~torch.isin(nxt, eos)
+        if not bool(running.all()):
+            keep = running.nonzero().view(-1)
+            if keep.numel() == 0:
+                break
+            keep_cpu = keep.cpu()
+            cache.batch_select_indices(keep_cpu)
+            alive, nxt, mask, pos = alive[keep_cpu], nxt[keep], mask[keep], pos[keep]
+            if ctx is not None:
+                ctx.keep_rows(keep_cpu)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        ids, pos = nxt[:, None], pos[:, -1:] + 1
+    return out
+
+
 def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: Intervention,
                     rows: torch.Tensor | None, strength: torch.Tensor | None, batch_seed: int | None):
     tok, model = lm.tokenizer, lm.model
     enc = encode_chats(tok, texts, lm.device)
-    ctx = SteerContext(prompt_len=enc["input_ids"].shape[1], rows=rows, strength=strength)
+    eos_ids = eos_token_ids(lm)
+    own_loop = cfg.drop_finished and cfg.use_cache and not cfg.do_sample and plain_greedy(model)
+    share = (own_loop and cfg.share_prefix and intervention.prefix_free
+             and prefix_fits(model, enc["input_ids"].shape[1], cfg.max_new_tokens))
+    prefix = shared_prefix_len(enc["input_ids"], enc["attention_mask"]) if share else 0
+    cache = None
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if prefix:  # computed once, before the hooks: a prefix-free intervention neither reads nor changes it
+        cache, ids, mask = prefix_cache(model, ids, mask, prefix)
+    ctx = SteerContext(prompt_len=ids.shape[1], rows=rows, strength=strength)
     gen_kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, use_cache=cfg.use_cache,
                       pad_token_id=tok.pad_token_id)
     if cfg.do_sample:
@@ -61,12 +157,12 @@ def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: I
     else:
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
     with torch.no_grad(), intervention.attach(model, ctx):
-        out = model.generate(**enc, **gen_kwargs)
-    new = out[:, enc["input_ids"].shape[1]:]
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tok.eos_token_id}
+        if own_loop:
+            new = greedy_decode(model, ids, mask, cfg.max_new_tokens, eos_ids, ctx, cache, prefix)
+        else:
+            new = model.generate(**enc, **gen_kwargs)[:, enc["input_ids"].shape[1]:].tolist()
     results = []
-    for i, row in enumerate(new.tolist()):
+    for i, row in enumerate(new):
         n = len(row)
         finish = "length"
         for j, t in enumerate(row):
@@ -128,21 +224,36 @@ def prompt_logits(lm, prompts: Sequence[str | list[dict]], system: str | None = 
 
 
 def text_logits(lm, texts: Sequence[str], intervention: Intervention | None = None, batch_size: int = 32,
-                progress: bool = False, desc: str = "score") -> torch.Tensor:
+                progress: bool = False, desc: str = "score", share_prefix: bool = True) -> torch.Tensor:
     """Next-token logits (float32, [N, vocab], on the CPU, in input order) after each already rendered
     text: batches as given (left padding, position ids from the mask), the intervention attached to
-    every forward with a :class:`SteerContext`, as in generation."""
-    from aligntax.activations.capture import position_ids_from_mask
+    every forward with a :class:`SteerContext`, as in generation. The prefix all texts share (a
+    persona, few-shot turns, the template's system turn) is computed once and each batch feeds only the
+    rest (:mod:`aligntax.generation.prefix`), when the intervention is prefix-free and
+    ``share_prefix``."""
+    from aligntax.activations.capture import pad_left, position_ids_from_mask
+    from aligntax.generation.prefix import common_prefix_len, prefixed_inputs, repeated, run_prefix
 
     intervention = intervention or NoIntervention()
+    model, tok = lm.model, lm.tokenizer
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prefix = 0
+    if ids and share_prefix and intervention.prefix_free and prefix_fits(model, max(map(len, ids)), 0):
+        prefix = common_prefix_len(ids)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     out = []
-    for start in tqdm(range(0, len(texts), batch_size), disable=not progress, desc=desc):
-        enc = encode_chats(lm.tokenizer, list(texts[start:start + batch_size]), lm.device)
-        mask = enc["attention_mask"]
-        ctx = SteerContext(prompt_len=enc["input_ids"].shape[1])
-        with torch.no_grad(), intervention.attach(lm.model, ctx):
-            logits = lm.model(input_ids=enc["input_ids"], attention_mask=mask,
-                              position_ids=position_ids_from_mask(mask), use_cache=False,
-                              logits_to_keep=1).logits[:, -1, :]
-        out.append(logits.float().cpu())
+    with torch.no_grad():
+        prefix_kv = run_prefix(model, torch.tensor([ids[0][:prefix]], device=lm.device), 1) if prefix else None
+        for start in tqdm(range(0, len(ids), batch_size), disable=not progress, desc=desc):
+            inp, mask = pad_left([x[prefix:] for x in ids[start:start + batch_size]], pad, lm.device)
+            if prefix:
+                mask, pos = prefixed_inputs(mask, prefix)
+                extra = dict(cache=repeated(prefix_kv, inp.shape[0]), use_cache=True)
+            else:
+                pos, extra = position_ids_from_mask(mask), dict(use_cache=False)
+            ctx = SteerContext(prompt_len=inp.shape[1])
+            with intervention.attach(model, ctx):
+                logits = model(input_ids=inp, attention_mask=mask, position_ids=pos, logits_to_keep=1,
+                               **extra).logits[:, -1, :]
+            out.append(logits.float().cpu())
     return torch.cat(out) if out else torch.empty(0)

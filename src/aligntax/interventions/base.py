@@ -21,15 +21,24 @@ from aligntax.errors import AligntaxError
 class SteerContext:
     """What hooks need to know about the batch being run.
 
-    ``prompt_len`` is the padded prompt length (left padding, so the last prompt token of every row is
-    at index ``prompt_len - 1``). ``rows`` marks the rows to steer (None: all rows). ``strength`` is an
+    ``prompt_len`` is the padded length of the prompt in the forward that holds it (left padding, so
+    the last prompt token of every row is at index ``prompt_len - 1``). When generation computed a
+    prefix shared by every row beforehand (for a :attr:`Intervention.prefix_free` intervention), that
+    forward holds only the rest of each prompt. ``rows`` marks the rows to steer (None: all rows). ``strength`` is an
     optional per-row multiplier (None: 1.0 for every steered row).
+
+    Generation may drop rows that have finished from the batch (:meth:`keep_rows`). Everything an
+    intervention holds per row therefore lives here: ``rows``, ``strength`` and ``row_state`` (tensors
+    with the batch as first dimension, e.g. a decision made at the prompt) follow the rows still
+    running, while ``decisions`` keeps each decision as first made, for the whole batch.
     """
 
     prompt_len: int
     rows: torch.Tensor | None = None
     strength: torch.Tensor | None = None
     stats: dict = field(default_factory=dict)
+    row_state: dict = field(default_factory=dict)
+    decisions: dict = field(default_factory=dict)
 
     def row_scale(self, batch: int, device, dtype) -> torch.Tensor:
         """Per-row multiplier of shape [batch, 1, 1]: 0 for unsteered rows."""
@@ -39,6 +48,18 @@ class SteerContext:
         if self.rows is not None:
             scale = scale * self.rows.to(device=device, dtype=dtype)
         return scale.view(batch, 1, 1)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows at ``index`` (positions in the current batch, in order) of every per-row
+        tensor: called by generation when finished rows leave the batch."""
+        index = index.cpu()
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[index.to(t.device)]
+
+        self.rows = None if self.rows is None else pick(self.rows)
+        self.strength = None if self.strength is None else pick(self.strength)
+        self.row_state = {k: pick(v) for k, v in self.row_state.items()}
 
 
 def steered_slice(seq_len: int, ctx: SteerContext, positions: str = "last_and_generated") -> slice:
@@ -58,26 +79,34 @@ def steered_slice(seq_len: int, ctx: SteerContext, positions: str = "last_and_ge
     return slice(min(start, seq_len), seq_len)
 
 
-def decide_at_prefill(h: torch.Tensor, ctx: SteerContext, state: dict,
-                      decide: Callable[[torch.Tensor], torch.Tensor], what: str) -> None:
+def decide_at_prefill(h: torch.Tensor, ctx: SteerContext, key, decide: Callable[[torch.Tensor], torch.Tensor],
+                      what: str) -> torch.Tensor:
     """A per-row decision made from the last prompt token's state and kept for the whole generation.
 
     Called from a pre-hook with the block's input ``h``: the forward that holds the whole prompt sets
-    ``state["decision"] = decide(h[:, prompt_len - 1])``; a cached decode step (one token, decision
-    made) keeps it; without the KV cache the unchanged prompt is re-fed and the same decision is
-    reached. A forward holding only part of the prompt (chunked prefill) is refused.
+    ``ctx.row_state[key] = decide(h[:, prompt_len - 1])`` (and ``ctx.decisions[key]``, the whole
+    batch's, once); a cached decode step (one token, decision made) keeps it, while generation drops
+    finished rows from it; without the KV cache the unchanged prompt is re-fed and the same decision
+    is reached. A forward holding only part of the prompt (chunked prefill) is refused. Returns the
+    decision for the rows of this forward. ``key`` must be unique to the intervention and layer.
     """
-    if h.shape[1] == 1 and state.get("decision") is not None:
-        return
+    if h.shape[1] == 1 and key in ctx.row_state:
+        return ctx.row_state[key]
     if h.shape[1] < ctx.prompt_len:
         raise AligntaxError(f"{what} needs the whole prompt in one forward (no chunked prefill).")
-    state["decision"] = decide(h[:, ctx.prompt_len - 1])
+    decision = decide(h[:, ctx.prompt_len - 1])
+    ctx.row_state[key] = decision
+    ctx.decisions.setdefault(key, decision)
+    return decision
 
 
 class Intervention:
     """Base class. Subclasses override ``prepare_messages`` and/or ``attach``."""
 
     name: str = "none"
+    # True when the hooks neither read nor change any prompt position before the last prompt token,
+    # so a prefix every prompt of a batch shares may be computed once, without them.
+    prefix_free: bool = False
 
     def prepare_messages(self, messages: list[dict]) -> list[dict]:
         return messages
@@ -128,6 +157,7 @@ def rows_to_copy(intervention: Intervention, lm, prompts, available, system: str
 
 class NoIntervention(Intervention):
     name = "none"
+    prefix_free = True
 
 
 @contextmanager

@@ -225,6 +225,10 @@ class EnergySteering(Intervention):
         return prefill_decisions(lm, prompts, self.gate.layer, lambda h: self.gate.harmful(h, self.gate_threshold),
                                  self, system, batch_size)
 
+    @property
+    def prefix_free(self) -> bool:  # the gate reads the last prompt token; steering starts there unless "all"
+        return self.positions != "all"
+
     def step_size(self, layer: int) -> float:
         if layer in self.layer_eta:
             return self.layer_eta[layer]
@@ -295,11 +299,11 @@ class EnergySteering(Intervention):
             if not 0 <= layer < n:
                 raise AligntaxError(f"Energy steering layer {layer} does not exist: the model has {n} layers.")
         accs: dict[int, dict] = {layer: {} for layer in self.models}
-        state: dict = {"decision": None}  # rows the harm gate holds back, decided at the prompt's forward
+        gate_key = (id(self), "gate")  # ctx.row_state[gate_key]: rows the harm gate holds back
         next_pos: dict[int, int] = {}  # per layer: absolute position of the next token (for the horizon)
 
         def gate_hook(module, args, kwargs):
-            decide_at_prefill(hidden_from_args(args, kwargs), ctx, state,
+            decide_at_prefill(hidden_from_args(args, kwargs), ctx, gate_key,
                               lambda last: self.gate.harmful(last, self.gate_threshold), "The harm gate")
             return None
 
@@ -313,8 +317,9 @@ class EnergySteering(Intervention):
                 if sl.start >= sl.stop:
                     return None
                 scale = ctx.row_scale(h.shape[0], h.device, torch.float32)
-                if state["decision"] is not None:
-                    scale = scale * (~state["decision"]).view(-1, 1, 1).to(scale.dtype)
+                held = ctx.row_state.get(gate_key)
+                if held is not None:
+                    scale = scale * (~held).view(-1, 1, 1).to(scale.dtype)
                 x = self.steer(layer, h[:, sl].float(), scale, accs[layer])
                 new = h.clone()
                 new[:, sl] = x.to(h.dtype)
@@ -325,8 +330,8 @@ class EnergySteering(Intervention):
         regs += [(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]
         with hooks_attached(regs):
             yield
-        if state["decision"] is not None:
-            held = state["decision"].cpu()
+        if gate_key in ctx.decisions:
+            held = ctx.decisions[gate_key].cpu()
             g = ctx.stats.setdefault("els_gate", {"rows": 0, "held": 0})
             g["rows"] += len(held)
             g["held"] += int(held.sum())

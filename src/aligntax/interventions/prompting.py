@@ -23,6 +23,7 @@ class SystemPrompt(Intervention):
 
     text: str
     name: str = "system-prompt"
+    prefix_free = True  # no hooks (not a field)
 
     def prepare_messages(self, messages: list[dict]) -> list[dict]:
         rest = [m for m in messages if m["role"] != "system"]
@@ -39,6 +40,7 @@ class FewShot(Intervention):
     examples: list[tuple[str, str]] = field(default_factory=list)
     system: str | None = None
     name: str = "few-shot"
+    prefix_free = True  # no hooks (not a field)
 
     def prepare_messages(self, messages: list[dict]) -> list[dict]:
         system = [m for m in messages if m["role"] == "system"]

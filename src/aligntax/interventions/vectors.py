@@ -158,6 +158,10 @@ class _VectorIntervention(Intervention):
             self.name = name
         self._cache = _VecCache()
 
+    @property
+    def prefix_free(self) -> bool:  # steers (and reads) from the last prompt token on, unless "all"
+        return getattr(self, "positions", None) != "all"
+
 
 class ActivationAddition(_VectorIntervention):
     """Add ``coeff * v_l`` (times the row scale) to the states entering each layer l, at ``positions``."""
@@ -339,15 +343,15 @@ class ConditionalSteering(_VectorIntervention):
             layers = _resolve_layers(list(self.behaviour), n)
         else:
             layers = _resolve_layers(self.behaviour_layers, n)
-        state: dict = {"decision": None}
+        key = (id(self), "condition")  # ctx.row_state[key]: rows that meet the condition
 
         def cond_hook(module, args, kwargs):
-            decide_at_prefill(hidden_from_args(args, kwargs), ctx, state, self.decide, "CAST")
+            decide_at_prefill(hidden_from_args(args, kwargs), ctx, key, self.decide, "CAST")
             return None
 
         def make_hook(layer: int):
             def hook(module, args, kwargs):
-                decision = state["decision"]
+                decision = ctx.row_state.get(key)
                 if decision is None:
                     return None  # prefill, before the condition layer has run
                 h = hidden_from_args(args, kwargs)
@@ -375,8 +379,8 @@ class ConditionalSteering(_VectorIntervention):
         regs += [(blocks[layer], make_hook(layer), True) for layer in layers if self._vec(layer) is not None]
         with hooks_attached(regs):
             yield
-        if state["decision"] is not None:
-            d = state["decision"].cpu()
+        if key in ctx.decisions:
+            d = ctx.decisions[key].cpu()
             ctx.stats.setdefault("cast", {"rows": 0, "triggered": 0})
             ctx.stats["cast"]["rows"] += len(d)
             ctx.stats["cast"]["triggered"] += int(d.sum())

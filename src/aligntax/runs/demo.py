@@ -57,7 +57,8 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
     clock.lap("ELS training (labels, activations, energy models, vectors, harm gate)")
     sweep = run_sweep(SweepConfig(steer=str(out / "els"), model=cfg.model, judge=cfg.judge,
                                   batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.35],
-                                  layers=_runner_up_layers(out / "els", 2),
+                                  # the five best layers: near-tied in accuracy, they steer differently
+                                  layers=_runner_up_layers(out / "els", 4),
                                   # the harm gate decides which rows are steered, the first 16 tokens
                                   threshold=[None], gate=[True], horizon=[16],
                                   extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style

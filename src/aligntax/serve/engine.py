@@ -37,6 +37,7 @@ from transformers.generation import (
     StoppingCriteriaList,
 )
 
+from aligntax.generation.generate import eos_token_ids
 from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
 from aligntax.serve.metrics import ServeMetrics
 
@@ -211,14 +212,6 @@ class _RowText:
     def __init__(self, tokenizer, stops: Sequence[str]):
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopMatcher(stops)
-
-
-def _eos_ids(lm) -> list[int]:
-    ids = getattr(lm.model.generation_config, "eos_token_id", None)
-    ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
-    if lm.tokenizer.eos_token_id is not None:
-        ids.append(lm.tokenizer.eos_token_id)
-    return sorted({int(i) for i in ids})
 
 
 # generate() fills every unset option from model.generation_config (a Hub model may ship
@@ -403,7 +396,7 @@ class BatchEngine:
         self.batch_wait = max(0.0, batch_wait_ms) / 1000.0
         self.mix_steered = mix_steered
         self.metrics = metrics or ServeMetrics()
-        self.eos_ids = _eos_ids(lm)
+        self.eos_ids = sorted(eos_token_ids(lm))
         pad = lm.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.tokenizer_lock = threading.Lock()

@@ -13,7 +13,6 @@ cached on disk, so the "pre" judgments are computed once and shared by every int
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -218,62 +217,6 @@ def parse_likert_answer(text: str, scale: LikertScale) -> int | None:
     return None
 
 
-# ----------------------------------------------------------------- shared-prefix scoring
-MIN_SHARED_PREFIX = 48  # tokens; below this the plain batched path is used
-
-
-def shared_prefix_logits(lm, prompts: Sequence[str], system: str | None = None,
-                         intervention: Intervention | None = None, batch_size: int = 16,
-                         min_prefix: int = MIN_SHARED_PREFIX) -> torch.Tensor | None:
-    """Response-start logits [N, vocab] of chat prompts that share a long token prefix (a persona system
-    prompt, few-shot turns, the template's opening), computed once for the prefix and reused: the
-    prefix's key/value cache is run a single time, and each batch feeds only the item suffixes
-    (left-padded, with explicit positions, so every real token sits at the position it has in the full
-    prompt). Equal to ``prompt_logits`` up to floating-point rounding. Returns None, so that the caller
-    uses the plain path, when the intervention attaches hooks (its effect may depend on the prompt
-    length) or the shared prefix is shorter than ``min_prefix`` tokens."""
-    from aligntax.generation import build_messages, render_chat
-
-    iv = intervention or NoIntervention()
-    if type(iv).attach is not Intervention.attach or len(prompts) < 2:
-        return None
-    tok = lm.tokenizer
-    texts = [render_chat(tok, build_messages(p, system, iv)) for p in prompts]
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    n_prefix = min(len(x) for x in ids) - 1  # every item keeps at least one token of its own
-    first = ids[0]
-    for x in ids[1:]:
-        k = 0
-        while k < n_prefix and x[k] == first[k]:
-            k += 1
-        n_prefix = k
-    if n_prefix < min_prefix:
-        return None
-    model, device = lm.model, lm.device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    with torch.no_grad():
-        prefix_cache = model(input_ids=torch.tensor([first[:n_prefix]], device=device),
-                             use_cache=True).past_key_values
-        out = []
-        for start in range(0, len(ids), batch_size):
-            rows = [x[n_prefix:] for x in ids[start:start + batch_size]]
-            b, width = len(rows), max(len(r) for r in rows)
-            inp = torch.full((b, width), pad, dtype=torch.long)
-            mask = torch.zeros((b, n_prefix + width), dtype=torch.long)
-            mask[:, :n_prefix] = 1
-            pos = torch.zeros((b, width), dtype=torch.long)
-            for i, r in enumerate(rows):
-                inp[i, width - len(r):] = torch.tensor(r)
-                mask[i, n_prefix + width - len(r):] = 1
-                pos[i, width - len(r):] = torch.arange(n_prefix, n_prefix + len(r))
-            cache = copy.deepcopy(prefix_cache)
-            cache.batch_repeat_interleave(b)
-            logits = model(input_ids=inp.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
-            out.append(logits.float().cpu())
-    return torch.cat(out)
-
-
 # ----------------------------------------------------------------- disk cache
 def intervention_key(intervention: Intervention | None) -> dict:
     iv = intervention or NoIntervention()
@@ -384,11 +327,9 @@ class LikertJudge:
 
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         ordered = [prompts[i] for i in order]
-        logits = shared_prefix_logits(self.lm, ordered, system=self.cfg.system, intervention=intervention,
-                                      batch_size=self.cfg.batch_size)
-        if logits is None:
-            logits = prompt_logits(self.lm, ordered, system=self.cfg.system, intervention=intervention,
-                                   batch_size=self.cfg.batch_size, progress=progress)
+        # the prefix the prompts share (persona, few-shot turns) is run once (aligntax.generation.prefix)
+        logits = prompt_logits(self.lm, ordered, system=self.cfg.system, intervention=intervention,
+                               batch_size=self.cfg.batch_size, progress=progress)
         reading = likert_from_logits(logits, self.token_ids, scale.points)
         out: list[dict] = [{} for _ in prompts]
         for row, i in enumerate(order):
