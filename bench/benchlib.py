@@ -254,6 +254,7 @@ def build_els(lm, args, grad_methods: Sequence[str] = ("closed",)) -> tuple[dict
     else:
         # from a folder, None would mean "take the tuned value": say "none" to keep the gates off
         kw.update({k: "none" if settings[k] is None else settings[k] for k in ("threshold", "gate")})
+        kw["layers"] = settings["layers"]  # a sweep may select a layer list instead of a top_k
         ivs = {gm: EnergySteering.from_dir(args.steer, lm, grad_method=gm, **kw) for gm in grad_methods}
         source = f"energy bank {args.steer}"
     first = next(iter(ivs.values()))

@@ -707,3 +707,11 @@ def test_from_dir_takes_the_tuned_setting(lm, bank_dir, tmp_path):
     mixed = EnergySteering.from_dir(d, lm, eta=0.1, threshold="none")
     assert (mixed.eta, mixed.steps, mixed.threshold) == (0.1, 2, None)
     assert "eta" in mixed.settings_from and "threshold" in mixed.settings_from
+    # a sweep that selected a layer list: steering takes those layers, unless top_k or layers are given
+    runner_up = EnergyBank.load(d).layers[1]
+    (d / "sweep" / "best.json").write_text(json.dumps(
+        {"best": {"args": {"layers": [runner_up], "eta": 0.45, "steps": 2, "threshold": None}}}))
+    assert sorted(EnergySteering.from_dir(d, lm).models) == [runner_up]
+    assert len(EnergySteering.from_dir(d, lm, top_k=2).models) == 2
+    assert sorted(EnergySteering.from_dir(d, lm, layers=[EnergyBank.load(d).layers[0]]).models) == \
+        [EnergyBank.load(d).layers[0]]

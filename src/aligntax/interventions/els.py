@@ -46,7 +46,9 @@ from aligntax.models.layers import decoder_layers
 
 POSITION_MODES = ("last_and_generated", "generated", "all")
 # Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one.
-DEFAULT_SETTINGS = {"top_k": 2, "eta": 0.3, "steps": 3, "threshold": None, "gate": None, "horizon": None}
+# ``layers`` (a list) names the steered layers; None steers the bank's ``top_k`` best.
+DEFAULT_SETTINGS = {"top_k": 2, "layers": None, "eta": 0.3, "steps": 3, "threshold": None, "gate": None,
+                    "horizon": None}
 TUNED_KEYS = tuple(DEFAULT_SETTINGS)
 
 
@@ -64,8 +66,9 @@ def tuned_settings(directory: str | Path) -> dict | None:
 def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
     """ELS settings: values given (not None) win, then the folder's tuned setting, then the defaults.
 
-    Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. Returns the settings and a
-    note saying where they came from.
+    Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. A sweep selects either a
+    ``top_k`` or a ``layers`` list; ``top_k`` given (and no ``layers``) replaces tuned ``layers``.
+    Returns the settings and a note saying where they came from.
     """
     settings, origin = dict(DEFAULT_SETTINGS), "defaults"
     tuned = tuned_settings(directory) if directory is not None else None
@@ -73,6 +76,8 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
         settings.update({"threshold": None, "gate": None, **tuned})
         origin = str(Path(directory) / "sweep" / "best.json")
     explicit = {k: v for k, v in given.items() if v is not None}
+    if "top_k" in explicit and "layers" not in explicit:
+        settings["layers"] = None
     if explicit:
         settings.update({k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in explicit.items()})
         origin += " + " + ",".join(sorted(explicit))
@@ -184,10 +189,11 @@ class EnergySteering(Intervention):
         steers every row; True holds back rows the folder's harm gate
         (:class:`aligntax.energy.gate.HarmGate`) calls harmful at its saved threshold; a float in (0, 1)
         uses that threshold. ``horizon``: steer only the first N generated tokens (``"none"``: all).
-        With ``layers`` given, ``top_k`` is not taken from the tuned setting.
+        ``layers`` (given, else the tuned setting's) wins over ``top_k``.
         """
         settings, origin = resolve_settings(directory, eta=eta, steps=steps, threshold=threshold, gate=gate,
-                                            top_k=top_k, horizon=horizon)
+                                            top_k=top_k, horizon=horizon, layers=layers)
+        layers = settings["layers"]
         top_k = settings["top_k"] if layers is None else top_k
         eta, steps, threshold, gate = settings["eta"], settings["steps"], settings["threshold"], settings["gate"]
         kwargs["threshold"] = threshold
