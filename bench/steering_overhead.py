@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompts generated per measurement at every batch size (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per row (default 32)")
     p.add_argument("--no-autograd", action="store_true", help="skip the grad_method='autograd' variant")
+    p.add_argument("--loop", choices=("generate", "own"), default="generate",
+                   help="model.generate (default) or aligntax's greedy loop (greedy_decode, shared prompt "
+                        "prefix computed once; no end token, so every row runs to the limit)")
     args = bl.parse_with_quick(p, argv, dict(batch_sizes=[1, 4], prompts=4, max_new_tokens=4, repeats=1,
                                              synthetic_prompts=16))
     args.steer = args.steer or "synthetic"
@@ -63,12 +66,14 @@ def make_batches(lm, prompts: list[str], batch_size: int) -> list[dict]:
             for s in range(0, len(order), batch_size)]
 
 
-def run_batches(lm, batches: list[dict], intervention, max_new_tokens: int) -> dict:
+def run_batches(lm, batches: list[dict], intervention, max_new_tokens: int, loop: str = "generate") -> dict:
     """Generate every batch (exactly max_new_tokens per row) under the intervention; time it all."""
     import time
 
     import torch
 
+    from aligntax.generation.generate import greedy_decode
+    from aligntax.generation.prefix import prefix_cache, shared_prefix_len
     from aligntax.interventions.base import SteerContext
 
     model, tok = lm.model, lm.tokenizer
@@ -87,13 +92,23 @@ def run_batches(lm, batches: list[dict], intervention, max_new_tokens: int) -> d
         intervention.steer = timed
     t = time.perf_counter()
     for enc in batches:
-        ctx = SteerContext(prompt_len=enc["input_ids"].shape[1])
-        with torch.no_grad(), intervention.attach(model, ctx):
-            out = model.generate(**enc, **kwargs)
-        new = out.shape[1] - enc["input_ids"].shape[1]
+        if loop == "own":
+            ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
+            prefix = shared_prefix_len(ids, mask) if intervention.prefix_free else 0
+            if prefix:
+                cache, ids, mask = prefix_cache(model, ids, mask, prefix)
+            ctx = SteerContext(prompt_len=ids.shape[1])
+            with torch.no_grad(), intervention.attach(model, ctx):
+                rows = greedy_decode(model, ids, mask, max_new_tokens, set(), ctx, cache, prefix)
+            n_rows, new = len(rows), min(len(r) for r in rows)
+        else:
+            ctx = SteerContext(prompt_len=enc["input_ids"].shape[1])
+            with torch.no_grad(), intervention.attach(model, ctx):
+                out = model.generate(**enc, **kwargs)
+            n_rows, new = out.shape[0], out.shape[1] - enc["input_ids"].shape[1]
         if new != max_new_tokens:
             raise RuntimeError(f"generated {new} tokens instead of {max_new_tokens}")
-        tokens += out.shape[0] * new
+        tokens += n_rows * new
         for s in (ctx.stats.get("els") or {}).values():
             positions += s["positions"]
             steered += s["steered"]
@@ -124,9 +139,9 @@ def main(argv=None) -> dict:
     for b in args.batch_sizes:
         print(f"batch size {b}: {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
         batches = make_batches(lm, prompts, b)
-        arms = {name: (lambda iv=iv, bt=batches: run_batches(lm, bt, iv, args.max_new_tokens))
+        arms = {name: (lambda iv=iv, bt=batches: run_batches(lm, bt, iv, args.max_new_tokens, args.loop))
                 for name, iv in arms_iv.items()}
-        warm = {name: (lambda iv=iv, bt=batches[:1]: run_batches(lm, bt, iv, args.max_new_tokens))
+        warm = {name: (lambda iv=iv, bt=batches[:1]: run_batches(lm, bt, iv, args.max_new_tokens, args.loop))
                 for name, iv in arms_iv.items()}
         runs = bl.interleaved(arms, args.repeats, args.warmup, warm)
         results[str(b)] = {
@@ -156,6 +171,8 @@ def main(argv=None) -> dict:
     env = bl.environment(lm)
     notes = [f"ORB-H prompts: {len(prompts)} from `{args.dataset}` per measurement, "
              f"{args.max_new_tokens} new tokens per row (forced: min_new_tokens = max_new_tokens), greedy",
+             "decode loop: " + ("aligntax's greedy_decode, shared prompt prefix computed once" if args.loop == "own"
+                                else "model.generate"),
              f"ELS: {els_info['source']}",
              f"ELS layers {els_info['layers']}, settings {els_info['settings']} (from {els_info['settings_from']})",
              f"{args.repeats} interleaved repetitions after {args.warmup} warm-up; times are medians, ratios "
