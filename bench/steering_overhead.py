@@ -72,8 +72,7 @@ def run_batches(lm, batches: list[dict], intervention, max_new_tokens: int, loop
 
     import torch
 
-    from aligntax.generation.generate import greedy_decode
-    from aligntax.generation.prefix import prefix_cache, shared_prefix_len
+    from aligntax.generation.generate import decode_batch
     from aligntax.interventions.base import SteerContext
 
     model, tok = lm.model, lm.tokenizer
@@ -92,14 +91,8 @@ def run_batches(lm, batches: list[dict], intervention, max_new_tokens: int, loop
         intervention.steer = timed
     t = time.perf_counter()
     for enc in batches:
-        if loop == "own":
-            ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
-            prefix = shared_prefix_len(ids, mask) if intervention.prefix_free else 0
-            if prefix:
-                cache, ids, mask = prefix_cache(model, ids, mask, prefix)
-            ctx = SteerContext(prompt_len=ids.shape[1])
-            with torch.no_grad(), intervention.attach(model, ctx):
-                rows = greedy_decode(model, ids, mask, max_new_tokens, set(), ctx, cache, prefix)
+        if loop == "own":  # what generate runs for greedy decoding, with no end token
+            rows, ctx = decode_batch(model, enc, intervention, max_new_tokens, set())
             n_rows, new = len(rows), min(len(r) for r in rows)
         else:
             ctx = SteerContext(prompt_len=enc["input_ids"].shape[1])

@@ -86,13 +86,7 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
     the prompt). Returns ``({layer: float32 tensor [M, d]}, row_index [M])``: M is the number of
     sequences for ``last``/``mean`` and the number of response tokens for ``response``.
     """
-    from aligntax.generation.prefix import (
-        prefix_fits,
-        prefixed_inputs,
-        run_prefix,
-        shared_prefix_len,
-        split_prefix,
-    )
+    from aligntax.generation.prefix import prefix_cache, prefixed_inputs, usable_prefix
 
     if position not in POSITIONS:
         raise AligntaxError(f"Unknown position '{position}'; use one of {', '.join(POSITIONS)}.")
@@ -134,7 +128,6 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
         except _Stop:
             pass
 
-    share_prefix = position == "last" and prefix_fits(model, max(map(len, seqs), default=0), 0)
     try:
         starts = range(0, len(seqs), batch_size)
         for start in tqdm(starts, disable=not progress, desc=desc, unit="batch"):
@@ -144,11 +137,11 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
             current.clear()
             # "last" reads one position per row: a prefix every row shares (chat template, system
             # prompt) is computed once and the batch's forward holds only the rest of each row
-            prefix = min(shared_prefix_len(ids, mask), min(bp) - 1) if share_prefix else 0
+            prefix = min(usable_prefix(model, batch, position == "last"), min(bp) - 1)
             if prefix > 0:
-                prefix_ids, ids, mask = split_prefix(ids, mask, prefix)
+                cache, ids, mask = prefix_cache(model, ids, mask, prefix, forward=stopped)
                 full, pos = prefixed_inputs(mask, prefix)
-                kwargs = dict(cache=run_prefix(model, prefix_ids, len(batch), forward=stopped), use_cache=True)
+                kwargs = dict(cache=cache, use_cache=True)
                 batch = [s[prefix:] for s in batch]
                 bp = [p - prefix for p in bp]
             else:

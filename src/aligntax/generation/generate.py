@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from aligntax.generation.chat import build_messages, encode_chats, render_chat
-from aligntax.generation.prefix import prefix_cache, prefix_fits, prefixed_inputs, shared_prefix_len
+from aligntax.generation.prefix import prefix_cache, prefixed_inputs, unpadded, usable_prefix
 from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
 
 
@@ -134,32 +134,41 @@ def greedy_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     return out
 
 
+def decode_batch(model, enc: dict, intervention: Intervention, max_new_tokens: int, eos_ids: set[int],
+                 rows: torch.Tensor | None = None, strength: torch.Tensor | None = None,
+                 share_prefix: bool = True) -> tuple[list[list[int]], SteerContext]:
+    """One left-padded batch (``input_ids``, ``attention_mask``) through :func:`greedy_decode` inside the
+    intervention's ``attach``: the prefix its rows share is computed first, once and without the
+    hooks, when the intervention is prefix-free (and ``share_prefix``). Returns each row's new tokens
+    and the batch's :class:`SteerContext` (its stats)."""
+    ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
+    prefix = usable_prefix(model, unpadded(ids, mask), share_prefix and intervention.prefix_free, max_new_tokens)
+    if prefix:
+        cache, ids, mask = prefix_cache(model, ids, mask, prefix)
+    ctx = SteerContext(prompt_len=ids.shape[1], rows=rows, strength=strength)
+    with torch.no_grad(), intervention.attach(model, ctx):
+        return greedy_decode(model, ids, mask, max_new_tokens, eos_ids, ctx, cache, prefix), ctx
+
+
 def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: Intervention,
                     rows: torch.Tensor | None, strength: torch.Tensor | None, batch_seed: int | None):
     tok, model = lm.tokenizer, lm.model
     enc = encode_chats(tok, texts, lm.device)
     eos_ids = eos_token_ids(lm)
-    own_loop = cfg.drop_finished and cfg.use_cache and not cfg.do_sample and plain_greedy(model)
-    share = (own_loop and cfg.share_prefix and intervention.prefix_free
-             and prefix_fits(model, enc["input_ids"].shape[1], cfg.max_new_tokens))
-    prefix = shared_prefix_len(enc["input_ids"], enc["attention_mask"]) if share else 0
-    cache = None
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    if prefix:  # computed once, before the hooks: a prefix-free intervention neither reads nor changes it
-        cache, ids, mask = prefix_cache(model, ids, mask, prefix)
-    ctx = SteerContext(prompt_len=ids.shape[1], rows=rows, strength=strength)
-    gen_kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, use_cache=cfg.use_cache,
-                      pad_token_id=tok.pad_token_id)
-    if cfg.do_sample:
-        gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p)
-        if batch_seed is not None:
-            torch.manual_seed(batch_seed)
+    if cfg.drop_finished and cfg.use_cache and not cfg.do_sample and plain_greedy(model):
+        new, _ = decode_batch(model, enc, intervention, cfg.max_new_tokens, eos_ids, rows, strength,
+                              cfg.share_prefix)
     else:
-        gen_kwargs.update(temperature=None, top_p=None, top_k=None)
-    with torch.no_grad(), intervention.attach(model, ctx):
-        if own_loop:
-            new = greedy_decode(model, ids, mask, cfg.max_new_tokens, eos_ids, ctx, cache, prefix)
+        gen_kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, use_cache=cfg.use_cache,
+                          pad_token_id=tok.pad_token_id)
+        if cfg.do_sample:
+            gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p)
+            if batch_seed is not None:
+                torch.manual_seed(batch_seed)
         else:
+            gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+        ctx = SteerContext(prompt_len=enc["input_ids"].shape[1], rows=rows, strength=strength)
+        with torch.no_grad(), intervention.attach(model, ctx):
             new = model.generate(**enc, **gen_kwargs)[:, enc["input_ids"].shape[1]:].tolist()
     results = []
     for i, row in enumerate(new):
@@ -232,14 +241,12 @@ def text_logits(lm, texts: Sequence[str], intervention: Intervention | None = No
     rest (:mod:`aligntax.generation.prefix`), when the intervention is prefix-free and
     ``share_prefix``."""
     from aligntax.activations.capture import pad_left, position_ids_from_mask
-    from aligntax.generation.prefix import common_prefix_len, prefixed_inputs, repeated, run_prefix
+    from aligntax.generation.prefix import repeated, run_prefix
 
     intervention = intervention or NoIntervention()
     model, tok = lm.model, lm.tokenizer
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    prefix = 0
-    if ids and share_prefix and intervention.prefix_free and prefix_fits(model, max(map(len, ids)), 0):
-        prefix = common_prefix_len(ids)
+    prefix = usable_prefix(model, ids, share_prefix and intervention.prefix_free)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     out = []
     with torch.no_grad():

@@ -32,11 +32,24 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     return max(limit, 0)
 
 
+def unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """The token ids of each row of a left-padded batch, without the padding."""
+    width = input_ids.shape[1]
+    return [input_ids[i, width - n:].tolist() for i, n in enumerate(attention_mask.sum(1).tolist())]
+
+
 def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
     """:func:`common_prefix_len` of the rows of a left-padded batch."""
-    lens = attention_mask.sum(1).tolist()
-    width = input_ids.shape[1]
-    return common_prefix_len([input_ids[i, width - n:].tolist() for i, n in enumerate(lens)])
+    return common_prefix_len(unpadded(input_ids, attention_mask))
+
+
+def usable_prefix(model, seqs: Sequence[Sequence[int]], prefix_free: bool, new_tokens: int = 0) -> int:
+    """How many leading tokens of ``seqs`` to compute once, apart (:func:`common_prefix_len`): 0 when
+    the hooks at work need the prefix's states (``prefix_free`` False) or the model's attention window
+    does not cover the sequences plus ``new_tokens`` (:func:`prefix_fits`)."""
+    if not seqs or not prefix_free or not prefix_fits(model, max(len(x) for x in seqs), new_tokens):
+        return 0
+    return common_prefix_len(seqs)
 
 
 def attention_window(config) -> int | None:
@@ -83,14 +96,14 @@ def run_prefix(model, prefix_ids: torch.Tensor, rows: int, forward=None):
 
 
 @torch.no_grad()
-def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int):
+def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int, forward=None):
     """Split a left-padded batch whose rows share their first ``prefix`` tokens: the KV cache of the
     prefix, computed once (one row) and repeated for every row, and the rest of each row, left-padded
     (``(cache, suffix_ids, suffix_mask)``). The prefix keeps positions 0..prefix-1 and the rest follows
     it (positions from the mask, so the padding between them is skipped): the same attention inputs
-    as the whole prompts, at a fraction of the prefill."""
+    as the whole prompts, at a fraction of the prefill. ``forward`` as in :func:`run_prefix`."""
     prefix_ids, suffix_ids, suffix_mask = split_prefix(input_ids, attention_mask, prefix)
-    return run_prefix(model, prefix_ids, input_ids.shape[0]), suffix_ids, suffix_mask
+    return run_prefix(model, prefix_ids, input_ids.shape[0], forward), suffix_ids, suffix_mask
 
 
 def repeated(prefix_kv, rows: int):
