@@ -181,3 +181,13 @@ def test_prefill_recorder_gives_the_captured_states_and_leaves_the_model_alone(l
         run_eval(EvalConfig(data=["x"], out=str(tmp_path / "ev"), intervention="system-prompt"), lm=lm,
                  recorder=PrefillRecorder(lm.model, [0]))
     assert not (tmp_path / "ev").exists()
+
+
+def test_capture_token_budget_regroups_rows_only(lm):
+    seqs, _ = chat_ids(lm, PROMPTS)
+    seqs = sorted(seqs, key=len, reverse=True)
+    whole, rows_w = capture_ids(lm.model, seqs, [1, 2], batch_size=8, max_tokens=None)
+    tight, rows_t = capture_ids(lm.model, seqs, [1, 2], batch_size=8, max_tokens=2 * len(seqs[0]))
+    assert torch.equal(rows_w, rows_t)
+    for layer in (1, 2):
+        torch.testing.assert_close(whole[layer], tight[layer], atol=1e-4, rtol=1e-4)

@@ -129,3 +129,35 @@ def test_shared_prefix_cached_once_gives_the_prompts_logits():
     cache, rest, rest_mask = prefix_cache(lm.model, ids, mask, prefix)
     assert greedy_decode(lm.model, rest, rest_mask, 6, eos, cache=cache, cached=prefix) == \
         greedy_decode(lm.model, ids, mask, 6, eos)
+
+
+def test_length_batches_respect_row_cap_and_token_budget():
+    from aligntax.errors import AligntaxError
+    from aligntax.generation.batching import length_batches
+
+    lengths = [50, 40, 40, 30, 10, 10, 10, 10, 10, 5]
+    spans = length_batches(lengths, max_rows=4, max_tokens=100)
+    assert [list(s) for s in spans] == [[0, 1], [2, 3], [4, 5, 6, 7], [8, 9]]
+    assert sum(len(s) for s in spans) == len(lengths)
+    for s in spans:  # rows times the longest row, never over the budget (a row alone may exceed it)
+        assert len(s) <= 4 and (len(s) == 1 or len(s) * max(lengths[i] for i in s) <= 100)
+    assert [list(s) for s in length_batches([500, 1], 8, 100)] == [[0], [1]]  # too long: a batch of its own
+    assert [len(s) for s in length_batches(lengths, 3)] == [3, 3, 3, 1]  # no budget: the row cap only
+    assert length_batches([], 4, 100) == []
+    with pytest.raises(AligntaxError, match="batch size"):
+        length_batches(lengths, 0)
+    with pytest.raises(AligntaxError, match="max_tokens"):
+        length_batches(lengths, 4, 0)
+
+
+def test_token_budget_splits_batches_without_changing_answers(tiny_lm):
+    """A token budget only regroups the rows: the same greedy answers (fp32), in more batches."""
+    from aligntax.generation import iter_generate
+
+    whole = GenerationConfig(max_new_tokens=8, batch_size=8, max_batch_tokens=None)
+    tight = GenerationConfig(max_new_tokens=8, batch_size=8, max_batch_tokens=60)
+    batches = [idx for idx, _ in iter_generate(tiny_lm, PROMPTS, tight, progress=False)]
+    assert len(batches) > 1 and sorted(i for b in batches for i in b) == list(range(len(PROMPTS)))
+    a = generate(tiny_lm, PROMPTS, whole, progress=False)
+    b = generate(tiny_lm, PROMPTS, tight, progress=False)
+    assert [g.response for g in a] == [g.response for g in b]

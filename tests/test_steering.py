@@ -511,6 +511,28 @@ def test_unsteered_rows_are_the_gate_held_rows(lm):
     assert NoIntervention().unsteered_rows(lm, PROMPTS) is None
 
 
+def test_remembered_prefill_states_capture_once(lm, monkeypatch):
+    """Inside ``remembered_prefill_states`` several settings of one gate decide from one capture; the
+    decisions are those of a fresh capture, and nothing is remembered after the block."""
+    import importlib
+
+    from aligntax.interventions.base import remembered_prefill_states
+
+    cap = importlib.import_module("aligntax.activations.capture")
+
+    gate, held = _split_gate(lm)
+    calls = []
+    real = cap.capture
+    monkeypatch.setattr(cap, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with remembered_prefill_states():
+        for eta in (0.5, 1.0, 2.0):
+            assert els(eta=eta, gate=gate).unsteered_rows(lm, PROMPTS) == held.tolist()
+        assert els(eta=1.0, gate=gate).unsteered_rows(lm, PROMPTS[:2]) == held.tolist()[:2]  # other prompts
+    assert len(calls) == 2
+    els(eta=1.0, gate=gate).unsteered_rows(lm, PROMPTS)
+    assert len(calls) == 3
+
+
 def test_per_row_state_follows_rows_leaving_the_batch(lm):
     """Generation drops finished rows from the batch: the harm gate's and CAST's per-row decisions,
     the steered rows and strengths, and the prompt states a recorder takes go with them, so every

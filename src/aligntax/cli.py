@@ -510,13 +510,14 @@ def demo(
     max_new_tokens: int = typer.Option(48),
     judge_name: str = typer.Option("classifier", "--judge"),
     dtype: str = typer.Option("bf16"),
+    batch_size: int = typer.Option(96, help="prompts per batch"),
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
     from aligntax.runs.demo import DemoConfig, run_demo
 
     try:
         run_demo(DemoConfig(out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
-                            judge=judge_name, dtype=dtype))
+                            judge=judge_name, dtype=dtype, batch_size=batch_size))
     except AligntaxError as exc:
         _fail(exc)
     Console().print((out / "report.md").read_text())

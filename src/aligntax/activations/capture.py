@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aligntax.errors import AligntaxError
+from aligntax.generation.batching import CAPTURE_BATCH_TOKENS, length_batches
 from aligntax.interventions.base import (
     Intervention,
     SteerContext,
@@ -79,12 +80,13 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: int | str | Sequence[int],
                 position: str = "last", prompt_lens: Sequence[int] | None = None, batch_size: int = 32,
                 pad_id: int = 0, progress: bool = False, desc: str = "capture",
-                ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+                max_tokens: int | None = CAPTURE_BATCH_TOKENS) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Capture from token id sequences (prompt ids, optionally followed by response ids).
 
     ``prompt_lens[i]`` is the number of prompt tokens of sequence ``i`` (default: the whole sequence is
     the prompt). Returns ``({layer: float32 tensor [M, d]}, row_index [M])``: M is the number of
-    sequences for ``last``/``mean`` and the number of response tokens for ``response``.
+    sequences for ``last``/``mean`` and the number of response tokens for ``response``. A batch holds
+    at most ``batch_size`` sequences and ``max_tokens`` padded tokens (:func:`length_batches`).
     """
     from aligntax.generation.prefix import prefix_cache, prefixed_inputs, usable_prefix
 
@@ -129,10 +131,10 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
             pass
 
     try:
-        starts = range(0, len(seqs), batch_size)
-        for start in tqdm(starts, disable=not progress, desc=desc, unit="batch"):
-            batch = seqs[start:start + batch_size]
-            bp = plens[start:start + batch_size]
+        for span in tqdm(length_batches([len(s) for s in seqs], batch_size, max_tokens), disable=not progress,
+                         desc=desc, unit="batch"):
+            start = span.start
+            batch, bp = seqs[span.start:span.stop], plens[span.start:span.stop]
             ids, mask = pad_left(batch, pad_id, device)
             current.clear()
             # "last" reads one position per row: a prefix every row shares (chat template, system

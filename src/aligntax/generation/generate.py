@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from aligntax.generation.batching import GENERATION_BATCH_TOKENS, length_batches
 from aligntax.generation.chat import build_messages, encode_chats, render_chat
 from aligntax.generation.prefix import prefix_cache, prefixed_inputs, unpadded, usable_prefix
 from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
@@ -45,6 +46,8 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     drop_finished: bool = True  # greedy + KV cache: own loop, finished rows leave the batch (greedy_decode)
     share_prefix: bool = True  # own loop: the prefix all prompts of a batch share is computed once
+    # a batch also holds at most this many padded prompt tokens (None: no limit); see generation.batching
+    max_batch_tokens: int | None = GENERATION_BATCH_TOKENS
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -199,8 +202,9 @@ def iter_generate(lm, prompts: Sequence[str | list[dict]], cfg: GenerationConfig
     order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
     bar = tqdm(total=len(texts), desc=desc, disable=not progress, unit="prompt")
     try:
-        for b, start in enumerate(range(0, len(order), cfg.batch_size)):
-            idx = order[start:start + cfg.batch_size]
+        spans = length_batches([lengths[i] for i in order], cfg.batch_size, cfg.max_batch_tokens)
+        for b, span in enumerate(spans):
+            idx = order[span.start:span.stop]
             rows = torch.tensor([bool(steer_rows[i]) for i in idx]) if steer_rows is not None else None
             strength = torch.tensor([float(strengths[i]) for i in idx]) if strengths is not None else None
             seed = None if cfg.seed is None else cfg.seed + b

@@ -134,13 +134,38 @@ def prefill_decisions(lm, prompts, layer: int, decide: Callable[[torch.Tensor], 
     """``decide`` applied to the state entering block ``layer`` at each prompt's last token, as the
     intervention's pre-hook sees it in generation (same chat template and message changes), in
     batches that stop after that block."""
-    from aligntax.activations.capture import capture
+    from aligntax.activations.capture import capture, chat_ids
 
     if not prompts:
         return []
-    h = capture(lm, prompts, [layer], system=system, batch_size=batch_size, progress=False,
-                intervention=intervention)[layer]
+    key = None
+    if _PREFILL_MEMO is not None:
+        seqs, _ = chat_ids(lm, prompts, system, intervention)
+        key = (id(lm.model), layer, tuple(map(tuple, seqs)))
+    h = _PREFILL_MEMO.get(key) if key is not None else None
+    if h is None:
+        h = capture(lm, prompts, [layer], system=system, batch_size=batch_size, progress=False,
+                    intervention=intervention)[layer]
+        if key is not None:
+            _PREFILL_MEMO[key] = h
     return [bool(x) for x in decide(h.to(lm.device)).cpu()]
+
+
+_PREFILL_MEMO: dict | None = None
+
+
+@contextmanager
+def remembered_prefill_states() -> Iterator[None]:
+    """Inside, :func:`prefill_decisions` captures the states of the same token sequences at the same
+    block once and reuses them: a sweep over settings of one harm gate (or one CAST condition) decides
+    on the same prompts again and again. Forgotten on exit."""
+    global _PREFILL_MEMO
+    outer = _PREFILL_MEMO
+    _PREFILL_MEMO = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _PREFILL_MEMO = outer
 
 
 def rows_to_copy(intervention: Intervention, lm, prompts, available, system: str | None = None,

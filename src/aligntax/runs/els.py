@@ -384,6 +384,7 @@ def select_best(rows: list[dict], method: str) -> dict | None:
 def run_sweep(cfg: SweepConfig, lm=None) -> dict:
     """Score every setting on validation data (appending to ``sweep.jsonl``), pick the best ELS setting
     under the safety constraint, and draw the compliance-versus-safety Pareto plot."""
+    from aligntax.interventions.base import remembered_prefill_states
     from aligntax.interventions.registry import make_intervention
     from aligntax.judges import get_judge
     from aligntax.models import load_model
@@ -421,20 +422,21 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
 
     from tqdm.auto import tqdm
 
-    for name, args in tqdm(settings, desc=f"sweep ({cfg.method})", disable=not cfg.progress):
-        score(name, args, cfg.method)
-    if cfg.method == "first-token" and cfg.confirm:
-        base_ft = next(r for r in rows if r["name"] == "none" and r["method"] == "first-token")
-        # the most compliant settings that keep (screened) safety, plus the unsteered model and the baselines
-        cands = sorted([r for r in rows if r["method"] == "first-token" and r["name"] == "els"
-                        and r["key"] in {_key(n, a, "first-token", cfg.max_new_tokens) for n, a in settings}
-                        and r["harmful_refusal"] >= base_ft["harmful_refusal"] - 0.05],
-                       key=lambda r: -r["benign_compliance"])[:cfg.confirm]
-        lookup = {_key(n, a, "first-token", cfg.max_new_tokens): (n, a) for n, a in settings}
-        confirm = [("none", {})] + [lookup[c["key"]] for c in cands]
-        confirm += [(n, a) for n, a in settings if n not in ("none", "els")]
-        for name, args in tqdm(confirm, desc="sweep (generate)", disable=not cfg.progress):
-            score(name, args, "generate")
+    with remembered_prefill_states():  # the gate's (or condition's) states of the prompts, captured once
+        for name, args in tqdm(settings, desc=f"sweep ({cfg.method})", disable=not cfg.progress):
+            score(name, args, cfg.method)
+        if cfg.method == "first-token" and cfg.confirm:
+            base_ft = next(r for r in rows if r["name"] == "none" and r["method"] == "first-token")
+            # the most compliant settings that keep (screened) safety, plus the unsteered model and the baselines
+            cands = sorted([r for r in rows if r["method"] == "first-token" and r["name"] == "els"
+                            and r["key"] in {_key(n, a, "first-token", cfg.max_new_tokens) for n, a in settings}
+                            and r["harmful_refusal"] >= base_ft["harmful_refusal"] - 0.05],
+                           key=lambda r: -r["benign_compliance"])[:cfg.confirm]
+            lookup = {_key(n, a, "first-token", cfg.max_new_tokens): (n, a) for n, a in settings}
+            confirm = [("none", {})] + [lookup[c["key"]] for c in cands]
+            confirm += [(n, a) for n, a in settings if n not in ("none", "els")]
+            for name, args in tqdm(confirm, desc="sweep (generate)", disable=not cfg.progress):
+                score(name, args, "generate")
     method = "generate" if any(r["method"] == "generate" for r in rows) else cfg.method
     wanted = {_key(n, a, method, cfg.max_new_tokens) for n, a in settings}
     rows = [r for r in rows if r["key"] in wanted]

@@ -1,0 +1,39 @@
+"""Batches under a row cap and a token budget.
+
+On a CPU a batch of long prompts runs slower per token than several smaller ones (the activations
+leave the caches), while short prompts and decoding gain from many rows. So a batch holds at most
+``max_rows`` sequences and at most ``max_tokens`` padded tokens (rows times its longest sequence):
+many rows of short prompts, fewer of long ones. ``bench/batch_size.py`` measures both limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from aligntax.errors import AligntaxError
+
+# padded prompt tokens per batch: capture (prefill only) and generation (prefill, then decoding, which
+# gains from rows); see bench/batch_size.py
+CAPTURE_BATCH_TOKENS = 2048
+GENERATION_BATCH_TOKENS = 8192
+
+
+def length_batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None = None) -> list[range]:
+    """Consecutive spans of ``lengths`` (in their order; sort longest first for little padding), each
+    with at most ``max_rows`` items and, unless ``max_tokens`` is None, at most ``max_tokens`` padded
+    tokens. A sequence longer than the budget gets a batch of its own."""
+    if max_rows < 1:
+        raise AligntaxError(f"batch size must be at least 1; got {max_rows}.")
+    if max_tokens is not None and max_tokens < 1:
+        raise AligntaxError(f"max_tokens must be at least 1 or None; got {max_tokens}.")
+    spans, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        rows = i - start
+        wider = max(longest, int(n))
+        if rows and (rows >= max_rows or (max_tokens is not None and (rows + 1) * wider > max_tokens)):
+            spans.append(range(start, i))
+            start, wider = i, int(n)
+        longest = wider
+    if start < len(lengths):
+        spans.append(range(start, len(lengths)))
+    return spans
