@@ -69,6 +69,9 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
         assert steered["reuse_unsteered"] == str(out / "baseline")
         timing = summary["steered"]["timing"]
         assert timing["new_samples"] + timing["reused_unsteered_samples"] == 12
+        # the paired change of every compliance / refusal row: up, down and the exact McNemar p-value
+        rows = [line for line in report.splitlines() if line.startswith("| orbench-hard-test | benign | compliance")]
+        assert len(rows) == 1 and " up, " in rows[0] and "; p " in rows[0]
         # a different selection later: the old steered run is kept aside, not mixed with the new one
         cfg_path = out / "steered/config.json"
         old = json.loads(cfg_path.read_text())

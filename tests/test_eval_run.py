@@ -129,6 +129,33 @@ def test_summary_rates_and_intervals():
     assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
 
 
+def test_paired_change_and_exact_mcnemar():
+    from aligntax.metrics import mcnemar_exact, paired_change, paired_changes
+
+    # the exact two-sided test: 10 of 10 discordant pairs one way is p = 2 / 2**10; one pair is no evidence
+    assert mcnemar_exact(10, 0) == mcnemar_exact(0, 10) == 2 / 1024
+    assert mcnemar_exact(1, 0) == mcnemar_exact(0, 0) == mcnemar_exact(4, 4) == 1.0
+    assert abs(mcnemar_exact(7, 1) - 2 * 9 / 256) < 1e-12
+    c = paired_change([True, True, False, False, True], [True, False, True, True, True])
+    assert (c["n"], c["gained"], c["lost"]) == (5, 2, 1) and abs(c["diff"] - 0.2) < 1e-12
+    with pytest.raises(ValueError, match="same items"):
+        paired_change([True], [True, False])
+    before = [{"source": "a", "id": "1", "label": "benign", "refused": True},
+              {"source": "a", "id": "2", "label": "benign", "refused": False},
+              {"source": "b", "id": "1", "label": "harmful", "refused": True},
+              {"source": "b", "id": "2", "label": "harmful", "refused": True},
+              {"source": "b", "id": "3", "label": "harmful", "refused": True}]
+    after = [dict(r) for r in before[:4]]
+    after[0]["refused"] = False  # a benign prompt now answered: compliance up
+    after[3]["refused"] = False  # a harmful prompt now answered: refusal down
+    out = paired_changes(before, after)
+    assert out["unmatched"] == 1  # b:3 is in one run only
+    a, b = out["datasets"]["a"]["benign"], out["datasets"]["b"]["harmful"]
+    assert (a["metric"], a["gained"], a["lost"], a["before"], a["after"]) == ("compliance", 1, 0, 0.5, 1.0)
+    assert (b["metric"], b["gained"], b["lost"], b["n"]) == ("refusal", 0, 1, 2)
+    assert out["datasets"]["all"]["harmful"]["n"] == 2
+
+
 def test_rejudge_rewrites_verdicts(tmp_path, tiny_lm):
     from aligntax.judges import get_judge
     from aligntax.runs import EvalConfig, run_eval

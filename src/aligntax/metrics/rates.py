@@ -73,3 +73,56 @@ def summarize_refusals(rows: Iterable[Mapping]) -> dict:
     summary = _block(rows)
     summary["datasets"] = {src: _block(rs) for src, rs in sorted(by_source.items())}
     return summary
+
+
+def mcnemar_exact(gained: int, lost: int) -> float:
+    """Two-sided exact McNemar p-value: the binomial test (p = 1/2) on the discordant pairs."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_change(before: Iterable[bool], after: Iterable[bool]) -> dict:
+    """The change of a rate measured twice on the same items (e.g. refusal without and with an
+    intervention): both rates, the difference, how many items turned true (``gained``) and false
+    (``lost``), and the exact McNemar p-value, which only the discordant items decide."""
+    before, after = [bool(x) for x in before], [bool(x) for x in after]
+    if len(before) != len(after):
+        raise ValueError(f"paired rates need the same items: {len(before)} before, {len(after)} after")
+    gained = sum(a and not b for b, a in zip(before, after, strict=True))
+    lost = sum(b and not a for b, a in zip(before, after, strict=True))
+    n = len(before)
+    rb, ra = (sum(before) / n, sum(after) / n) if n else (float("nan"), float("nan"))
+    return {"n": n, "before": rb, "after": ra, "diff": ra - rb, "gained": gained, "lost": lost,
+            "p_value": mcnemar_exact(gained, lost)}
+
+
+def paired_changes(before_rows: Iterable[Mapping], after_rows: Iterable[Mapping]) -> dict:
+    """Per source and overall, per label: the paired change of compliance (benign) and refusal
+    (harmful) between two runs over the same items, matched by (source, id). Items in only one run
+    are left out and counted under ``unmatched``."""
+    after = {(r["source"], r["id"]): r for r in after_rows}
+    pairs: dict[tuple[str, str], list[tuple[bool, bool]]] = defaultdict(list)
+    unmatched = 0
+    seen = set()
+    for r in before_rows:
+        key = (r["source"], r["id"])
+        seen.add(key)
+        if key not in after:
+            unmatched += 1
+            continue
+        harmful = r["label"] == "harmful"
+        flags = (bool(r["refused"]), bool(after[key]["refused"]))
+        flags = flags if harmful else (not flags[0], not flags[1])
+        for src in (r["source"], "all"):
+            pairs[(src, "harmful" if harmful else "benign")].append(flags)
+    unmatched += sum(key not in seen for key in after)
+    out: dict = {"unmatched": unmatched, "datasets": defaultdict(dict)}
+    for (src, label), fl in sorted(pairs.items()):
+        change = paired_change([b for b, _ in fl], [a for _, a in fl])
+        change["metric"] = "refusal" if label == "harmful" else "compliance"
+        out["datasets"][src][label] = change
+    out["datasets"] = dict(out["datasets"])
+    return out

@@ -136,6 +136,22 @@ def _cells(block: dict | None) -> dict[tuple[str, str], str]:
     return out
 
 
+def _paired(out: Path) -> dict:
+    """Per dataset (and "all") and label: the paired change between the unsteered and steered runs."""
+    from aligntax.metrics import paired_changes
+    from aligntax.runs.jsonl import read_jsonl
+
+    return paired_changes(read_jsonl(out / "baseline" / "samples.jsonl"),
+                          read_jsonl(out / "steered" / "samples.jsonl"))["datasets"]
+
+
+def fmt_change(change: dict) -> str:
+    """"+26.5 pt (38 up, 3 down; p < 0.001)"."""
+    p = change["p_value"]
+    p_text = "p < 0.001" if p < 0.001 else f"p = {p:.3f}" if p < 0.1 else f"p = {p:.2f}"
+    return f"{100 * change['diff']:+.1f} pt ({change['gained']} up, {change['lost']} down; {p_text})"
+
+
 def write_demo_report(out: Path, summary: dict) -> None:
     base, steered, best = summary["baseline"], summary["steered"], summary["best"]
     lines = ["# aligntax demo: energy landscape steering against over-refusal", "",
@@ -148,15 +164,21 @@ def write_demo_report(out: Path, summary: dict) -> None:
                   f"{best['harmful_refusal']:.3f}).", ""]
     else:
         lines += ["No ELS setting kept validation safety at the unsteered level; no steered run.", ""]
-    lines += ["| dataset | label | metric | unsteered | ELS |", "|---|---|---|---|---|"]
+    lines += ["| dataset | label | metric | unsteered | ELS | change, paired |", "|---|---|---|---|---|---|"]
     after_sets = (steered or {}).get("datasets", {})
+    changes = _paired(out) if steered else {}
     blocks = [(name, block, after_sets.get(name)) for name, block in base["datasets"].items()]
     blocks.append(("**all**", base, steered))
     for name, block, after in blocks:
         after_cells = _cells(after)
         for (label, metric), before in _cells(block).items():
-            lines.append(f"| {name} | {label} | {metric} | {before} | {after_cells.get((label, metric), '')} |")
+            change = changes.get("all" if name == "**all**" else name, {}).get(label)
+            paired = fmt_change(change) if change and change["metric"] == metric else ""
+            lines.append(f"| {name} | {label} | {metric} | {before} | {after_cells.get((label, metric), '')} "
+                         f"| {paired} |")
     timing_b, timing_s = base.get("timing", {}), (steered or {}).get("timing", {})
+    lines += ["", "The paired change compares the same prompts without and with ELS: prompts that turned "
+                  "compliant/refused (up) and back (down), and the exact McNemar p-value."]
     lines += ["", "Useful compliance counts a benign answer only when it is neither a refusal nor empty or looping "
                   "(`aligntax.metrics.degeneration`); the sweep selects settings by it."]
     lines += ["", f"Throughput (tokens/s): unsteered {timing_b.get('tokens_per_second')}, "
