@@ -144,16 +144,13 @@ def capture_alternatives(args) -> dict[str, tuple[int, int | None]]:
 
 
 def capture_arm(lm, prompts: list[str], layers: str, rows: int, budget: int | None):
-    from aligntax.activations import capture_ids, chat_ids
+    from aligntax.activations import capture
 
     first, last = (int(x) for x in layers.split("-"))
-    seqs, _ = chat_ids(lm, prompts)
-    seqs = sorted(seqs, key=len, reverse=True)  # as capture() orders them
-    pad = lm.tokenizer.pad_token_id or 0
 
     def run() -> dict:
         t = time.perf_counter()
-        capture_ids(lm.model, seqs, list(range(first, last + 1)), batch_size=rows, pad_id=pad, max_tokens=budget)
+        capture(lm, prompts, list(range(first, last + 1)), batch_size=rows, progress=False, max_tokens=budget)
         return {"seconds": time.perf_counter() - t}
     return run
 

@@ -107,13 +107,13 @@ def test_shared_prefix_cached_once_gives_the_prompts_logits():
     from aligntax.activations.capture import position_ids_from_mask
     from aligntax.generation.chat import build_messages, encode_chats, render_chat
     from aligntax.generation.generate import greedy_decode
-    from aligntax.generation.prefix import prefix_cache, shared_prefix_len
+    from aligntax.generation.prefix import common_prefix_len, prefix_cache, unpadded
 
     lm = byte_tiny_lm("qwen2", layers=2)
     texts = [render_chat(lm.tokenizer, build_messages(p, "Be brief.")) for p in PROMPTS]
     enc = encode_chats(lm.tokenizer, texts, "cpu")
     ids, mask = enc["input_ids"], enc["attention_mask"]
-    prefix = shared_prefix_len(ids, mask)
+    prefix = common_prefix_len(unpadded(ids, mask))
     shared = lm.tokenizer(render_chat(lm.tokenizer, build_messages("", "Be brief.")), add_special_tokens=False)
     assert prefix >= 10 and prefix <= len(shared["input_ids"])  # the system turn and the user tag
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_shared_prefix_cached_once_gives_the_prompts_logits():
         split = lm.model(input_ids=rest, attention_mask=both, position_ids=position_ids_from_mask(both)[:, prefix:],
                          cache=cache).logits[:, -1]
     torch.testing.assert_close(split, full, rtol=1e-4, atol=1e-4)
-    assert shared_prefix_len(ids[:1], mask[:1]) == int(mask[0].sum()) - 1  # one row: all but its last token
+    assert common_prefix_len(unpadded(ids[:1], mask[:1])) == int(mask[0].sum()) - 1  # one row: all but its last token
     eos = {lm.tokenizer.eos_token_id}
     cache, rest, rest_mask = prefix_cache(lm.model, ids, mask, prefix)
     assert greedy_decode(lm.model, rest, rest_mask, 6, eos, cache=cache, cached=prefix) == \

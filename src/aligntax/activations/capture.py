@@ -133,7 +133,6 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
     try:
         for span in tqdm(length_batches([len(s) for s in seqs], batch_size, max_tokens), disable=not progress,
                          desc=desc, unit="batch"):
-            start = span.start
             batch, bp = seqs[span.start:span.stop], plens[span.start:span.stop]
             ids, mask = pad_left(batch, pad_id, device)
             current.clear()
@@ -165,10 +164,10 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
                         picked.append(h[i, off + p:width])
                 out[layer].append(torch.cat(picked).cpu())
             if position == "response":
-                rows.append(torch.cat([torch.full((len(s) - p,), start + i, dtype=torch.long)
+                rows.append(torch.cat([torch.full((len(s) - p,), span.start + i, dtype=torch.long)
                                        for i, (s, p) in enumerate(zip(batch, bp, strict=True))]))
             else:
-                rows.append(torch.arange(start, start + len(batch)))
+                rows.append(torch.arange(span.start, span.stop))
     finally:
         for h in handles:
             h.remove()
@@ -200,12 +199,12 @@ def chat_ids(lm, prompts: Sequence[str | list[dict]], system: str | None = None,
 def capture(lm, prompts: Sequence[str | list[dict]], layers: int | str | Sequence[int] = "all",
             position: str = "last", system: str | None = None, batch_size: int = 32,
             responses: Sequence[str] | None = None, progress: bool = True, intervention=None,
-            return_index: bool = False):
+            return_index: bool = False, max_tokens: int | None = CAPTURE_BATCH_TOKENS):
     """Residual stream entering ``layers`` of ``lm`` for chat prompts: ``{layer: float32 [N, d]}``.
 
     Uses the tokenizer's chat template (with ``system`` and the intervention's message changes, if any).
     For ``position='response'`` the result has one row per response token; pass ``return_index=True``
-    to also get the prompt index of each row.
+    to also get the prompt index of each row. ``max_tokens``: padded tokens per batch (:func:`capture_ids`).
     """
     if position == "response" and responses is None:
         raise AligntaxError("position='response' needs the responses.")
@@ -214,7 +213,7 @@ def capture(lm, prompts: Sequence[str | list[dict]], layers: int | str | Sequenc
     # Sort by length so batches carry little padding, then restore the input order.
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
     acts, rows = capture_ids(lm.model, [seqs[i] for i in order], layers, position,
-                             [plens[i] for i in order], batch_size, pad, progress)
+                             [plens[i] for i in order], batch_size, pad, progress, max_tokens=max_tokens)
     order_t = torch.tensor(order, dtype=torch.long)
     orig_rows = order_t[rows] if len(rows) else rows
     if position == "response":

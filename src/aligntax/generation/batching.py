@@ -26,14 +26,13 @@ def length_batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None
         raise AligntaxError(f"batch size must be at least 1; got {max_rows}.")
     if max_tokens is not None and max_tokens < 1:
         raise AligntaxError(f"max_tokens must be at least 1 or None; got {max_tokens}.")
-    spans, start, longest = [], 0, 0
-    for i, n in enumerate(lengths):
+    spans, start, longest = [], 0, 0  # the open batch: lengths[start:i], its longest item
+    for i, n in enumerate(map(int, lengths)):
         rows = i - start
-        wider = max(longest, int(n))
-        if rows and (rows >= max_rows or (max_tokens is not None and (rows + 1) * wider > max_tokens)):
+        if rows and (rows >= max_rows or (max_tokens is not None and (rows + 1) * max(longest, n) > max_tokens)):
             spans.append(range(start, i))
-            start, wider = i, int(n)
-        longest = wider
+            start, longest = i, 0
+        longest = max(longest, n)
     if start < len(lengths):
         spans.append(range(start, len(lengths)))
     return spans

@@ -38,11 +38,6 @@ def unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list
     return [input_ids[i, width - n:].tolist() for i, n in enumerate(attention_mask.sum(1).tolist())]
 
 
-def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
-    """:func:`common_prefix_len` of the rows of a left-padded batch."""
-    return common_prefix_len(unpadded(input_ids, attention_mask))
-
-
 def usable_prefix(model, seqs: Sequence[Sequence[int]], prefix_free: bool, new_tokens: int = 0) -> int:
     """How many leading tokens of ``seqs`` to compute once, apart (:func:`common_prefix_len`): 0 when
     the hooks at work need the prefix's states (``prefix_free`` False) or the model's attention window

@@ -9,6 +9,13 @@ def fmt_rate(value: float, ci: list[float] | tuple[float, float]) -> str:
     return f"{100 * value:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
 
 
+def fmt_change(change: dict) -> str:
+    """A paired change (:func:`aligntax.metrics.paired_change`): "+26.5 pt (38 up, 3 down; p < 0.001)"."""
+    p = change["p_value"]
+    p_text = "p < 0.001" if p < 0.001 else f"p = {p:.3f}" if p < 0.1 else f"p = {p:.2f}"
+    return f"{100 * change['diff']:+.1f} pt ({change['gained']} up, {change['lost']} down; {p_text})"
+
+
 def eval_table(results: dict) -> str:
     """One row per dataset and label: n, the rate that matters for that label, and its 95% interval."""
     lines = ["| dataset | label | n | metric | rate [95% CI] |", "|---|---|---:|---|---|"]

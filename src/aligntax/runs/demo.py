@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aligntax.models.spec import DEFAULT_MODEL
-from aligntax.reports.markdown import fmt_rate
+from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
 
@@ -143,13 +143,6 @@ def _paired(out: Path) -> dict:
 
     return paired_changes(read_jsonl(out / "baseline" / "samples.jsonl"),
                           read_jsonl(out / "steered" / "samples.jsonl"))["datasets"]
-
-
-def fmt_change(change: dict) -> str:
-    """"+26.5 pt (38 up, 3 down; p < 0.001)"."""
-    p = change["p_value"]
-    p_text = "p < 0.001" if p < 0.001 else f"p = {p:.3f}" if p < 0.1 else f"p = {p:.2f}"
-    return f"{100 * change['diff']:+.1f} pt ({change['gained']} up, {change['lost']} down; {p_text})"
 
 
 def write_demo_report(out: Path, summary: dict) -> None:
