@@ -168,3 +168,26 @@ def test_failed_batch_is_retried_per_request(lm):
     assert isinstance(res[1][0], Finished) and isinstance(res[2][0], Finished)
     assert engine.alive
     engine.shutdown()
+
+
+def test_finished_requests_leave_the_batch(lm):
+    """A request that ends leaves the batch: later forwards run on the rows still answering, and
+    the others' answers are those they get alone."""
+    ids = _ids(lm, "Tell me a story")
+    short, long = SamplingParams(max_tokens=2, temperature=0), SamplingParams(max_tokens=9, temperature=0)
+    alone_engine = BatchEngine(lm, None)
+    alone = _run(alone_engine, [Job(ids, long)])[0][0].text
+    alone_engine.shutdown()
+    rows: list[int] = []
+    handle = lm.model.register_forward_pre_hook(lambda mod, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                                with_kwargs=True)
+    try:
+        engine = BatchEngine(lm, None, batch_wait_ms=50)
+        res = _run(engine, [Job(ids, short), Job(ids, long), Job(ids, short)], pause=True)
+        engine.shutdown()
+    finally:
+        handle.remove()
+    assert [ev.completion_tokens for ev, _ in res] == [2, 9, 2]
+    assert res[1][0].text == alone
+    # the shared prefix (one row), the prefill and the second step with three rows, then one row
+    assert rows == [1, 3, 3] + [1] * 7

@@ -16,7 +16,8 @@ In float32 it gives ``model.generate``'s tokens (tested); in bf16 a shrinking ba
 computed apart round differently, as another batch composition would. Sampling, decoding without
 the KV cache, and models whose generation config changes greedy choices (repetition penalty, banned
 words, ...) use ``model.generate``; ``GenerationConfig(drop_finished=False)`` asks for it too, and
-``share_prefix=False`` keeps the own loop's prefill whole.
+``share_prefix=False`` keeps the own loop's prefill whole. The server's engine runs the same loop
+(:func:`decode_loop`) with its own per-request token choice and stopping rules.
 """
 
 from __future__ import annotations
@@ -94,15 +95,20 @@ def eos_token_ids(lm) -> set[int]:
 
 
 @torch.no_grad()
-def greedy_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                  eos_ids: set[int], ctx: SteerContext | None = None, cache=None,
-                  cached: int = 0) -> list[list[int]]:
-    """Greedy decoding with the KV cache, left padding and position ids from the mask, as
-    ``model.generate`` does, except that a row leaves the batch as soon as it produces an end token:
-    its KV cache, mask and steering-context rows (:meth:`SteerContext.keep_rows`) go with it, so the
-    steps that follow run on the rows still answering. ``cache`` may already hold ``cached`` tokens of
-    every row (a shared prefix, :func:`prefix_cache`); ``input_ids`` then continue it. Returns each
-    row's new tokens, end token included (as ``generate`` would, without the padding after it)."""
+def decode_loop(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                eos_ids: set[int], ctx: SteerContext | None = None, cache=None, cached: int = 0,
+                choose=None, ended=None) -> list[list[int]]:
+    """Decoding with the KV cache, left padding and position ids from the mask, as ``model.generate``
+    does, except that a row leaves the batch as soon as it ends: its KV cache, mask and steering-context
+    rows (:meth:`SteerContext.keep_rows`) go with it, so the steps that follow run on the rows still
+    answering. ``cache`` may already hold ``cached`` tokens of every row (a shared prefix,
+    :func:`prefix_cache`); ``input_ids`` then continue it.
+
+    Each step, ``choose(logits, alive)`` picks the next token of every row still in the batch
+    (``logits`` ``[rows, vocab]``; ``alive`` the rows' original indices, on the CPU; default: the argmax,
+    greedy decoding) and ``ended(alive, tokens, step)`` says which of them end with that token (bool
+    ``[rows]``; default: an end token of ``eos_ids``). Returns each row's new tokens, its last one
+    included (as ``generate`` would, without the padding after it)."""
     from transformers import DynamicCache
 
     batch = input_ids.shape[0]
@@ -110,19 +116,23 @@ def greedy_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     if max_new_tokens <= 0 or batch == 0:
         return out
     cache = DynamicCache(config=model.config) if cache is None else cache
-    eos = torch.tensor(sorted(eos_ids), device=input_ids.device)
+    if ended is None:
+        eos = torch.tensor(sorted(eos_ids), device=input_ids.device)
+
+        def ended(alive, tokens, step):
+            return torch.isin(tokens, eos)
     alive = torch.arange(batch)  # original row of each row still in the batch
     mask, pos = prefixed_inputs(attention_mask, cached)
     ids = input_ids
     for step in range(max_new_tokens):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                        logits_to_keep=1).logits[:, -1, :]
-        nxt = logits.argmax(-1)
+        nxt = logits.argmax(-1) if choose is None else choose(logits, alive)
         for row, token in zip(alive.tolist(), nxt.tolist(), strict=True):
             out[row].append(token)
+        running = ~ended(alive, nxt, step).to(nxt.device)
         if step == max_new_tokens - 1:
             break
-        running = ~torch.isin(nxt, eos)
         if not bool(running.all()):
             keep = running.nonzero().view(-1)
             if keep.numel() == 0:
@@ -137,20 +147,28 @@ def greedy_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     return out
 
 
+def greedy_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                  eos_ids: set[int], ctx: SteerContext | None = None, cache=None,
+                  cached: int = 0) -> list[list[int]]:
+    """Greedy :func:`decode_loop`: the argmax each step, a row ending at an end token of ``eos_ids``."""
+    return decode_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, ctx, cache, cached)
+
+
 def decode_batch(model, enc: dict, intervention: Intervention, max_new_tokens: int, eos_ids: set[int],
                  rows: torch.Tensor | None = None, strength: torch.Tensor | None = None,
-                 share_prefix: bool = True) -> tuple[list[list[int]], SteerContext]:
-    """One left-padded batch (``input_ids``, ``attention_mask``) through :func:`greedy_decode` inside the
-    intervention's ``attach``: the prefix its rows share is computed first, once and without the
-    hooks, when the intervention is prefix-free (and ``share_prefix``). Returns each row's new tokens
-    and the batch's :class:`SteerContext` (its stats)."""
+                 share_prefix: bool = True, choose=None, ended=None) -> tuple[list[list[int]], SteerContext]:
+    """One left-padded batch (``input_ids``, ``attention_mask``) through :func:`decode_loop` (greedy
+    unless ``choose`` / ``ended`` say otherwise) inside the intervention's ``attach``: the prefix its
+    rows share is computed first, once and without the hooks, when the intervention is prefix-free
+    (and ``share_prefix``). Returns each row's new tokens and the batch's :class:`SteerContext` (its
+    stats)."""
     ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
     prefix = usable_prefix(model, unpadded(ids, mask), share_prefix and intervention.prefix_free, max_new_tokens)
     if prefix:
         cache, ids, mask = prefix_cache(model, ids, mask, prefix)
     ctx = SteerContext(prompt_len=ids.shape[1], rows=rows, strength=strength)
     with torch.no_grad(), intervention.attach(model, ctx):
-        return greedy_decode(model, ids, mask, max_new_tokens, eos_ids, ctx, cache, prefix), ctx
+        return decode_loop(model, ids, mask, max_new_tokens, eos_ids, ctx, cache, prefix, choose, ended), ctx
 
 
 def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: Intervention,

@@ -1,19 +1,20 @@
 """The batching engine: one worker thread owns the model and generates queued requests together.
 
 Requests (:class:`Job`) enter a thread-safe queue. The worker takes the first one, waits at most
-``batch_wait_ms`` for more (up to ``max_batch_size``), and runs them as one left-padded
-``model.generate`` call inside the intervention's ``attach`` context. Everything that differs between
-requests is handled per row, so any mix of requests shares a batch:
+``batch_wait_ms`` for more (up to ``max_batch_size``), and decodes them as one left-padded batch with
+the KV cache inside the intervention's ``attach`` context (:func:`aligntax.generation.generate.decode_batch`):
+a request leaves the batch as soon as it ends, and the prompt prefix all requests share (the chat
+template's system turn) is computed once when the intervention is prefix-free. Everything that
+differs between requests is handled per row, so any mix of requests shares a batch:
 
 - steering: ``SteerContext.rows`` / ``.strength`` are per-row tensors (unsteered rows get strength 0);
-- sampling: :class:`_RowSampler`, a logits processor, picks each row's token itself (greedy, or
-  temperature / top-p sampling, with a private generator for seeded rows) and hands ``generate`` a
-  one-hot score row, so ``generate`` runs greedy and merely takes that choice;
-- length, eos, stop strings, streaming and cancellation: :class:`_BatchController`, a stopping
-  criterion called once per step with the new tokens. It checks eos and per-row ``max_tokens`` with
-  tensor ops over the whole batch; only rows that stream or have stop strings are decoded each step
-  (incrementally, so multi-byte characters are never split), and their text goes to each request's
-  asyncio queue with one ``call_soon_threadsafe`` per step and event loop.
+- sampling: :class:`_RowSampler` picks each row's token (greedy, or temperature / top-p sampling,
+  with a private generator for seeded rows); the model's own generation config plays no part;
+- length, eos, stop strings, streaming and cancellation: :class:`_BatchController`, called once per
+  step with the new tokens of the rows still in the batch. It checks eos and per-row ``max_tokens``
+  with tensor ops; only rows that stream or have stop strings are decoded each step (incrementally,
+  so multi-byte characters are never split), and their text goes to each request's asyncio queue
+  with one ``call_soon_threadsafe`` per step and event loop. The rows it ends leave the batch.
 
 A batch that raises is retried one request at a time (requests that already streamed text are failed
 instead), so one bad request fails alone and the worker never dies.
@@ -30,15 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
 
-from aligntax.generation.generate import eos_token_ids
-from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
+from aligntax.generation.generate import decode_batch, eos_token_ids
+from aligntax.interventions.base import Intervention, NoIntervention
 from aligntax.serve.metrics import ServeMetrics
 
 log = logging.getLogger("aligntax.serve")
@@ -214,39 +209,9 @@ class _RowText:
         self.stop = StopMatcher(stops)
 
 
-# generate() fills every unset option from model.generation_config (a Hub model may ship
-# repetition_penalty, top_k, ...). The server samples itself, OpenAI style, so these are pinned to
-# their neutral values.
-_NEUTRAL_KEYS = (
-    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
-    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens", "suppress_tokens",
-    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "sequence_bias",
-    "exponential_decay_length_penalty", "guidance_scale", "stop_strings", "watermarking_config",
-    "renormalize_logits", "remove_invalid_values", "dola_layers", "prompt_lookup_num_tokens",
-    "num_return_sequences", "num_beams", "num_beam_groups", "diversity_penalty", "length_penalty",
-    "max_length", "low_memory",
-)
-
-
-def neutral_generation_kwargs() -> dict:
-    from transformers import GenerationConfig
-
-    fresh = GenerationConfig()
-    defaults = {}
-    getter = getattr(GenerationConfig, "_get_default_generation_params", None)
-    if callable(getter):
-        defaults = getter()
-    out = {}
-    for key in _NEUTRAL_KEYS:
-        if hasattr(fresh, key):
-            out[key] = defaults.get(key, getattr(fresh, key))
-    out.update(do_sample=False, num_beams=1, num_return_sequences=1, max_length=None)
-    return {k: v for k, v in out.items() if hasattr(fresh, k)}
-
-
-class _RowSampler(LogitsProcessor):
-    """Logits processor choosing every row's next token itself; generate() then runs greedy."""
+class _RowSampler:
+    """Chooses the next token of every row still in the batch: the argmax for greedy requests, else a
+    draw at the request's temperature and top-p (from its own generator when it gave a seed)."""
 
     def __init__(self, jobs: Sequence[Job], device):
         ps = [j.params for j in jobs]
@@ -255,35 +220,35 @@ class _RowSampler(LogitsProcessor):
                                   device=device).unsqueeze(1)
         self.top_p = torch.tensor([p.top_p for p in ps], device=device).unsqueeze(1)
         self.use_top_p = any(p.top_p < 1.0 and not p.greedy for p in ps)
-        self.seeded = [(i, torch.Generator(device=device).manual_seed(p.seed))
-                       for i, p in enumerate(ps) if p.seed is not None and not p.greedy]
+        self.seeded = {i: torch.Generator(device=device).manual_seed(p.seed)
+                       for i, p in enumerate(ps) if p.seed is not None and not p.greedy}
         self.all_greedy = all(p.greedy for p in ps)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """Next tokens ``[rows]`` from ``logits`` ``[rows, vocab]`` of the original rows ``alive``."""
         if self.all_greedy:
-            return scores
-        scores = scores.float()
-        probs = torch.softmax(scores / self.temps, dim=-1)
+            return logits.argmax(-1)
+        rows = alive.to(logits.device)
+        scores = logits.float()
+        probs = torch.softmax(scores / self.temps[rows], dim=-1)
         if self.use_top_p:
             sorted_p, order = probs.sort(dim=-1, descending=True)
-            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > self.top_p, 0.0)
+            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > self.top_p[rows], 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         choice = torch.multinomial(probs, 1).squeeze(1)
-        for i, gen in self.seeded:
-            choice[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
-        choice = torch.where(self.greedy, scores.argmax(-1), choice)
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, choice.unsqueeze(1), 0.0)
+        for k, row in enumerate(alive.tolist()):
+            if row in self.seeded:
+                choice[k] = torch.multinomial(probs[k], 1, generator=self.seeded[row])[0]
+        return torch.where(self.greedy[rows], scores.argmax(-1), choice)
 
 
-class _BatchController(StoppingCriteria):
-    """Stopping criterion run once per step: eos, per-row max_tokens, stop strings, streaming, cancels."""
+class _BatchController:
+    """Run once per step on the rows still in the batch: eos, per-row max_tokens, stop strings,
+    streaming, cancels. Returns which of those rows end now (they then leave the batch)."""
 
-    def __init__(self, engine: BatchEngine, jobs: list[Job], prompt_len: int, device):
+    def __init__(self, engine: BatchEngine, jobs: list[Job], device):
         self.engine = engine
         self.jobs = jobs
-        self.prompt_len = prompt_len
-        self.done = torch.zeros(len(jobs), dtype=torch.bool, device=device)
         self.max_new = torch.tensor([j.params.max_tokens for j in jobs], device=device)
         self.eos = torch.tensor(engine.eos_ids or [-1], device=device)
         self.eos_set = set(engine.eos_ids)
@@ -292,33 +257,37 @@ class _BatchController(StoppingCriteria):
         self.text = {i: _RowText(engine.tokenizer, j.params.stop)
                      for i, j in enumerate(jobs) if j.stream or j.params.stop}
         self.finished = [False] * len(jobs)
-        self.last_ids: torch.Tensor | None = None
+        self.tokens: list[list[int]] = [[] for _ in jobs]
 
     # -- per step -------------------------------------------------------------------------------
-    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
-        self.step += 1
-        self.last_ids = input_ids
-        t = self.step
-        last = input_ids[:, -1]
-        active = ~self.done
-        hit_eos = torch.isin(last, self.eos) & active
-        ending = hit_eos | ((self.max_new <= t) & active)
-        # Host syncs first, outside the tokenizer lock: the new tokens only when some row needs text
-        # now, and the (usually empty) list of rows that end at this step.
-        live = [i for i in self.text if not self.finished[i]]
-        toks = last.tolist() if live else None
-        ending_rows = ending.nonzero().flatten().tolist()
-        eos_rows = set(hit_eos.nonzero().flatten().tolist()) if ending_rows else set()
+    def __call__(self, alive: torch.Tensor, new: torch.Tensor, step: int) -> torch.Tensor:
+        self.step = t = step + 1
+        rows = alive.tolist()
+        toks = new.tolist()
+        for i, tok in zip(rows, toks, strict=True):
+            self.tokens[i].append(tok)
+        hit_eos = torch.isin(new, self.eos)
+        ending = hit_eos | (self.max_new[alive.to(new.device)] <= t)
+        # Host syncs first, outside the tokenizer lock: the (usually empty) list of rows that end now.
+        ending_at = ending.nonzero().flatten().tolist()
+        ending_rows = [rows[k] for k in ending_at]
+        eos_rows = {rows[k] for k in hit_eos.nonzero().flatten().tolist()} if ending_at else set()
+        live = [i for i in rows if i in self.text and not self.finished[i]]
         cancels = self.engine.cancel_epoch != self.cancel_epoch
-        if not (live or ending_rows or cancels):
-            return self.done.clone()
+        if live or ending_rows or cancels:
+            self._step_events(live, ending_rows, eos_rows, cancels, t)
+        return torch.tensor([self.finished[i] for i in rows], device=new.device)
+
+    def _step_events(self, live: list[int], ending_rows: list[int], eos_rows: set[int], cancels: bool,
+                     t: int) -> None:
         out = _Outbox()
         with self.engine.tokenizer_lock:
             for i in live:
-                if toks[i] in self.eos_set:
+                tok = self.tokens[i][-1]
+                if tok in self.eos_set:
                     continue  # finished below
                 row = self.text[i]
-                emit, stopped = row.stop.feed(row.detok.push(toks[i]))
+                emit, stopped = row.stop.feed(row.detok.push(tok))
                 if emit and self.jobs[i].stream:
                     self.jobs[i].emitted = True
                     out.put(self.jobs[i], Delta(emit))
@@ -334,8 +303,6 @@ class _BatchController(StoppingCriteria):
                     eos = i in eos_rows
                     self._finish(i, "stop" if eos else "length", t, out, eos=eos)
         out.flush()
-        self.done = torch.tensor(self.finished, device=self.done.device)
-        return self.done.clone()
 
     def _finish(self, i: int, reason: str, n_generated: int, out: _Outbox, eos: bool = False) -> None:
         """Complete row i (caller holds the tokenizer lock)."""
@@ -354,9 +321,7 @@ class _BatchController(StoppingCriteria):
                     out.put(job, Delta(emit))
             text = row.stop.text
         else:
-            assert self.last_ids is not None
-            n = n_generated - (1 if eos else 0)
-            ids = self.last_ids[i, self.prompt_len:self.prompt_len + n].tolist()
+            ids = self.tokens[i][:n_generated - (1 if eos else 0)]
             text = self.engine.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
         job.done = True
         self.engine.metrics.record_tokens(len(job.prompt_ids), n_generated)
@@ -364,16 +329,15 @@ class _BatchController(StoppingCriteria):
                               completion_tokens=n_generated))
 
     def finish_rest(self) -> None:
-        """After generate() returned: complete any row it stopped without us (should not happen)."""
+        """After decoding: complete any row that stopped without us (should not happen)."""
         out = _Outbox()
         with self.engine.tokenizer_lock:
             for i in range(len(self.jobs)):
                 if not self.finished[i] and not self.jobs[i].cancelled:
-                    if self.last_ids is None:
+                    if not self.tokens[i]:
                         raise RuntimeError("generation produced no tokens")
-                    last = int(self.last_ids[i, -1])
-                    eos = last in self.eos_set
-                    self._finish(i, "stop" if eos else "length", self.step, out, eos=eos)
+                    eos = self.tokens[i][-1] in self.eos_set
+                    self._finish(i, "stop" if eos else "length", len(self.tokens[i]), out, eos=eos)
         out.flush()
 
 
@@ -401,7 +365,6 @@ class BatchEngine:
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.tokenizer_lock = threading.Lock()
         self.cancel_epoch = 0
-        self._gen_kwargs = neutral_generation_kwargs()
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
         self._held: list[Job] = []  # taken from the queue but left for the next batch (mix_steered=False)
         self._waiting: Job | None = None  # taken from the queue while the engine is paused
@@ -580,25 +543,14 @@ class BatchEngine:
             input_ids[i, prompt_len - k:] = torch.tensor(job.prompt_ids, dtype=torch.long)
             attention[i, prompt_len - k:] = 1
         steered = any(j.steer for j in jobs)
-        ctx = SteerContext(
-            prompt_len=prompt_len,
-            rows=torch.tensor([j.steer for j in jobs]),
-            strength=torch.tensor([float(j.strength) if j.steer else 0.0 for j in jobs]),
-        )
-        controller = _BatchController(self, jobs, prompt_len, device)
-        sampler = _RowSampler(jobs, device)
-        kwargs = dict(self._gen_kwargs)
-        kwargs.update(
-            max_new_tokens=max(j.params.max_tokens for j in jobs), use_cache=True,
-            pad_token_id=self.pad_id, eos_token_id=self.eos_ids or None,
-            stopping_criteria=StoppingCriteriaList([controller]),
-        )
-        if not sampler.all_greedy:
-            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+        controller = _BatchController(self, jobs, device)
         now = time.perf_counter()
         self.metrics.record_batch(n, steered=sum(j.steer for j in jobs),
                                   queue_wait_s=sum(now - j.enqueued_at for j in jobs))
         intervention = self.intervention if steered else NoIntervention()
-        with torch.no_grad(), intervention.attach(model, ctx):
-            model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
+        enc = {"input_ids": input_ids.to(device), "attention_mask": attention.to(device)}
+        decode_batch(model, enc, intervention, max(j.params.max_tokens for j in jobs), set(self.eos_ids),
+                     rows=torch.tensor([j.steer for j in jobs]),
+                     strength=torch.tensor([float(j.strength) if j.steer else 0.0 for j in jobs]),
+                     choose=_RowSampler(jobs, device), ended=controller)
         controller.finish_rest()
