@@ -45,9 +45,9 @@ def energy_models(seed=1, layers=(1, 2)):
     return out
 
 
-def els(eta=1.0, steps=3, **kw):
+def els(eta=1.0, steps=3, layers=(1, 2), **kw):
     kw.setdefault("scale_by_norm", False)
-    return EnergySteering(energy_models(), eta=eta, steps=steps, **kw)
+    return EnergySteering(energy_models(layers=layers), eta=eta, steps=steps, **kw)
 
 
 def forward_with(lm, prompts, intervention, rows=None, layers=None):
@@ -473,40 +473,48 @@ def test_bf16_eta_zero_identical():
 
 # ---- harm gate -------------------------------------------------------------------------------------------
 def _split_gate(lm, layer=1):
-    """A gate at ``layer`` that holds back exactly two of the four PROMPTS (rows 0..3)."""
+    """A gate at ``layer`` (or the mean of one probe per layer of a list) that holds back exactly two
+    of the four PROMPTS (rows 0..3)."""
     from aligntax.energy.gate import HarmGate
 
-    h = capture(lm, PROMPTS, [layer], progress=False)[layer]
+    layers = [layer] if isinstance(layer, int) else list(layer)
+    states = capture(lm, PROMPTS, layers, progress=False)
+    h = torch.stack([states[x] for x in layers], dim=1)  # [4, L, H]
     torch.manual_seed(3)
-    w = torch.randn(H)
+    w = torch.randn(len(layers), H)
     mu, sc = h.mean(0), h.std(0)
-    s = ((h - mu) / sc) @ w
+    s = (((h - mu) / sc) * w).sum(-1).mean(-1)
     srt = s.sort().values
-    gate = HarmGate(layer, w, -float(srt[1] + srt[2]) / 2, mu, sc, fingerprint=lm.fingerprint)
-    return gate, (s > (srt[1] + srt[2]) / 2)
+    cut = float(srt[1] + srt[2]) / 2
+    gate = HarmGate(layers, w, torch.full((len(layers),), -cut), mu, sc, fingerprint=lm.fingerprint)
+    return gate, (s > cut)
 
 
-def test_harm_gate_holds_back_rows(lm):
-    gate, held = _split_gate(lm)
+@pytest.mark.parametrize("layer,steer", [(1, (1, 2)), ([1, 2], (2,))])
+def test_harm_gate_holds_back_rows(lm, layer, steer):
+    """Held rows are exactly unsteered; for a gate of several layers too (it reads the earlier ones and
+    decides at the last, before steering)."""
+    gate, held = _split_gate(lm, layer)
     assert int(held.sum()) == 2
     tok0, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
-    _, log_all, _, _ = run_steered(lm, PROMPTS, els(eta=2.0))
+    _, log_all, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, layers=steer))
     for use_cache in (True, False):
-        _, log_g, ctx, _ = run_steered(lm, PROMPTS, els(eta=2.0, gate=gate), use_cache=use_cache)
+        _, log_g, ctx, _ = run_steered(lm, PROMPTS, els(eta=2.0, layers=steer, gate=gate), use_cache=use_cache)
         for i in range(4):  # held rows are exactly unsteered, the others exactly steered
             ref = log0[i] if held[i] else log_all[i]
             torch.testing.assert_close(log_g[i], ref, rtol=0, atol=1e-5 if use_cache else 1e-4)
         assert ctx.stats["els_gate"]["held"] == 2
     assert not torch.equal(log_all, log0)
     # a gate threshold above every probability holds nothing back; one near 0 holds back every row
-    _, log_none, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, gate=gate, gate_threshold=1 - 1e-9))
-    _, log_every, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, gate=gate, gate_threshold=1e-9))
+    _, log_none, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, layers=steer, gate=gate, gate_threshold=1 - 1e-9))
+    _, log_every, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, layers=steer, gate=gate, gate_threshold=1e-9))
     assert torch.equal(log_none, log_all) and torch.equal(log_every, log0)
 
 
-def test_unsteered_rows_are_the_gate_held_rows(lm):
-    gate, held = _split_gate(lm)
-    assert els(eta=2.0, gate=gate).unsteered_rows(lm, PROMPTS) == held.tolist()
+@pytest.mark.parametrize("layer,steer", [(1, (1, 2)), ([1, 2], (2,))])
+def test_unsteered_rows_are_the_gate_held_rows(lm, layer, steer):
+    gate, held = _split_gate(lm, layer)
+    assert els(eta=2.0, layers=steer, gate=gate).unsteered_rows(lm, PROMPTS) == held.tolist()
     assert els(eta=2.0).unsteered_rows(lm, PROMPTS) is None  # without a gate any row may be steered
     assert NoIntervention().unsteered_rows(lm, PROMPTS) is None
 
@@ -700,12 +708,12 @@ def test_train_harm_gate_and_files(lm, bank_dir, tmp_path):
     shutil.copytree(bank_dir, d)
     with pytest.raises(AligntaxError, match="no harm gate"):
         EnergySteering.from_dir(d, lm, gate=True)
-    gate.layer = 0  # before every bank layer
+    gate = HarmGate(0, gate.weight, gate.bias, gate.mean, gate.scale, fingerprint=lm.fingerprint)  # before every bank layer
     gate.save(d)
     back = HarmGate.load(d)
-    assert torch.equal(back.weight, gate.weight) and back.layer == 0
+    assert torch.equal(back.weight, gate.weight) and back.layers == [0] and back.layer == 0
     st = EnergySteering.from_dir(d, lm, gate=0.7)
-    assert st.gate_threshold == 0.7 and st.config()["gate"] == {"layer": 0, "threshold": 0.7}
+    assert st.gate_threshold == 0.7 and st.config()["gate"] == {"layers": [0], "threshold": 0.7}
     other = tiny_lm("qwen2", hidden=H, layers=3, seed=5)
     with pytest.raises(CompatibilityError):
         HarmGate.load(d, expect_fingerprint=other.fingerprint)
@@ -737,3 +745,49 @@ def test_from_dir_takes_the_tuned_setting(lm, bank_dir, tmp_path):
     assert len(EnergySteering.from_dir(d, lm, top_k=2).models) == 2
     assert sorted(EnergySteering.from_dir(d, lm, layers=[EnergyBank.load(d).layers[0]]).models) == \
         [EnergyBank.load(d).layers[0]]
+
+
+def test_harm_gate_ensemble_of_layers(lm, tmp_path):
+    """Two layers that each carry a noisy copy of the signal: the mean of their probes' logits is more
+    accurate out of fold than either alone, so the ensemble is kept when asked for; its logit is the
+    mean of the per-layer logits, and it survives a save and load. A gate file of the
+    one-layer format (bias in the sidecar) still loads."""
+    import json
+
+    from aligntax.energy.gate import HarmGate, train_harm_gate
+
+    torch.manual_seed(1)
+    n = 600
+    y = torch.arange(n) % 2 == 0
+    sig = y.float() * 2 - 1
+    direction = torch.randn(H)
+    direction /= direction.norm()
+    acts = {layer: torch.randn(n, H) + 1.2 * (sig + torch.randn(n))[:, None] * direction for layer in (0, 1)}
+    gate = train_harm_gate(acts, y, seed=0, recall=0.95, fingerprint=lm.fingerprint, ensemble=True)
+    scores, passed = gate.info["candidate_scores"], gate.info["candidate_benign_passed_at_threshold"]
+    assert gate.layers == [0, 1] and gate.layer == 1
+    assert scores["ensemble"] > max(scores["0"], scores["1"]) and passed["ensemble"] > max(passed["0"], passed["1"])
+    assert gate.info["cv_at_threshold"]["benign_passed"] == pytest.approx(passed["ensemble"], abs=1e-6)
+    single = [HarmGate(layer, gate.weight[i], gate.bias[i], gate.mean[i], gate.scale[i]) for i, layer in enumerate((0, 1))]
+    x = gate.stack(acts)
+    assert x.shape == (n, 2, H)
+    torch.testing.assert_close(gate.logit(x), (single[0].logit(acts[0]) + single[1].logit(acts[1])) / 2)
+    assert train_harm_gate(acts, y, seed=0, recall=0.95).info["ensemble_val"] is None  # off by default
+    with pytest.raises(AligntaxError, match="no states for"):
+        gate.stack({0: acts[0]})
+    gate.save(tmp_path / "g")
+    back = HarmGate.load(tmp_path / "g", expect_fingerprint=lm.fingerprint, expect_hidden_size=H)
+    assert back.layers == [0, 1] and torch.equal(back.logit(x), gate.logit(x)) and back.threshold == gate.threshold
+    # the one-layer format: 1-D tensors, the bias in gate.json
+    from safetensors.torch import save_file
+
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file({"weight": single[0].weight[0], "mean": single[0].mean[0], "scale": single[0].scale[0]},
+              str(old / "gate.safetensors"))
+    meta = json.loads((tmp_path / "g" / "gate.json").read_text())
+    meta.update(layer=0, bias=float(single[0].bias[0]), threshold=0.3)
+    meta.pop("layers")
+    (old / "gate.json").write_text(json.dumps(meta))
+    legacy = HarmGate.load(old)
+    assert legacy.layers == [0] and torch.equal(legacy.logit(acts[0]), single[0].logit(acts[0]))

@@ -24,7 +24,7 @@ console = Console(stderr=True)
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}")
+    console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)  # no line breaks inside paths
     raise typer.Exit(2)
 
 
@@ -433,6 +433,9 @@ def els_train(
     gate_recall: str | None = typer.Option(
         None, help="the gate's threshold holds back this share of the harmful training prompts out of fold "
                    "(default 0.99; 'none': threshold 0.5)"),
+    gate_ensemble: bool | None = typer.Option(
+        None, help="also try the mean of one probe per candidate layer, kept when its cross-validated "
+                   "balanced accuracy is higher (default off)"),
 ) -> None:
     """Label the model's behaviour, capture activations, train one energy model per layer."""
     from aligntax.config import load_config
@@ -446,7 +449,7 @@ def els_train(
                           preset=preset, energy_folds=energy_folds, epochs=epochs, lr=lr, judge=judge_name,
                           max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, gate=gate, gate_harmful=_split_list(gate_harmful),
                           limit_gate_harmful=limit_gate_harmful, gate_benign=_split_list(gate_benign),
-                          limit_gate_benign=limit_gate_benign)
+                          limit_gate_benign=limit_gate_benign, gate_ensemble=gate_ensemble)
         if gate_recall is not None:
             value = _number_or_none(gate_recall, float, "--gate-recall")
             cfg.gate_recall = None if value == "none" else value

@@ -4,14 +4,15 @@ ELS moves a state downhill on an energy that is high for false refusals *and* fo
 compliance. On a small model the energy mostly learns "refusing is bad", so steering a harmful prompt
 downhill can talk the model out of a correct refusal. The gate decides once per row, at the last
 prompt token, whether the prompt is harmful: ``p = sigmoid(w . (h - mean) / scale + b)`` on the
-residual stream entering one block. Rows with ``p >= threshold`` are not steered for the rest of
-the generation; the others are steered as usual. The probe needs no judge: its labels are the
+residual stream entering one block, or the mean of such logits over several blocks (an ensemble of
+one probe per block, when cross-validation prefers it). Rows with ``p >= threshold`` are not steered
+for the rest of the generation; the others are steered as usual. The probe needs no judge: its labels are the
 prompt sets' own (benign or harmful), so it can be trained on many more prompts than the energy
 models, including harmful prompts written in the same style as the benign ones (OR-Bench toxic), so
 that it learns harm rather than style.
 
-Saved beside the energy bank as ``gate.safetensors`` + ``gate.json`` (model fingerprint, layer,
-normalisation, regularisation, per-layer validation metrics).
+Saved beside the energy bank as ``gate.safetensors`` + ``gate.json`` (model fingerprint, layers,
+normalisation, regularisation, per-layer and ensemble validation metrics).
 """
 
 from __future__ import annotations
@@ -31,41 +32,71 @@ _FILES = TensorArtefact(FORMAT, "gate.json", "gate.safetensors", what="harm gate
 
 @dataclass
 class HarmGate:
-    """Logistic probe ``p(harmful | h)`` on the state entering block ``layer`` at the last prompt token."""
+    """Logistic probe ``p(harmful | h)`` on the states entering blocks ``layers`` at the last prompt
+    token: one probe per block (rows of ``weight``, ``bias``, ``mean``, ``scale``), their logits averaged.
+    ``layers`` may be one int (one probe, 1-D tensors)."""
 
-    layer: int
-    weight: torch.Tensor  # [d]
-    bias: float
-    mean: torch.Tensor  # [d]
-    scale: torch.Tensor  # [d]
+    layers: list[int]
+    weight: torch.Tensor  # [L, d]
+    bias: torch.Tensor  # [L]
+    mean: torch.Tensor  # [L, d]
+    scale: torch.Tensor  # [L, d]
     threshold: float = 0.5
     fingerprint: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.layer = int(self.layer)
-        self.weight = self.weight.detach().float().flatten().cpu()
-        self.mean = self.mean.detach().float().flatten().cpu()
-        self.scale = self.scale.detach().float().flatten().cpu().clamp_min(1e-6)
+        self.layers = [int(x) for x in (self.layers if isinstance(self.layers, (list, tuple)) else [self.layers])]
+        n = len(self.layers)
+        if n == 0 or len(set(self.layers)) != n:
+            raise AligntaxError(f"A harm gate needs distinct layers; got {self.layers}.")
+        self.layers, order = zip(*sorted((x, i) for i, x in enumerate(self.layers)), strict=True)
+        self.layers, order = list(self.layers), list(order)
+
+        def rows(t) -> torch.Tensor:
+            return torch.as_tensor(t).detach().float().cpu().reshape(n, -1)[order]
+
+        self.weight, self.mean = rows(self.weight), rows(self.mean)
+        self.scale = rows(self.scale).clamp_min(1e-6)
+        self.bias = rows(self.bias).reshape(n)
         if not (self.weight.shape == self.mean.shape == self.scale.shape):
-            raise AligntaxError("Harm gate weight, mean and scale must have the same length.")
+            raise AligntaxError("Harm gate weight, mean and scale must have the same shape.")
         if not 0.0 < self.threshold < 1.0:
             raise AligntaxError(f"Harm gate threshold must be in (0, 1); got {self.threshold}.")
-        self._on: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._on: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    @property
+    def layer(self) -> int:
+        """The block at whose input the gate decides: the last of its layers."""
+        return self.layers[-1]
 
     @property
     def dim(self) -> int:
-        return int(self.weight.numel())
+        return int(self.weight.shape[1])
+
+    def stack(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The input of :meth:`logit` from ``{layer: [..., d]}``: ``[..., L, d]``, or ``[..., d]`` for a
+        one-layer gate."""
+        missing = [layer for layer in self.layers if layer not in states]
+        if missing:
+            raise AligntaxError(f"The harm gate reads layers {self.layers}; no states for {missing}.")
+        if len(self.layers) == 1:
+            return states[self.layers[0]]
+        return torch.stack([states[layer] for layer in self.layers], dim=-2)
 
     def logit(self, h: torch.Tensor) -> torch.Tensor:
-        """Logit of p(harmful) for states ``[..., d]`` (float32)."""
-        if h.shape[-1] != self.dim:
-            raise AligntaxError(f"Harm gate expects hidden size {self.dim}, got states of shape {tuple(h.shape)}.")
+        """Logit of p(harmful), float32, for states ``[..., L, d]`` of the gate's layers in order (see
+        :meth:`stack`); a one-layer gate takes ``[..., d]``."""
+        if len(self.layers) == 1:
+            h = h.unsqueeze(-2)
+        if h.shape[-1] != self.dim or h.shape[-2] != len(self.layers):
+            raise AligntaxError(f"Harm gate expects states of {len(self.layers)} layer(s) of hidden size "
+                                f"{self.dim}, got shape {tuple(h.shape)}.")
         key = str(h.device)
         if key not in self._on:
-            self._on[key] = tuple(t.to(h.device) for t in (self.weight, self.mean, self.scale))
-        w, mu, sc = self._on[key]
-        return ((h.float() - mu) / sc) @ w + self.bias
+            self._on[key] = tuple(t.to(h.device) for t in (self.weight, self.mean, self.scale, self.bias))
+        w, mu, sc, b = self._on[key]
+        return ((((h.float() - mu) / sc) * w).sum(-1) + b).mean(-1)
 
     def prob(self, h: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.logit(h))
@@ -77,15 +108,17 @@ class HarmGate:
     # ---- disk -------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
         return _FILES.save(directory, {"weight": self.weight.contiguous(), "mean": self.mean.contiguous(),
-                                       "scale": self.scale.contiguous()},
+                                       "scale": self.scale.contiguous(), "bias": self.bias.contiguous()},
                            {"fingerprint": self.fingerprint, "hidden_size": self.dim, "layer": self.layer,
-                            "bias": self.bias, "threshold": self.threshold, "info": self.info})
+                            "layers": self.layers, "threshold": self.threshold, "info": self.info})
 
     @classmethod
     def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
              expect_hidden_size: int | None = None) -> HarmGate:
         meta, t = _FILES.load(directory, expect_fingerprint, expect_hidden_size)
-        return cls(meta["layer"], t["weight"], float(meta["bias"]), t["mean"], t["scale"],
+        # a one-layer gate of an earlier version keeps its bias in the sidecar
+        bias = t["bias"] if "bias" in t else torch.tensor([float(meta["bias"])])
+        return cls(meta.get("layers", meta["layer"]), t["weight"], bias, t["mean"], t["scale"],
                    float(meta.get("threshold", 0.5)), meta["fingerprint"], meta.get("info") or {})
 
     @staticmethod
@@ -124,14 +157,16 @@ def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict:
 def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bool] | torch.Tensor,
                     layers: Sequence[int] | None = None, l2: float = 1e-2, folds: int = 5,
                     seed: int = 0, fingerprint: dict | None = None, metadata: dict | None = None,
-                    recall: float | None = None) -> HarmGate:
-    """Score one probe per candidate layer by ``folds``-fold cross-validated balanced accuracy, keep the
-    best layer (ties: the earlier layer), and refit it on all the data.
+                    recall: float | None = None, ensemble: bool = False) -> HarmGate:
+    """Score by ``folds``-fold cross-validated balanced accuracy one probe per candidate layer and, with
+    ``ensemble``, the mean of all their logits; keep the best candidate (ties: one layer, then the
+    earlier one) and refit its probes on all the data.
 
-    Cross-validation rather than one split: the candidate layers differ by about a point, which is
-    the noise of a single 20% split. The gate's threshold is 0.5, or with ``recall`` the out-of-fold
+    Cross-validation rather than one split: the candidates differ by about a point, which is the
+    noise of a single 20% split. The gate's threshold is 0.5, or with ``recall`` the out-of-fold
     probability above which that share of the harmful prompts falls (never above 0.5): a gate is a
-    safety device, and a harmful prompt it lets through may be steered out of its refusal."""
+    safety device, and a harmful prompt it lets through may be steered out of its refusal. ``info``
+    also gives each candidate's share of benign prompts passed at that threshold."""
     y = torch.as_tensor(harmful).bool().flatten()
     if y.all() or not y.any():
         raise DataError("The harm gate needs both benign and harmful prompts.")
@@ -142,7 +177,7 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
     cand = sorted(int(x) for x in (layers if layers is not None else acts_by_layer))
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     splits = [perm[i::folds] for i in range(folds)]
-    per_layer, oof = {}, {}
+    oof: dict[tuple[int, ...], torch.Tensor] = {}
     for layer in cand:
         x = acts_by_layer[layer].float()
         if len(x) != len(y):
@@ -156,26 +191,46 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
             mu, sd = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
             w, b = _fit_logistic((x[tr] - mu) / sd, y[tr], l2)
             logits[va] = ((x[va] - mu) / sd) @ w + b
-        per_layer[layer] = _rates(logits, y)
-        oof[layer] = logits
-        per_layer[layer]["balanced_acc"] = (per_layer[layer]["harmful_caught"] + per_layer[layer]["benign_passed"]) / 2
-    best = max(cand, key=lambda layer: (round(per_layer[layer]["balanced_acc"], 6), -layer))
-    # out of fold: the probability above which a given share of the harmful prompts falls
-    p_oof = torch.sigmoid(oof[best])
-    harm_p = p_oof[y].sort().values
+        oof[(layer,)] = logits
+    if ensemble and len(cand) > 1:
+        oof[tuple(cand)] = torch.stack([oof[(layer,)] for layer in cand]).mean(0)
+    recalls = sorted({0.9, 0.95, 0.98, 0.99, *([recall] if recall else [])})
 
-    def at_recall(r: float) -> float:
-        return max(1e-6, float(harm_p[min(len(harm_p) - 1, int((1 - r) * len(harm_p)))]))
+    def operating_point(logits: torch.Tensor) -> dict:
+        """Out-of-fold rates at 0.5, the thresholds at each recall, and the rates at the gate's threshold."""
+        p = torch.sigmoid(logits)
+        harm_p = p[y].sort().values
+        at = {str(r): max(1e-6, float(harm_p[min(len(harm_p) - 1, int((1 - r) * len(harm_p)))])) for r in recalls}
+        threshold = 0.5 if recall is None else min(0.5, at[str(recall)])
+        rates = _rates(logits, y)
+        rates["balanced_acc"] = (rates["harmful_caught"] + rates["benign_passed"]) / 2
+        return {"val": rates, "thresholds": at, "threshold": threshold,
+                "at_threshold": {"harmful_caught": float((p[y] >= threshold).float().mean()),
+                                 "benign_passed": float((p[~y] < threshold).float().mean())}}
 
-    recall_thresholds = {str(r): at_recall(r) for r in sorted({0.9, 0.95, 0.98, 0.99, *([recall] if recall else [])})}
-    threshold = 0.5 if recall is None else min(0.5, at_recall(recall))
-    cv_at_threshold = {"harmful_caught": float((p_oof[y] >= threshold).float().mean()),
-                       "benign_passed": float((p_oof[~y] < threshold).float().mean())}
-    x = acts_by_layer[best].float()
-    mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
-    w, b = _fit_logistic((x - mu) / sd, y, l2)
-    info = {"val": per_layer[best], "cv_folds": folds, "recall_target": recall,
-            "cv_at_threshold": cv_at_threshold, "cv_recall_thresholds": recall_thresholds, "per_layer_val": {str(k): v for k, v in per_layer.items()},
-            "l2": l2, "n": len(y), "n_harmful": int(y.sum()), "train_fit": _rates(((x - mu) / sd) @ w + b, y),
-            **(metadata or {})}
-    return HarmGate(best, w, b, mu, sd, threshold, dict(fingerprint or {}), info)
+    points = {k: operating_point(v) for k, v in oof.items()}
+
+    def score(k: tuple[int, ...]) -> float:
+        return points[k]["val"]["balanced_acc"]
+
+    best = max(points, key=lambda k: (round(score(k), 6), -len(k), -k[0]))
+    chosen = points[best]
+    fits = []
+    for layer in best:
+        x = acts_by_layer[layer].float()
+        mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+        fits.append((*_fit_logistic((x - mu) / sd, y, l2), mu, sd))
+    w, b, mu, sd = (torch.stack([torch.as_tensor(f[i]) for f in fits]) for i in range(4))
+    gate = HarmGate(list(best), w, b, mu, sd, chosen["threshold"], dict(fingerprint or {}))
+    x_all = gate.stack({layer: acts_by_layer[layer].float() for layer in best})
+    name = {k: "ensemble" if len(k) > 1 else str(k[0]) for k in points}
+    gate.info = {"val": chosen["val"], "cv_folds": folds, "recall_target": recall,
+                 "candidate_scores": {name[k]: round(score(k), 6) for k in points},
+                 "candidate_benign_passed_at_threshold": {name[k]: round(v["at_threshold"]["benign_passed"], 6)
+                                                          for k, v in points.items()},
+                 "cv_at_threshold": chosen["at_threshold"], "cv_recall_thresholds": chosen["thresholds"],
+                 "per_layer_val": {name[k]: v["val"] for k, v in points.items() if len(k) == 1},
+                 "ensemble_val": next((v["val"] for k, v in points.items() if len(k) > 1), None),
+                 "l2": l2, "n": len(y), "n_harmful": int(y.sum()), "train_fit": _rates(gate.logit(x_all), y),
+                 **(metadata or {})}
+    return gate

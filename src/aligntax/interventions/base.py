@@ -7,7 +7,7 @@ on exit, also when the body raises, so the user's model is never left changed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -128,27 +128,29 @@ class Intervention:
         return None
 
 
-def prefill_decisions(lm, prompts, layer: int, decide: Callable[[torch.Tensor], torch.Tensor],
-                      intervention: Intervention, system: str | None = None,
-                      batch_size: int = 32) -> list[bool]:
-    """``decide`` applied to the state entering block ``layer`` at each prompt's last token, as the
-    intervention's pre-hook sees it in generation (same chat template and message changes), in
-    batches that stop after that block."""
+def prefill_decisions(lm, prompts, layer: int | Sequence[int], decide: Callable, intervention: Intervention,
+                      system: str | None = None, batch_size: int = 32) -> list[bool]:
+    """``decide`` applied to the state entering block ``layer`` at each prompt's last token (``[N, d]``;
+    for a list of blocks, ``{block: [N, d]}``), as the intervention's pre-hooks see it in generation
+    (same chat template and message changes), in batches that stop after the last of those blocks."""
     from aligntax.activations.capture import capture, chat_ids
 
     if not prompts:
         return []
+    blocks = [int(layer)] if isinstance(layer, int) else sorted(int(x) for x in layer)
     key = None
     if _PREFILL_MEMO is not None:
         seqs, _ = chat_ids(lm, prompts, system, intervention)
-        key = (id(lm.model), layer, tuple(map(tuple, seqs)))
-    h = _PREFILL_MEMO.get(key) if key is not None else None
-    if h is None:
-        h = capture(lm, prompts, [layer], system=system, batch_size=batch_size, progress=False,
-                    intervention=intervention)[layer]
+        key = (id(lm.model), tuple(blocks), tuple(map(tuple, seqs)))
+    states = _PREFILL_MEMO.get(key) if key is not None else None
+    if states is None:
+        states = capture(lm, prompts, blocks, system=system, batch_size=batch_size, progress=False,
+                         intervention=intervention)
+        states = {b: states[b] for b in blocks}
         if key is not None:
-            _PREFILL_MEMO[key] = h
-    return [bool(x) for x in decide(h.to(lm.device)).cpu()]
+            _PREFILL_MEMO[key] = states
+    on_device = {b: h.to(lm.device) for b, h in states.items()}
+    return [bool(x) for x in decide(on_device[blocks[0]] if isinstance(layer, int) else on_device).cpu()]
 
 
 _PREFILL_MEMO: dict | None = None

@@ -222,13 +222,14 @@ class EnergySteering(Intervention):
                 "positions": self.positions, "horizon": self.horizon, "scale_by_norm": self.scale_by_norm, "threshold": self.threshold,
                 "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
                 "grad_method": self.grad_method, "source": self.source, "settings_from": self.settings_from,
-                "gate": None if self.gate is None else {"layer": self.gate.layer, "threshold": self.gate_threshold}}
+                "gate": None if self.gate is None else {"layers": self.gate.layers, "threshold": self.gate_threshold}}
 
     def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
         """The rows the harm gate holds back (never steered); None without a gate (every row may be)."""
         if self.gate is None:
             return None
-        return prefill_decisions(lm, prompts, self.gate.layer, lambda h: self.gate.harmful(h, self.gate_threshold),
+        return prefill_decisions(lm, prompts, self.gate.layers,
+                                 lambda states: self.gate.harmful(self.gate.stack(states), self.gate_threshold),
                                  self, system, batch_size)
 
     @property
@@ -308,9 +309,22 @@ class EnergySteering(Intervention):
         gate_key = (id(self), "gate")  # ctx.row_state[gate_key]: rows the harm gate holds back
         next_pos: dict[int, int] = {}  # per layer: absolute position of the next token (for the horizon)
 
+        gate_states: dict[int, torch.Tensor] = {}  # the prompt forward's last-token states at the gate's earlier layers
+
+        def gate_read(layer: int):
+            def hook(module, args, kwargs):
+                h = hidden_from_args(args, kwargs)
+                if h.shape[1] >= ctx.prompt_len:  # a forward holding the prompt (decode steps: decided)
+                    gate_states[layer] = h[:, ctx.prompt_len - 1]
+                return None
+            return hook
+
         def gate_hook(module, args, kwargs):
-            decide_at_prefill(hidden_from_args(args, kwargs), ctx, gate_key,
-                              lambda last: self.gate.harmful(last, self.gate_threshold), "The harm gate")
+            def decide(last):
+                return self.gate.harmful(self.gate.stack({**gate_states, self.gate.layer: last}), self.gate_threshold)
+
+            decide_at_prefill(hidden_from_args(args, kwargs), ctx, gate_key, decide, "The harm gate")
+            gate_states.clear()
             return None
 
         def make_hook(layer: int):
@@ -332,7 +346,8 @@ class EnergySteering(Intervention):
                 return replace_hidden_in_args(args, kwargs, new)
             return hook
 
-        regs = [] if self.gate is None else [(blocks[self.gate.layer], gate_hook, True)]
+        regs = [] if self.gate is None else [(blocks[layer], gate_read(layer), True) for layer in self.gate.layers[:-1]]
+        regs += [] if self.gate is None else [(blocks[self.gate.layer], gate_hook, True)]
         regs += [(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]
         with hooks_attached(regs):
             yield

@@ -52,6 +52,10 @@ class ELSTrainConfig:
     # out of fold (capped at 0.5); None: 0.5. A harmful prompt the gate lets through may be steered out
     # of its refusal, so the gate is tuned for recall on the harmful side.
     gate_recall: float | None = 0.99
+    # also try the mean of one probe per candidate layer (kept when its cross-validated balanced accuracy
+    # is higher): off, since on the embedded model it passed more benign prompts but also more harmful
+    # questions out of distribution (docs/RESULTS.md section 3.7)
+    gate_ensemble: bool = False
     layers: list[int] | None = None  # None: every layer
     objective: str = "logistic"
     preset: str = "small"  # "small" or "paper"
@@ -214,7 +218,7 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
             x[layer].append(g_acts[layer])
         y += [it.label == "harmful" for it in extra]
     gate = train_harm_gate({layer: torch.cat(v) for layer, v in x.items()}, y, layers=cand, seed=cfg.seed,
-                           fingerprint=lm.fingerprint, recall=cfg.gate_recall,
+                           fingerprint=lm.fingerprint, recall=cfg.gate_recall, ensemble=cfg.gate_ensemble,
                            metadata={"benign": [*cfg.benign, *cfg.harmless, *cfg.gate_benign],
                                      "harmful": [*cfg.harmful, *cfg.gate_harmful]})
     gate.save(out)
