@@ -53,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offline-batch-size", type=int, default=32, help="default 32")
     p.add_argument("--max-batch-size", type=int, default=32, help="server max_batch_size (default 32)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="server batch_wait_ms (default 10)")
+    p.add_argument("--max-batch-wait-ms", type=float, default=100.0, help="server max_batch_wait_ms (default 100)")
     p.add_argument("--warmup-prompts", type=int, default=8, help="requests per warm-up run (default 8)")
     args = bl.parse_with_quick(p, argv, dict(prompts=8, max_tokens=4, concurrency=[1, 4], repeats=1,
                                              warmup_prompts=2, synthetic_prompts=16))
@@ -106,6 +107,7 @@ def main(argv=None) -> dict:
     warm_prompts = prompts[:max(1, min(args.warmup_prompts, len(prompts)))]
     name = default_model_name(lm)
     app = create_app(lm, iv, name, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
+                     max_batch_wait_ms=args.max_batch_wait_ms,
                      max_new_tokens_limit=max(args.max_tokens, 1), default_max_tokens=args.max_tokens)
     steered_name = app.state.settings.steered_name
     metrics = app.state.metrics
@@ -173,7 +175,7 @@ def main(argv=None) -> dict:
     env = bl.environment(lm)
     notes = [f"{len(prompts)} prompts from `{args.dataset}`, greedy, max_tokens {args.max_tokens}; offline "
              f"`generate` at batch {args.offline_batch_size}; server max_batch_size {args.max_batch_size}, "
-             f"batch_wait_ms {args.batch_wait_ms}; openai async client, closed loop of C requests in flight",
+             f"batch_wait_ms {args.batch_wait_ms}, max_batch_wait_ms {args.max_batch_wait_ms}; openai async client, closed loop of C requests in flight",
              "tokens: every request's generated tokens including its eos; ratio: median of per-repetition "
              "throughput ratios (steered rows against offline+els)",
              f"{args.repeats} interleaved repetitions after {args.warmup} warm-up of {len(warm_prompts)} prompts"]

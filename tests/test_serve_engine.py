@@ -191,3 +191,39 @@ def test_finished_requests_leave_the_batch(lm):
     assert res[1][0].text == alone
     # the shared prefix (one row), the prefill and the second step with three rows, then one row
     assert rows == [1, 3, 3] + [1] * 7
+
+
+def test_a_burst_arriving_one_by_one_forms_one_batch(lm):
+    """Requests that come a few milliseconds apart join the batch as long as each comes within
+    batch_wait of the one before; max_batch_wait caps the wait in all."""
+    import threading
+    import time
+
+    def burst(engine: BatchEngine, n: int, gap_s: float) -> dict:
+        async def go():
+            loop = asyncio.get_running_loop()
+            jobs = [Job(_ids(lm, f"q{i}"), SamplingParams(max_tokens=2, temperature=0)) for i in range(n)]
+            for j in jobs:
+                j.loop, j.events = loop, asyncio.Queue()
+
+            def send():
+                for j in jobs:
+                    engine.submit(j)
+                    time.sleep(gap_s)
+
+            t = threading.Thread(target=send)
+            t.start()
+            for j in jobs:
+                while not isinstance(await asyncio.wait_for(j.events.get(), 60), Finished):
+                    pass
+            t.join()
+
+        asyncio.run(go())
+        engine.shutdown()
+        return dict(engine.metrics.batch_sizes)
+
+    # 8 requests 10 ms apart, each within batch_wait (60 ms) of the one before: one batch, though the
+    # burst lasts longer than batch_wait
+    assert burst(BatchEngine(lm, None, batch_wait_ms=60, max_batch_wait_ms=5000), 8, 0.01) == {8: 1}
+    # the same burst with the whole wait capped at 60 ms: split
+    assert 8 not in burst(BatchEngine(lm, None, batch_wait_ms=60, max_batch_wait_ms=60), 8, 0.01)

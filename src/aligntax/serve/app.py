@@ -370,7 +370,8 @@ class _Server:
 
 def create_app(lm, intervention: Intervention | None = None, model_name: str | None = None, *,
                steered_suffix: str | None = None, api_key: str | None = None, max_batch_size: int = 32,
-               batch_wait_ms: float = 10.0, max_prompt_tokens: int | None = None,
+               batch_wait_ms: float = 10.0, max_batch_wait_ms: float = 100.0,
+               max_prompt_tokens: int | None = None,
                max_new_tokens_limit: int = 2048, default_max_tokens: int = 512,
                default_strength: float = 1.0, max_queue: int = 1024, mix_steered: bool = True,
                drain_timeout_s: float | None = None) -> FastAPI:
@@ -399,7 +400,7 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     )
     metrics = ServeMetrics()
     engine = BatchEngine(lm, intervention, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
-                         max_queue=max_queue, metrics=metrics, mix_steered=mix_steered)
+                         max_batch_wait_ms=max_batch_wait_ms, max_queue=max_queue, metrics=metrics, mix_steered=mix_steered)
     server = _Server(lm, intervention, engine, settings)
 
     @asynccontextmanager

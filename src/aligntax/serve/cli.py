@@ -37,8 +37,10 @@ def serve_command(
                                                 "(Authorization: Bearer KEY).")] = None,
     dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
     max_batch_size: Annotated[int, typer.Option(min=1, help="Most requests generated together.")] = 32,
-    batch_wait_ms: Annotated[float, typer.Option(min=0, help="How long a batch waits for more requests.")]
-    = 10.0,
+    batch_wait_ms: Annotated[float, typer.Option(min=0, help="A batch waits for more requests until none "
+                                                 "has come for this long.")] = 10.0,
+    max_batch_wait_ms: Annotated[float, typer.Option(min=0, help="The longest a batch waits for more "
+                                                     "requests in all.")] = 100.0,
     model_name: Annotated[str | None, typer.Option(help="Name served in /v1/models (default: from the "
                                                    "spec).")] = None,
     max_tokens_limit: Annotated[int, typer.Option(min=1, help="Largest max_tokens a request may ask for.")]
@@ -70,7 +72,8 @@ def serve_command(
 
     name = model_name or default_model_name(lm)
     app = create_app(lm, iv, name, api_key=api_key, max_batch_size=max_batch_size,
-                     batch_wait_ms=batch_wait_ms, max_new_tokens_limit=max_tokens_limit,
+                     batch_wait_ms=batch_wait_ms, max_batch_wait_ms=max_batch_wait_ms,
+                     max_new_tokens_limit=max_tokens_limit,
                      default_max_tokens=min(default_max_tokens, max_tokens_limit))
     settings = app.state.settings
     names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)

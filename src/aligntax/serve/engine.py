@@ -1,7 +1,8 @@
 """The batching engine: one worker thread owns the model and generates queued requests together.
 
-Requests (:class:`Job`) enter a thread-safe queue. The worker takes the first one, waits at most
-``batch_wait_ms`` for more (up to ``max_batch_size``), and decodes them as one left-padded batch with
+Requests (:class:`Job`) enter a thread-safe queue. The worker takes the first one and gathers more
+(up to ``max_batch_size``) until none has come for ``batch_wait_ms``, or ``max_batch_wait_ms`` after
+the first (requests of a burst arrive one by one, each tokenised by the server first), and decodes them as one left-padded batch with
 the KV cache inside the intervention's ``attach`` context (:func:`aligntax.generation.generate.decode_batch`):
 a request leaves the batch as soon as it ends, and the prompt prefix all requests share (the chat
 template's system turn) is computed once when the intervention is prefix-free. Everything that
@@ -350,6 +351,7 @@ class BatchEngine:
 
     def __init__(self, lm, intervention: Intervention | None = None, max_batch_size: int = 32,
                  batch_wait_ms: float = 10.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
+                 max_batch_wait_ms: float = 100.0,
                  mix_steered: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -358,6 +360,7 @@ class BatchEngine:
         self.intervention = intervention or NoIntervention()
         self.max_batch_size = max_batch_size
         self.batch_wait = max(0.0, batch_wait_ms) / 1000.0
+        self.max_batch_wait = max(self.batch_wait, max_batch_wait_ms / 1000.0)
         self.mix_steered = mix_steered
         self.metrics = metrics or ServeMetrics()
         self.eos_ids = sorted(eos_token_ids(lm))
@@ -455,7 +458,8 @@ class BatchEngine:
         out.flush()
 
     def _next_batch(self) -> tuple[list[Job], bool]:
-        """Block for the first job, then gather more for at most batch_wait. Returns (jobs, stop)."""
+        """Block for the first job, then gather more until none has come for batch_wait, or for at most
+        max_batch_wait in all. Returns (jobs, stop)."""
         if self._held:
             first = self._held.pop(0)
         else:
@@ -467,12 +471,12 @@ class BatchEngine:
         self._waiting = None
         batch, leftovers, stop = [first], [], False
         pool, self._held = self._held, []
-        deadline = time.monotonic() + self.batch_wait
+        start = last = time.monotonic()
         while len(batch) < self.max_batch_size:
             if pool:
                 item = pool.pop(0)
             else:
-                remaining = deadline - time.monotonic()
+                remaining = min(last + self.batch_wait, start + self.max_batch_wait) - time.monotonic()
                 try:
                     item = self._q.get(timeout=remaining) if remaining > 0 else self._q.get_nowait()
                 except queue.Empty:
@@ -480,6 +484,7 @@ class BatchEngine:
                 if item is _STOP:
                     stop = True
                     break
+                last = time.monotonic()
             if not self.mix_steered and item.steer != first.steer:
                 leftovers.append(item)
                 continue
