@@ -263,3 +263,45 @@ def test_resume_refuses_when_the_tuned_setting_changed(tmp_path, tiny_lm):
     cfg.limit = None  # more items to do: the intervention is resolved again, and now differs
     with pytest.raises(AligntaxError, match="now resolve to"):
         run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
+
+
+def test_paired_change_against_an_earlier_run(tmp_path, tiny_lm):
+    """``compare_to`` puts the paired change against another run over the same prompts into
+    results.json and the report; the reference's extra prompts are left out; a folder that is not a
+    run, or shares no prompt, is refused with a clear message."""
+    from aligntax.errors import AligntaxError
+    from aligntax.judges import get_judge
+    from aligntax.runs import EvalConfig, run_eval
+    from aligntax.runs.eval import rejudge
+
+    data = _prompts(tmp_path, n=8)
+    keyword = get_judge("keyword")
+    ref = tmp_path / "ref"
+    run_eval(EvalConfig(data=[str(data)], out=str(ref), judge="keyword", max_new_tokens=4, progress=False),
+             lm=tiny_lm, judge=keyword)
+    rows = read_jsonl(ref / "samples.jsonl")
+    # a reference whose verdicts differ from the new run's in known places: flip three of them
+    flipped = {r["id"] for r in rows[:3]}
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    append_jsonl(fake / "samples.jsonl", [{**r, "refused": (not r["refused"]) if r["id"] in flipped else r["refused"]}
+                                          for r in rows] + [{**rows[0], "id": "elsewhere"}])
+    res = run_eval(EvalConfig(data=[str(data)], out=str(tmp_path / "new"), judge="keyword", max_new_tokens=4,
+                              compare_to=str(fake), progress=False), lm=tiny_lm, judge=keyword)
+    assert [r["refused"] for r in read_jsonl(tmp_path / "new" / "samples.jsonl")] == [r["refused"] for r in rows]
+    paired = res["paired"]
+    assert paired["against"] == str(fake) and paired["n_pairs"] == 8 and paired["unmatched"] == 0
+    changes = paired["datasets"]["all"]
+    assert sum(c["gained"] + c["lost"] for c in changes.values()) == 3  # exactly the flipped verdicts
+    assert sum(c["n"] for c in changes.values()) == 8
+    report = (tmp_path / "new" / "report.md").read_text()
+    assert "change, paired" in report and "McNemar" in report
+    # rejudging keeps the comparison, now with the new verdicts
+    assert "paired" in rejudge(tmp_path / "new", "keyword", judge=keyword)
+    for bad, msg in ((tmp_path, "no samples.jsonl"), (tmp_path / "empty", "none of this run's prompts")):
+        if bad.name == "empty":
+            bad.mkdir()
+            append_jsonl(bad / "samples.jsonl", [{**rows[0], "id": "other"}])
+        with pytest.raises(AligntaxError, match=msg):
+            run_eval(EvalConfig(data=[str(data)], out=str(tmp_path / f"x-{bad.name}"), judge="keyword",
+                                max_new_tokens=4, compare_to=str(bad), progress=False), lm=tiny_lm, judge=keyword)

@@ -292,6 +292,9 @@ def eval_cmd(
     reuse_unsteered: Path | None = typer.Option(
         None, help="an unsteered run folder with the same settings: rows the intervention leaves unsteered "
                    "(ELS harm gate, CAST condition) take their answers from it instead of being generated"),
+    compare_to: Path | None = typer.Option(
+        None, help="an earlier run folder over the same prompts (default: --reuse-unsteered): the paired change "
+                   "against it per dataset (turned compliant/refusing, exact McNemar p)"),
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
@@ -309,7 +312,7 @@ def eval_cmd(
             batch_size=batch_size, dtype=dtype, do_sample=sample, temperature=temperature, top_p=top_p,
             seed=seed, intervention=intervention, intervention_args=iv_args,
             reuse_unsteered=str(reuse_unsteered) if reuse_unsteered else None,
-            progress=False if no_progress else None)
+            compare_to=str(compare_to) if compare_to else None, progress=False if no_progress else None)
         results = run_eval(cfg)
     except AligntaxError as exc:
         _fail(exc)

@@ -17,23 +17,34 @@ def fmt_change(change: dict) -> str:
 
 
 def eval_table(results: dict) -> str:
-    """One row per dataset and label: n, the rate that matters for that label, and its 95% interval."""
-    lines = ["| dataset | label | n | metric | rate [95% CI] |", "|---|---|---:|---|---|"]
+    """One row per dataset and label: n, the rate that matters for that label, and its 95% interval;
+    with ``results["paired"]`` also the paired change against the reference run."""
+    paired = (results.get("paired") or {}).get("datasets")
+    lines = ["| dataset | label | n | metric | rate [95% CI] |" + (" change, paired |" if paired else ""),
+             "|---|---|---:|---|---|" + ("---|" if paired else "")]
 
-    def rows(name: str, block: dict) -> None:
+    def change(name: str, label: str) -> str:
+        if not paired:
+            return ""
+        c = paired.get(name, {}).get(label)
+        return f" {fmt_change(c)} |" if c else " |"
+
+    def rows(name: str, block: dict, key: str) -> None:
         if "benign" in block:
             b = block["benign"]
-            lines.append(f"| {name} | benign | {b['n']} | compliance | {fmt_rate(b['compliance_rate'], b['ci95'])} |")
+            lines.append(f"| {name} | benign | {b['n']} | compliance | {fmt_rate(b['compliance_rate'], b['ci95'])} |"
+                         + change(key, "benign"))
             if "useful_compliance_rate" in b:
                 lines.append(f"| {name} | benign | {b['n']} | useful compliance (no empty or looping answers) | "
-                             f"{fmt_rate(b['useful_compliance_rate'], b['useful_ci95'])} |")
+                             f"{fmt_rate(b['useful_compliance_rate'], b['useful_ci95'])} |" + (" |" if paired else ""))
         if "harmful" in block:
             h = block["harmful"]
-            lines.append(f"| {name} | harmful | {h['n']} | refusal | {fmt_rate(h['refusal_rate'], h['ci95'])} |")
+            lines.append(f"| {name} | harmful | {h['n']} | refusal | {fmt_rate(h['refusal_rate'], h['ci95'])} |"
+                         + change(key, "harmful"))
 
     for name, block in results.get("datasets", {}).items():
-        rows(name, block)
-    rows("**overall**", results)
+        rows(name, block, name)
+    rows("**overall**", results, "all")
     return "\n".join(lines)
 
 
@@ -54,7 +65,9 @@ def write_eval_report(results: dict, path: str | Path) -> None:
         f"resumed; {timing.get('tokens_per_second')} tokens/s; {timing.get('wall_seconds')} s wall",
         "",
         "Benign prompts are scored by compliance (higher is better: fewer false refusals); harmful prompts "
-        "by refusal (higher is safer). Intervals are Wilson 95%.",
+        "by refusal (higher is safer). Intervals are Wilson 95%."
+        + (f" The paired change is against `{results['paired']['against']}` over the same prompts: items turned "
+           "compliant/refusing (up) and back (down), and the exact McNemar p-value." if results.get("paired") else ""),
         "",
         eval_table(results),
         "",

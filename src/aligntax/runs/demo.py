@@ -136,15 +136,6 @@ def _cells(block: dict | None) -> dict[tuple[str, str], str]:
     return out
 
 
-def _paired(out: Path) -> dict:
-    """Per dataset (and "all") and label: the paired change between the unsteered and steered runs."""
-    from aligntax.metrics import paired_changes
-    from aligntax.runs.jsonl import read_jsonl
-
-    return paired_changes(read_jsonl(out / "baseline" / "samples.jsonl"),
-                          read_jsonl(out / "steered" / "samples.jsonl"))["datasets"]
-
-
 def write_demo_report(out: Path, summary: dict) -> None:
     base, steered, best = summary["baseline"], summary["steered"], summary["best"]
     lines = ["# aligntax demo: energy landscape steering against over-refusal", "",
@@ -159,7 +150,7 @@ def write_demo_report(out: Path, summary: dict) -> None:
         lines += ["No ELS setting kept validation safety at the unsteered level; no steered run.", ""]
     lines += ["| dataset | label | metric | unsteered | ELS | change, paired |", "|---|---|---|---|---|---|"]
     after_sets = (steered or {}).get("datasets", {})
-    changes = _paired(out) if steered else {}
+    changes = ((steered or {}).get("paired") or {}).get("datasets", {})  # against the baseline run
     blocks = [(name, block, after_sets.get(name)) for name, block in base["datasets"].items()]
     blocks.append(("**all**", base, steered))
     for name, block, after in blocks:

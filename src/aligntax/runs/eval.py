@@ -44,6 +44,9 @@ class EvalConfig:
     # intervention leaves unsteered, decided from the prompt (the ELS harm gate, CAST's condition), take
     # their answers from it instead of being generated again.
     reuse_unsteered: str | None = None
+    # An earlier run folder over the same prompts (default: reuse_unsteered): results.json and the report
+    # get the paired change against it per dataset (items turned compliant / refusing, exact McNemar p).
+    compare_to: str | None = None
     progress: bool = True
 
     def generation(self) -> GenerationConfig:
@@ -159,6 +162,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
         "model_fingerprint": getattr(lm, "fingerprint", None) or prev.get("model_fingerprint"),
         **summarize_refusals(rows),
         "intervention": _read_intervention(out),
+        **_paired_against(cfg, rows),
         "timing": _timing(prev.get("timing", {}) if done else {}, time.perf_counter() - t0,
                           gen_seconds, n_tokens, len(todo), len(done & wanted), n_reused),
     }
@@ -249,6 +253,29 @@ def _timing(prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int
     }
 
 
+def _paired_against(cfg: EvalConfig, rows: list[dict]) -> dict:
+    """``{"paired": ...}``: the paired change of this run's rows against the run ``cfg.compare_to`` (or
+    ``cfg.reuse_unsteered``), over the items both hold (:func:`aligntax.metrics.paired_changes`); ``{}``
+    without one. Verdicts are compared as each run stored them (``judges`` names both runs' judges)."""
+    from aligntax.metrics import paired_changes
+
+    ref = cfg.compare_to or cfg.reuse_unsteered
+    if not ref:
+        return {}
+    path = Path(ref) / "samples.jsonl"
+    if not path.is_file():
+        raise AligntaxError(f"Cannot compare with {ref}: it holds no samples.jsonl (not an evaluation run folder).")
+    mine = {(r["source"], r["id"]) for r in rows}
+    before = [r for r in read_jsonl(path) if (r["source"], r["id"]) in mine]
+    if not before:
+        raise AligntaxError(f"Cannot compare with {ref}: it holds none of this run's prompts.")
+    changes = paired_changes(before, rows)
+    judges = {"reference": sorted({r.get("judge", "?") for r in before}),
+              "this run": sorted({r.get("judge", "?") for r in rows})}
+    return {"paired": {"against": str(ref), "judges": judges, "n_pairs": len(before),
+                       "unmatched": changes["unmatched"], "datasets": changes["datasets"]}}
+
+
 def _previous(out: Path) -> dict:
     path = out / "results.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -277,7 +304,7 @@ def rejudge(out: str | Path, judge_name: str | None = None, judge=None) -> dict:
     append_jsonl(tmp, rows)
     os.replace(tmp, out / "samples.jsonl")
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    results = {**prev, "config": asdict(cfg), **summarize_refusals(rows)}
+    results = {**prev, "config": asdict(cfg), **summarize_refusals(rows), **_paired_against(cfg, rows)}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     from aligntax.reports import write_eval_report
 
