@@ -713,7 +713,7 @@ def test_train_harm_gate_and_files(lm, bank_dir, tmp_path):
     back = HarmGate.load(d)
     assert torch.equal(back.weight, gate.weight) and back.layers == [0] and back.layer == 0
     st = EnergySteering.from_dir(d, lm, gate=0.7)
-    assert st.gate_threshold == 0.7 and st.config()["gate"] == {"layers": [0], "threshold": 0.7}
+    assert st.gate_threshold == 0.7 and st.config()["gate"] == {"layer": 0, "threshold": 0.7}
     other = tiny_lm("qwen2", hidden=H, layers=3, seed=5)
     with pytest.raises(CompatibilityError):
         HarmGate.load(d, expect_fingerprint=other.fingerprint)

@@ -222,7 +222,13 @@ class EnergySteering(Intervention):
                 "positions": self.positions, "horizon": self.horizon, "scale_by_norm": self.scale_by_norm, "threshold": self.threshold,
                 "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
                 "grad_method": self.grad_method, "source": self.source, "settings_from": self.settings_from,
-                "gate": None if self.gate is None else {"layers": self.gate.layers, "threshold": self.gate_threshold}}
+                "gate": None if self.gate is None else self._gate_config()}
+
+    def _gate_config(self) -> dict:
+        # "layers" only for a gate of several: a one-layer gate's settings read as they always did, so a
+        # run folder made before gates of several layers existed still resumes
+        extra = {"layers": self.gate.layers} if len(self.gate.layers) > 1 else {}
+        return {"layer": self.gate.layer, "threshold": self.gate_threshold, **extra}
 
     def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
         """The rows the harm gate holds back (never steered); None without a gate (every row may be)."""
