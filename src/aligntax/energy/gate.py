@@ -50,8 +50,8 @@ class HarmGate:
         n = len(self.layers)
         if n == 0 or len(set(self.layers)) != n:
             raise AligntaxError(f"A harm gate needs distinct layers; got {self.layers}.")
-        self.layers, order = zip(*sorted((x, i) for i, x in enumerate(self.layers)), strict=True)
-        self.layers, order = list(self.layers), list(order)
+        order = sorted(range(n), key=self.layers.__getitem__)  # rows follow the layers, sorted
+        self.layers = [self.layers[i] for i in order]
 
         def rows(t) -> torch.Tensor:
             return torch.as_tensor(t).detach().float().cpu().reshape(n, -1)[order]

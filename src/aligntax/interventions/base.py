@@ -128,16 +128,16 @@ class Intervention:
         return None
 
 
-def prefill_decisions(lm, prompts, layer: int | Sequence[int], decide: Callable, intervention: Intervention,
-                      system: str | None = None, batch_size: int = 32) -> list[bool]:
-    """``decide`` applied to the state entering block ``layer`` at each prompt's last token (``[N, d]``;
-    for a list of blocks, ``{block: [N, d]}``), as the intervention's pre-hooks see it in generation
-    (same chat template and message changes), in batches that stop after the last of those blocks."""
+def prefill_decisions(lm, prompts, layers: Sequence[int], decide: Callable[[dict[int, torch.Tensor]], torch.Tensor],
+                      intervention: Intervention, system: str | None = None, batch_size: int = 32) -> list[bool]:
+    """``decide`` applied to the states entering blocks ``layers`` at each prompt's last token
+    (``{block: [N, d]}``), as the intervention's pre-hooks see them in generation (same chat template
+    and message changes), in batches that stop after the last of those blocks."""
     from aligntax.activations.capture import capture, chat_ids
 
     if not prompts:
         return []
-    blocks = [int(layer)] if isinstance(layer, int) else sorted(int(x) for x in layer)
+    blocks = sorted(int(x) for x in layers)
     key = None
     if _PREFILL_MEMO is not None:
         seqs, _ = chat_ids(lm, prompts, system, intervention)
@@ -150,7 +150,7 @@ def prefill_decisions(lm, prompts, layer: int | Sequence[int], decide: Callable,
         if key is not None:
             _PREFILL_MEMO[key] = states
     on_device = {b: h.to(lm.device) for b, h in states.items()}
-    return [bool(x) for x in decide(on_device[blocks[0]] if isinstance(layer, int) else on_device).cpu()]
+    return [bool(x) for x in decide(on_device).cpu()]
 
 
 _PREFILL_MEMO: dict | None = None

@@ -352,8 +352,10 @@ class EnergySteering(Intervention):
                 return replace_hidden_in_args(args, kwargs, new)
             return hook
 
-        regs = [] if self.gate is None else [(blocks[layer], gate_read(layer), True) for layer in self.gate.layers[:-1]]
-        regs += [] if self.gate is None else [(blocks[self.gate.layer], gate_hook, True)]
+        regs = []
+        if self.gate is not None:  # the earlier layers' states are read first; the last layer decides
+            regs += [(blocks[layer], gate_read(layer), True) for layer in self.gate.layers[:-1]]
+            regs.append((blocks[self.gate.layer], gate_hook, True))
         regs += [(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]
         with hooks_attached(regs):
             yield

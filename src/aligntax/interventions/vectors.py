@@ -321,8 +321,9 @@ class ConditionalSteering(_VectorIntervention):
 
     def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
         """The rows whose prompt does not meet the condition (never steered)."""
-        return prefill_decisions(lm, prompts, self._condition_block(lm.num_layers), lambda h: ~self.decide(h),
-                                 self, system, batch_size)
+        block = self._condition_block(lm.num_layers)
+        return prefill_decisions(lm, prompts, [block], lambda states: ~self.decide(states[block]), self, system,
+                                 batch_size)
 
     def _condition_block(self, n_layers: int) -> int:
         return _resolve_layers(self.condition_layer, n_layers)[0]
