@@ -131,6 +131,33 @@ def test_shared_prefix_cached_once_gives_the_prompts_logits():
         greedy_decode(lm.model, ids, mask, 6, eos)
 
 
+def test_decode_loop_appends_to_given_lists_before_ended_reads_them():
+    """``decode_loop(out=...)`` appends each row's token to the caller's lists before ``ended`` runs, so
+    a stopping rule can read them without a copy; the tokens are those of plain greedy decoding."""
+    import pytest
+
+    from aligntax.generation.chat import build_messages, encode_chats, render_chat
+    from aligntax.generation.generate import decode_loop, greedy_decode
+
+    lm = byte_tiny_lm("qwen2", layers=2)
+    enc = encode_chats(lm.tokenizer, [render_chat(lm.tokenizer, build_messages(p)) for p in PROMPTS], "cpu")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    ref = greedy_decode(lm.model, ids, mask, 5, set())
+    lists: list[list[int]] = [[] for _ in PROMPTS]
+    seen = []
+
+    def ended(alive, tokens, step):
+        seen.append([len(lists[i]) for i in alive.tolist()])
+        assert [lists[i][-1] for i in alive.tolist()] == tokens.tolist()
+        return alive == 0  # row 0 leaves after its first token
+    with torch.no_grad():
+        got = decode_loop(lm.model, ids, mask, 5, set(), ended=ended, out=lists)
+    assert got is lists and lists[0] == ref[0][:1] and lists[1:] == [r for r in ref[1:]]
+    assert seen[0] == [1] * len(PROMPTS) and seen[1] == [2] * (len(PROMPTS) - 1)
+    with pytest.raises(ValueError, match="token lists"):
+        decode_loop(lm.model, ids, mask, 5, set(), out=[[]])
+
+
 def test_length_batches_respect_row_cap_and_token_budget():
     from aligntax.errors import AligntaxError
     from aligntax.generation.batching import length_batches

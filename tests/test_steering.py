@@ -529,9 +529,10 @@ def test_remembered_prefill_states_capture_once(lm, monkeypatch):
     cap = importlib.import_module("aligntax.activations.capture")
 
     gate, held = _split_gate(lm)
-    calls = []
-    real = cap.capture
-    monkeypatch.setattr(cap, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, tokenised = [], []
+    real, real_ids = cap.capture_seqs, cap.chat_ids
+    monkeypatch.setattr(cap, "capture_seqs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cap, "chat_ids", lambda *a, **k: tokenised.append(1) or real_ids(*a, **k))
     with remembered_prefill_states():
         for eta in (0.5, 1.0, 2.0):
             assert els(eta=eta, gate=gate).unsteered_rows(lm, PROMPTS) == held.tolist()
@@ -539,6 +540,7 @@ def test_remembered_prefill_states_capture_once(lm, monkeypatch):
     assert len(calls) == 2
     els(eta=1.0, gate=gate).unsteered_rows(lm, PROMPTS)
     assert len(calls) == 3
+    assert len(tokenised) == 5  # each decision tokenises its prompts once, captured or remembered
 
 
 def test_per_row_state_follows_rows_leaving_the_batch(lm):

@@ -209,11 +209,20 @@ def capture(lm, prompts: Sequence[str | list[dict]], layers: int | str | Sequenc
     if position == "response" and responses is None:
         raise AligntaxError("position='response' needs the responses.")
     seqs, plens = chat_ids(lm, prompts, system, intervention, responses)
+    return capture_seqs(lm, seqs, plens, layers, position, batch_size, progress, return_index, max_tokens)
+
+
+def capture_seqs(lm, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                 layers: int | str | Sequence[int] = "all", position: str = "last", batch_size: int = 32,
+                 progress: bool = True, return_index: bool = False,
+                 max_tokens: int | None = CAPTURE_BATCH_TOKENS):
+    """:func:`capture` from token ids already built (:func:`chat_ids`), in their order: batches of
+    sequences of similar length, so that they carry little padding."""
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     # Sort by length so batches carry little padding, then restore the input order.
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
     acts, rows = capture_ids(lm.model, [seqs[i] for i in order], layers, position,
-                             [plens[i] for i in order], batch_size, pad, progress, max_tokens=max_tokens)
+                             [prompt_lens[i] for i in order], batch_size, pad, progress, max_tokens=max_tokens)
     order_t = torch.tensor(order, dtype=torch.long)
     orig_rows = order_t[rows] if len(rows) else rows
     if position == "response":

@@ -97,7 +97,7 @@ def eos_token_ids(lm) -> set[int]:
 @torch.no_grad()
 def decode_loop(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                 eos_ids: set[int], ctx: SteerContext | None = None, cache=None, cached: int = 0,
-                choose=None, ended=None) -> list[list[int]]:
+                choose=None, ended=None, out: list[list[int]] | None = None) -> list[list[int]]:
     """Decoding with the KV cache, left padding and position ids from the mask, as ``model.generate``
     does, except that a row leaves the batch as soon as it ends: its KV cache, mask and steering-context
     rows (:meth:`SteerContext.keep_rows`) go with it, so the steps that follow run on the rows still
@@ -108,11 +108,15 @@ def decode_loop(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ma
     (``logits`` ``[rows, vocab]``; ``alive`` the rows' original indices, on the CPU; default: the argmax,
     greedy decoding) and ``ended(alive, tokens, step)`` says which of them end with that token (bool
     ``[rows]``; default: an end token of ``eos_ids``). Returns each row's new tokens, its last one
-    included (as ``generate`` would, without the padding after it)."""
+    included (as ``generate`` would, without the padding after it): appended to ``out`` when given (one
+    list per row, so that ``ended`` can read them, this step's token already in), else to new lists."""
     from transformers import DynamicCache
 
     batch = input_ids.shape[0]
-    out: list[list[int]] = [[] for _ in range(batch)]
+    if out is None:
+        out = [[] for _ in range(batch)]
+    elif len(out) != batch:
+        raise ValueError(f"out holds {len(out)} token lists for a batch of {batch} rows.")
     if max_new_tokens <= 0 or batch == 0:
         return out
     cache = DynamicCache(config=model.config) if cache is None else cache
@@ -156,9 +160,10 @@ def greedy_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 def decode_batch(model, enc: dict, intervention: Intervention, max_new_tokens: int, eos_ids: set[int],
                  rows: torch.Tensor | None = None, strength: torch.Tensor | None = None,
-                 share_prefix: bool = True, choose=None, ended=None) -> tuple[list[list[int]], SteerContext]:
+                 share_prefix: bool = True, choose=None, ended=None,
+                 out: list[list[int]] | None = None) -> tuple[list[list[int]], SteerContext]:
     """One left-padded batch (``input_ids``, ``attention_mask``) through :func:`decode_loop` (greedy
-    unless ``choose`` / ``ended`` say otherwise) inside the intervention's ``attach``: the prefix its
+    unless ``choose`` / ``ended`` say otherwise; ``out`` as there) inside the intervention's ``attach``: the prefix its
     rows share is computed first, once and without the hooks, when the intervention is prefix-free
     (and ``share_prefix``). Returns each row's new tokens and the batch's :class:`SteerContext` (its
     stats)."""
@@ -168,7 +173,7 @@ def decode_batch(model, enc: dict, intervention: Intervention, max_new_tokens: i
         cache, ids, mask = prefix_cache(model, ids, mask, prefix)
     ctx = SteerContext(prompt_len=ids.shape[1], rows=rows, strength=strength)
     with torch.no_grad(), intervention.attach(model, ctx):
-        return decode_loop(model, ids, mask, max_new_tokens, eos_ids, ctx, cache, prefix, choose, ended), ctx
+        return decode_loop(model, ids, mask, max_new_tokens, eos_ids, ctx, cache, prefix, choose, ended, out), ctx
 
 
 def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: Intervention,

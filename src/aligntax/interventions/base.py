@@ -133,19 +133,16 @@ def prefill_decisions(lm, prompts, layers: Sequence[int], decide: Callable[[dict
     """``decide`` applied to the states entering blocks ``layers`` at each prompt's last token
     (``{block: [N, d]}``), as the intervention's pre-hooks see them in generation (same chat template
     and message changes), in batches that stop after the last of those blocks."""
-    from aligntax.activations.capture import capture, chat_ids
+    from aligntax.activations.capture import capture_seqs, chat_ids
 
     if not prompts:
         return []
     blocks = sorted(int(x) for x in layers)
-    key = None
-    if _PREFILL_MEMO is not None:
-        seqs, _ = chat_ids(lm, prompts, system, intervention)
-        key = (id(lm.model), tuple(blocks), tuple(map(tuple, seqs)))
+    seqs, plens = chat_ids(lm, prompts, system, intervention)
+    key = (id(lm.model), tuple(blocks), tuple(map(tuple, seqs))) if _PREFILL_MEMO is not None else None
     states = _PREFILL_MEMO.get(key) if key is not None else None
     if states is None:
-        states = capture(lm, prompts, blocks, system=system, batch_size=batch_size, progress=False,
-                         intervention=intervention)
+        states = capture_seqs(lm, seqs, plens, blocks, batch_size=batch_size, progress=False)
         states = {b: states[b] for b in blocks}
         if key is not None:
             _PREFILL_MEMO[key] = states

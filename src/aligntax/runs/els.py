@@ -206,10 +206,7 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
 
     last = min(bank.top(3))
     cand = [layer for layer in sorted(acts) if layer <= last and layer >= last // 3]
-    seen = {(it.source, it.id) for it in [*items, *harmless]}
-    extra = [it for specs, limit in ((cfg.gate_benign, cfg.limit_gate_benign), (cfg.gate_harmful, cfg.limit_gate_harmful))
-             for spec in specs for it in _sampled(load_prompt_sets([spec], None), limit, cfg.seed)
-             if (it.source, it.id) not in seen]
+    extra = gate_extra_items(cfg, [*items, *harmless])
     x = {layer: [acts[layer], h_acts[layer]] for layer in cand}
     y = [it.label == "harmful" for it in items] + [it.label == "harmful" for it in harmless]
     if extra:
@@ -222,6 +219,15 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
                            metadata={"benign": [*cfg.benign, *cfg.harmless, *cfg.gate_benign],
                                      "harmful": [*cfg.harmful, *cfg.gate_harmful]})
     gate.save(out)
+
+
+def gate_extra_items(cfg: ELSTrainConfig, seen_items) -> list:
+    """The harm gate's prompts beyond the training and harmless ones (``seen_items``): ``gate_benign`` and
+    ``gate_harmful``, each sampled to its limit, without those already seen."""
+    seen = {(it.source, it.id) for it in seen_items}
+    return [it for specs, limit in ((cfg.gate_benign, cfg.limit_gate_benign), (cfg.gate_harmful, cfg.limit_gate_harmful))
+            for spec in specs for it in _sampled(load_prompt_sets([spec], None), limit, cfg.seed)
+            if (it.source, it.id) not in seen]
 
 
 def _sampled(items: list, limit: int | None, seed: int) -> list:

@@ -258,15 +258,13 @@ class _BatchController:
         self.text = {i: _RowText(engine.tokenizer, j.params.stop)
                      for i, j in enumerate(jobs) if j.stream or j.params.stop}
         self.finished = [False] * len(jobs)
+        # each row's tokens: the decoding loop appends to these lists before it calls this controller
         self.tokens: list[list[int]] = [[] for _ in jobs]
 
     # -- per step -------------------------------------------------------------------------------
     def __call__(self, alive: torch.Tensor, new: torch.Tensor, step: int) -> torch.Tensor:
         self.step = t = step + 1
         rows = alive.tolist()
-        toks = new.tolist()
-        for i, tok in zip(rows, toks, strict=True):
-            self.tokens[i].append(tok)
         hit_eos = torch.isin(new, self.eos)
         ending = hit_eos | (self.max_new[alive.to(new.device)] <= t)
         # Host syncs first, outside the tokenizer lock: the (usually empty) list of rows that end now.
@@ -557,5 +555,5 @@ class BatchEngine:
         decode_batch(model, enc, intervention, max(j.params.max_tokens for j in jobs), set(self.eos_ids),
                      rows=torch.tensor([j.steer for j in jobs]),
                      strength=torch.tensor([float(j.strength) if j.steer else 0.0 for j in jobs]),
-                     choose=_RowSampler(jobs, device), ended=controller)
+                     choose=_RowSampler(jobs, device), ended=controller, out=controller.tokens)
         controller.finish_rest()
