@@ -18,8 +18,11 @@ refusal. This script measures, on the folder of ``aligntax demo``, the variants 
   prompts of its discrimination, malicious-use and information-hazard areas, sampled), in
   ``OUT/energy-questions``; the demo's labels and states are copied there first, so only the new
   prompts are generated. The selected setting is then evaluated on the test sets.
+* ``valq``: could validation see this failure if it held harmful questions? The Do-Not-Answer prompts
+  the harm gate was not trained on: how many the gate passes, and how many of those the unsteered
+  model and each of the sweep's ELS layers (32 tokens) refuse.
 
-    python bench/xstest_unsafe_variants.py --demo runs/demo --parts gate,steer,energy --out runs/bench/xstest_unsafe
+    python bench/xstest_unsafe_variants.py --demo runs/demo --parts gate,steer,energy,valq --out runs/bench/xstest_unsafe
 """
 
 from __future__ import annotations
@@ -232,10 +235,38 @@ def energy_part(demo: Path, lm, out: Path, n_questions: int) -> list[dict]:
     return [row]
 
 
+# --------------------------------------------------------------------------------- valq
+def questions_part(demo: Path, lm) -> list[dict]:
+    els = demo / "els"
+    cfg = load_config(ELSTrainConfig, els / "train_config.json")
+    benign, harmful = _training_items(cfg)
+    used = {(it.source, it.id) for it in gate_extra_items(cfg, [*benign, *harmful,
+                                                                *load_prompt_sets(cfg.harmless, cfg.limit_harmless)])}
+    held_out = [it for it in load_prompt_sets(["do-not-answer"], None) if (it.source, it.id) not in used]
+    gate = HarmGate.load(els, expect_fingerprint=lm.fingerprint)
+    p = gate.prob(gate.stack(capture(lm, [it.prompt for it in held_out], gate.layers, batch_size=96,
+                                     progress=False))).tolist()
+    prompts = [it.prompt for it, pi in zip(held_out, p, strict=True) if pi < gate.threshold]
+    judge = get_judge("classifier")
+    best = json.loads((els / "sweep" / "best.json").read_text())["best"]["args"]
+    sweep_layers = [[int(x)] for x in json.loads((els / "energy.json").read_text())["layers"][1:5]]
+    rows = []
+    for layers in [None, *sweep_layers]:
+        iv = None if layers is None else EnergySteering.from_dir(
+            els, lm, gate=True, layers=layers, **{k: best[k] for k in ("eta", "steps", "threshold", "horizon")})
+        gens = generate(lm, prompts, GenerationConfig(max_new_tokens=32, batch_size=96), iv, progress=False)
+        refused = [v.refused for v in judge.judge(prompts, [g.response for g in gens])]
+        rows.append({"setting": "unsteered" if layers is None else f"ELS layer {layers[0]}",
+                     "held-out questions": len(held_out), "passed by the gate": len(prompts),
+                     "refused": sum(refused)})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", default="runs/demo", help="folder of aligntax demo (default runs/demo)")
-    p.add_argument("--parts", default="gate,steer,energy", help="comma-separated: gate, steer, energy")
+    p.add_argument("--parts", default="gate,steer,energy,valq", help="comma-separated: gate, steer, energy, valq")
     p.add_argument("--questions", type=int, default=300, help="harmful questions for the energy part")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="runs/bench/xstest_unsafe", help="folder for results.json and results.md")
@@ -255,6 +286,8 @@ def main() -> None:
         results["steer"] = steer_part(demo, lm)
     if "energy" in parts:
         results["energy"] = energy_part(demo, lm, out, args.questions)
+    if "valq" in parts:
+        results["valq"] = questions_part(demo, lm)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     md = []
     for part, rows in results.items():
