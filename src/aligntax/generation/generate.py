@@ -163,10 +163,10 @@ def decode_batch(model, enc: dict, intervention: Intervention, max_new_tokens: i
                  share_prefix: bool = True, choose=None, ended=None,
                  out: list[list[int]] | None = None) -> tuple[list[list[int]], SteerContext]:
     """One left-padded batch (``input_ids``, ``attention_mask``) through :func:`decode_loop` (greedy
-    unless ``choose`` / ``ended`` say otherwise; ``out`` as there) inside the intervention's ``attach``: the prefix its
-    rows share is computed first, once and without the hooks, when the intervention is prefix-free
-    (and ``share_prefix``). Returns each row's new tokens and the batch's :class:`SteerContext` (its
-    stats)."""
+    unless ``choose`` / ``ended`` say otherwise; ``out`` as there) inside the intervention's
+    ``attach``: the prefix its rows share is computed first, once and without the hooks, when the
+    intervention is prefix-free (and ``share_prefix``). Returns each row's new tokens and the batch's
+    :class:`SteerContext` (its stats)."""
     ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
     prefix = usable_prefix(model, unpadded(ids, mask), share_prefix and intervention.prefix_free, max_new_tokens)
     if prefix:
