@@ -146,6 +146,12 @@ def _fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, max_iter: int = 2
     return w.detach(), float(b.detach())
 
 
+def _fit_standardised(x: torch.Tensor, y: torch.Tensor, l2: float):
+    """:func:`_fit_logistic` on ``x`` standardised by its own mean and std: ``(w, b, mean, std)``."""
+    mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+    return (*_fit_logistic((x - mu) / sd, y, l2), mu, sd)
+
+
 def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict:
     pred = logit >= 0
     yb = y.bool()
@@ -188,8 +194,7 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
         for va in splits:
             tr = torch.ones(len(y), dtype=torch.bool)
             tr[va] = False
-            mu, sd = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
-            w, b = _fit_logistic((x[tr] - mu) / sd, y[tr], l2)
+            w, b, mu, sd = _fit_standardised(x[tr], y[tr], l2)
             logits[va] = ((x[va] - mu) / sd) @ w + b
         oof[(layer,)] = logits
     if ensemble and len(cand) > 1:
@@ -215,11 +220,7 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
 
     best = max(points, key=lambda k: (round(score(k), 6), -len(k), -k[0]))
     chosen = points[best]
-    fits = []
-    for layer in best:
-        x = acts_by_layer[layer].float()
-        mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
-        fits.append((*_fit_logistic((x - mu) / sd, y, l2), mu, sd))
+    fits = [_fit_standardised(acts_by_layer[layer].float(), y, l2) for layer in best]
     w, b, mu, sd = (torch.stack([torch.as_tensor(f[i]) for f in fits]) for i in range(4))
     gate = HarmGate(list(best), w, b, mu, sd, chosen["threshold"], dict(fingerprint or {}))
     x_all = gate.stack({layer: acts_by_layer[layer].float() for layer in best})

@@ -2,9 +2,9 @@
 
 Requests (:class:`Job`) enter a thread-safe queue. The worker takes the first one and gathers more
 (up to ``max_batch_size``) until none has come for ``batch_wait_ms``, or ``max_batch_wait_ms`` after
-the first (requests of a burst arrive one by one, each tokenised by the server first), and decodes them as one left-padded batch with
-the KV cache inside the intervention's ``attach`` context (:func:`aligntax.generation.generate.decode_batch`):
-a request leaves the batch as soon as it ends, and the prompt prefix all requests share (the chat
+the first (requests of a burst arrive one by one, each tokenised by the server first), and decodes
+them as one left-padded batch with the KV cache inside the intervention's ``attach`` context
+(:func:`aligntax.generation.generate.decode_batch`): a request leaves the batch as soon as it ends, and the prompt prefix all requests share (the chat
 template's system turn) is computed once when the intervention is prefix-free. Everything that
 differs between requests is handled per row, so any mix of requests shares a batch:
 
@@ -253,7 +253,6 @@ class _BatchController:
         self.max_new = torch.tensor([j.params.max_tokens for j in jobs], device=device)
         self.eos = torch.tensor(engine.eos_ids or [-1], device=device)
         self.eos_set = set(engine.eos_ids)
-        self.step = 0
         self.cancel_epoch = engine.cancel_epoch
         self.text = {i: _RowText(engine.tokenizer, j.params.stop)
                      for i, j in enumerate(jobs) if j.stream or j.params.stop}
@@ -263,7 +262,7 @@ class _BatchController:
 
     # -- per step -------------------------------------------------------------------------------
     def __call__(self, alive: torch.Tensor, new: torch.Tensor, step: int) -> torch.Tensor:
-        self.step = t = step + 1
+        t = step + 1  # tokens generated so far
         rows = alive.tolist()
         hit_eos = torch.isin(new, self.eos)
         ending = hit_eos | (self.max_new[alive.to(new.device)] <= t)
