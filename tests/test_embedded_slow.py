@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -21,10 +20,21 @@ def qwen_fp32():
     return load_model("embedded:qwen2.5-coder-0.5b-instruct", dtype="fp32")
 
 
-def test_cached_load_is_fast_and_described():
-    t = time.perf_counter()
+def test_cached_load_skips_conversion_and_is_described(monkeypatch):
+    """Once converted, the embedded model loads from its safetensors copy: neither the GGUF assembly nor
+    the dequantising load runs again (they are what takes ~35 s; the cached load's wall time depends on
+    whether the file is still in the page cache, so no wall-time bound is asserted)."""
+    from aligntax.models import embedded
+
+    embedded.fetch_embedded("qwen2.5-coder-0.5b-instruct")  # converted once (set-up normally did it)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the cached embedded model was converted again")
+
+    monkeypatch.setattr(embedded, "assemble_gguf", must_not_run)
+    monkeypatch.setattr(embedded, "load_gguf", must_not_run)
     lm = load_model("embedded:qwen2.5-coder-0.5b-instruct")
-    assert time.perf_counter() - t < 30
+    assert lm.source == str(embedded.converted_dir("qwen2.5-coder-0.5b-instruct"))
     assert lm.num_layers == 24 and lm.hidden_size == 896 and str(lm.dtype) == "torch.bfloat16"
     assert lm.fingerprint["model_type"] == "qwen2"
 
