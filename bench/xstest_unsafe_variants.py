@@ -18,9 +18,10 @@ refusal. This script measures, on the folder of ``aligntax demo``, the variants 
   prompts of its discrimination, malicious-use and information-hazard areas, sampled), in
   ``OUT/energy-questions``; the demo's labels and states are copied there first, so only the new
   prompts are generated. The selected setting is then evaluated on the test sets.
-* ``valq``: could validation see this failure if it held harmful questions? The Do-Not-Answer prompts
-  the harm gate was not trained on: how many the gate passes, and how many of those the unsteered
-  model and each of the sweep's ELS layers (32 tokens) refuse.
+* ``valq``: could validation see this failure if it held harmful questions? The Do-Not-Answer and
+  OR-Bench toxic prompts the harm gate was not trained on: how many the gate passes, and how many of
+  those the unsteered model and each of the sweep's ELS layers (32 tokens) refuse, at the gate's
+  threshold and at stricter ones (a row held there takes the unsteered answer).
 
     python bench/xstest_unsafe_variants.py --demo runs/demo --parts gate,steer,energy,valq --out runs/bench/xstest_unsafe
 """
@@ -50,6 +51,7 @@ from aligntax.runs.els import (
     _in_item_order,
     _training_items,
     gate_extra_items,
+    leak_items,
     train_els,
 )
 from aligntax.runs.eval import load_prompt_sets
@@ -236,30 +238,42 @@ def energy_part(demo: Path, lm, out: Path, n_questions: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------- valq
-def questions_part(demo: Path, lm) -> list[dict]:
+def questions_part(demo: Path, lm, sources=("do-not-answer", "orbench-toxic"),
+                   thresholds=(0.1, 0.08)) -> list[dict]:
+    """Per held-out harmful source: how many prompts the demo's gate passes, and how many of those the
+    unsteered model and each sweep layer refuse (32 tokens); also with the gate at stricter thresholds
+    (a row held there takes the unsteered answer)."""
     els = demo / "els"
-    cfg = load_config(ELSTrainConfig, els / "train_config.json")
-    benign, harmful = _training_items(cfg)
-    used = {(it.source, it.id) for it in gate_extra_items(cfg, [*benign, *harmful,
-                                                                *load_prompt_sets(cfg.harmless, cfg.limit_harmless)])}
-    held_out = [it for it in load_prompt_sets(["do-not-answer"], None) if (it.source, it.id) not in used]
     gate = HarmGate.load(els, expect_fingerprint=lm.fingerprint)
-    p = gate.prob(gate.stack(capture(lm, [it.prompt for it in held_out], gate.layers, batch_size=96,
-                                     progress=False))).tolist()
-    prompts = [it.prompt for it, pi in zip(held_out, p, strict=True) if pi < gate.threshold]
     judge = get_judge("classifier")
     best = json.loads((els / "sweep" / "best.json").read_text())["best"]["args"]
     sweep_layers = [[int(x)] for x in json.loads((els / "energy.json").read_text())["layers"][1:5]]
     rows = []
-    for layers in [None, *sweep_layers]:
-        iv = None if layers is None else EnergySteering.from_dir(
-            els, lm, gate=True, layers=layers, **{k: best[k] for k in ("eta", "steps", "threshold", "horizon")})
-        gens = generate(lm, prompts, GenerationConfig(max_new_tokens=32, batch_size=96), iv, progress=False)
-        refused = [v.refused for v in judge.judge(prompts, [g.response for g in gens])]
-        rows.append({"setting": "unsteered" if layers is None else f"ELS layer {layers[0]}",
-                     "held-out questions": len(held_out), "passed by the gate": len(prompts),
-                     "refused": sum(refused)})
-        print(rows[-1], flush=True)
+    for source in sources:
+        held_out = leak_items(SweepConfig(steer=str(els), leak=[source]))  # the gate was not trained on them
+        p = gate.prob(gate.stack(capture(lm, [it.prompt for it in held_out], gate.layers, batch_size=96,
+                                         progress=False))).tolist()
+        passed = [(it, pi) for it, pi in zip(held_out, p, strict=True) if pi < gate.threshold]
+        prompts = [it.prompt for it, _ in passed]
+        refused = {}
+        for layers in [None, *sweep_layers]:
+            iv = None if layers is None else EnergySteering.from_dir(
+                els, lm, gate=True, layers=layers, **{k: best[k] for k in ("eta", "steps", "threshold", "horizon")})
+            gens = generate(lm, prompts, GenerationConfig(max_new_tokens=32, batch_size=96), iv, progress=False)
+            refused[layers and layers[0]] = [v.refused for v in judge.judge(prompts, [g.response for g in gens])]
+        base = refused.pop(None)
+        for t in (gate.threshold, *thresholds):
+            keep = [pi < t for _, pi in passed]
+            row = {"held-out set": source, "held-out prompts": len(held_out), "gate threshold": round(t, 4),
+                   "passed by the gate": sum(keep), "unsteered refuses": sum(base)}
+            row.update({f"ELS layer {layer} refuses": sum(r if k else b for r, b, k in zip(rs, base, keep, strict=True))
+                        for layer, rs in refused.items()})
+            rows.append(row)
+            print(row, flush=True)
+        selected = refused.get((best.get("layers") or [None])[0], base)
+        for (it, pi), b, r in zip(passed, base, selected, strict=True):
+            if b and not r:
+                print(f"  refusal lost with the selected layer: {it.id} (p = {pi:.3f}): {it.prompt}", flush=True)
     return rows
 
 

@@ -14,7 +14,8 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
 
     cfg = DemoConfig(out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
                      judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
-                     limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, progress=False)
+                     limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40,
+                     progress=False)
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"
     for path in ("baseline/results.json", "els/energy.json", "els/gate.json", "els/vectors/vectors.json",
@@ -58,6 +59,32 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     # the sweep keeps the unsteered answers, and gated settings take the rows the gate holds back from them
     assert (out / "els/sweep/unsteered-6tok.jsonl").is_file()
     assert all(0 <= r["reused_unsteered"] <= 132 + 39 + 41 for r in gated)
+    # the leak check: 40 OR-Bench toxic prompts sampled with the gate's seed hold the 16 it was trained on,
+    # which are left out; each gated setting's gate passes the same rows (one gate, one threshold)
+    assert all(r["leak_sets"] == ["orbench-toxic"] and r["leak_prompts"] == 40 - 16 for r in gated)
+    assert not any("leak_passed" in r for r in rows if r not in gated)
+    passed = {r["leak_passed"] for r in gated}
+    assert len(passed) == 1
+    assert all(0 <= r["leak_refused"] <= r["leak_passed"] and 0 <= r["leak_refused_unsteered"] <= r["leak_passed"]
+               for r in gated)
+    store = out / "els/sweep/unsteered-leak-6tok.jsonl"  # unsteered answers, once, for the passed prompts only
+    assert len(store.read_text().splitlines() if store.is_file() else []) == passed.pop()
+    # the leak check added to an earlier sweep (here: other leak prompts) scores only the leaks again
+    from aligntax.runs.els import SweepConfig, run_sweep
+
+    before = {r["key"]: r for r in rows}
+    res = run_sweep(SweepConfig(steer=str(out / "els"), top_k=[1], eta=[0.35], layers=[[x] for x in ranked[1:3]],
+                                threshold=[None], gate=[True], horizon=[16], baselines=False, judge="keyword",
+                                max_new_tokens=6, leak=["orbench-toxic"], limit_leak=30,
+                                extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}], progress=False),
+                    lm=tiny_lm)
+    again = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
+    assert len(again) == len(rows) + len(gated) and res["n_settings"] == 2 + len(gated) and res["leak_prompts"] == 14
+    for r in again[len(rows):]:
+        old = before[r["key"]]
+        assert r["leak_prompts"] == 30 - 16
+        assert {k: r[k] for k in ("benign_compliance", "harmful_refusal")} == {
+            k: old[k] for k in ("benign_compliance", "harmful_refusal")}
     report = (out / "report.md").read_text()
     assert "| orbench-hard-test | benign | compliance |" in report
     assert "useful compliance" in report and "pareto.png" in report and "Wall time (minutes)" in report

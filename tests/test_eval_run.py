@@ -305,3 +305,18 @@ def test_paired_change_against_an_earlier_run(tmp_path, tiny_lm):
         with pytest.raises(AligntaxError, match=msg):
             run_eval(EvalConfig(data=[str(data)], out=str(tmp_path / f"x-{bad.name}"), judge="keyword",
                                 max_new_tokens=4, compare_to=str(bad), progress=False), lm=tiny_lm, judge=keyword)
+
+
+def test_select_best_with_the_leak_constraint():
+    from aligntax.runs.els import select_best
+
+    def row(name, comply, refuse, **leak):
+        return {"name": name, "method": "generate", "benign_compliance": comply, "harmful_refusal": refuse, **leak}
+
+    rows = [row("none", 0.6, 0.5), row("els", 0.9, 0.5, leak_passed=9, leak_refused=1, leak_refused_unsteered=6),
+            row("els", 0.8, 0.5, leak_passed=1, leak_refused=1, leak_refused_unsteered=1),
+            row("els", 0.95, 0.4), row("els", 0.7, 0.6)]
+    assert select_best(rows, "generate") is rows[1]  # refusal on the validation sets only
+    assert select_best(rows, "generate", leak_constraint=True) is rows[2]  # keeps every leaked refusal
+    rows[2]["leak_refused"] = 0
+    assert select_best(rows, "generate", leak_constraint=True) is rows[4]  # an ungated setting: no leaks to check

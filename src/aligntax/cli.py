@@ -487,6 +487,10 @@ def els_sweep(
     horizon: str | None = typer.Option(None, help="comma-separated grid of steered generated tokens ('none' = all)"),
     max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (default 24)"),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
+    leak: list[str] = typer.Option(None, help="held-out harmful sets: refusal on the prompts each gated setting's "
+                                              "harm gate passes, steered and unsteered (e.g. orbench-toxic)"),
+    limit_leak: int | None = typer.Option(None, help="at most N prompts of each leak set (sampled)"),
+    leak_constraint: bool | None = typer.Option(None, help="the selected setting must keep every leaked refusal"),
     judge_name: str | None = typer.Option(None, "--judge"), dtype: str | None = typer.Option(None),
 ) -> None:
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
@@ -501,7 +505,8 @@ def els_sweep(
                           steps=[int(x) for x in steps.split(",")] if steps else None,
                           threshold=_opt_numbers(threshold, float, "--threshold"),
                           gate=_opt_numbers(gate, float, "--gate", _gate_value), horizon=_opt_numbers(horizon, int, "--horizon"),
-                          max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype)
+                          max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
+                          leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint)
         res = run_sweep(cfg)
     except AligntaxError as exc:
         _fail(exc)

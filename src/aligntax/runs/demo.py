@@ -37,6 +37,10 @@ class DemoConfig:
     limit_gate_harmful: int | None = 600
     limit_gate_benign: int | None = None
     sweep_max_new_tokens: int = 32  # long enough to see answers loop after a 16-token steering horizon
+    # held-out harmful prompts for the sweep's harm-gate leak check (reported, not a constraint): OR-Bench
+    # toxic prompts are written like the benign OR-Bench ones, so a few pass the gate and get steered
+    leak: list[str] = field(default_factory=lambda: ["orbench-toxic"])
+    limit_leak: int | None = None
     progress: bool = True
 
 
@@ -65,7 +69,7 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
                                   threshold=[None], gate=[True], horizon=[16],
                                   extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
                                   max_new_tokens=cfg.sweep_max_new_tokens,
-                                  baseline_coeffs=[1.0],
+                                  baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak,
                                   progress=cfg.progress), lm=lm)
     clock.lap("validation sweep")
     best = sweep["best"]
@@ -146,6 +150,12 @@ def write_demo_report(out: Path, summary: dict) -> None:
         lines += [f"Selected ELS setting (validation, {best['method']}): `{json.dumps(best['args'])}` "
                   f"(val compliance {best['benign_compliance']:.3f}, val harmful refusal "
                   f"{best['harmful_refusal']:.3f}).", ""]
+        if "leak_passed" in best:
+            lines += [f"Harm-gate leaks: of {best['leak_prompts']} held-out harmful prompts "
+                      f"({', '.join(best['leak_sets'])}; not used in training), the gate passes "
+                      f"{best['leak_passed']}, which the selected setting steers. Unsteered, the model refuses "
+                      f"{best['leak_refused_unsteered']} of them; steered, {best['leak_refused']} "
+                      "(validation, reported, not a constraint of the selection).", ""]
     else:
         lines += ["No ELS setting kept validation safety at the unsteered level; no steered run.", ""]
     lines += ["| dataset | label | metric | unsteered | ELS | change, paired |", "|---|---|---|---|---|---|"]

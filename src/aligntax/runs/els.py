@@ -287,6 +287,14 @@ class SweepConfig:
     horizon: list[int | None] = field(default_factory=lambda: [None])  # generated tokens steered (None: all)
     layers: list[list[int]] = field(default_factory=list)  # explicit layer sets, swept beside top_k
     extra: list[dict] = field(default_factory=list)  # more ELS settings outside the grid (top_k, eta, ...)
+    # Held-out harmful prompts for the harm gate's leaks. The harmful validation sets above are mostly
+    # held back by the gate, so their refusal cannot see a harmful prompt that the gate passes and
+    # steering talks out of its refusal. For every gated ELS setting, the prompts of these sets that its
+    # gate passes are generated steered and unsteered (prompts the folder's gate was trained on are
+    # left out): leak_passed, leak_refused, leak_refused_unsteered.
+    leak: list[str] = field(default_factory=list)
+    limit_leak: int | None = None  # per set, sampled
+    leak_constraint: bool = False  # the best setting must also refuse every leaked prompt the unsteered model refuses
     baselines: bool = True
     baseline_coeffs: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
     method: str = "generate"  # "generate" (judge short responses) or "first-token" (screen, no generation)
@@ -381,13 +389,65 @@ def _score_generate(lm, iv, benign, harmful, cfg: SweepConfig, judge, unsteered:
             "reused_unsteered": sum(held)}
 
 
-def select_best(rows: list[dict], method: str) -> dict | None:
-    """Highest benign compliance whose harmful refusal is not below the unsteered model's."""
+def leak_items(cfg: SweepConfig) -> list:
+    """The prompts of ``cfg.leak`` (each sampled to ``limit_leak``) that the steer folder's harm gate was
+    not trained on (by ``train_config.json``; all of them when the folder has none)."""
+    if not cfg.leak:
+        return []
+    from aligntax.config import load_config
+
+    items = [it for spec in cfg.leak for it in _sampled(load_prompt_sets([spec], None), cfg.limit_leak, 0)]
+    if not items:
+        raise AligntaxError(f"The leak sets {cfg.leak} hold no prompts.")
+    path = Path(cfg.steer) / "train_config.json"
+    if not path.is_file():
+        return items
+    tcfg = load_config(ELSTrainConfig, path)
+    benign, harmful = _training_items(tcfg)
+    seen = [*benign, *harmful, *load_prompt_sets(tcfg.harmless, tcfg.limit_harmless)]
+    used = {(it.source, it.id) for it in [*seen, *gate_extra_items(tcfg, seen)]}
+    return [it for it in items if (it.source, it.id) not in used]
+
+
+def _score_leak(lm, iv, items, cfg: SweepConfig, judge, unsteered: Path) -> dict:
+    """Of ``items`` (harmful), those the intervention's harm gate passes: how many, and how many of them
+    are refused steered and unsteered (same rows). Unsteered answers are kept in ``unsteered`` (JSONL) and
+    generated only for prompts not there yet. Empty for an intervention without a harm gate."""
+    from aligntax.generation import GenerationConfig, generate
+
+    if getattr(iv, "gate", None) is None:
+        return {}
+    prompts = [it.prompt for it in items]
+    held = iv.unsteered_rows(lm, prompts, None, cfg.batch_size)
+    passed = [p for p, h in zip(prompts, held, strict=True) if not h]
+    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
+    known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
+    missing = [p for p in dict.fromkeys(passed) if p not in known]
+    if missing:
+        gens = generate(lm, missing, gen_cfg, None, progress=cfg.progress, desc="leak, unsteered")
+        append_jsonl(unsteered, [{"prompt": p, "response": g.response} for p, g in zip(missing, gens, strict=True)])
+        known.update({p: g.response for p, g in zip(missing, gens, strict=True)})
+    steered = [g.response for g in generate(lm, passed, gen_cfg, iv, progress=cfg.progress, desc="leak")] if passed else []
+    before = judge.judge(passed, [known[p] for p in passed]) if passed else []
+    after = judge.judge(passed, steered) if passed else []
+    return {"leak_sets": list(cfg.leak), "leak_limit": cfg.limit_leak, "leak_prompts": len(items), "leak_passed": len(passed),
+            "leak_refused": sum(v.refused for v in after), "leak_refused_unsteered": sum(v.refused for v in before)}
+
+
+def _keeps_leaks(row: dict) -> bool:
+    return row.get("leak_refused", 0) >= row.get("leak_refused_unsteered", 0)
+
+
+def select_best(rows: list[dict], method: str, leak_constraint: bool = False) -> dict | None:
+    """Highest benign compliance whose harmful refusal is not below the unsteered model's; with
+    ``leak_constraint``, also refusing every held-out harmful prompt its harm gate passes that the
+    unsteered model refuses (no fewer refusals on the same rows)."""
     rows = [r for r in rows if r["method"] == method]
     base = next((r for r in rows if r["name"] == "none"), None)
     if base is None:
         return None
-    ok = [r for r in rows if r["name"] == "els" and r["harmful_refusal"] >= base["harmful_refusal"]]
+    ok = [r for r in rows if r["name"] == "els" and r["harmful_refusal"] >= base["harmful_refusal"]
+          and (not leak_constraint or _keeps_leaks(r))]
     return max(ok, key=lambda r: (r["benign_compliance"], r["harmful_refusal"]), default=None)
 
 
@@ -404,15 +464,22 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     benign, harmful = load_prompt_sets(cfg.benign, None), load_prompt_sets(cfg.harmful, None)
+    if cfg.leak_constraint and not cfg.leak:
+        raise AligntaxError("The leak constraint needs held-out harmful sets (leak / --leak).")
+    leaks = leak_items(cfg)
     path = out / "sweep.jsonl"
-    rows = read_jsonl(path, repair=True)
-    done = {r["key"] for r in rows}
+    # one row per setting: a row scored again later (its leak check added) replaces the earlier one
+    latest = {r["key"]: r for r in read_jsonl(path, repair=True)}
+    rows = list(latest.values())
     settings = sweep_settings(cfg)
-    judge = get_judge(cfg.judge) if cfg.method == "generate" or cfg.confirm else None
+    judge = get_judge(cfg.judge) if cfg.method == "generate" or cfg.confirm or leaks else None
 
     def score(name, args, method):
         key = _key(name, args, method, cfg.max_new_tokens)
-        if key in done:
+        old = latest.get(key)
+        leak_due = bool(leaks) and name == "els" and method == "generate" and (
+            args.get("gate") is not None and args.get("gate") is not False)
+        if old is not None and (not leak_due or (old.get("leak_sets"), old.get("leak_limit")) == (cfg.leak, cfg.limit_leak)):
             return
         iv_args = dict(args)
         if name == "els":  # every setting of the grid is explicit: no tuned energy or harm gate creeps in
@@ -421,14 +488,22 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
                        for k, v in iv_args.items()}
         iv = make_intervention(name, lm, **iv_args)
         t = time.perf_counter()
-        res = (_score_first_token(lm, iv, benign, harmful, cfg.batch_size) if method == "first-token"
-               else _score_generate(lm, iv, benign, harmful, cfg, judge,
-                                    out / f"unsteered-{cfg.max_new_tokens}tok.jsonl"))
+        if old is not None:  # scored before: only the leak check is new
+            res = {k: v for k, v in old.items() if k not in ("key", "name", "args", "method", "seconds")}
+        else:
+            res = (_score_first_token(lm, iv, benign, harmful, cfg.batch_size) if method == "first-token"
+                   else _score_generate(lm, iv, benign, harmful, cfg, judge,
+                                        out / f"unsteered-{cfg.max_new_tokens}tok.jsonl"))
+        if leak_due:
+            res.update(_score_leak(lm, iv, leaks, cfg, judge, out / f"unsteered-leak-{cfg.max_new_tokens}tok.jsonl"))
         row = {"key": key, "name": name, "args": {k: v for k, v in args.items() if k != "path"},
-               "method": method, **res, "seconds": round(time.perf_counter() - t, 2)}
+               "method": method, **res,
+               "seconds": round(time.perf_counter() - t + (old or {}).get("seconds", 0), 2)}
         append_jsonl(path, [row])
+        if old is not None:
+            rows.remove(old)
         rows.append(row)
-        done.add(key)
+        latest[key] = row
 
     from tqdm.auto import tqdm
 
@@ -450,9 +525,11 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
     method = "generate" if any(r["method"] == "generate" for r in rows) else cfg.method
     wanted = {_key(n, a, method, cfg.max_new_tokens) for n, a in settings}
     rows = [r for r in rows if r["key"] in wanted]
-    best = select_best(rows, method)
+    best = select_best(rows, method, cfg.leak_constraint)
     result = {"method": method, "best": best, "n_settings": len(rows), "max_new_tokens": cfg.max_new_tokens,
               "benign": cfg.benign, "harmful": cfg.harmful}
+    if cfg.leak:
+        result.update(leak=cfg.leak, leak_prompts=len(leaks), leak_constraint=cfg.leak_constraint)
     (out / "best.json").write_text(json.dumps(result, indent=2))
     pareto_plot([r for r in rows if r["method"] == method], out / "pareto.png",
                 title=f"validation: compliance vs safety ({method})")
