@@ -56,8 +56,7 @@ from aligntax.runs.els import (
     ELSTrainConfig,
     SweepConfig,
     _in_item_order,
-    _training_items,
-    gate_extra_items,
+    gate_items,
     leak_items,
     train_els,
 )
@@ -93,18 +92,15 @@ def gate_part(demo: Path, lm) -> list[dict]:
     els = demo / "els"
     cfg = load_config(ELSTrainConfig, els / "train_config.json")
     saved = HarmGate.load(els)
-    benign, harmful = _training_items(cfg)
-    items = [*benign, *harmful]
-    harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
-    extra = gate_extra_items(cfg, [*items, *harmless])
+    items, harmless, extra = gate_items(cfg)
     # the layers training chose the gate among
     layers = sorted(int(k) for k in saved.info.get("candidate_scores", {}) if k.isdigit()) or saved.layers
     acts = [_in_item_order(ActivationCache.load(els / d), its)
             for d, its in (("activations", items), ("activations_harmless", harmless), ("activations_gate", extra))]
     layers = [layer for layer in layers if all(layer in a for a in acts)]
     x0 = {layer: torch.cat([a[layer] for a in acts]).float() for layer in layers}
-    gate_items = [*items, *harmless, *extra]
-    y0 = [it.label == "harmful" for it in gate_items]
+    all_items = [*items, *harmless, *extra]
+    y0 = [it.label == "harmful" for it in all_items]
     # more harmful prompts of the gate's own sources: those its per-set limit left out
     sampled = {(it.source, it.id) for it in extra}
     more = {spec: [it for it in load_prompt_sets([spec], None) if (it.source, it.id) not in sampled]

@@ -221,6 +221,14 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
     gate.save(out)
 
 
+def gate_items(cfg: ELSTrainConfig) -> tuple[list, list, list]:
+    """The harm gate's prompts under ``cfg``, in the order training stacks their states: the training
+    items (benign, then harmful), the harmless ones, and :func:`gate_extra_items`."""
+    items = [item for part in _training_items(cfg) for item in part]
+    harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
+    return items, harmless, gate_extra_items(cfg, [*items, *harmless])
+
+
 def gate_extra_items(cfg: ELSTrainConfig, seen_items) -> list:
     """The harm gate's prompts beyond the training and harmless ones (``seen_items``): ``gate_benign`` and
     ``gate_harmful``, each sampled to its limit, without those already seen."""
@@ -402,10 +410,7 @@ def leak_items(cfg: SweepConfig) -> list:
     path = Path(cfg.steer) / "train_config.json"
     if not path.is_file():
         return items
-    tcfg = load_config(ELSTrainConfig, path)
-    benign, harmful = _training_items(tcfg)
-    seen = [*benign, *harmful, *load_prompt_sets(tcfg.harmless, tcfg.limit_harmless)]
-    used = {(it.source, it.id) for it in [*seen, *gate_extra_items(tcfg, seen)]}
+    used = {(it.source, it.id) for part in gate_items(load_config(ELSTrainConfig, path)) for it in part}
     return [it for it in items if (it.source, it.id) not in used]
 
 
