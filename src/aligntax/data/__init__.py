@@ -4,7 +4,7 @@
 (``hf:ORG/NAME[:split]``); the ``load_*`` functions read one native format each.
 """
 
-from aligntax.data.api import load_prompts
+from aligntax.data.api import load_prompt_sets, load_prompts
 from aligntax.data.base import LABELS, Label, PromptItem, normalize_label
 from aligntax.data.formats import (
     FORMATS,
@@ -52,6 +52,7 @@ __all__ = [
     "load_oktest",
     "load_orbench",
     "load_orbench_toxic",
+    "load_prompt_sets",
     "load_prompts",
     "load_strongreject",
     "load_xstest",

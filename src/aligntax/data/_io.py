@@ -138,6 +138,19 @@ def _sniff_kind(text: str) -> str:
     return "csv"
 
 
+def _check_header(path: Path, line: int, header: list[str]) -> None:
+    """A column named twice would silently overwrite the first: refuse it, naming both positions."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(header):
+        if not name:
+            continue  # unnamed columns (e.g. a trailing delimiter) are never read by name
+        if name in first:
+            raise DataError(
+                f"{path}, line {line}: the header names column '{name}' twice (columns {first[name] + 1} and "
+                f"{i + 1}); rename one of them so that neither is silently overwritten")
+        first[name] = i
+
+
 def _parse_csv(path: Path, text: str, delimiter: str) -> Table:
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
     header: list[str] | None = None
@@ -151,6 +164,7 @@ def _parse_csv(path: Path, text: str, delimiter: str) -> Table:
                 continue
             if header is None:
                 header = [c.strip() for c in cells]
+                _check_header(path, start, header)
                 continue
             if len(cells) > len(header) and any(c.strip() for c in cells[len(header) :]):
                 raise DataError(
@@ -165,6 +179,50 @@ def _parse_csv(path: Path, text: str, delimiter: str) -> Table:
     return Table(str(path), "tsv" if delimiter == "\t" else "csv", header or [], rows)
 
 
+class _Dup(dict):
+    """A JSON object that named a key twice (``dup`` is the key); only the last value was kept."""
+
+    dup: str = ""
+
+
+def _mark_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    """``json`` object hook: a key given twice would silently keep only its last value; mark it."""
+    out: dict = {}
+    dup = None
+    for key, value in pairs:
+        if key in out and dup is None:
+            dup = key
+        out[key] = value
+    if dup is None:
+        return out
+    marked = _Dup(out)
+    marked.dup = dup
+    return marked
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, object_pairs_hook=_mark_duplicates)
+
+
+def _duplicate_key(value: Any) -> str | None:
+    """The first key named twice in any object of ``value`` (depth first), or None."""
+    if isinstance(value, _Dup):
+        return value.dup
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for child in children:
+        key = _duplicate_key(child)
+        if key is not None:
+            return key
+    return None
+
+
+def _check_duplicates(path: Path, where: str, value: Any) -> None:
+    key = _duplicate_key(value)
+    if key is not None:
+        raise DataError(f"{path}, {where}: a JSON object names the key {key!r} twice; only the last value "
+                        "would be kept, so remove or rename one of them")
+
+
 def _records_to_table(path: Path, kind: str, records: list[tuple[str, Any]]) -> Table:
     columns: dict[str, None] = {}
     rows: list[Row] = []
@@ -175,6 +233,7 @@ def _records_to_table(path: Path, kind: str, records: list[tuple[str, Any]]) -> 
             raise DataError(
                 f"{path}, {where}: expected a JSON object (or a string), got {type(rec).__name__}"
             )
+        _check_duplicates(path, where, rec)
         for key in rec:
             columns.setdefault(str(key), None)
         rows.append(Row(len(rows) + 1, where, {str(k): v for k, v in rec.items()}))
@@ -183,13 +242,15 @@ def _records_to_table(path: Path, kind: str, records: list[tuple[str, Any]]) -> 
 
 def _parse_json(path: Path, text: str) -> Table:
     try:
-        data = json.loads(text)
+        data = _loads(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
             return _parse_jsonl(path, text)  # JSON Lines saved as .json
         raise DataError(
             f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
         ) from None
+    if isinstance(data, _Dup):
+        _check_duplicates(path, "the top-level object", data)
     if isinstance(data, dict):
         lists = [k for k in _JSON_LIST_KEYS if isinstance(data.get(k), list)]
         if not lists:
@@ -203,13 +264,20 @@ def _parse_json(path: Path, text: str) -> Table:
     return _records_to_table(path, "json", [(f"record {i + 1}", rec) for i, rec in enumerate(data)])
 
 
+def _lines(text: str) -> list[str]:
+    """Lines split at "\n" only (a "\r" before it dropped): unlike ``str.splitlines`` this keeps
+    U+2028, U+2029, U+0085 and other Unicode line breaks, which JSON written with ``ensure_ascii=False``
+    holds raw inside strings, within their line."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 def _parse_jsonl(path: Path, text: str) -> Table:
     records: list[tuple[str, Any]] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
         try:
-            records.append((f"line {lineno}", json.loads(line)))
+            records.append((f"line {lineno}", _loads(line)))
         except json.JSONDecodeError as exc:
             raise DataError(
                 f"{path}, line {lineno}: malformed JSON (column {exc.colno}): {exc.msg}"
@@ -219,7 +287,7 @@ def _parse_jsonl(path: Path, text: str) -> Table:
 
 def _parse_txt(path: Path, text: str) -> Table:
     rows: list[Row] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(_lines(text), start=1):
         if line.strip():
             rows.append(Row(len(rows) + 1, f"line {lineno}", {"prompt": line}))
     return Table(str(path), "txt", ["prompt"], rows)

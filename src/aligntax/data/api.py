@@ -68,6 +68,60 @@ def load_prompts(
     return items
 
 
+def _origin(spec: str, fmt: str | None = None) -> tuple[str, str]:
+    """(kind, what) a spec reads: ("file", resolved path), ("named", the dataset's file) or ("hub", id)."""
+    text = str(spec).strip()
+    fmt_key = fmt.strip().lower() if fmt else None
+    if fmt_key in _HUB_FORMATS or text.startswith(HUB_PREFIX):
+        return "hub", text
+    named = find_dataset(text)
+    if named is not None:
+        return "named", named.package or named.path
+    if Path(text).expanduser().exists():
+        return "file", str(Path(text).expanduser().resolve())
+    return "hub", text
+
+
+def load_prompt_sets(specs: list[str], limit: int | None = None, label: str | None = None) -> list[PromptItem]:
+    """The items of several datasets (files, names or Hub ids), in order; ``limit`` applies to each.
+
+    Rows are keyed by ``(source, id)`` downstream (resume, reports per dataset), and a file's source is
+    its stem, so two different inputs that give the same source would silently merge (or, with equal
+    ids, drop each other's rows): that is a :class:`DataError` naming both. Subsets of one named
+    dataset (``xstest-safe`` and ``xstest-unsafe``) share their source by design and are fine; the same
+    spec given twice is read once."""
+    items: list[PromptItem] = []
+    by_source: dict[str, tuple[str, tuple[str, str]]] = {}  # source -> (first spec, its origin)
+    keys: dict[tuple[str, str], tuple[str, tuple[str, str]]] = {}  # (source, id) -> (spec, origin)
+    seen_specs: set[tuple[str, str]] = set()
+    for spec in specs:
+        origin = _origin(spec)
+        if origin in seen_specs and origin[0] != "named":
+            continue  # the same file given twice
+        seen_specs.add(origin)
+        loaded = load_prompts(spec, limit=limit, label=label)
+        for source in dict.fromkeys(it.source for it in loaded):
+            first = by_source.get(source)
+            if first is None:
+                by_source[source] = (str(spec), origin)
+                continue
+            other, other_origin = first
+            if other_origin == origin or (other_origin[0] == "named" and origin[0] == "named"):
+                continue  # subsets of one dataset, or named datasets that share a source by design
+            raise DataError(
+                f"{other} and {spec} both give rows the source {source!r} (a file's source is its name without "
+                "the extension), so their rows would be mixed in the results and rows with equal ids "
+                "dropped as duplicates. Rename one of the files, or merge them into one.")
+        for it in loaded:
+            key = (it.source, it.id)
+            if key in keys and keys[key][1] != origin:  # the same row of one file (two subsets) is fine
+                raise DataError(f"{keys[key][0]} and {spec} both hold the row {it.source}/{it.id}; only one of "
+                                "them would be used. Give each input distinct ids or sources.")
+            keys.setdefault(key, (str(spec), origin))
+        items.extend(loaded)
+    return items
+
+
 def _not_found_message(text: str) -> str:
     path_like = any(sep in text for sep in ("/", "\\")) or Path(text).suffix != ""
     if path_like:

@@ -90,7 +90,7 @@ def _member_rows(data: PackagedData, member: str, sha256: str, wheel_dir: Path) 
             f"{sha256}, got {actual}. The package data may be corrupted or tampered with; nothing was cached.")
     part = Path(member).stem
     rows = []
-    for i, line in enumerate(raw.decode("utf-8").splitlines()):
+    for i, line in enumerate(raw.decode("utf-8").split("\n")):  # not splitlines: U+2028 etc. stay
         if not line.strip():
             continue
         try:

@@ -275,6 +275,7 @@ def run_mc(cfg: MCConfig, lm=None, intervention: Intervention | None = None) -> 
     """Score the set and write ``OUT/samples.jsonl`` (one line per question) and ``OUT/results.json``."""
     from dataclasses import asdict
 
+    from aligntax.runs.fsio import write_json_atomic
     from aligntax.runs.jsonl import append_jsonl
 
     items = load_mc(cfg.data, cfg.limit)
@@ -302,7 +303,7 @@ def run_mc(cfg: MCConfig, lm=None, intervention: Intervention | None = None) -> 
         **res,
         "seconds": round(seconds, 2),
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_json_atomic(out / "results.json", results, default=str)
     return results
 
 

@@ -9,14 +9,25 @@ strength with the extension field ``{"aligntax": {"strength": 0.5}}``.
 Every error is answered as ``{"error": {"message", "type", "param", "code"}}``; FastAPI's 422
 validation errors become 400s. With ``api_key`` set, ``/v1/*`` and ``/metrics`` need
 ``Authorization: Bearer <key>``.
+
+Hardening: bodies over 16 MiB get 413, chunked ones too (without reading the rest); invalid Unicode
+(lone surrogates) and unknown fields (unless ``allow_unknown_fields``) get 400; at most 4 stop strings
+of at most 256 characters; a full queue gets 429 and an expected wait over ``max_queue_wait_ms`` 503,
+both with ``Retry-After`` (requests count from their arrival, tokenisation included); ``request_timeout_s`` bounds a
+request's time (504 ``request_timeout``, its generation cancelled), and a non-streaming client that
+disconnects has its generation cancelled too; prompts are tokenised with a private copy of the
+tokenizer, so the per-step decoding of running batches never waits on a long prompt's tokenisation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
+import ipaddress
 import json
 import logging
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,6 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from aligntax.errors import AligntaxError
 from aligntax.generation.chat import build_messages, render_chat
 from aligntax.interventions.base import Intervention
 from aligntax.models.loader import prepare_tokenizer
@@ -48,13 +60,51 @@ from aligntax.serve.protocol import (
     ChatCompletionRequest,
     error_body,
     invalid,
+    unknown_field,
     validation_error,
 )
 
 log = logging.getLogger("aligntax.serve")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
-MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+RETRY_AFTER_S = 1
+
+
+class InsecureBindError(AligntaxError):
+    """A non-loopback host without an API key (and without ``insecure``)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None, insecure: bool = False) -> None:
+    """Refuse to listen on a non-loopback interface without an API key unless ``insecure``."""
+    if api_key or insecure or is_loopback(host):
+        return
+    raise InsecureBindError(
+        f"Refusing to serve on {host} without an API key: anyone who can reach this address could use the "
+        "model. Set --api-key (or ALIGNTAX_API_KEY), listen on 127.0.0.1, or pass --insecure to serve "
+        "without a key anyway.")
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that cannot fail to encode: text that is not valid UTF-8 (a lone surrogate echoed back in an
+    error message) is written as a JSON escape instead of raising."""
+
+    def render(self, content) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def default_model_name(lm) -> str:
@@ -87,6 +137,8 @@ class ServeSettings:
     context_window: int | None
     default_strength: float
     created: int
+    allow_unknown_fields: bool = False
+    request_timeout_s: float | None = None
 
 
 def _sse(obj: dict | str) -> str:
@@ -116,11 +168,38 @@ class _Gate:
 
         try:
             error = self._check(scope, path)
+            if error is None:
+                # Read the body here, up to the limit (chunked bodies have no Content-Length to check).
+                chunks, size = [], 0
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > MAX_BODY_BYTES:
+                        error = self._too_large()
+                        break
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
             if error is not None:
-                response = JSONResponse(error.body(), status_code=error.status,
-                                        headers={"WWW-Authenticate": "Bearer"} if error.status == 401 else None)
+                headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+                if error.status == 413:
+                    headers["Connection"] = "close"  # the rest of the body is never read
+                response = SafeJSONResponse(error.body(), status_code=error.status, headers=headers or None)
                 return await response(scope, receive, send_wrapper)
-            return await self.app(scope, receive, send_wrapper)
+            body = b"".join(chunks)
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            return await self.app(scope, replay, send_wrapper)
         finally:
             if counted:
                 self.metrics.record_request(status[0], time.perf_counter() - start)
@@ -139,9 +218,13 @@ class _Gate:
                                 "invalid_api_key")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return APIError(413, f"Request body too large (over {MAX_BODY_BYTES} bytes).",
-                            "invalid_request_error", None, "request_too_large")
+            return self._too_large()
         return None
+
+    @staticmethod
+    def _too_large() -> APIError:
+        return APIError(413, f"Request body too large (over {MAX_BODY_BYTES} bytes).", "invalid_request_error",
+                        None, "request_too_large")
 
 
 class _Server:
@@ -154,6 +237,13 @@ class _Server:
         self.s = settings
         digest = (getattr(lm, "fingerprint", None) or {}).get("embedding_digest")
         self.fingerprint = f"fp_{digest[:10]}" if digest else None
+        # Requests are tokenised with a private copy of the tokenizer under their own lock, so that the
+        # worker's per-step decoding (under engine.tokenizer_lock) never waits on a long prompt.
+        try:
+            self.encode_tokenizer = copy.deepcopy(lm.tokenizer)
+            self.encode_lock = threading.Lock()
+        except Exception:  # pragma: no cover - a tokenizer that cannot be copied: share the engine's lock
+            self.encode_tokenizer, self.encode_lock = lm.tokenizer, engine.tokenizer_lock
 
     # -- models -------------------------------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -179,6 +269,11 @@ class _Server:
                      else "a steered model, and this server has none (start it with an intervention)")
             raise invalid(f"'aligntax.strength' only applies to {where}.", "aligntax.strength")
         return steer
+
+    def check_fields(self, body: ChatCompletionRequest) -> None:
+        err = unknown_field(body, self.s.allow_unknown_fields)
+        if err is not None:
+            raise err
 
     def check_params(self, body: ChatCompletionRequest) -> None:
         if body.n is not None and body.n > 1:
@@ -208,7 +303,11 @@ class _Server:
             return ()
         stops = [stop] if isinstance(stop, str) else list(stop)
         if len(stops) > MAX_STOP_SEQUENCES:
-            raise invalid(f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed.", "stop")
+            raise invalid(f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}.", "stop")
+        for s in stops:
+            if len(s) > MAX_STOP_CHARS:
+                raise invalid(f"Each stop sequence may have at most {MAX_STOP_CHARS} characters; one has "
+                              f"{len(s)}.", "stop")
         return tuple(s for s in stops if s)
 
     @staticmethod
@@ -238,9 +337,9 @@ class _Server:
 
     def encode(self, messages: list[dict], steer: bool) -> list[int]:
         """Chat template + tokenisation (runs in a thread pool)."""
-        tok = self.lm.tokenizer
+        tok = self.encode_tokenizer
         msgs = build_messages(messages, None, self.intervention if steer else None)
-        with self.engine.tokenizer_lock:
+        with self.encode_lock:
             try:
                 text = render_chat(tok, msgs)
             except Exception as exc:  # jinja errors: e.g. roles the template does not accept
@@ -276,6 +375,7 @@ class _Server:
         return limit
 
     async def prepare(self, body: ChatCompletionRequest) -> Job:
+        self.check_fields(body)
         steer = self.check_model(body)
         self.check_params(body)
         stops = self.stops(body)
@@ -293,13 +393,23 @@ class _Server:
         return Job(prompt_ids=prompt_ids, params=params, steer=steer, strength=strength,
                    stream=bool(body.stream), loop=asyncio.get_running_loop(), events=asyncio.Queue())
 
-    def submit(self, job: Job) -> None:
+    def admit(self) -> None:
+        """Count the request against the engine's bounds from its arrival (before tokenisation), or
+        answer 429 (queue full) / 503 (expected wait over the target) with Retry-After."""
         try:
-            self.engine.submit(job)
+            self.engine.admit()
         except EngineClosed as exc:
             raise APIError(503, str(exc), "server_error", None, "server_shutting_down") from None
         except EngineOverloaded as exc:
-            raise APIError(503, str(exc), "server_error", None, "server_overloaded") from None
+            raise _overloaded(exc) from None
+
+    def submit(self, job: Job, admitted: bool = False) -> None:
+        try:
+            self.engine.submit(job, admitted=admitted)
+        except EngineClosed as exc:
+            raise APIError(503, str(exc), "server_error", None, "server_shutting_down") from None
+        except EngineOverloaded as exc:
+            raise _overloaded(exc) from None
 
     # -- answering ----------------------------------------------------------------------------------
     def _base(self, cid: str, created: int, model: str, obj: str) -> dict:
@@ -321,7 +431,7 @@ class _Server:
                 if isinstance(ev, Finished):
                     break
                 if isinstance(ev, Failed):
-                    raise APIError(ev.status, ev.message, "server_error", None, None)
+                    raise APIError(ev.status, ev.message, _error_type(ev.status), None, ev.code)
         except asyncio.CancelledError:
             self.engine.cancel(job)
             raise
@@ -336,7 +446,31 @@ class _Server:
         out["aligntax"] = {"steered": job.steer, "strength": job.strength if job.steer else 0.0}
         return out
 
-    async def stream(self, body: ChatCompletionRequest, job: Job):
+    async def complete_watched(self, body: ChatCompletionRequest, job: Job, receive,
+                               deadline: float | None) -> dict:
+        """:meth:`complete`, cancelled (its rows leave the batch) when the client disconnects or the
+        request's deadline passes (504)."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(self.complete(body, job))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait({task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, watch):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+        if task in done:
+            return task.result()
+        self.engine.cancel(job)
+        if watch in done:
+            log.info("client disconnected; its generation was cancelled")
+            raise APIError(499, "The client closed the connection.", "invalid_request_error", None,
+                           "client_closed_request")
+        raise _timeout_error(self.s.request_timeout_s)
+
+    async def stream(self, body: ChatCompletionRequest, job: Job, deadline: float | None = None):
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = self._base(cid, created, body.model, "chat.completion.chunk")
@@ -350,8 +484,17 @@ class _Server:
 
         try:
             yield chunk({"role": "assistant", "content": ""})
+            loop = asyncio.get_running_loop()
             while True:
-                ev = await job.events.get()
+                if deadline is None:
+                    ev = await job.events.get()
+                else:
+                    try:
+                        ev = await asyncio.wait_for(job.events.get(), max(0.0, deadline - loop.time()))
+                    except TimeoutError:
+                        self.engine.cancel(job)
+                        yield _sse(_timeout_error(self.s.request_timeout_s).body())
+                        break
                 if isinstance(ev, Delta):
                     yield chunk({"content": ev.text})
                 elif isinstance(ev, Finished):
@@ -360,12 +503,36 @@ class _Server:
                         yield _sse({**base, "choices": [], "usage": self._usage(ev)})
                     break
                 elif isinstance(ev, Failed):
-                    yield _sse(error_body(ev.message, "server_error"))
+                    yield _sse(error_body(ev.message, _error_type(ev.status), None, ev.code))
                     break
             yield _sse("[DONE]")
         finally:
             if not job.done:
                 self.engine.cancel(job)
+
+
+def _overloaded(exc: EngineOverloaded) -> APIError:
+    kind = "rate_limit_error" if exc.status == 429 else "server_error"
+    return APIError(exc.status, f"{exc} Retry after {exc.retry_after} s.", kind, None, exc.code,
+                    headers={"Retry-After": str(exc.retry_after)})
+
+
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def _timeout_error(timeout_s: float | None) -> APIError:
+    return APIError(504, f"The request did not finish within the server's request timeout ({timeout_s:g} s); "
+                    "its generation was cancelled. Ask for fewer tokens or retry later.", "server_error", None,
+                    "request_timeout")
+
+
+async def _disconnected(receive) -> None:
+    """Return once the client has gone (the body was read before, so only http.disconnect is left)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def create_app(lm, intervention: Intervention | None = None, model_name: str | None = None, *,
@@ -374,15 +541,28 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
                max_prompt_tokens: int | None = None,
                max_new_tokens_limit: int = 2048, default_max_tokens: int = 512,
                default_strength: float = 1.0, max_queue: int = 1024, mix_steered: bool = True,
-               drain_timeout_s: float | None = None) -> FastAPI:
+               drain_timeout_s: float | None = None, max_batch_tokens: int | None = 32768,
+               allow_unknown_fields: bool = False, request_timeout_s: float | None = None,
+               shutdown_timeout_s: float | None = None, max_queue_wait_ms: float | None = None) -> FastAPI:
     """Build the OpenAI-compatible app for a loaded model (``aligntax.models.load_model``).
 
     ``model_name`` defaults to the model spec's name; with an ``intervention``, the steered model is
     ``f"{model_name}+{steered_suffix or intervention.name}"``. ``max_prompt_tokens`` defaults to the
     model's context window. ``default_max_tokens`` applies when a request sets no max_tokens.
     ``mix_steered=False`` keeps steered and unsteered requests in separate batches (for interventions
-    that cannot steer per row).
+    that cannot steer per row). ``max_batch_tokens`` bounds a batch's padded prompt tokens (rows x
+    longest prompt). ``allow_unknown_fields`` accepts (and ignores) request fields this server does
+    not know. ``request_timeout_s`` cancels requests that take longer (504). ``shutdown_timeout_s``
+    bounds a graceful shutdown (also read by :func:`serve` and ``BackgroundServer`` for uvicorn):
+    whatever still runs after it is failed with 503.
+
+    Admission: a request counts as waiting from its arrival (tokenisation included) until a batch
+    takes it; at most ``max_queue`` wait (more get 429 ``queue_full``), and with ``max_queue_wait_ms`` a
+    request whose expected wait for a batch (from the measured batch duration) is over that target
+    gets 503 ``overloaded``; both with ``Retry-After``. See :meth:`BatchEngine.admit`.
     """
+    if request_timeout_s is not None and request_timeout_s <= 0:
+        raise ValueError("request_timeout_s must be > 0")
     lm.require_chat_template()
     prepare_tokenizer(lm.tokenizer, lm.model)
     window = context_window(lm)
@@ -397,10 +577,14 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
         model_name=name, steered_name=steered_name, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
         max_new_tokens_limit=max_new_tokens_limit, default_max_tokens=default_max_tokens,
         context_window=window, default_strength=default_strength, created=int(time.time()),
+        allow_unknown_fields=allow_unknown_fields, request_timeout_s=request_timeout_s,
     )
+    if drain_timeout_s is None:
+        drain_timeout_s = shutdown_timeout_s
     metrics = ServeMetrics()
     engine = BatchEngine(lm, intervention, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
-                         max_batch_wait_ms=max_batch_wait_ms, max_queue=max_queue, metrics=metrics, mix_steered=mix_steered)
+                         max_batch_wait_ms=max_batch_wait_ms, max_queue=max_queue, metrics=metrics, mix_steered=mix_steered,
+                         max_batch_tokens=max_batch_tokens, max_queue_wait_ms=max_queue_wait_ms)
     server = _Server(lm, intervention, engine, settings)
 
     @asynccontextmanager
@@ -412,8 +596,11 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
             # uvicorn has stopped accepting connections and waited for open requests; finish the queue.
             await asyncio.to_thread(engine.shutdown, True, drain_timeout_s)
 
-    app = FastAPI(title="aligntax OpenAI-compatible server", lifespan=lifespan)
+    app = FastAPI(title="aligntax OpenAI-compatible server", lifespan=lifespan,
+                  default_response_class=SafeJSONResponse)
     app.state.engine = engine
+    app.state.shutdown_timeout_s = shutdown_timeout_s
+    app.state.server = server
     app.state.metrics = metrics
     app.state.settings = settings
     app.add_middleware(_Gate, api_key=api_key, metrics=metrics)
@@ -421,24 +608,24 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         err = validation_error(list(exc.errors()))
-        return JSONResponse(err.body(), status_code=err.status)
+        return SafeJSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return SafeJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(str(exc.detail), kind, None, code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return SafeJSONResponse(error_body(str(exc.detail), kind, None, code), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}", "server_error"),
-                            status_code=500)
+        return SafeJSONResponse(error_body(f"Internal server error: {type(exc).__name__}", "server_error"),
+                                status_code=500)
 
     @app.get("/health")
     async def health():
@@ -463,23 +650,39 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
         return server.model_card(model_id)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        job = await server.prepare(body)
-        server.submit(job)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        loop = asyncio.get_running_loop()
+        deadline = None if request_timeout_s is None else loop.time() + request_timeout_s
+        server.admit()  # counted as waiting from now on: tokenisation included
+        try:
+            job = await server.prepare(body)
+            if deadline is not None and loop.time() >= deadline:
+                raise _timeout_error(request_timeout_s)
+        except BaseException:
+            engine.withdraw()
+            raise
+        server.submit(job, admitted=True)
         if job.stream:
-            return StreamingResponse(server.stream(body, job), media_type="text/event-stream",
+            return StreamingResponse(server.stream(body, job, deadline), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await server.complete(body, job)
+        return await server.complete_watched(body, job, request.receive, deadline)
 
     return app
 
 
 def serve(lm, intervention: Intervention | None = None, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", graceful_timeout_s: int | None = None, **app_kwargs) -> None:
-    """Run the app with uvicorn until interrupted; Ctrl-C drains in-flight requests first."""
+          log_level: str = "info", graceful_timeout_s: int | None = None, insecure: bool = False,
+          app=None, **app_kwargs) -> None:
+    """Run the app with uvicorn until interrupted; Ctrl-C drains in-flight requests first, for at most
+    ``graceful_timeout_s`` (default: the app's ``shutdown_timeout_s``). A non-loopback ``host`` needs
+    an ``api_key`` unless ``insecure``."""
     import uvicorn
 
-    app = create_app(lm, intervention, **app_kwargs)
+    check_bind(host, app_kwargs.get("api_key") if app is None else app.state.settings.api_key, insecure)
+    if app is None:
+        app = create_app(lm, intervention, **app_kwargs)
+    if graceful_timeout_s is None and app.state.shutdown_timeout_s is not None:
+        graceful_timeout_s = max(1, round(app.state.shutdown_timeout_s))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=graceful_timeout_s)
     uvicorn.Server(config).run()

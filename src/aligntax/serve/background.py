@@ -21,7 +21,9 @@ class BackgroundServer:
         self.sock.bind((host, 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=30)
+        shutdown = getattr(getattr(app, "state", None), "shutdown_timeout_s", None)
+        graceful = 30 if shutdown is None else max(1, round(shutdown))
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -49,12 +49,37 @@ def serve_command(
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if available).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch intra-op threads (default: torch's "
                                                 "choice; fewer is faster on a busy shared CPU).")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Allow a non-loopback --host without an API "
+                                           "key.")] = False,
+    allow_unknown_fields: Annotated[bool, typer.Option("--allow-unknown-fields", help="Accept (and ignore) "
+                                                       "request fields the server does not know, instead "
+                                                       "of answering 400.")] = False,
+    request_timeout: Annotated[float | None, typer.Option(min=0.001, help="Seconds a request may take in all; "
+                                                          "past it its generation is cancelled (504).")]
+    = None,
+    max_queue: Annotated[int, typer.Option(min=1, help="Most requests waiting for a batch (counted from "
+                                           "arrival, tokenisation included); more get 429 with "
+                                           "Retry-After.")] = 1024,
+    max_batch_tokens: Annotated[int, typer.Option(min=1, help="Most padded prompt tokens in one batch (rows x "
+                                                  "longest prompt).")] = 32768,
+    max_queue_wait_ms: Annotated[float | None, typer.Option(min=1, help="Target wait for a batch: a request "
+                                                            "expected to wait longer (from the measured "
+                                                            "batch duration and the requests ahead) gets 503 "
+                                                            "with Retry-After. Default: no target (only "
+                                                            "--max-queue bounds the queue).")] = None,
+    shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds a graceful shutdown waits for running "
+                                                    "requests before failing them.")] = 30.0,
 ) -> None:
     """Serve MODEL (and MODEL+<intervention> when steering) behind an OpenAI-compatible API."""
     from aligntax.errors import AligntaxError
     from aligntax.models.loader import load_model
-    from aligntax.serve.app import create_app, default_model_name
+    from aligntax.serve.app import check_bind, create_app, default_model_name
 
+    try:
+        check_bind(host, api_key, insecure)  # before loading the model
+    except AligntaxError as exc:
+        typer.secho(f"Error: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from None
     if threads is not None:
         import torch
 
@@ -68,15 +93,18 @@ def serve_command(
         typer.secho(f"Error: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
 
-    import uvicorn
+    from aligntax.serve.app import serve
 
     name = model_name or default_model_name(lm)
     app = create_app(lm, iv, name, api_key=api_key, max_batch_size=max_batch_size,
                      batch_wait_ms=batch_wait_ms, max_batch_wait_ms=max_batch_wait_ms,
                      max_new_tokens_limit=max_tokens_limit,
-                     default_max_tokens=min(default_max_tokens, max_tokens_limit))
+                     default_max_tokens=min(default_max_tokens, max_tokens_limit), max_queue=max_queue,
+                     max_batch_tokens=max_batch_tokens, allow_unknown_fields=allow_unknown_fields,
+                     request_timeout_s=request_timeout, shutdown_timeout_s=shutdown_timeout,
+                     max_queue_wait_ms=max_queue_wait_ms)
     settings = app.state.settings
     names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
     typer.echo(f"Serving {names} at http://{host}:{port}/v1 (batch <= {max_batch_size}"
                f"{', API key required' if api_key else ''})")
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    serve(lm, host=host, port=port, log_level="info", insecure=insecure, app=app)

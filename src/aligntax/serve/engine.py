@@ -18,7 +18,23 @@ differs between requests is handled per row, so any mix of requests shares a bat
   with one ``call_soon_threadsafe`` per step and event loop. The rows it ends leave the batch.
 
 A batch that raises is retried one request at a time (requests that already streamed text are failed
-instead), so one bad request fails alone and the worker never dies.
+instead), so one bad request fails alone and the worker never dies. A row whose logits turn NaN (or
++inf), e.g. steered too hard, is failed alone and leaves the batch; the other rows carry on.
+
+A batch holds at most ``max_batch_tokens`` padded prompt tokens (rows x longest prompt; the first
+request of a batch always fits), so one huge prompt does not pad all its neighbours: the requests
+that do not fit wait for the next batch, ahead of anything queued after them.
+
+Admission (:meth:`BatchEngine.admit`, called by the server when a request arrives, before its prompt
+is tokenised): a request counts as waiting from admission until a batch takes it (``waiting``: being
+tokenised, queued or held back). A new one is refused when ``max_queue`` are waiting
+(:class:`EngineOverloaded`, 429 ``queue_full``) or, with ``max_queue_wait_ms``, when its expected wait
+exceeds that target (503 ``overloaded``). The expected wait follows the batch structure the worker
+uses, with the batch duration measured on recent batches (an exponential moving average):
+``remaining time of the running batch + (waiting // max_batch_size) * batch duration``. The first
+request waiting is always admitted (it starts the next batch), so that an idle or lightly loaded
+engine never refuses work. With a target, a batch also stops gathering as soon as nothing is queued and
+no admitted request is being tokenised.
 """
 
 from __future__ import annotations
@@ -47,7 +63,14 @@ class EngineClosed(RuntimeError):
 
 
 class EngineOverloaded(RuntimeError):
-    """The request queue is full."""
+    """The request queue is full (``code`` "queue_full", 429) or the expected wait is over the target
+    (``code`` "overloaded", 503); ``retry_after`` in whole seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1, status: int = 429, code: str = "queue_full"):
+        super().__init__(message)
+        self.retry_after = max(1, int(retry_after))
+        self.status = status
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,7 @@ class Finished:
 class Failed:
     message: str
     status: int = 500
+    code: str | None = None
 
 
 @dataclass(eq=False)
@@ -224,9 +248,16 @@ class _RowSampler:
         self.seeded = {i: torch.Generator(device=device).manual_seed(p.seed)
                        for i, p in enumerate(ps) if p.seed is not None and not p.greedy}
         self.all_greedy = all(p.greedy for p in ps)
+        self.bad: torch.Tensor | None = None  # this step: rows (of those alive) whose logits are NaN/+inf
 
     def __call__(self, logits: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
-        """Next tokens ``[rows]`` from ``logits`` ``[rows, vocab]`` of the original rows ``alive``."""
+        """Next tokens ``[rows]`` from ``logits`` ``[rows, vocab]`` of the original rows ``alive``.
+
+        Rows with a NaN or +inf logit are flagged in ``self.bad`` (no host sync here; the controller
+        ends and fails them) and given finite scores, so that sampling the others cannot raise."""
+        bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
+        self.bad = bad
+        logits = torch.where(bad[:, None], torch.zeros((), dtype=logits.dtype, device=logits.device), logits)
         if self.all_greedy:
             return logits.argmax(-1)
         rows = alive.to(logits.device)
@@ -247,9 +278,10 @@ class _BatchController:
     """Run once per step on the rows still in the batch: eos, per-row max_tokens, stop strings,
     streaming, cancels. Returns which of those rows end now (they then leave the batch)."""
 
-    def __init__(self, engine: BatchEngine, jobs: list[Job], device):
+    def __init__(self, engine: BatchEngine, jobs: list[Job], device, sampler: _RowSampler | None = None):
         self.engine = engine
         self.jobs = jobs
+        self.sampler = sampler
         self.max_new = torch.tensor([j.params.max_tokens for j in jobs], device=device)
         self.eos = torch.tensor(engine.eos_ids or [-1], device=device)
         self.eos_set = set(engine.eos_ids)
@@ -266,20 +298,27 @@ class _BatchController:
         rows = alive.tolist()
         hit_eos = torch.isin(new, self.eos)
         ending = hit_eos | (self.max_new[alive.to(new.device)] <= t)
+        bad = self.sampler.bad if self.sampler is not None else None
+        if bad is not None:
+            ending = ending | bad.to(ending.device)
         # Host syncs first, outside the tokenizer lock: the (usually empty) list of rows that end now.
         ending_at = ending.nonzero().flatten().tolist()
         ending_rows = [rows[k] for k in ending_at]
         eos_rows = {rows[k] for k in hit_eos.nonzero().flatten().tolist()} if ending_at else set()
-        live = [i for i in rows if i in self.text and not self.finished[i]]
+        bad_rows = {rows[k] for k in bad.nonzero().flatten().tolist()} if ending_at and bad is not None \
+            else set()
+        live = [i for i in rows if i in self.text and not self.finished[i] and i not in bad_rows]
         cancels = self.engine.cancel_epoch != self.cancel_epoch
         if live or ending_rows or cancels:
-            self._step_events(live, ending_rows, eos_rows, cancels, t)
+            self._step_events(live, ending_rows, eos_rows, cancels, t, bad_rows)
         return torch.tensor([self.finished[i] for i in rows], device=new.device)
 
     def _step_events(self, live: list[int], ending_rows: list[int], eos_rows: set[int], cancels: bool,
-                     t: int) -> None:
+                     t: int, bad_rows: set[int] = frozenset()) -> None:
         out = _Outbox()
         with self.engine.tokenizer_lock:
+            for i in bad_rows:
+                self._fail_row(i, out)
             for i in live:
                 tok = self.tokens[i][-1]
                 if tok in self.eos_set:
@@ -301,6 +340,23 @@ class _BatchController:
                     eos = i in eos_rows
                     self._finish(i, "stop" if eos else "length", t, out, eos=eos)
         out.flush()
+
+    def _fail_row(self, i: int, out: _Outbox) -> None:
+        """Row i's logits went NaN/+inf: fail that request alone (400 when steering did it)."""
+        job = self.jobs[i]
+        self.finished[i] = True
+        if job.cancelled or job.done:
+            return
+        job.done = True
+        if job.steer:
+            msg = (f"Steering at strength {job.strength:g} made the model's output non-finite (NaN or inf); "
+                   "try a smaller aligntax.strength.")
+            ev = Failed(msg, 400, "non_finite_output")
+        else:
+            ev = Failed("The model's output became non-finite (NaN or inf) for this request.", 500,
+                        "non_finite_output")
+        log.warning("request failed: non-finite logits (steered=%s, strength=%s)", job.steer, job.strength)
+        out.put(job, ev)
 
     def _finish(self, i: int, reason: str, n_generated: int, out: _Outbox, eos: bool = False) -> None:
         """Complete row i (caller holds the tokenizer lock)."""
@@ -331,7 +387,7 @@ class _BatchController:
         out = _Outbox()
         with self.engine.tokenizer_lock:
             for i in range(len(self.jobs)):
-                if not self.finished[i] and not self.jobs[i].cancelled:
+                if not self.finished[i] and not self.jobs[i].cancelled and not self.jobs[i].done:
                     if not self.tokens[i]:
                         raise RuntimeError("generation produced no tokens")
                     eos = self.tokens[i][-1] in self.eos_set
@@ -349,9 +405,13 @@ class BatchEngine:
     def __init__(self, lm, intervention: Intervention | None = None, max_batch_size: int = 32,
                  batch_wait_ms: float = 10.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
                  max_batch_wait_ms: float = 100.0,
-                 mix_steered: bool = True):
+                 mix_steered: bool = True, max_batch_tokens: int | None = None,
+                 max_queue_wait_ms: float | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        self.max_batch_tokens = max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None
         self.lm = lm
         self.tokenizer = lm.tokenizer
         self.intervention = intervention or NoIntervention()
@@ -365,7 +425,16 @@ class BatchEngine:
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.tokenizer_lock = threading.Lock()
         self.cancel_epoch = 0
-        self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        if max_queue_wait_ms is not None and max_queue_wait_ms <= 0:
+            raise ValueError("max_queue_wait_ms must be > 0")
+        self.max_queue_wait = None if max_queue_wait_ms is None else max_queue_wait_ms / 1000.0
+        # admitted requests not submitted yet (their prompts are being tokenised); see admit()
+        self._arriving = 0
+        self._admit_lock = threading.Lock()
+        self.batch_seconds: float | None = None  # moving average of recent batches' durations
+        self._batch_started: float | None = None  # perf_counter() at the start of the running batch
+        self._q: queue.Queue = queue.Queue()  # bounded by admit() / submit(), not by the queue itself
         self._held: list[Job] = []  # taken from the queue but left for the next batch (mix_steered=False)
         self._waiting: Job | None = None  # taken from the queue while the engine is paused
         self._unpaused = threading.Event()
@@ -373,12 +442,61 @@ class BatchEngine:
         self._closed = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._current: list[Job] = []  # the batch being generated
+        self._aborted = False
         self.in_flight = 0
 
     # -- public API -------------------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:
         return self._q.qsize() + len(self._held) + (self._waiting is not None)
+
+    @property
+    def waiting(self) -> int:
+        """Requests admitted and not yet taken by a batch: being tokenised, queued or held back (the one
+        the worker holds to start its next batch not counted)."""
+        return self._arriving + self._q.qsize() + len(self._held)
+
+    def expected_wait(self, ahead: int | None = None) -> float | None:
+        """Seconds until a request with ``ahead`` requests waiting before it starts generating, from the
+        measured batch duration; None before any batch was measured."""
+        d = self.batch_seconds
+        if d is None:
+            return None
+        ahead = self.waiting if ahead is None else ahead
+        started = self._batch_started
+        remaining = max(0.0, d - (time.perf_counter() - started)) if started is not None else 0.0
+        return remaining + (ahead // self.max_batch_size) * d
+
+    def admit(self) -> None:
+        """Count a new request as waiting from now on, or raise :class:`EngineOverloaded` (or
+        :class:`EngineClosed`). Each admission ends with :meth:`submit` (``admitted=True``) or
+        :meth:`withdraw`."""
+        if self._closed:
+            raise EngineClosed("The server is shutting down.")
+        with self._admit_lock:
+            ahead = self.waiting
+            if ahead >= self.max_queue:
+                raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
+                                       "retry later.", self._retry_after(ahead))
+            if self.max_queue_wait is not None and ahead > 0:
+                wait = self.expected_wait(ahead)
+                if wait is not None and wait > self.max_queue_wait:
+                    raise EngineOverloaded(
+                        f"The server is overloaded: a new request would wait about {wait:.2f} s for a batch "
+                        f"(target {self.max_queue_wait:.2f} s; {ahead} requests waiting); retry later.",
+                        self._retry_after(ahead), status=503, code="overloaded")
+            self._arriving += 1
+
+    def withdraw(self) -> None:
+        """An admitted request that will not be submitted (it failed validation or its client left)."""
+        with self._admit_lock:
+            self._arriving = max(0, self._arriving - 1)
+
+    def _retry_after(self, ahead: int) -> int:
+        """Whole seconds until about the work ahead has drained (at least 1)."""
+        wait = self.expected_wait(ahead)
+        return 1 if wait is None else max(1, int(wait + 0.999))
 
     @property
     def started(self) -> bool:
@@ -398,17 +516,22 @@ class BatchEngine:
                 self._thread = threading.Thread(target=self._run, name="aligntax-serve-worker", daemon=True)
                 self._thread.start()
 
-    def submit(self, job: Job) -> Job:
+    def submit(self, job: Job, admitted: bool = False) -> Job:
+        """Queue ``job``. ``admitted``: it was counted by :meth:`admit` already (so it is not refused
+        now); otherwise the ``max_queue`` bound is checked here."""
         if self._thread is None:
             self.start()
         job.enqueued_at = time.perf_counter()
         with self._lock:  # so that nothing lands behind the stop marker of shutdown()
-            if self._closed:
-                raise EngineClosed("The server is shutting down.")
-            try:
+            with self._admit_lock:
+                if admitted:
+                    self._arriving = max(0, self._arriving - 1)
+                if self._closed:
+                    raise EngineClosed("The server is shutting down.")
+                if not admitted and self.waiting >= self.max_queue:
+                    raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
+                                           "retry later.", self._retry_after(self.waiting))
                 self._q.put_nowait(job)
-            except queue.Full:
-                raise EngineOverloaded("The server is overloaded; retry later.") from None
         return job
 
     def cancel(self, job: Job) -> None:
@@ -425,7 +548,10 @@ class BatchEngine:
         self._unpaused.set()
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop taking requests; with ``drain`` finish everything queued, else fail it; join the worker."""
+        """Stop taking requests; with ``drain`` finish everything queued, else fail it; join the worker.
+
+        With a ``timeout``, whatever is still queued or generating when it runs out is failed (503) and
+        cancelled, so that the worker stops within about one decoding step."""
         with self._lock:
             self._closed = True
             thread = self._thread
@@ -437,6 +563,21 @@ class BatchEngine:
             return
         self._q.put(_STOP)
         thread.join(timeout)
+        if thread.is_alive() and timeout is not None:
+            self.abort("The server shut down before this request finished.")
+            thread.join(10.0)
+
+    def abort(self, message: str, status: int = 503) -> None:
+        """Fail everything queued and generating now (the shutdown timeout ran out)."""
+        self._aborted = True
+        self._fail_queued(message, status)
+        out = _Outbox()
+        for job in list(self._current):
+            if not job.done:
+                job.done = job.cancelled = True
+                out.put(job, Failed(message, status, "server_shutting_down"))
+        self.cancel_epoch += 1
+        out.flush()
 
     # -- worker -----------------------------------------------------------------------------------
     def _fail_queued(self, message: str, status: int) -> None:
@@ -451,12 +592,14 @@ class BatchEngine:
         out = _Outbox()
         for job in pending:
             job.done = True
-            out.put(job, Failed(message, status))
+            out.put(job, Failed(message, status, "server_shutting_down"))
         out.flush()
 
     def _next_batch(self) -> tuple[list[Job], bool]:
         """Block for the first job, then gather more until none has come for batch_wait, or for at most
-        max_batch_wait in all. Returns (jobs, stop)."""
+        max_batch_wait in all (with a latency target, ``max_queue_wait``, only while requests are queued
+        or admitted and being tokenised: a batch never waits for requests that may not come). Returns
+        (jobs, stop)."""
         if self._held:
             first = self._held.pop(0)
         else:
@@ -469,10 +612,14 @@ class BatchEngine:
         batch, leftovers, stop = [first], [], False
         pool, self._held = self._held, []
         start = last = time.monotonic()
+        longest = len(first.prompt_ids)
+        budget = self.max_batch_tokens
         while len(batch) < self.max_batch_size:
             if pool:
                 item = pool.pop(0)
             else:
+                if self.max_queue_wait is not None and self._arriving == 0 and self._q.empty():
+                    break  # latency target: wait only for requests known to be on their way
                 remaining = min(last + self.batch_wait, start + self.max_batch_wait) - time.monotonic()
                 try:
                     item = self._q.get(timeout=remaining) if remaining > 0 else self._q.get_nowait()
@@ -482,9 +629,16 @@ class BatchEngine:
                     stop = True
                     break
                 last = time.monotonic()
+            if item.cancelled:
+                continue
             if not self.mix_steered and item.steer != first.steer:
                 leftovers.append(item)
                 continue
+            grown = max(longest, len(item.prompt_ids))
+            if budget is not None and grown * (len(batch) + 1) > budget:
+                leftovers.append(item)  # padded with this batch it would exceed the budget: next batch
+                continue
+            longest = grown
             batch.append(item)
         self._held = leftovers + pool
         return batch, stop
@@ -496,18 +650,35 @@ class BatchEngine:
             except Exception:  # pragma: no cover - defensive: never let the worker die
                 log.exception("batching failed")
                 continue
-            batch = [j for j in batch if not j.cancelled]
+            batch = [j for j in batch if not j.cancelled and not j.done]
+            if batch and self._aborted:
+                out = _Outbox()
+                for job in batch:
+                    job.done = True
+                    out.put(job, Failed("The server shut down before this request ran.", 503,
+                                        "server_shutting_down"))
+                out.flush()
+                batch = []
             if batch:
                 self.in_flight = len(batch)
+                self._current = batch
+                self._batch_started = t0 = time.perf_counter()
                 try:
                     self._process(batch)
                 finally:
+                    self._batch_started = None
+                    self._record_batch_time(time.perf_counter() - t0)
                     self.in_flight = 0
+                    self._current = []
             if stop:
                 if self._held:
                     self._q.put(_STOP)  # finish the held-back jobs first
                     continue
                 return
+
+    def _record_batch_time(self, seconds: float, alpha: float = 0.3) -> None:
+        d = self.batch_seconds
+        self.batch_seconds = seconds if d is None else (1 - alpha) * d + alpha * seconds
 
     def _process(self, batch: list[Job]) -> None:
         try:
@@ -545,7 +716,8 @@ class BatchEngine:
             input_ids[i, prompt_len - k:] = torch.tensor(job.prompt_ids, dtype=torch.long)
             attention[i, prompt_len - k:] = 1
         steered = any(j.steer for j in jobs)
-        controller = _BatchController(self, jobs, device)
+        sampler = _RowSampler(jobs, device)
+        controller = _BatchController(self, jobs, device, sampler)
         now = time.perf_counter()
         self.metrics.record_batch(n, steered=sum(j.steer for j in jobs),
                                   queue_wait_s=sum(now - j.enqueued_at for j in jobs))
@@ -554,5 +726,5 @@ class BatchEngine:
         decode_batch(model, enc, intervention, max(j.params.max_tokens for j in jobs), set(self.eos_ids),
                      rows=torch.tensor([j.steer for j in jobs]),
                      strength=torch.tensor([float(j.strength) if j.steer else 0.0 for j in jobs]),
-                     choose=_RowSampler(jobs, device), ended=controller, out=controller.tokens)
+                     choose=sampler, ended=controller, out=controller.tokens)
         controller.finish_rest()

@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+# Unknown fields are kept (``model_extra``) and refused by the server unless it allows them
+# (:func:`unknown_field`), so that a typo such as ``max_toknes`` is a 400, not silently ignored.
 _STRICT = ConfigDict(strict=True, extra="allow")
+
+
+def _valid_unicode(value: str) -> str:
+    """Refuse strings that cannot be encoded as UTF-8 (lone surrogates such as a JSON ``"\\ud800"``)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text holds invalid Unicode (a lone surrogate code point)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class APIError(Exception):
     """An error answered in the OpenAI format: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -36,15 +51,15 @@ def invalid(message: str, param: str | None = None, code: str | None = "invalid_
 
 class ContentPart(BaseModel):
     model_config = _STRICT
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class StreamOptions(BaseModel):
@@ -63,7 +78,7 @@ class AligntaxOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     model_config = _STRICT
 
-    model: str
+    model: Text
     messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
@@ -73,7 +88,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = Field(None)
+    stop: Text | list[Text] | None = Field(None)
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logprobs: bool | None = None
@@ -82,7 +97,7 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    user: str | None = None
+    user: Text | None = None
     aligntax: AligntaxOptions | None = None
 
 
@@ -134,3 +149,45 @@ def validation_error(errors: list[dict]) -> APIError:
     if len(got_s) > 60:
         got_s = got_s[:57] + "..."
     return invalid(f"Invalid value for '{param}': {err.get('msg', 'invalid')} (got {got_s}).", param, code)
+
+
+# Fields of OpenAI's API that this server accepts and ignores, and ones it accepts only when empty
+# (their features are not supported); anything else unknown is refused unless the server allows it.
+_IGNORED = {"store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier", "reasoning_effort", "verbosity"}
+_UNSUPPORTED = {"functions", "function_call", "audio", "modalities", "prediction", "web_search_options"}
+_MESSAGE_IGNORED = {"refusal", "annotations", "tool_call_id"}
+_MESSAGE_UNSUPPORTED = {"tool_calls", "function_call", "audio"}
+
+
+def unknown_field(body: ChatCompletionRequest, allow_unknown: bool = False) -> APIError | None:
+    """The 400 for the first unknown (e.g. misspelt) field of a request, or for a known OpenAI field
+    whose feature this server lacks; None when the request has neither."""
+
+    def check(extra: dict | None, where: str, ignored: set, unsupported: set) -> APIError | None:
+        for key, value in (extra or {}).items():
+            param = f"{where}{key}"
+            if key in ignored:
+                continue
+            if key in unsupported:
+                if value in (None, False, [], {}, "", ["text"]):
+                    continue
+                return invalid(f"'{param}' is not supported by this server.", param, "unsupported_value")
+            if not allow_unknown:
+                return invalid(f"Unrecognized request argument supplied: '{param}'.", param,
+                               "unknown_parameter")
+        return None
+
+    err = check(body.model_extra, "", _IGNORED, _UNSUPPORTED)
+    if err is None and body.stream_options is not None:
+        err = check(body.stream_options.model_extra, "stream_options.", set(), set())
+    for i, m in enumerate(body.messages):
+        if err is not None:
+            break
+        err = check(m.model_extra, f"messages[{i}].", _MESSAGE_IGNORED, _MESSAGE_UNSUPPORTED)
+        if err is None and isinstance(m.content, list):
+            for k, part in enumerate(m.content):
+                if part.type == "text":  # other part types are refused as unsupported later
+                    err = err or check(part.model_extra, f"messages[{i}].content[{k}].", {"cache_control"},
+                                       set())
+    return err
