@@ -154,9 +154,9 @@ def test_builtin_set(builtin):
     assert len(ids) == len(set(ids))
     scenes = {it.scene for it in builtin}
     assert len(scenes) >= 10
-    for sc in scenes:  # every scene covers every value in both polarities
-        assert {(it.value, it.polarity) for it in builtin if it.scene == sc} == {
-            (v, p) for v in S.VALUES for p in (1, -1)}
+    for sc in scenes:  # every scene covers every value in both polarities (congruent minimal pairs)
+        assert {(it.value, it.polarity) for it in builtin if it.scene == sc
+                and it.desirability == "congruent"} == {(v, p) for v in S.VALUES for p in (1, -1)}
     for it in builtin:
         assert len(it.context) > 15 and len(it.action) > 10 and it.context != it.action
     assert load_items("builtin") == builtin
@@ -288,21 +288,21 @@ def test_vat_hub_loader(monkeypatch):
 
 
 def test_sample_and_split(builtin):
-    sub = sample_items(builtin, per_value=6, seed=1)
+    sub = sample_items(builtin, per_value=6, seed=1, strata=["congruent"])
     assert all(value_counts(sub)[v] == {1: 3, -1: 3} for v in S.VALUES)
-    assert sample_items(builtin, per_value=6, seed=1) == sub
+    assert sample_items(builtin, per_value=6, seed=1, strata=["congruent"]) == sub  # reproducible
     assert len({it.scene for it in sub}) >= 10  # spread over scenes
     odd = sample_items(builtin, per_value=3, values=["Power"], seed=0)
     assert value_counts(odd)["Power"] == {1: 2, -1: 1} and len(odd) == 3
     four = sample_items(builtin, scenes=4, seed=0)
-    assert len({it.scene for it in four}) == 4 and len(four) == 80
+    assert len({it.scene for it in four}) == 4 and len(four) == 4 * 26  # 20 congruent, 4 incongruent, 2 neutral
     ev, tr = split_items(builtin, 0.2, seed=0)
     assert len(ev) + len(tr) == len(builtin)
     assert not ({it.scene for it in ev} & {it.scene for it in tr})
     assert len({it.scene for it in tr}) == 4
     ev2, tr2 = split_items(builtin, 0.25, by="item")
     assert not ({it.id for it in ev2} & {it.id for it in tr2})
-    assert all(value_counts(tr2)[v] == {1: 5, -1: 5} for v in S.VALUES)
+    assert all(value_counts(tr2)[v] == {1: 6, -1: 6, 0: 1} for v in S.VALUES)  # 24 + 24 + 4 per value
 
 
 # ================================================================= metrics with known answers

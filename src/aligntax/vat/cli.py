@@ -20,6 +20,19 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+def _sample_by(sample_by: str, data: str) -> str:
+    if sample_by == "auto":
+        return "scene" if data.strip().lower() in ("value-action-lens", "valueactionlens", "val",
+                                                   "value_action_lens") else "item"
+    if sample_by not in ("item", "scene"):
+        raise typer.BadParameter("--sample-by must be item, scene or auto")
+    return sample_by
+
+
+def _strata(text: str | None) -> list[str] | None:
+    return None if not text else [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _default_out(model: str, intervention: str, target: str) -> Path:
     from aligntax.vat.schwartz import CODES
 
@@ -33,11 +46,25 @@ def run(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="model spec"),
     data: str = typer.Option("builtin", "--data", "-d",
                              help="builtin | value-action-lens | Hub id | .jsonl/.json/.csv file"),
-    intervention: str = typer.Option("persona", "--intervention", "-i",
-                                     help="none | persona | fewshot-2/4/8 | persona-fewshot-2/4/8 | steer | lora "
-                                          "| dpo | els"),
+    intervention: str | None = typer.Option(
+        None, "--intervention", "-i",
+        help="none | persona | fewshot-2/4/8 | persona-fewshot-2/4/8 | steer | lora | dpo | els | adapter | oracle "
+             "| uniform (default: persona; adapter with --adapter; none with --post-model)"),
+    post_model: str | None = typer.Option(None, help="judge 'post' with this model (pre: --model), e.g. a "
+                                                     "fine-tuned checkpoint against its base"),
+    adapter: Path | None = typer.Option(None, help="evaluate this PEFT LoRA adapter folder (read only)"),
+    control: Path | None = typer.Option(None, help="a finished control run on the same items: lift-adjusted "
+                                                   "drifts = shift minus the control's shift, item by item"),
+    oracle_gain: float = typer.Option(0.5, help="oracle/uniform: the shift each biased item gets (Likert points)"),
+    oracle_bias: float | None = typer.Option(None, help="oracle/uniform: a fixed logit bias instead of --oracle-gain"),
     limit_per_value: int | None = typer.Option(None, help="evaluate at most N items per value (balanced polarity)"),
     scenes: int | None = typer.Option(None, help="evaluate only N randomly chosen scenes"),
+    sample_by: str = typer.Option("auto", help="with --limit-per-value: item (spread over scenes) | scene (whole "
+                                               "scenes holding every value, for the coupling) | auto (scene for "
+                                               "ValueActionLens, item otherwise)"),
+    per_scene_value: int = typer.Option(2, help="--sample-by scene: items of each value per scene"),
+    strata: str | None = typer.Option(None, help="only these desirability strata, comma-separated: congruent, "
+                                                 "incongruent, neutral, unlabelled"),
     out: Path | None = typer.Option(None, "--out", "-o", help="output folder (rerun to resume)"),
     dtype: str = typer.Option("bf16", help="bf16 | fp32 | fp16"),
     batch_size: int = typer.Option(16, help="prompts per forward pass"),
@@ -69,6 +96,8 @@ def run(
     from aligntax.vat.runner import VATConfig, run_vat
     from aligntax.vat.schwartz import resolve_value
 
+    if intervention is None:
+        intervention = "adapter" if adapter is not None else "none" if post_model else "persona"
     try:
         t = resolve_value(target)
         kwargs = {}
@@ -78,7 +107,9 @@ def run(
             kwargs["split"] = split
         items = load_items(data, **kwargs)
         eval_items, train_items = split_items(items, train_fraction, seed=seed, by=split_by)
-        eval_items = sample_items(eval_items, per_value=limit_per_value, scenes=scenes, seed=seed)
+        by = _sample_by(sample_by, data)
+        eval_items = sample_items(eval_items, per_value=limit_per_value, scenes=scenes, seed=seed,
+                                  strata=_strata(strata), by=by, per_scene_value=per_scene_value)
         jcfg = JudgeConfig(scale=LikertScale(1, scale_max), templates=tuple(templates.split(",")),
                            orders=("normal", "reversed") if reverse_order else ("normal",), method=method,
                            batch_size=batch_size, cache=not no_cache)
@@ -86,21 +117,27 @@ def run(
         typer.echo(f"{len(eval_items)} evaluation items, {len(train_items)} held-out training items; "
                    f"output {out_dir}", err=True)
         lm = load_model(model, dtype=dtype)
+        post_lm = load_model(post_model, dtype=dtype) if post_model else None
         iv = build_intervention(intervention, lm, t, train_items, jcfg, strength=strength, layer=layer,
                                 steps=steps, lr=lr, adapter_dir=adapter_dir or (out_dir / "adapter"),
                                 energy_dir=energy_dir, seed=seed,
-                                exclude_ids={it.id for it in eval_items}, progress=True)
+                                exclude_ids={it.id for it in eval_items}, progress=True, adapter=adapter,
+                                oracle_gain=oracle_gain, oracle_bias=oracle_bias)
         cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
                         seed=seed,
                         extra={"data": data, "intervention": intervention, "limit_per_value": limit_per_value,
-                               "scenes": scenes, "train_fraction": train_fraction, "split_by": split_by})
-        res = run_vat(lm, eval_items, t, iv, out_dir, cfg)
+                               "scenes": scenes, "train_fraction": train_fraction, "split_by": split_by,
+                               "sample_by": by, "strata": strata,
+                               "post_model": post_model, "adapter": None if adapter is None else str(adapter)})
+        res = run_vat(lm, eval_items, t, iv, out_dir, cfg, post_lm=post_lm, control=control)
     except AligntaxError as exc:
         _fail(exc)
         return
     v = res["vat"]
+    sp = res["specificity"]
     typer.echo(json.dumps({"out": str(out_dir), "target": t, "gain": res["gain"], "vat": {
-        "signed": v["signed"], "absolute": v["absolute"], "reason": v["reason"]}, "nvat": res["nvat"],
+        "signed": v["signed"], "absolute": v["absolute"], "reason": v["reason"]},
+        "specificity": {k: sp.get(k) for k in ("value", "ci95", "interpretation")}, "nvat": res["nvat"],
         "circumplex_test": {k: res["circumplex_test"].get(k) for k in ("statistic", "p_value")}}, indent=2))
 
 
@@ -109,13 +146,22 @@ def compare_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
                 out: Path | None = typer.Option(None, "--out", "-o", help="where to write the comparison"),
                 eval_run: list[Path] = typer.Option([], "--eval", help="an `aligntax eval` run folder (repeatable): "
                                                     "adds the refusal-side table and refusal_side.png"),
-                eval_baseline: Path | None = typer.Option(None, help="the unsteered `aligntax eval` run to compare with")
-                ) -> None:
-    """Gain versus tax across runs: gain_vs_tax.png and compare.md (plus the refusal side with --eval)."""
+                eval_baseline: Path | None = typer.Option(None, help="the unsteered `aligntax eval` run to compare with"),
+                paired: bool = typer.Option(True, help="with two or more runs: check shared items, judge and model "
+                                                       "and write paired per-value differences against the first run"),
+                bootstrap: int = typer.Option(2000, help="scene-bootstrap draws of the paired differences"),
+                seed: int = typer.Option(0)) -> None:
+    """Gain versus tax across runs: gain_vs_tax.png and compare.md (plus the refusal side with --eval), and
+    paired differences against the first run (paired.md, paired.json)."""
     from aligntax.vat.report import compare
+    from aligntax.vat.sweep import paired_compare
 
     try:
         c = compare(dirs, out, eval_dirs=eval_run, eval_baseline=eval_baseline)
+        if paired and len(dirs) >= 2:
+            paired_compare(dirs, c.markdown.parent, reps=bootstrap, seed=seed)
+            text = c.markdown.read_text() + "\n" + (c.markdown.parent / "paired.md").read_text()
+            c.markdown.write_text(text)
     except AligntaxError as exc:
         _fail(exc)
         return
@@ -131,6 +177,8 @@ def rescore_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
                 eps: float = typer.Option(1e-3, help="|gain| below which GND and VAT are undefined"),
                 coupling: str = typer.Option("spearman", help="spearman | kendall | pearson"),
                 include_diagonal: bool = typer.Option(False, help="count the diagonal of R in nVAT"),
+                control: Path | None = typer.Option(None, help="a control run: adds lift-adjusted drifts"),
+                bootstrap_method: str = typer.Option("scene", help="scene (percentile) | subsample (earlier)"),
                 seed: int = typer.Option(0)) -> None:
     """Recompute results.json and the report from items.jsonl with new metric settings (no model)."""
     from aligntax.vat.runner import VATConfig, rescore
@@ -138,12 +186,128 @@ def rescore_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
     try:
         for d in dirs:
             res = rescore(d, VATConfig(bootstrap_reps=bootstrap, n_perm=permutations, eps=eps,
-                                       nvat_null_reps=null_reps,
-                                       coupling_method=coupling, include_diagonal=include_diagonal, seed=seed))
+                                       nvat_null_reps=null_reps, bootstrap_method=bootstrap_method,
+                                       coupling_method=coupling, include_diagonal=include_diagonal, seed=seed),
+                          control=control)
             typer.echo(f"{d}: gain {res['gain']['value']:+.4f}, VAT abs {res['vat']['absolute']}, "
+                       f"S_T {res['specificity']['value']:+.4f} {res['specificity']['ci95']}, "
                        f"nVAT {res['nvat']:.3f}")
     except AligntaxError as exc:
         _fail(exc)
+
+
+@app.command("matrix")
+def matrix_cmd(
+    out: Path = typer.Option(..., "--out", "-o", help="folder: one run per target in OUT/<code>/, matrix.json/md"),
+    runs: list[Path] = typer.Option([], "--from", help="build the matrix from ten finished runs instead"),
+    intervention: str = typer.Option("fewshot-8", "--intervention", "-i", help="as for `vat run`"),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    post_model: str | None = typer.Option(None, help="judge 'post' with this model"),
+    data: str = typer.Option("builtin", "--data", "-d"),
+    limit_per_value: int | None = typer.Option(None, help="evaluate at most N items per value"),
+    scenes: int | None = typer.Option(None, help="evaluate only N randomly chosen scenes"),
+    sample_by: str = typer.Option("item", help="with --limit-per-value: item | scene | auto (as for `vat run`)"),
+    per_scene_value: int = typer.Option(2, help="--sample-by scene: items of each value per scene"),
+    strata: str | None = typer.Option(None, help="only these desirability strata (comma-separated)"),
+    dtype: str = typer.Option("bf16"),
+    batch_size: int = typer.Option(16),
+    train_fraction: float = typer.Option(0.2),
+    strength: float = typer.Option(4.0),
+    steps: int | None = typer.Option(None),
+    oracle_gain: float = typer.Option(0.5),
+    oracle_bias: float | None = typer.Option(None),
+    bootstrap: int = typer.Option(500),
+    permutations: int = typer.Option(999, help="Mantel permutations of each run"),
+    matrix_permutations: int = typer.Option(9999, help="permutations of the matrix tests"),
+    null_reps: int = typer.Option(0, help="nVAT-null permutations of each run (0: skip)"),
+    seed: int = typer.Option(0),
+    no_cache: bool = typer.Option(False),
+) -> None:
+    """The intervention aimed at each of the ten values: the 10 x 10 shift matrix, double-centred, with a
+    permutation test of its diagonal and a Mantel test against distance on the Schwartz circle."""
+    from aligntax.vat.matrix import matrix_from_runs, run_matrix, write_matrix
+
+    try:
+        if runs:
+            res = write_matrix(matrix_from_runs(runs), out, n_perm=matrix_permutations, seed=seed)
+        else:
+            from aligntax.models import load_model
+            from aligntax.vat.interventions import build_intervention
+            from aligntax.vat.items import load_items, sample_items, split_items
+            from aligntax.vat.judge import JudgeConfig
+            from aligntax.vat.runner import VATConfig
+
+            items = load_items(data)
+            eval_items, train_items = split_items(items, train_fraction, seed=seed)
+            by = _sample_by(sample_by, data)
+            eval_items = sample_items(eval_items, per_value=limit_per_value, scenes=scenes, seed=seed,
+                                      strata=_strata(strata), by=by, per_scene_value=per_scene_value)
+            jcfg = JudgeConfig(batch_size=batch_size, cache=not no_cache)
+            lm = load_model(model, dtype=dtype)
+            post_lm = load_model(post_model, dtype=dtype) if post_model else None
+            ids = {it.id for it in eval_items}
+            cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
+                            seed=seed, extra={"data": data, "intervention": intervention,
+                                              "limit_per_value": limit_per_value, "scenes": scenes,
+                                              "sample_by": by, "strata": strata})
+            res = run_matrix(lm, eval_items, lambda t: build_intervention(
+                intervention, lm, t, train_items, jcfg, strength=strength, steps=steps, seed=seed,
+                exclude_ids=ids, adapter_dir=out / "adapters" / t.lower(), oracle_gain=oracle_gain,
+                oracle_bias=oracle_bias), out, cfg, post_lm=post_lm, n_perm=matrix_permutations)
+    except AligntaxError as exc:
+        _fail(exc)
+        return
+    typer.echo((out / "matrix.md").read_text())
+    typer.echo(json.dumps({"diagonal_test": res["diagonal_test"], "mantel": res["mantel"]}, indent=2), err=True)
+
+
+@app.command("sweep")
+def sweep_cmd(
+    out: Path = typer.Option(..., "--out", "-o", help="sweep folder: OUT/<model>/<intervention>/<code>/ per cell"),
+    config: Path | None = typer.Option(None, "--config", "-c", help="a YAML file with the keys of the flags "
+                                                                    "(models, interventions, targets, data, ...)"),
+    model: list[str] = typer.Option([], "--model", "-m", help="model spec (repeatable)"),
+    intervention: list[str] = typer.Option([], "--intervention", "-i", help="intervention (repeatable)"),
+    target: list[str] = typer.Option([], "--target", "-t", help="target value (repeatable; default all ten)"),
+    data: str | None = typer.Option(None, "--data", "-d"),
+    limit_per_value: int | None = typer.Option(None),
+    scenes: int | None = typer.Option(None),
+    sample_by: str | None = typer.Option(None, help="item | scene"),
+    strata: str | None = typer.Option(None, help="comma-separated desirability strata"),
+    bootstrap: int | None = typer.Option(None),
+    permutations: int | None = typer.Option(None),
+    seed: int | None = typer.Option(None),
+) -> None:
+    """Models x interventions x targets, one resumable run folder per cell, and a summary table
+    (summary.md, summary.csv, summary.json). Rerun the same command to resume; flags override the YAML."""
+    from aligntax.vat.sweep import SweepSpec, run_sweep
+
+    try:
+        d: dict = {}
+        if config is not None:
+            import yaml
+
+            try:
+                d = yaml.safe_load(config.read_text()) or {}
+            except (OSError, yaml.YAMLError) as exc:
+                raise AligntaxError(f"sweep config {config}: {exc}") from None
+            if not isinstance(d, dict):
+                raise AligntaxError(f"sweep config {config}: expected a mapping of keys")
+        flags = {"models": model or None, "interventions": intervention or None, "targets": target or None,
+                 "data": data, "limit_per_value": limit_per_value, "scenes": scenes, "sample_by": sample_by,
+                 "strata": _strata(strata), "bootstrap": bootstrap, "permutations": permutations, "seed": seed}
+        d.update({k: v for k, v in flags.items() if v is not None})
+        d.setdefault("models", [DEFAULT_MODEL])
+        spec = SweepSpec.from_dict(d)
+        rows = run_sweep(spec, out, log=lambda m: typer.echo(m, err=True))
+    except AligntaxError as exc:
+        _fail(exc)
+        return
+    typer.echo((out / "summary.md").read_text())
+    failed = [r for r in rows if str(r.get("status", "")).startswith("failed")]
+    if failed:
+        typer.echo(f"{len(failed)} cell(s) failed; see summary.md", err=True)
+        raise typer.Exit(1)
 
 
 @app.command("persona")

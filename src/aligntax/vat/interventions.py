@@ -25,7 +25,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import random
+import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -50,7 +52,72 @@ from aligntax.vat.judge import JudgeConfig, Variant, judgment_prompt, scale_toke
 from aligntax.vat.schwartz import DEFINITIONS, resolve_value
 
 INTERVENTIONS = ("none", "persona", "fewshot-2", "fewshot-4", "fewshot-8", "persona-fewshot-2", "persona-fewshot-4",
-                 "persona-fewshot-8", "steer", "lora", "dpo", "els")
+                 "persona-fewshot-8", "steer", "lora", "dpo", "els", "adapter", "oracle", "uniform")
+
+
+# ----------------------------------------------------------------- validation oracles
+@dataclass
+class OracleBias(Intervention):
+    """A known-answer intervention for validating the pipeline. The model runs unchanged; for each item
+    in scope the judge's label distribution gets a logit bias toward the value-consistent label (the top
+    of the scale for a supporting action, the bottom for a violating one).
+
+    - ``scope="target"`` (``oracle``): only the target's items are biased, so every off-target drift is
+      exactly 0 and the gain is the set ``gain``.
+    - ``scope="all"`` (``uniform``): every item is biased alike: a uniform lift of all ten values, whose
+      specificity S_T is 0.
+    - ``gain``: the bias is solved per item (closed form) so that the item's polarity-signed expected
+      score moves by exactly ``gain`` Likert points (items that cannot move that far get the most their
+      distribution allows, bias 30). ``bias``: a fixed logit bias instead.
+    """
+
+    target: str = ""
+    scope: str = "target"
+    gain: float | None = 0.5
+    bias: float | None = None
+    name: str = "oracle"
+    prefix_free = True
+    cacheable = False
+    max_bias: float = 30.0
+
+    def __post_init__(self):
+        self.target = resolve_value(self.target)
+        if self.scope not in ("target", "all"):
+            raise AligntaxError("OracleBias scope must be 'target' or 'all'")
+        if (self.gain is None) == (self.bias is None):
+            raise AligntaxError("OracleBias needs exactly one of gain and bias")
+        if self.gain is not None and self.gain < 0:
+            raise AligntaxError("the oracle gain must be >= 0 (it moves toward the value-consistent label)")
+        self.name = "oracle" if self.scope == "target" else "uniform"
+        self.capped = 0
+
+    def adjust_probs(self, item: ValueItem, probs, points):
+        """New label probabilities (canonical order) for ``item``, or None to leave it unchanged."""
+        import numpy as np
+
+        if (self.scope == "target" and item.value != self.target) or item.polarity == 0:
+            return None  # neutral items have no value-consistent label
+        c = len(points) - 1 if item.polarity > 0 else 0
+        p = np.asarray(probs, dtype=float)
+        p = p / p.sum()  # stored readings sum to 1 only up to float32 rounding
+        e0 = float(p @ points)
+        if self.bias is not None:
+            u = math.expm1(self.bias)
+        else:
+            goal = e0 + (self.gain if item.polarity > 0 else -self.gain)
+            room = points[c] - goal
+            if p[c] <= 0 or (room <= 0 if item.polarity > 0 else room >= 0):
+                self.capped += 1
+                u = math.expm1(self.max_bias)
+            else:
+                u = (goal - e0) / (p[c] * room)
+        q = p.copy()
+        q[c] = p[c] * (1.0 + u)
+        return q / q.sum()
+
+    def config(self) -> dict:
+        return {"name": self.name, "target": self.target, "scope": self.scope, "gain": self.gain,
+                "bias": self.bias}
 
 
 # ----------------------------------------------------------------- persona
@@ -80,7 +147,10 @@ class ValuePersona(SystemPrompt):
 def _target_pool(train_items: Sequence[ValueItem], target: str, exclude_ids: set[str] | None = None):
     t = resolve_value(target)
     exclude_ids = exclude_ids or set()
-    pool = [it for it in train_items if it.value == t and it.id not in exclude_ids]
+    # examples come from congruent (or unlabelled) items only, so the interventions are the same as
+    # before the incongruent items existed and the incongruent stratum tests them out of distribution
+    pool = [it for it in train_items if it.value == t and it.id not in exclude_ids
+            and it.desirability != "incongruent"]
     sup = sorted((it for it in pool if it.polarity > 0), key=lambda it: it.id)
     vio = sorted((it for it in pool if it.polarity < 0), key=lambda it: it.id)
     return t, sup, vio
@@ -232,6 +302,94 @@ def _same_model(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
+_LORA_KEY = re.compile(r"^(?P<mod>.+)\.(?P<part>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
+
+
+def _read_lora(path: Path, cfg: dict, lm=None) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """The (A, B, scale) of every adapted Linear layer of a PEFT LoRA adapter folder. Anything this
+    hook-based application cannot reproduce exactly is refused with the offending keys named, never
+    dropped: other PEFT types, DoRA, rank/alpha patterns, fan_in_fan_out layers, trained biases,
+    ``modules_to_save`` (fully trained copies of layers), embedding LoRA, or any other tensor. With
+    ``lm``, every adapted layer must exist in the model as a Linear of matching shape."""
+    from safetensors.torch import load_file
+
+    problems = []
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AligntaxError(f"{path}: only LoRA adapters are supported (got peft_type {cfg.get('peft_type')})")
+    if cfg.get("use_dora"):
+        problems.append("use_dora (DoRA magnitude vectors)")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        problems.append("rank_pattern/alpha_pattern")
+    if cfg.get("fan_in_fan_out"):
+        problems.append("fan_in_fan_out (Conv1D layers)")
+    if cfg.get("bias", "none") not in (None, "none"):
+        problems.append(f"bias={cfg.get('bias')!r} (trained biases)")
+    if cfg.get("modules_to_save"):
+        problems.append(f"modules_to_save={cfg.get('modules_to_save')} (fully trained layers)")
+    wfile = path / "adapter_model.safetensors"
+    if wfile.is_file():
+        state = load_file(str(wfile))
+    elif (path / "adapter_model.bin").is_file():
+        state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise AligntaxError(f"{path} has no adapter_model.safetensors or adapter_model.bin")
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    scale = alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    unsupported = []
+    for key, tensor in state.items():
+        m = _LORA_KEY.match(key)
+        if m is None or tensor.ndim != 2:
+            unsupported.append(key)
+            continue
+        mod = m.group("mod").removeprefix("base_model.model.")
+        pairs.setdefault(mod, {})[m.group("part")] = tensor.float()
+    if unsupported:
+        shown = ", ".join(unsupported[:6]) + (f" and {len(unsupported) - 6} more" if len(unsupported) > 6 else "")
+        problems.append(f"tensors other than Linear lora_A/lora_B weights: {shown}")
+    half = [m for m, p in pairs.items() if len(p) != 2]
+    if half:
+        problems.append(f"layers with only one of lora_A/lora_B: {half[:4]}")
+    if problems:
+        raise AligntaxError(f"{path}: this LoRA adapter has parts that aligntax cannot apply exactly, and it "
+                            "refuses rather than drop them: " + "; ".join(problems))
+    weights = {m: (p["lora_A"], p["lora_B"], scale) for m, p in pairs.items()}
+    if not weights:
+        raise AligntaxError(f"No LoRA weights found in {path}")
+    for m, (A, B, _) in weights.items():
+        if A.shape[0] != B.shape[1]:
+            raise AligntaxError(f"{path}: {m} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} of "
+                                "different ranks")
+        if lm is None:
+            continue
+        try:
+            module = lm.model.get_submodule(m)
+        except AttributeError:
+            raise CompatibilityError(f"Adapter layer '{m}' of {path} does not exist in {lm.fingerprint.get('spec')}"
+                                     ) from None
+        if not isinstance(module, nn.Linear):
+            raise CompatibilityError(f"Adapter layer '{m}' is a {type(module).__name__}, not a Linear layer")
+        if (module.in_features, module.out_features) != (A.shape[1], B.shape[0]):
+            raise CompatibilityError(
+                f"Adapter layer '{m}' expects {A.shape[1]} -> {B.shape[0]} features but the model's layer is "
+                f"{module.in_features} -> {module.out_features}: the adapter was made for another model")
+    return weights
+
+
+def _is_ours(path: Path) -> bool:
+    return (path / ADAPTER_META).is_file()
+
+
+def guard_adapter_folder(path: str | Path, what: str = "write into") -> None:
+    """Refuse to write into a folder that holds a PEFT adapter (adapter_config.json) that aligntax did
+    not create (no vat_adapter.json beside it)."""
+    path = Path(path)
+    if (path / "adapter_config.json").is_file() and not _is_ours(path):
+        raise AligntaxError(f"{path} holds an adapter (adapter_config.json) that aligntax did not create; "
+                            f"aligntax does not {what} it. Evaluate it with --adapter {path}, and choose "
+                            "another folder for training or output.")
+
+
 @dataclass(eq=False)
 class LoRAAdapter(Intervention):
     """A saved LoRA adapter applied through forward hooks: for each adapted Linear layer the hook adds
@@ -245,8 +403,9 @@ class LoRAAdapter(Intervention):
 
     @classmethod
     def load(cls, path: str | Path, lm=None) -> LoRAAdapter:
-        from safetensors.torch import load_file
-
+        """Load any PEFT LoRA adapter folder (read only: nothing is written there). Adapters trained by
+        aligntax carry ``vat_adapter.json``, whose base-model fingerprint must match ``lm``; for others
+        the layer names and shapes are checked against ``lm``."""
         path = Path(path)
         cfg_file = path / "adapter_config.json"
         if not cfg_file.is_file():
@@ -257,28 +416,8 @@ class LoRAAdapter(Intervention):
                                                                                lm.fingerprint):
             raise CompatibilityError(f"Adapter {path} was trained on {meta['base_fingerprint'].get('spec')}, "
                                      f"not on {lm.fingerprint.get('spec')}")
-        if cfg.get("peft_type", "LORA") != "LORA":
-            raise AligntaxError(f"Only LoRA adapters are supported (got {cfg.get('peft_type')})")
-        if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("use_dora"):
-            raise AligntaxError("LoRA adapters with rank/alpha patterns or DoRA are not supported")
-        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-        scale = alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
-        wfile = path / "adapter_model.safetensors"
-        state = load_file(str(wfile)) if wfile.is_file() else torch.load(path / "adapter_model.bin",
-                                                                        map_location="cpu", weights_only=True)
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in state.items():
-            for part in ("lora_A", "lora_B"):
-                marker = f".{part}."
-                if marker in key:
-                    mod = key.split(marker)[0]
-                    for prefix in ("base_model.model.",):
-                        mod = mod.removeprefix(prefix)
-                    pairs.setdefault(mod, {})[part] = tensor.float()
-        weights = {m: (p["lora_A"], p["lora_B"], scale) for m, p in pairs.items() if len(p) == 2}
-        if not weights:
-            raise AligntaxError(f"No LoRA weights found in {path}")
-        name = meta.get("method", "lora")
+        weights = _read_lora(path, cfg, lm)
+        name = meta.get("method", "lora" if meta else "adapter")
         return cls(path=path, weights=weights, meta=meta, name=name)
 
     @contextmanager
@@ -357,6 +496,7 @@ def train_lora_sft(lm, train_items: Sequence[ValueItem], target: str, out_dir: s
 
     from aligntax.generation import build_messages, encode_chats, render_chat
 
+    guard_adapter_folder(out_dir)
     judge_cfg = judge_cfg or JudgeConfig()
     t, rows = _training_examples(lm, train_items, target, judge_cfg, exclude_ids)
     label_ids = scale_token_ids(lm.tokenizer, judge_cfg.scale.labels())
@@ -415,6 +555,7 @@ def train_dpo(lm, train_items: Sequence[ValueItem], target: str, out_dir: str | 
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import DPOConfig, DPOTrainer
 
+    guard_adapter_folder(out_dir)
     judge_cfg = judge_cfg or JudgeConfig()
     t, rows = _training_examples(lm, train_items, target, judge_cfg, exclude_ids)
 
@@ -469,8 +610,11 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
                        layer: int | None = None, steps: int | None = None, lr: float | None = None,
                        adapter_dir: str | Path | None = None, energy_dir: str | Path | None = None,
                        seed: int = 0, exclude_ids: set[str] | None = None,
-                       progress: bool = False) -> Intervention:
-    """Make an intervention by name: none, persona, fewshot-K, persona-fewshot-K, steer, lora, dpo, els.
+                       progress: bool = False, adapter: str | Path | None = None,
+                       oracle_gain: float = 0.5, oracle_bias: float | None = None) -> Intervention:
+    """Make an intervention by name: none, persona, fewshot-K, persona-fewshot-K, steer, lora, dpo, els,
+    adapter (load the PEFT LoRA adapter at ``adapter``, read only), and the validation oracles ``oracle``
+    (target items only) and ``uniform`` (every item; ``OracleBias``).
     Training-based ones use only ``train_items`` (never ``exclude_ids``, e.g. the evaluation ids).
     ``adapter_dir`` is where a lora/dpo adapter is saved, or, if it already holds a matching adapter,
     loaded from. ``els`` loads the energy bank in ``energy_dir`` (written by ``aligntax els train``)
@@ -503,14 +647,28 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
     if key == "steer":
         return compute_steering_vector(lm, train_items, t, judge_cfg, layer=layer, strength=strength,
                                        exclude_ids=exclude_ids)
+    if key in ("oracle", "uniform"):
+        return OracleBias(target=t, scope="target" if key == "oracle" else "all",
+                          gain=None if oracle_bias is not None else oracle_gain, bias=oracle_bias)
+    if key == "adapter":
+        if adapter is None:
+            raise AligntaxError("The adapter intervention needs --adapter PATH (a PEFT LoRA adapter folder)")
+        return LoRAAdapter.load(adapter, lm)
     if key in ("lora", "sft", "dpo"):
         method = "dpo" if key == "dpo" else "lora"
+        if adapter is not None:
+            raise AligntaxError("--adapter evaluates an existing adapter (use --intervention adapter); "
+                                "lora/dpo train a new one into --adapter-dir")
         if adapter_dir is not None:
-            meta_file = Path(adapter_dir) / ADAPTER_META
+            adapter_dir = Path(adapter_dir)
+            guard_adapter_folder(adapter_dir)
+            meta_file = adapter_dir / ADAPTER_META
             if meta_file.is_file():
                 meta = json.loads(meta_file.read_text())
                 if meta.get("target") == t and meta.get("method") == method:
                     return LoRAAdapter.load(adapter_dir, lm)
+                raise AligntaxError(f"{adapter_dir} holds an aligntax {meta.get('method')} adapter for "
+                                    f"{meta.get('target')}; it is not overwritten. Choose another --adapter-dir.")
         if adapter_dir is None:
             from aligntax.paths import cache_dir
 

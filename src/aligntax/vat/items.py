@@ -38,12 +38,21 @@ class ValueItem:
     context: str
     action: str
     value: str  # one of schwartz.VALUES
-    polarity: int  # +1 supports the value, -1 violates it
+    polarity: int  # +1 supports the value, -1 violates it, 0 neutral (neither)
     svs_item: str | None = None
     scene: str | None = None
     country: str | None = None
     topic: str | None = None
     source: str | None = None
+    # congruent: supporting the value is also the socially approved action; incongruent: supporting it is
+    # the socially disapproved one (e.g. Power by bullying); neutral: the action neither supports nor
+    # violates the value (polarity 0). None when the source does not say (ValueActionLens, files).
+    desirability: str | None = None
+
+    @property
+    def stratum(self) -> str:
+        """The desirability stratum, 'unlabelled' when the source gives none."""
+        return self.desirability or ("neutral" if self.polarity == 0 else "unlabelled")
 
     @property
     def group(self) -> str:
@@ -63,21 +72,38 @@ class ValueItem:
 _POLARITY = {"1": 1, "+1": 1, "positive": 1, "pos": 1, "+": 1, "support": 1, "supports": 1, "supporting": 1,
              "express": 1, "expresses": 1, "true": 1, "yes": 1,
              "-1": -1, "negative": -1, "neg": -1, "-": -1, "violate": -1, "violates": -1, "violating": -1,
-             "resist": -1, "resists": -1, "oppose": -1, "opposes": -1, "false": -1, "no": -1}
+             "resist": -1, "resists": -1, "oppose": -1, "opposes": -1, "false": -1, "no": -1,
+             "0": 0, "neutral": 0, "none": 0}
+DESIRABILITY = ("congruent", "incongruent", "neutral")
+STRATA = (*DESIRABILITY, "unlabelled")
 
 
 def parse_polarity(raw, where: str = "") -> int:
-    """+1 or -1 from 1/-1, 'positive'/'negative', 'support'/'violate', booleans."""
+    """+1, -1 or 0 (neutral) from 1/-1/0, 'positive'/'negative'/'neutral', 'support'/'violate', booleans."""
     if isinstance(raw, bool):
         return 1 if raw else -1
-    if isinstance(raw, int | float) and raw in (1, -1):
+    if isinstance(raw, int | float) and raw in (1, -1, 0):
         return int(raw)
     key = str(raw).strip().lower()
     if key.endswith(".0"):
         key = key[:-2]
     if key in _POLARITY:
         return _POLARITY[key]
-    raise DataError(f"{where}bad polarity {raw!r}: use +1/-1, positive/negative or support/violate")
+    raise DataError(f"{where}bad polarity {raw!r}: use +1/-1/0, positive/negative/neutral or support/violate")
+
+
+def parse_desirability(raw, polarity: int, where: str = "") -> str | None:
+    """The desirability stratum of an item: congruent, incongruent or neutral (None when absent; a
+    polarity-0 item without one is neutral). Neutral goes with polarity 0 and only with it."""
+    if raw is None or str(raw).strip() == "":
+        return "neutral" if polarity == 0 else None
+    key = str(raw).strip().lower()
+    if key not in DESIRABILITY:
+        raise DataError(f"{where}bad desirability {raw!r}: use congruent, incongruent or neutral")
+    if (key == "neutral") != (polarity == 0):
+        raise DataError(f"{where}desirability '{key}' does not fit polarity {polarity:+d} (neutral items, and "
+                        "only they, have polarity 0)")
+    return key
 
 
 def parse_value(raw, where: str = "") -> tuple[str, str | None]:
@@ -256,7 +282,7 @@ def items_from_records(records: Sequence[dict], *, source: str, where: str = "",
             raise DataError(f"{where}missing column '{ours}' (columns: {sorted(keys)}). Items need "
                             "context, action, value and polarity.")
         mapping[ours] = found
-    opt = {k: (fields or {}).get(k, k) for k in ("id", "svs_item", "scene", "country", "topic")}
+    opt = {k: (fields or {}).get(k, k) for k in ("id", "svs_item", "scene", "country", "topic", "desirability")}
     items, seen = [], set()
     for n, r in enumerate(records, start=1):
         w = f"{where}row {n}: "
@@ -273,11 +299,11 @@ def items_from_records(records: Sequence[dict], *, source: str, where: str = "",
             v = rec.get(opt[k])
             return None if v in (None, "") else str(v)
 
+        pol = parse_polarity(r.get(mapping["polarity"]), w)
         items.append(ValueItem(
-            id=rid, context=ctx.strip(), action=act.strip(), value=basic,
-            polarity=parse_polarity(r.get(mapping["polarity"]), w),
+            id=rid, context=ctx.strip(), action=act.strip(), value=basic, polarity=pol,
             svs_item=_opt("svs_item") or svs, scene=_opt("scene"), country=_opt("country"),
-            topic=_opt("topic"), source=source))
+            topic=_opt("topic"), source=source, desirability=parse_desirability(_opt("desirability"), pol, w)))
     return items
 
 
@@ -307,7 +333,9 @@ def builtin_path() -> Path:
 
 
 def load_builtin() -> list[ValueItem]:
-    """The built-in scenario-action set: 20 scenes x 10 values x 2 polarities."""
+    """The built-in scenario-action set (520 items in 20 scenes): per scene and value a congruent minimal
+    pair (400), plus per value 4 desirability-incongruent pairs (80) and 4 neutral items (40), two of each
+    kind per scene. Every item has a ``desirability``."""
     return items_from_records(_read_json_rows(builtin_path()), source=BUILTIN_NAME, where="builtin: ")
 
 
@@ -408,21 +436,67 @@ def _by_cell(items: Iterable[ValueItem]) -> dict[tuple[str, int], list[ValueItem
     return cells
 
 
+def _alloc(total: int, sizes: dict[str, int]) -> dict[str, int]:
+    """Split ``total`` over the keys in proportion to ``sizes`` (largest remainder; ties in key order)."""
+    n = sum(sizes.values())
+    if n == 0:
+        return {k: 0 for k in sizes}
+    if total >= n:
+        return dict(sizes)
+    exact = {k: total * c / n for k, c in sizes.items()}
+    out = {k: int(x) for k, x in exact.items()}
+    rest = total - sum(out.values())
+    for k in sorted(sizes, key=lambda k: -(exact[k] - out[k]))[:rest]:
+        out[k] += 1
+    return out
+
+
+def _spread_pick(cell: list[ValueItem], cap: int, rng: random.Random) -> list[ValueItem]:
+    """Up to ``cap`` items of a cell, spread over scenes: shuffled, then round-robin by group."""
+    cell = sorted(cell, key=lambda it: it.id)
+    rng.shuffle(cell)
+    by_group: dict[str, list[ValueItem]] = defaultdict(list)
+    for it in cell:
+        by_group[it.group].append(it)
+    order = sorted(by_group, key=lambda g: rng.random())
+    picked: list[ValueItem] = []
+    while len(picked) < min(cap, len(cell)):
+        for g in order:
+            if by_group[g] and len(picked) < cap:
+                picked.append(by_group[g].pop())
+    return picked
+
+
 def sample_items(items: Sequence[ValueItem], *, per_value: int | None = None,
                  per_value_polarity: int | None = None, values: Sequence[str] | None = None,
-                 scenes: int | Sequence[str] | None = None, seed: int = 0) -> list[ValueItem]:
+                 scenes: int | Sequence[str] | None = None, seed: int = 0,
+                 strata: Sequence[str] | None = None, by: str = "item",
+                 per_scene_value: int = 2) -> list[ValueItem]:
     """A reproducible subset.
 
-    - ``values``: keep only these values (any resolvable names).
+    - ``values``: keep only these values (any resolvable names); ``strata``: only these desirability
+      strata (congruent, incongruent, neutral, unlabelled).
     - ``scenes``: keep only these scene groups, or (an int) that many groups chosen at random.
-    - ``per_value``: at most this many items per value, split evenly across the polarities (the extra
-      one of an odd number goes to +1); ``per_value_polarity`` caps each (value, polarity) cell directly.
+    - ``per_value`` (``by="item"``): at most this many items per value, spread over scenes. The number is
+      shared among the value's desirability strata in proportion to their sizes, and within a stratum
+      split evenly across the polarities (the extra one of an odd number goes to +1); with one stratum
+      this is the plain half-and-half split. ``per_value_polarity`` caps each (value, stratum, polarity)
+      cell directly.
+    - ``per_value`` with ``by="scene"``: whole scenes, for the coupling statistics (which correlate the
+      per-scene mean shifts of two values, so every chosen scene should hold every value): enough
+      randomly chosen scenes that hold all values to reach ``per_value`` items per value, and in each
+      scene ``per_scene_value`` items of every value (balanced polarity).
     The result keeps the input order."""
     rng = random.Random(seed)
     pool = list(items)
     if values is not None:
         keep = {resolve_value(v) for v in values}
         pool = [it for it in pool if it.value in keep]
+    if strata is not None:
+        bad = set(strata) - set(STRATA)
+        if bad:
+            raise DataError(f"Unknown strata {sorted(bad)}; use {', '.join(STRATA)}")
+        pool = [it for it in pool if it.stratum in set(strata)]
     if scenes is not None:
         groups = sorted({it.group for it in pool})
         if isinstance(scenes, int):
@@ -433,28 +507,62 @@ def sample_items(items: Sequence[ValueItem], *, per_value: int | None = None,
             if unknown:
                 raise DataError(f"Unknown scenes {sorted(unknown)[:5]}; known: {groups[:10]}...")
         pool = [it for it in pool if it.group in chosen]
+    if by not in ("item", "scene"):
+        raise DataError("sample by 'item' or 'scene'")
+    if by == "scene" and per_value is not None:
+        return _sample_scenes(pool, per_value, per_scene_value, rng)
     if per_value is None and per_value_polarity is None:
         return pool
     chosen_ids: set[str] = set()
-    for (_value, pol), cell in sorted(_by_cell(pool).items()):
-        if per_value_polarity is not None:
-            cap = per_value_polarity
-        else:
-            cap = (per_value + 1) // 2 if pol > 0 else per_value // 2
-        cell = sorted(cell, key=lambda it: it.id)
-        # spread over scenes: shuffle, then round-robin by group so that small samples cover many scenes
-        rng.shuffle(cell)
-        by_group: dict[str, list[ValueItem]] = defaultdict(list)
-        for it in cell:
-            by_group[it.group].append(it)
-        order = sorted(by_group, key=lambda g: rng.random())
-        picked: list[ValueItem] = []
-        while len(picked) < min(cap, len(cell)):
-            for g in order:
-                if by_group[g] and len(picked) < cap:
-                    picked.append(by_group[g].pop())
-        chosen_ids.update(it.id for it in picked)
+    by_value: dict[str, list[ValueItem]] = defaultdict(list)
+    for it in pool:
+        by_value[it.value].append(it)
+    for _value, members in sorted(by_value.items()):
+        by_stratum: dict[str, list[ValueItem]] = defaultdict(list)
+        for it in members:
+            by_stratum[it.stratum].append(it)
+        order = sorted(by_stratum, key=STRATA.index)
+        share = (_alloc(per_value, {k: len(by_stratum[k]) for k in order}) if per_value is not None else None)
+        for k in order:
+            for (_v, pol), cell in sorted(_by_cell(by_stratum[k]).items()):  # the order of earlier versions
+                if per_value_polarity is not None:
+                    cap = per_value_polarity
+                elif pol == 0:
+                    cap = share[k]
+                else:
+                    cap = (share[k] + 1) // 2 if pol > 0 else share[k] // 2
+                chosen_ids.update(it.id for it in _spread_pick(cell, cap, rng))
     return [it for it in pool if it.id in chosen_ids]
+
+
+def _sample_scenes(pool: list[ValueItem], per_value: int, per_scene_value: int,
+                   rng: random.Random) -> list[ValueItem]:
+    if per_scene_value < 1:
+        raise DataError("per_scene_value must be >= 1")
+    by_group: dict[str, list[ValueItem]] = defaultdict(list)
+    for it in pool:
+        by_group[it.group].append(it)
+    present = {it.value for it in pool}
+    full = sorted(g for g, its in by_group.items() if {it.value for it in its} >= present)
+    if not full:
+        raise DataError("No scene holds every value; sample by item instead")
+    n_scenes = min(len(full), max(1, -(-per_value // per_scene_value)))
+    chosen = rng.sample(full, n_scenes)
+    ids: set[str] = set()
+    for g in chosen:
+        for v in sorted(present):
+            cell = sorted((it for it in by_group[g] if it.value == v), key=lambda it: it.id)
+            rng.shuffle(cell)
+            sup = [it for it in cell if it.polarity > 0]
+            vio = [it for it in cell if it.polarity < 0]
+            neu = [it for it in cell if it.polarity == 0]
+            picked: list[ValueItem] = []
+            while len(picked) < min(per_scene_value, len(cell)):
+                for part in (sup, vio, neu):  # alternate polarities
+                    if part and len(picked) < per_scene_value:
+                        picked.append(part.pop(0))
+            ids.update(it.id for it in picked)
+    return [it for it in pool if it.id in ids]
 
 
 def split_items(items: Sequence[ValueItem], train_fraction: float = 0.2, seed: int = 0,
@@ -490,7 +598,8 @@ def split_items(items: Sequence[ValueItem], train_fraction: float = 0.2, seed: i
 
 
 def value_counts(items: Iterable[ValueItem]) -> dict[str, dict[int, int]]:
+    """Items per value and polarity (the key 0 only where a value has neutral items)."""
     out = {v: {1: 0, -1: 0} for v in VALUES}
     for it in items:
-        out[it.value][it.polarity] += 1
+        out[it.value][it.polarity] = out[it.value].get(it.polarity, 0) + 1
     return out

@@ -273,6 +273,16 @@ class JudgmentCache:
 
 
 # ----------------------------------------------------------------- the judge
+def _adjusted(reading: dict, probs: np.ndarray | None, pts: np.ndarray) -> dict:
+    if probs is None:  # the oracle leaves this item alone
+        return reading
+    base = np.asarray(reading["probs"], dtype=float)
+    base = base / base.sum()
+    # expected value in scale units: shift the base expectation by the change in the distribution's mean
+    delta = float(probs @ pts - base @ pts)
+    return {**reading, "probs": [float(p) for p in probs], "expected": float(reading["expected"]) + delta}
+
+
 @dataclass
 class Judgment:
     item_id: str
@@ -349,9 +359,18 @@ class LikertJudge:
         self.lm.require_chat_template()
         if self.cfg.method == "logits":
             _ = self.token_ids  # fail early on an unusable scale
+        # a label-bias oracle (validation): the model is run without any intervention and the oracle
+        # reweights the label distribution of the items it applies to, so every other item's reading is
+        # the unintervened one, bit for bit
+        adjust = getattr(intervention, "adjust_probs", None)
+        if adjust is not None:
+            if self.cfg.method != "logits":
+                raise AligntaxError("The oracle interventions need method='logits'")
+            intervention = NoIntervention()
         iv_key = intervention_key(intervention)
         use_cache = self.cache is not None and getattr(intervention, "cacheable", True)
         per_variant: list[list[dict]] = []
+        pts_arr = np.asarray(self.cfg.scale.points, dtype=float)
         for variant in self.cfg.variants():
             keys = [_cache_key(self.lm.fingerprint, variant, self.cfg, it, iv_key) for it in items]
             found = self.cache.get_many(keys) if use_cache else {}
@@ -363,7 +382,11 @@ class LikertJudge:
                 if use_cache:
                     self.cache.put_many(new)
                 found.update(new)
-            per_variant.append([found[k] for k in keys])
+            readings = [found[k] for k in keys]
+            if adjust is not None:
+                readings = [_adjusted(r, adjust(it, np.asarray(r["probs"], dtype=float), pts_arr), pts_arr)
+                            if r.get("probs") is not None else r for it, r in zip(items, readings, strict=True)]
+            per_variant.append(readings)
         out = []
         pts = np.asarray(self.cfg.scale.points, dtype=float)
         for j, it in enumerate(items):

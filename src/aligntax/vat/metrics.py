@@ -224,6 +224,35 @@ def hubs(R: np.ndarray, order: Sequence[str] = VALUES, top: int = 3) -> dict:
             "top_strength": by_s, "top_eigenvector": by_c}
 
 
+def hub_stability(table: pd.DataFrame, reps: int = 100, fraction: float = 0.8, seed: int = 0,
+                  method: str = "spearman", min_groups: int = 4, top: int = 3,
+                  order: Sequence[str] = VALUES) -> dict:
+    """How stable the hubs are under resampling of scenes: ``reps`` subsamples of ``fraction`` of the
+    scenes (without replacement), the coupling matrix and the row strengths recomputed on each. Returns,
+    per value, the share of subsamples in which it is the top hub and in which it is among the ``top``
+    hubs, and the share in which the full sample's top hub stays on top."""
+    X = table.to_numpy(dtype=float)
+    n = X.shape[0]
+    m = int(round(fraction * n))
+    full = hubs(coupling_matrix(table, method, min_groups), order, top)
+    out = {"reps": reps, "fraction": fraction, "n_groups": n, "subsample_size": m, "top": top,
+           "full_top_strength": full["top_strength"]}
+    if m < min_groups or reps <= 0:
+        return {**out, "reason": f"too few scenes ({n}) for subsamples of {min_groups} or more"}
+    rng = np.random.default_rng(seed)
+    first = np.zeros(len(order))
+    in_top = np.zeros(len(order))
+    for _ in range(reps):
+        rows = np.sort(rng.choice(n, size=m, replace=False))
+        h = hubs(coupling_matrix(table.iloc[rows], method, min_groups), order, top)
+        first[order.index(h["top_strength"][0])] += 1
+        for v in h["top_strength"]:
+            in_top[order.index(v)] += 1
+    return {**out, "top1_share": {v: float(first[i] / reps) for i, v in enumerate(order)},
+            "top_share": {v: float(in_top[i] / reps) for i, v in enumerate(order)},
+            "full_top1_kept": float(first[order.index(full["top_strength"][0])] / reps)}
+
+
 def mantel_test(R: np.ndarray, D: np.ndarray | None = None, n_perm: int = 999, seed: int = 0,
                 method: str = "spearman", alternative: str = "less") -> dict:
     """Permutation (Mantel) test of the association between the coupling matrix R and a distance matrix

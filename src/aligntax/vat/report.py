@@ -38,6 +38,9 @@ def _ci(ci) -> str:
 def _boot_text(b: dict) -> str:
     if not b:
         return "No intervals (bootstrap off)."
+    if b.get("method", "").startswith("scene bootstrap"):
+        return (f"Intervals: {b.get('reps')} scene-bootstrap resamples ({b.get('n_groups')} of "
+                f"{b.get('n_groups')} scenes with replacement), percentiles.")
     kind = "with" if b.get("replace") else "without"
     txt = (f"Intervals: {b.get('reps')} resamples of {b.get('subsample_size')} of {b.get('n_groups')} scenes "
            f"({kind} replacement)")
@@ -150,6 +153,78 @@ def value_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _p(p) -> str:
+    return "n/a" if p is None else f"{p:.4f}"
+
+
+def _specificity_lines(results: dict) -> list[str]:
+    lines = []
+    sp = results.get("specificity")
+    if sp:
+        lines.append(f"- specificity S_T = G_T - mean off-target drift = {_f(sp.get('value'))}{_ci(sp.get('ci95'))} "
+                     f"(mean off-target drift {_f(sp.get('mean_off_target_drift'))}; scene-level p "
+                     f"{_p(sp.get('p_value_scene'))}): {sp.get('interpretation')}")
+    avo = results.get("adjacent_vs_opposite")
+    if avo and avo.get("value") is not None:
+        lines.append(f"- neighbours minus opposites of the target ({', '.join(avo['neighbours'])} vs "
+                     f"{', '.join(avo['opposites'])}): {_f(avo['value'])}{_ci(avo.get('ci95'))}, scene-level p "
+                     f"{_p(avo.get('p_value_scene'))} (circumplex predicts > 0)")
+    c = results.get("control")
+    if c and c.get("n_paired"):
+        csp = c.get("specificity") or {}
+        lines.append(f"- lift-adjusted against the control run ({c['n_paired']} paired items): gain "
+                     f"{_f(c['gain']['value'])}{_ci(c['gain'].get('ci95'))}, S_T {_f(csp.get('value'))}"
+                     f"{_ci(csp.get('ci95'))}; drifts: " + ", ".join(
+                         f"{CODES[v]} {_f(x['value'])}" for v, x in c["drift"].items()))
+    elif c:
+        lines.append(f"- control run: {c.get('reason')}")
+    return lines
+
+
+def _hub_stability_text(hs: dict | None) -> str:
+    if not hs or not hs.get("top1_share"):
+        return ""
+    top = hs["full_top_strength"][0]
+    return (f"; the top hub {top} stays on top in {hs['full_top1_kept']:.0%} of {hs['reps']} "
+            f"{hs['fraction']:.0%} scene subsamples")
+
+
+def strata_lines(results: dict) -> list[str]:
+    """The per-stratum table of a run: gain, mean off-target drift, S_T and every value's shift within
+    the congruent and incongruent items, and the raw lift of the neutral items."""
+    st = results.get("strata")
+    if not st:
+        return []
+    t = results["target"]
+    lines = ["## Desirability strata", "",
+             "Congruent: supporting the value is also the socially approved action; incongruent: supporting it "
+             "is the disapproved one. A change of the values moves both strata alike; a judge that only rates "
+             "approved actions higher lifts congruent shifts and lowers incongruent ones. Neutral: raw score "
+             "change (post - pre) of actions that bear on no value.", "",
+             "| stratum | n | gain G_T [95% CI] | mean off-target drift | S_T [95% CI] | "
+             + " | ".join(CODES[v] for v in VALUES) + " |", "|---|---:|---|---:|---|" + "---:|" * len(VALUES)]
+    for k in ("congruent", "incongruent", "unlabelled"):
+        r = st.get(k)
+        if not r:
+            continue
+        cells = []
+        for v in VALUES:
+            x = r["gain"]["value"] if v == t else (r["drift"].get(v) or {}).get("value")
+            cells.append("n/a" if x is None else (f"**{x:+.3f}**" if v == t else f"{x:+.3f}"))
+        lines.append(f"| {k} | {r['n_items']} | {_f(r['gain']['value'])}{_ci(r['gain'].get('ci95'))} | "
+                     f"{_f(r.get('mean_off_target_drift'))} | {_f(r['specificity']['value'])}"
+                     f"{_ci(r['specificity'].get('ci95'))} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if st.get("neutral"):
+        nl = st["neutral"]["lift"]
+        lines.append(f"- neutral items ({st['neutral']['n_items']}): raw lift {_f(nl['value'])}{_ci(nl.get('ci95'))}"
+                     f", scene-level p = {_f(nl.get('p_value_scene'))}")
+    if st.get("congruent_minus_incongruent"):
+        lines.append(f"- congruent minus incongruent (mean shift over all values): "
+                     f"{_f(st['congruent_minus_incongruent']['value'])}")
+    return [*lines, ""]
+
+
 def write_report(results: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     plot_radar(results, out / "radar.png")
@@ -178,6 +253,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
         f"- VAT signed = {_f(v.get('signed'))}{_ci(v.get('ci95_signed'))}, "
         f"absolute = {_f(v.get('absolute'))}{_ci(v.get('ci95_absolute'))}"
         + (f" ({v['reason']})" if v.get("reason") else ""),
+        *_specificity_lines(results),
         f"- nVAT = {_f(results.get('nvat'))} (diagonal {results.get('nvat_diagonal')})"
         + (f"; no-coupling null: mean {_f(nn.get('null_mean'))}, 95th pct {_f(nn.get('null_q95'))}, "
            f"p = {nn.get('p_value'):.3f}" if nn.get("p_value") is not None else ""),
@@ -186,7 +262,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
         f"({ct.get('method')} of R vs {ct.get('distance')}, alternative {ct.get('alternative')}, "
         f"{ct.get('n_perm')} permutations)",
         f"- hubs: by row strength {hubs.get('top_strength')}, by eigenvector centrality "
-        f"{hubs.get('top_eigenvector')}",
+        f"{hubs.get('top_eigenvector')}" + _hub_stability_text(results.get("hub_stability")),
         f"- robustness: Spearman-Kendall agreement {_f(rob.get('spearman_kendall_agreement'))}, "
         f"nVAT Kendall {_f(rob.get('nvat_kendall'))}",
         "",
@@ -198,6 +274,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
         "",
         value_table(results),
         "",
+        *strata_lines(results),
         "![radar](radar.png)",
         "",
         "![coupling](coupling.png)",
@@ -308,6 +385,8 @@ def compare(dirs: Sequence[str | Path], out_dir: str | Path | None = None,
         rows.append({
             "run": Path(d).name, "intervention": _intervention_label(r), "target": r["target"],
             "gain": r["gain"]["value"], "gain_ci95": r["gain"].get("ci95"),
+            "specificity": (r.get("specificity") or {}).get("value"),
+            "specificity_ci95": (r.get("specificity") or {}).get("ci95"),
             "vat_signed": r["vat"].get("signed"), "vat_absolute": r["vat"].get("absolute"),
             "vat_absolute_ci95": r["vat"].get("ci95_absolute"),
             "off_target_abs_sum": r["vat"].get("off_target_abs_sum"), "nvat": r.get("nvat"),
@@ -342,10 +421,11 @@ def compare(dirs: Sequence[str | Path], out_dir: str | Path | None = None,
     png = out / "gain_vs_tax.png"
     fig.savefig(png, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    md = ["| run | intervention | target | gain [95% CI] | VAT signed | VAT absolute [95% CI] | nVAT (null p) | "
-          "circumplex stat (p) | n |", "|---|---|---|---|---:|---|---|---|---:|"]
+    md = ["| run | intervention | target | gain [95% CI] | S_T [95% CI] | VAT signed | VAT absolute [95% CI] | "
+          "nVAT (null p) | circumplex stat (p) | n |", "|---|---|---|---|---|---:|---|---|---|---:|"]
     for r in rows:
         md.append(f"| {r['run']} | {r['intervention']} | {r['target']} | {_f(r['gain'])}{_ci(r['gain_ci95'])} | "
+                  f"{_f(r['specificity'])}{_ci(r['specificity_ci95'])} | "
                   f"{_f(r['vat_signed'])} | {_f(r['vat_absolute'])}{_ci(r['vat_absolute_ci95'])} | "
                   f"{_f(r['nvat'])}"
                   f"{_null_p(r['nvat_null_p'])} | "

@@ -27,6 +27,7 @@ import numpy as np
 from aligntax.errors import AligntaxError, DataError
 from aligntax.interventions.base import Intervention, NoIntervention
 from aligntax.vat import metrics as M
+from aligntax.vat import stats as ST
 from aligntax.vat.items import ValueItem
 from aligntax.vat.judge import JudgeConfig, LikertJudge, LikertScale, intervention_key
 from aligntax.vat.schwartz import VALUES, distance_matrix, resolve_value
@@ -37,16 +38,22 @@ class VATConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     eps: float = M.DEFAULT_EPS  # |gain| below this: GND and VAT undefined
     bootstrap_reps: int = 500
+    # "scene": n of n scenes with replacement, percentile intervals (ratios stay >= 0);
+    # "subsample": 80% subsamples with rescaled deviations (the earlier default)
+    bootstrap_method: str = "scene"
     bootstrap_fraction: float = 0.8
     bootstrap_replace: bool = False
     bootstrap_rescale: bool = True  # scale subsample deviations to the full sample (see metrics)
     n_perm: int = 999  # Mantel permutations
     nvat_null_reps: int = 200  # permutations for the no-coupling nVAT baseline (0: skip)
     test: str = "signflip"  # per-value test of D_j = 0: "signflip" or "ttest"
+    test_unit: str = "scene"  # "scene": per-scene mean shifts are the test's units; "item": items (old)
+    withhold_ratios: bool = True  # GND and VAT withheld when the gain's interval covers 0
     alpha: float = 0.05  # BH false discovery rate
     coupling_method: str = "spearman"
     min_groups: int = 4  # scenes needed for a coupling entry
     include_diagonal: bool = False  # nVAT: off-diagonal only by default
+    hub_reps: int = 100  # 80% scene subsamples for the hub stability (0: skip)
     circle_convention: str = "wedge"
     seed: int = 0
     chunk_size: int = 64
@@ -110,17 +117,20 @@ def _clean(obj):
 
 # ----------------------------------------------------------------- scoring
 def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict,
-                    cfg: VATConfig | None = None) -> dict:
+                    cfg: VATConfig | None = None, control_rows: Sequence[dict] | None = None) -> dict:
     """All VAT metrics from item rows (dicts with value, polarity, pre, post and optionally group,
     svs_item). Pure: no model needed. Rows whose pre or post is missing are left out and counted."""
     cfg = cfg or VATConfig()
     target = resolve_value(target)
     if isinstance(scale, dict):
         scale = LikertScale(min=int(scale["min"]), max=int(scale["max"]))
-    good = [r for r in rows if r.get("pre") is not None and r.get("post") is not None
-            and math.isfinite(float(r["pre"])) and math.isfinite(float(r["post"]))]
+    judged = [r for r in rows if r.get("pre") is not None and r.get("post") is not None
+              and math.isfinite(float(r["pre"])) and math.isfinite(float(r["post"]))]
+    # neutral items (polarity 0) have no direction: they enter the neutral stratum's raw lift only
+    good = [r for r in judged if int(r["polarity"]) != 0]
+    neutral = [r for r in judged if int(r["polarity"]) == 0]
     if not good:
-        raise AligntaxError("No judged items to score")
+        raise AligntaxError("No judged items to score (neutral items alone have no polarity-signed shift)")
     values = np.array([resolve_value(r["value"]) for r in good])
     pol = np.array([int(r["polarity"]) for r in good], dtype=float)
     pre = np.array([float(r["pre"]) for r in good])
@@ -133,17 +143,50 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
     g = M.gain(d, values, target)
     dr = M.drifts(d, values)
     off = {v: dr[v] for v in VALUES if v != target}
-    boot = M.bootstrap_intervals(d, values, groups, target, reps=cfg.bootstrap_reps,
-                                 fraction=cfg.bootstrap_fraction, replace=cfg.bootstrap_replace,
-                                 seed=cfg.seed, eps=cfg.eps, rescale=cfg.bootstrap_rescale
-                                 ) if cfg.bootstrap_reps > 0 else None
+    sboot = (ST.scene_bootstrap(d, values, groups, target, reps=cfg.bootstrap_reps, seed=cfg.seed)
+             if cfg.bootstrap_reps > 0 else None)
+    siv = (sboot or {}).get("intervals") or {}
+    if cfg.bootstrap_method == "subsample" and cfg.bootstrap_reps > 0:
+        boot = M.bootstrap_intervals(d, values, groups, target, reps=cfg.bootstrap_reps,
+                                     fraction=cfg.bootstrap_fraction, replace=cfg.bootstrap_replace,
+                                     seed=cfg.seed, eps=cfg.eps, rescale=cfg.bootstrap_rescale)
+    elif cfg.bootstrap_method == "scene":
+        boot = {"gain": siv.get("gain"), "drift": siv.get("drift") or {v: None for v in VALUES},
+                "vat_signed": siv.get("vat_signed"), "vat_absolute": siv.get("vat_absolute")} if sboot else None
+    else:
+        raise AligntaxError("bootstrap_method must be 'scene' or 'subsample'")
     table = M.scene_shift_table(d, values, groups)
     R = M.coupling_matrix(table, cfg.coupling_method, cfg.min_groups)
     D = distance_matrix(cfg.circle_convention)
     mantel = M.mantel_test(R, D, n_perm=cfg.n_perm, seed=cfg.seed)
     mantel["distance"] = f"circular ({cfg.circle_convention} convention)"
-    tests = M.per_value_tests(d, values, test=cfg.test, alpha=cfg.alpha, seed=cfg.seed)
+    if cfg.test_unit == "scene":
+        tests = ST.scene_level_tests(d, values, groups, alpha=cfg.alpha, seed=cfg.seed)
+    elif cfg.test_unit == "item":
+        tests = M.per_value_tests(d, values, test=cfg.test, alpha=cfg.alpha, seed=cfg.seed)
+    else:
+        raise AligntaxError("test_unit must be 'scene' or 'item'")
     tv = M.vat(dr, g, target, cfg.eps)
+    gnd = M.gnd(dr, g, target, cfg.eps)
+    gain_ci = boot["gain"] if boot else None
+    target_scenes = int(len(np.unique(groups[values == target])))
+    withheld = ST.withheld_reason(gain_ci) if cfg.withhold_ratios else None
+    if cfg.withhold_ratios and not withheld and boot and target_scenes < 2:
+        withheld = (f"withheld: the target's items lie in {target_scenes} scene(s), so the scene bootstrap "
+                    "gives the gain no real interval")
+    if withheld:
+        tv = {**tv, "signed": None, "absolute": None, "reason": withheld,
+              "point_if_not_withheld": {"signed": tv.get("signed"), "absolute": tv.get("absolute")}}
+        gnd = {v: {"value": None, "reason": withheld} for v in gnd}
+    elif tv.get("signed") is not None and sboot:
+        for v in gnd:
+            gnd[v]["ci95"] = (siv.get("gnd") or {}).get(v)
+    spec = ST.specificity(d, values, groups, target, reps=cfg.bootstrap_reps, seed=cfg.seed, boot=sboot) \
+        if sboot else ST.specificity(d, values, groups, target, reps=0, seed=cfg.seed)
+    avo = ST.adjacent_vs_opposite(d, values, groups, target, reps=cfg.bootstrap_reps, seed=cfg.seed)
+    control = None
+    if control_rows is not None:
+        control = ST.control_adjusted(good, control_rows, target, reps=cfg.bootstrap_reps, seed=cfg.seed)
     svs = M.svs_weighted_drifts(d, values, [r.get("svs_item") for r in good])
     n_by_value = {v: int((values == v).sum()) for v in VALUES}
 
@@ -151,15 +194,23 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
         "target": target,
         "scale": {"min": scale.min, "max": scale.max, "midpoint": mid},
         "n_items": len(good),
-        "n_dropped": len(rows) - len(good),
+        "n_neutral": len(neutral),
+        "n_dropped": len(rows) - len(judged),
         "n_groups": int(len(np.unique(groups))),
         "counts": n_by_value,
-        "gain": {"value": g, "ci95": boot["gain"] if boot else None, "n": n_by_value[target]},
+        "gain": {"value": g, "ci95": boot["gain"] if boot else None, "n": n_by_value[target],
+                 "n_scenes": target_scenes},
         "drift": {v: {"value": off[v], "ci95": boot["drift"][v] if boot else None, "n": n_by_value[v]}
                   for v in off},
-        "gnd": M.gnd(dr, g, target, cfg.eps),
-        "vat": {**tv, "ci95_signed": boot["vat_signed"] if boot else None,
-                "ci95_absolute": boot["vat_absolute"] if boot else None},
+        "gnd": gnd,
+        "vat": {**tv, "ci95_signed": boot["vat_signed"] if boot and not withheld else None,
+                "ci95_absolute": boot["vat_absolute"] if boot and not withheld else None,
+                "interval_method": (None if not boot else "scene bootstrap percentile" if cfg.bootstrap_method
+                                    == "scene" else "80% scene subsamples, rescaled deviations")},
+        "specificity": spec,
+        "adjacent_vs_opposite": avo,
+        "control": control,
+        "strata": _strata(good, neutral, d, values, groups, target, cfg),
         "expression": {v: {"pre": float(np.mean(e_pre[values == v])) if n_by_value[v] else None,
                            "post": float(np.mean(e_post[values == v])) if n_by_value[v] else None}
                        for v in VALUES},
@@ -173,11 +224,15 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
         "nvat_null": (M.nvat_null(table, cfg.nvat_null_reps, cfg.seed, cfg.coupling_method, cfg.min_groups,
                                   cfg.include_diagonal) if cfg.nvat_null_reps > 0 else None),
         "hubs": M.hubs(R),
+        "hub_stability": (M.hub_stability(table, cfg.hub_reps, seed=cfg.seed, method=cfg.coupling_method,
+                                          min_groups=cfg.min_groups) if cfg.hub_reps > 0 else None),
         "circumplex_test": mantel,
-        "tests": {"method": cfg.test, "alpha": cfg.alpha, "correction": "Benjamini-Hochberg",
-                  "per_value": tests},
-        "bootstrap": ({k: boot[k] for k in ("reps", "fraction", "replace", "n_groups", "level",
-                                            "subsample_size", "rescaled", "scale")} if boot else None),
+        "tests": {"method": cfg.test if cfg.test_unit == "item" else "signflip", "unit": cfg.test_unit,
+                  "alpha": cfg.alpha, "correction": "Benjamini-Hochberg", "per_value": tests},
+        "bootstrap": (None if not boot else {k: boot[k] for k in (
+            "reps", "fraction", "replace", "n_groups", "level", "subsample_size", "rescaled", "scale")}
+            if cfg.bootstrap_method == "subsample" else {
+            k: sboot[k] for k in ("method", "reps", "n_groups", "level", "reps_used") if k in sboot}),
         "robustness": {
             **M.coupling_robustness(table, cfg.min_groups),
             "svs_weighted_drift": svs,
@@ -193,22 +248,87 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
     return _clean(res)
 
 
+def _strata(good: Sequence[dict], neutral: Sequence[dict], d: np.ndarray, values: np.ndarray,
+            groups: np.ndarray, target: str, cfg: VATConfig) -> dict | None:
+    """Gain, drifts and S_T within each desirability stratum (congruent, incongruent) and the raw score
+    lift of the neutral items. None when no row says its stratum (runs before strata existed)."""
+    labels = np.array([(r.get("desirability") or "unlabelled") for r in good])
+    if (labels == "unlabelled").all() and not neutral:
+        return None
+    out = {}
+    for k in ("congruent", "incongruent", "unlabelled"):
+        m = labels == k
+        if m.any():
+            out[k] = ST.stratum_summary(d[m], values[m], groups[m], target, reps=cfg.bootstrap_reps,
+                                        seed=cfg.seed)
+    if neutral:
+        raw = np.array([float(r["post"]) - float(r["pre"]) for r in neutral])
+        out["neutral"] = ST.neutral_lift(raw, np.array([resolve_value(r["value"]) for r in neutral]),
+                                         np.array([str(r.get("group") or r["id"]) for r in neutral]),
+                                         reps=cfg.bootstrap_reps, seed=cfg.seed)
+    c, i = out.get("congruent"), out.get("incongruent")
+    if c and i and c.get("all_values_mean") is not None and i.get("all_values_mean") is not None:
+        out["congruent_minus_incongruent"] = {
+            "value": c["all_values_mean"] - i["all_values_mean"],
+            "meaning": "mean shift over all values, congruent minus incongruent items: a judge that only "
+                       "rates socially approved actions higher gives a positive number (congruent shifts up, "
+                       "incongruent down); a change of the values themselves moves both strata alike"}
+    return out
+
+
 def _mean_of(rows: Sequence[dict], key: str) -> float | None:
     xs = [float(r[key]) for r in rows if r.get(key) is not None]
     return float(np.mean(xs)) if xs else None
 
 
 # ----------------------------------------------------------------- the run
-def _run_identity(lm, target: str, intervention: Intervention, cfg: VATConfig) -> dict:
-    return {"target": target, "intervention": intervention_key(intervention),
-            "judge": cfg.judge.to_dict(), "model": lm.fingerprint}
+def _run_identity(lm, target: str, intervention: Intervention, cfg: VATConfig, post_lm=None) -> dict:
+    ident = {"target": target, "intervention": intervention_key(intervention),
+             "judge": cfg.judge.to_dict(), "model": lm.fingerprint}
+    if post_lm is not None:
+        ident["post_model"] = post_lm.fingerprint
+    return ident
+
+
+def check_same_judge_inputs(lm_a, lm_b, cfg: JudgeConfig) -> None:
+    """Pre and post judged by two models are comparable only if both read the same prompt tokens and the
+    same scale tokens: the vocabularies, the rendered chat prompt and the scale token ids must agree.
+    Raises ``CompatibilityError`` naming what differs."""
+    from aligntax.errors import CompatibilityError
+    from aligntax.generation import build_messages, render_chat
+    from aligntax.vat.judge import scale_token_ids
+
+    ta, tb = lm_a.tokenizer, lm_b.tokenizer
+    name_a, name_b = lm_a.fingerprint.get("spec"), lm_b.fingerprint.get("spec")
+    va, vb = ta.get_vocab(), tb.get_vocab()
+    if va != vb:
+        diff = len(set(va.items()) ^ set(vb.items()))
+        raise CompatibilityError(f"--post-model: the tokenizers of {name_a} and {name_b} differ ({len(va)} vs "
+                                 f"{len(vb)} tokens, {diff} entries differ); pre and post judgments would read "
+                                 "different tokens")
+    labels = cfg.scale.labels()
+    sa, sb = scale_token_ids(ta, labels), scale_token_ids(tb, labels)
+    if sa != sb:
+        raise CompatibilityError(f"--post-model: the scale tokens differ ({name_a}: {sa}, {name_b}: {sb})")
+    probe = "Context: a probe.\nAction: a probe.\n\nHow acceptable is this action?"
+    ra = ta.encode(render_chat(ta, build_messages(probe, cfg.system)), add_special_tokens=False)
+    rb = tb.encode(render_chat(tb, build_messages(probe, cfg.system)), add_special_tokens=False)
+    if ra != rb:
+        raise CompatibilityError(f"--post-model: {name_a} and {name_b} render the judgment prompt differently "
+                                 "(different chat templates)")
 
 
 def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervention | None,
-            out_dir: str | Path, cfg: VATConfig | None = None) -> dict:
+            out_dir: str | Path, cfg: VATConfig | None = None, post_lm=None,
+            control: str | Path | None = None) -> dict:
     """Judge each item before and after ``intervention`` (targeting ``target``), append the pairs to
     ``out_dir/items.jsonl`` (resumable), and write ``results.json`` (and the report). Returns the
-    results dict."""
+    results dict.
+
+    ``post_lm``: judge "post" with this model instead (an audit of a fine-tuned checkpoint against its
+    base ``lm``); its tokenizer, chat rendering and scale tokens must match ``lm``'s. ``control``: a
+    finished run folder on the same items whose shifts are subtracted item by item (lift-adjusted
+    drifts, ``results["control"]``)."""
     cfg = cfg or VATConfig()
     target = resolve_value(target)
     intervention = intervention or NoIntervention()
@@ -217,14 +337,20 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
     ids = [it.id for it in items]
     if len(set(ids)) != len(ids):
         raise DataError("Item ids must be unique")
+    if post_lm is not None:
+        check_same_judge_inputs(lm, post_lm, cfg.judge)
+    control_rows = load_control(control) if control is not None else None
     out = Path(out_dir)
+    from aligntax.vat.interventions import guard_adapter_folder
+
+    guard_adapter_folder(out, "write run files into")
     out.mkdir(parents=True, exist_ok=True)
-    ident = _run_identity(lm, target, intervention, cfg)
+    ident = _run_identity(lm, target, intervention, cfg, post_lm)
     run_file = out / "run.json"
     if run_file.is_file():
         old = json.loads(run_file.read_text())
-        for key in ("target", "intervention", "judge", "model"):
-            if json.dumps(old.get(key), sort_keys=True) != json.dumps(_clean(ident[key]), sort_keys=True):
+        for key in ("target", "intervention", "judge", "model", "post_model"):
+            if json.dumps(old.get(key), sort_keys=True) != json.dumps(_clean(ident.get(key)), sort_keys=True):
                 raise AligntaxError(f"{out} holds a run with a different {key}; use a new output folder "
                                     "(or delete it) instead of resuming")
     else:
@@ -235,6 +361,7 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
     done = {r["id"] for r in existing}
     todo = [it for it in items if it.id not in done]
     judge = LikertJudge(lm, cfg.judge)
+    post_judge = judge if post_lm is None else LikertJudge(post_lm, cfg.judge)
     t0 = time.time()
     from tqdm.auto import tqdm
 
@@ -243,10 +370,10 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
         for start in range(0, len(todo), cfg.chunk_size):
             chunk = todo[start:start + cfg.chunk_size]
             pre = judge.judge(chunk, NoIntervention())
-            post = judge.judge(chunk, intervention)
+            post = post_judge.judge(chunk, intervention)
             append_rows(path, [{
                 "id": it.id, "value": it.value, "svs_item": it.svs_item, "polarity": it.polarity,
-                "group": it.group, "pre": _clean(a.score), "post": _clean(b.score),
+                "desirability": it.desirability, "group": it.group, "pre": _clean(a.score), "post": _clean(b.score),
                 "pre_argmax": _clean(a.argmax), "post_argmax": _clean(b.argmax),
                 "pre_mass": _clean(a.mass), "post_mass": _clean(b.mass),
             } for it, a, b in zip(chunk, pre, post, strict=True)])
@@ -260,12 +387,17 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
         if r["id"] in wanted and r["id"] not in seen:
             seen.add(r["id"])
             rows.append(r)
-    results = compute_results(rows, target, cfg.judge.scale, cfg)
-    results["config"] = _clean({**cfg.to_dict(), "intervention": intervention_key(intervention)})
+    results = compute_results(rows, target, cfg.judge.scale, cfg, control_rows=control_rows)
+    results["config"] = _clean({**cfg.to_dict(), "intervention": intervention_key(intervention),
+                                "control": None if control is None else str(control)})
     results["model_fingerprint"] = lm.fingerprint
+    if post_lm is not None:
+        results["post_model_fingerprint"] = post_lm.fingerprint
+    if getattr(intervention, "capped", 0):
+        results["diagnostics"]["oracle_capped_items"] = intervention.capped
     results["timing"] = {"seconds": round(time.time() - t0, 2), "judged_now": len(todo),
                          "resumed": len(items) - len(todo)}
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_json_atomic(out / "results.json", results)
     if cfg.report:
         from aligntax.vat.report import write_report
 
@@ -273,7 +405,25 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
     return results
 
 
-def rescore(out_dir: str | Path, cfg: VATConfig | None = None) -> dict:
+def load_control(path: str | Path) -> list[dict]:
+    """The item rows of a finished control run (its items.jsonl)."""
+    f = Path(path) / "items.jsonl"
+    if not f.is_file():
+        raise AligntaxError(f"--control {path}: not a VAT run folder (no items.jsonl)")
+    return read_rows(f)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(obj, indent=2))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def rescore(out_dir: str | Path, cfg: VATConfig | None = None, control: str | Path | None = None) -> dict:
     """Recompute ``results.json`` (and the report) of a finished run from its ``items.jsonl`` with new
     metric settings (bootstrap, permutations, eps, coupling method...), without the model. The judge
     configuration and model identity are kept from the run."""
@@ -288,12 +438,16 @@ def rescore(out_dir: str | Path, cfg: VATConfig | None = None) -> dict:
         sc = jd.pop("scale", {})
         cfg.judge = JudgeConfig(scale=LikertScale(**sc) if sc else LikertScale(), **jd)
     rows = read_rows(out / "items.jsonl")
-    res = compute_results(rows, old["target"], cfg.judge.scale, cfg)
+    res = compute_results(rows, old["target"], cfg.judge.scale, cfg,
+                          control_rows=load_control(control) if control is not None else None)
     res["config"] = _clean({**cfg.to_dict(), "extra": old.get("config", {}).get("extra", {}),
-                            "intervention": old.get("config", {}).get("intervention")})
+                            "intervention": old.get("config", {}).get("intervention"),
+                            "control": None if control is None else str(control)})
     res["model_fingerprint"] = old.get("model_fingerprint")
+    if old.get("post_model_fingerprint"):
+        res["post_model_fingerprint"] = old["post_model_fingerprint"]
     res["timing"] = old.get("timing")
-    old_file.write_text(json.dumps(res, indent=2))
+    write_json_atomic(old_file, res)
     if cfg.report:
         from aligntax.vat.report import write_report
 
