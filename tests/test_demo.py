@@ -19,32 +19,35 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"
     for path in ("baseline/results.json", "els/energy.json", "els/gate.json", "els/vectors/vectors.json",
-                 "els/sweep/sweep.jsonl", "els/sweep/pareto.png", "report.md"):
+                 "els/sweep/sweep.jsonl", "els/sweep/pareto.png", "report.md", "test_pareto.png",
+                 "knowns-baseline/results.json", "test-baselines/cast/results.json"):
         assert (out / path).is_file(), path
     gate = json.loads((out / "els/gate.json").read_text())["info"]
     # harmful train prompts plus 16 of each extra gate set (OR-Bench toxic, StrongREJECT, MaliciousInstruct,
-    # Do-Not-Answer); benign: the 24 train prompts, the harmless ones and up to 16 more OR-Bench-Hard train
-    # prompts that are not already among the 24
+    # Do-Not-Answer); benign: the 24 + 24 train prompts (OR-Bench-Hard, PHTest), the harmless ones and up to
+    # 16 more of each benign train set that are not already among its first 24
     assert gate["harmful"][1:] == ["orbench-toxic", "strongreject", "maliciousinstruct", "do-not-answer"]
-    assert gate["n_harmful"] == 16 + 4 * 16 and gate["benign"][-1] == "orbench-hard-train"
+    assert gate["n_harmful"] == 16 + 4 * 16 and gate["benign"][-2:] == ["orbench-hard-train", "phtest-harmless-train"]
     # the energy models' states were recorded during label generation: no second pass, one shard
     shards = json.loads((out / "els/activations/cache.json").read_text())["shards"]
-    assert len(shards) == 1 and shards[0]["n_prompts"] == 24 + 16
+    assert len(shards) == 1 and shards[0]["n_prompts"] == 24 + 24 + 16
     # read back from the folder alone, the states and labels retrain the same bank
     from aligntax.energy import EnergyBank, train_layers
     from aligntax.runs.els import training_states
 
     train_cfg, acts, y = training_states(out / "els")
     bank = EnergyBank.load(out / "els")
-    assert train_cfg.energy_config() == bank.config and len(y) == bank.metadata["n_states"] == 24 + 16
+    assert train_cfg.energy_config() == bank.config and len(y) == bank.metadata["n_states"] == 24 + 24 + 16
     again = train_layers(acts, y, train_cfg.energy_config())
     assert again.layers == bank.layers and again.metrics(bank.layers[0]) == bank.metrics(bank.layers[0])
     from aligntax.runs.els import _sampled
     from aligntax.runs.eval import load_prompt_sets
 
-    first24 = {it.id for it in load_prompt_sets(["orbench-hard-train"], 24)}
-    extra = {it.id for it in _sampled(load_prompt_sets(["orbench-hard-train"]), 16, 0)} - first24
-    assert gate["n"] - gate["n_harmful"] == 24 + 300 + len(extra)  # 300 harmless; duplicates dropped
+    extra = 0
+    for spec in ("orbench-hard-train", "phtest-harmless-train"):
+        first24 = {it.id for it in load_prompt_sets([spec], 24)}
+        extra += len({it.id for it in _sampled(load_prompt_sets([spec]), 16, 0)} - first24)
+    assert gate["n"] - gate["n_harmful"] == 48 + 300 + extra  # 300 harmless; duplicates dropped
     # calibrated for 99% out-of-fold recall on the harmful prompts, never above 0.5
     threshold = json.loads((out / "els/gate.json").read_text())["threshold"]
     assert gate["recall_target"] == 0.99 and threshold <= 0.5 and gate["cv_at_threshold"]["harmful_caught"] >= 0.99
@@ -55,10 +58,16 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     assert {r["args"]["layers"][0] for r in runner_ups} == set(ranked[1:3])  # the 2nd and 3rd best layers
     assert len(gated) == 1 + len(ranked[1:3]) and any(r["name"] == "els" and "gate" not in r["args"] for r in rows)
     assert all(r["args"]["threshold"] is None and r["args"]["horizon"] == 16 for r in gated)
+    assert all(r["args"]["row_threshold"] == 0.0 for r in gated)  # the row energy decision
     assert all("degenerate" in r for r in rows)
+    # benign validation is scored per set (OR-Bench-Hard val and PHTest val) and averaged; every setting is
+    # also scored on the known-answer val questions
+    assert all(set(r["benign_by_set"]) == {"orbench-hard-val", "phtest-harmless-val"} for r in rows)
+    assert all(abs(r["benign_compliance"] - sum(r["benign_by_set"].values()) / 2) < 1e-9 for r in rows)
+    assert all(0 <= r["known_accuracy"] <= 1 and r["known_n"] >= 100 for r in rows)
     # the sweep keeps the unsteered answers, and gated settings take the rows the gate holds back from them
     assert (out / "els/sweep/unsteered-6tok.jsonl").is_file()
-    assert all(0 <= r["reused_unsteered"] <= 132 + 39 + 41 for r in gated)
+    assert all(0 <= r["reused_unsteered"] <= 132 + 300 + 39 + 41 + r["known_n"] for r in gated)
     # the leak check: 40 OR-Bench toxic prompts sampled with the gate's seed hold the 16 it was trained on,
     # which are left out; each gated setting's gate passes the same rows (one gate, one threshold)
     assert all(r["leak_sets"] == ["orbench-toxic"] and r["leak_prompts"] == 40 - 16 for r in gated)
@@ -74,7 +83,8 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
 
     before = {r["key"]: r for r in rows}
     res = run_sweep(SweepConfig(steer=str(out / "els"), top_k=[1], eta=[0.35], layers=[[x] for x in ranked[1:3]],
-                                threshold=[None], gate=[True], horizon=[16], baselines=False, judge="keyword",
+                                threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0], baselines=False,
+                                judge="keyword",
                                 max_new_tokens=6, leak=["orbench-toxic"], limit_leak=30,
                                 extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}], progress=False),
                     lm=tiny_lm)
@@ -88,6 +98,7 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     report = (out / "report.md").read_text()
     assert "| orbench-hard-test | benign | compliance |" in report
     assert "useful compliance" in report and "pareto.png" in report and "Wall time (minutes)" in report
+    assert "test_pareto.png" in report and "| system-prompt |" in report and "| cast |" in report
     minutes = json.loads((out / "timing.json").read_text())
     assert minutes["total"] >= minutes["baseline evaluation"] >= 0 and "validation sweep" in minutes
     if summary["best"] is not None:  # a steered run of the selected setting, with the same test sets
@@ -96,6 +107,8 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
         assert steered["reuse_unsteered"] == str(out / "baseline")
         timing = summary["steered"]["timing"]
         assert timing["new_samples"] + timing["reused_unsteered_samples"] == 12
+        assert "Everyday questions with known answers" in report  # steered and unsteered, paired
+        assert summary["knowns"]["steered"]["paired"]["n_pairs"] == 6
         # the paired change of every compliance / refusal row: up, down and the exact McNemar p-value
         rows = [line for line in report.splitlines() if line.startswith("| orbench-hard-test | benign | compliance")]
         assert len(rows) == 1 and " up, " in rows[0] and "; p " in rows[0]

@@ -793,3 +793,109 @@ def test_harm_gate_ensemble_of_layers(lm, tmp_path):
     (old / "gate.json").write_text(json.dumps(meta))
     legacy = HarmGate.load(old)
     assert legacy.layers == [0] and torch.equal(legacy.logit(acts[0]), single[0].logit(acts[0]))
+
+
+# ---- row energy decision and graded harm gate -------------------------------------------------------------
+def _row_split_threshold(lm, iv):
+    """A row threshold between the 2nd and 3rd lowest last-prompt-token energies of PROMPTS at ``iv``'s
+    first steered block: two rows above it (steered), two below (held)."""
+    e = torch.tensor([r["energy"] for r in iv.row_info(lm, PROMPTS)])
+    srt = e.sort().values
+    return float(srt[1] + srt[2]) / 2, e
+
+
+def test_row_energy_decision_steers_exactly_the_high_energy_rows(lm):
+    """With ``row_threshold`` a row is steered (exactly as without the decision) when its last prompt
+    token's energy at the first steered block is above it, and left exactly unsteered otherwise; the
+    decision is the one ``row_info`` / ``unsteered_rows`` report before generating."""
+    probe = els(eta=2.0)
+    thr, energy = _row_split_threshold(lm, probe)
+    steered = energy > thr
+    assert int(steered.sum()) == 2
+    _, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
+    _, log_all, _, _ = run_steered(lm, PROMPTS, els(eta=2.0))
+    iv = els(eta=2.0, row_threshold=thr)
+    for use_cache in (True, False):
+        _, log_r, ctx, _ = run_steered(lm, PROMPTS, iv, use_cache=use_cache)
+        for i in range(4):
+            ref = log_all[i] if steered[i] else log0[i]
+            torch.testing.assert_close(log_r[i], ref, rtol=0, atol=1e-5 if use_cache else 1e-4)
+        assert ctx.stats["els_row_energy"] == {"rows": 4, "held": 2}
+    info = iv.row_info(lm, PROMPTS)
+    assert [r["steered"] for r in info] == steered.tolist()
+    assert iv.unsteered_rows(lm, PROMPTS) == (~steered).tolist()
+    assert "harm_p" not in info[0] and info[0]["strength"] in (0.0, 1.0)
+    assert iv.config()["row_threshold"] == thr and "row_threshold" not in els().config()
+
+
+def test_row_energy_decision_and_gate_combine(lm):
+    """A row is steered only when the harm gate passes it and its energy is above the row threshold."""
+    gate, held = _split_gate(lm)
+    thr, energy = _row_split_threshold(lm, els(eta=2.0))
+    iv = els(eta=2.0, gate=gate, row_threshold=thr)
+    want = (~held) & (energy > thr)
+    info = iv.row_info(lm, PROMPTS)
+    assert [r["steered"] for r in info] == want.tolist()
+    assert all(0.0 <= r["harm_p"] <= 1.0 for r in info)
+    _, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
+    _, log_all, _, _ = run_steered(lm, PROMPTS, els(eta=2.0))
+    _, log_c, _, _ = run_steered(lm, PROMPTS, iv)
+    for i in range(4):
+        torch.testing.assert_close(log_c[i], log_all[i] if want[i] else log0[i], rtol=0, atol=1e-5)
+
+
+def test_gate_ramp_scales_strength_by_harm_probability(lm):
+    """With ``gate_ramp`` a row's step is (t - p) / (t - ramp) of the full step (1 below the ramp, 0 at
+    the threshold): the moved state matches a run with that per-row strength given directly."""
+    gate, _ = _split_gate(lm)
+    p = gate.prob(gate.stack(capture(lm, PROMPTS, [1], progress=False)))
+    t, ramp = float(p.max()) + 1e-3, float(p.min()) - 1e-3
+    iv = els(eta=2.0, gate=gate, gate_threshold=min(t, 0.999), gate_ramp=max(ramp, 0.0))
+    strength = iv.gate_scale(p)
+    assert ((strength > 0) & (strength < 1)).any()
+    info = iv.row_info(lm, PROMPTS)
+    torch.testing.assert_close(torch.tensor([r["strength"] for r in info]), strength, rtol=0, atol=1e-4)
+    s_ramp, _, _, _ = forward_with(lm, PROMPTS, iv, layers=[2])
+    ctx_strength = els(eta=2.0)
+    from aligntax.generation.chat import build_messages, encode_chats, render_chat
+
+    texts = [render_chat(lm.tokenizer, build_messages(q)) for q in PROMPTS]
+    enc = encode_chats(lm.tokenizer, texts, lm.device)
+    ctx = SteerContext(prompt_len=enc["input_ids"].shape[1], strength=strength)
+    with torch.no_grad(), ctx_strength.attach(lm.model, ctx):
+        store, remove = record_block_inputs(lm.model, [2])
+        try:
+            lm.model(**enc, position_ids=position_ids_from_mask(enc["attention_mask"]), use_cache=False)
+        finally:
+            remove()
+    torch.testing.assert_close(s_ramp[2], store[2][0], rtol=0, atol=1e-5)
+    with pytest.raises(AligntaxError, match="gate_ramp"):
+        els(eta=2.0, gate_ramp=0.1)  # a ramp needs a gate
+    with pytest.raises(AligntaxError, match="gate_ramp"):
+        els(eta=2.0, gate=gate, gate_threshold=0.3, gate_ramp=0.4)
+
+
+def test_eval_records_per_row_steering(lm, tmp_path):
+    """Every sample of a steered run records whether its row was steered, its strength, harm
+    probability and energy; results.json summarises them per dataset and label; copied rows too."""
+    import json
+
+    from aligntax.runs.eval import EvalConfig, run_eval
+    from aligntax.runs.jsonl import read_jsonl
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "label": "benign"}) + "\n"
+                            for i, p in enumerate(PROMPTS)))
+    gate, held = _split_gate(lm)
+    common = dict(data=[str(data)], judge="keyword", max_new_tokens=6, batch_size=4, dtype="fp32", progress=False)
+    run_eval(EvalConfig(out=str(tmp_path / "base"), **common), lm=lm)
+    res = run_eval(EvalConfig(out=str(tmp_path / "s"), reuse_unsteered=str(tmp_path / "base"), **common), lm=lm,
+                   intervention=els(eta=2.0, gate=gate))
+    rows = {r["id"]: r for r in read_jsonl(tmp_path / "s" / "samples.jsonl")}
+    assert [rows[f"q{i}"]["steering"]["steered"] for i in range(4)] == (~held).tolist()
+    assert all(bool(rows[f"q{i}"].get("reused")) == bool(held[i]) for i in range(4))
+    summary = next(iter(res["steering"].values()))
+    assert summary["rows"] == 4 and summary["steered"] == 2 and len(summary["harm_p"]) == 5
+    assert "Rows steered" in (tmp_path / "s" / "report.md").read_text()
+    base = json.loads((tmp_path / "base" / "results.json").read_text())
+    assert "steering" not in base

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from aligntax.errors import AligntaxError
 from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.runs.fsio import write_json_atomic
 
 app = typer.Typer(help="aligntax: measure and cut the alignment tax of open-weight LLMs.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -111,6 +112,10 @@ GateOpt = Annotated[str | None, typer.Option(
     help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
          "threshold; 'none': off, even if tuned)")]
 HorizonOpt = Annotated[str | None, typer.Option(help="ELS: steer only the first N generated tokens ('none': all)")]
+RowThresholdOpt = Annotated[str | None, typer.Option(
+    help="ELS: steer a row only when its last prompt token's energy is above this ('none': off, even if tuned)")]
+GateRampOpt = Annotated[str | None, typer.Option(
+    help="ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)")]
 
 
 def _iv_name(intervention: str | None, steer: str | None) -> str | None:
@@ -121,8 +126,13 @@ def _iv_name(intervention: str | None, steer: str | None) -> str | None:
 def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
                        layers: str | None, threshold: str | None, vectors: str | None,
                        top_k: int | None = None, coeff: float | None = None, gate: str | None = None,
-                       horizon: str | None = None) -> dict:
+                       horizon: str | None = None, row_threshold: str | None = None,
+                       gate_ramp: str | None = None) -> dict:
     args: dict = {}
+    if row_threshold is not None:
+        args["row_threshold"] = _number_or_none(row_threshold, float, "--row-threshold")
+    if gate_ramp is not None:
+        args["gate_ramp"] = _number_or_none(gate_ramp, float, "--gate-ramp")
     if horizon is not None:
         args["horizon"] = _number_or_none(horizon, int, "--horizon")
     if gate is not None:
@@ -178,7 +188,7 @@ def generate(
     limit: int | None = typer.Option(None),
     intervention: InterventionOpt = None, steer: SteerOpt = None, eta: EtaOpt = None, steps: StepsOpt = None,
     layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None, gate: GateOpt = None,
-    horizon: HorizonOpt = None,
+    horizon: HorizonOpt = None, row_threshold: RowThresholdOpt = None, gate_ramp: GateRampOpt = None,
 ) -> None:
     """Generate chat responses for prompts, in batches."""
     from aligntax.generation import GenerationConfig
@@ -197,7 +207,8 @@ def generate(
         if not prompts:
             raise AligntaxError("No prompts: give them as arguments or with --in")
         lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate, horizon)
+        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate, horizon,
+                      row_threshold, gate_ramp)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, system=system,
                                do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
         gens = gen(lm, prompts, cfg, iv)
@@ -211,7 +222,8 @@ def generate(
         fh.close()
 
 
-def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None, gate=None, horizon=None):
+def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None, gate=None, horizon=None,
+             row_threshold=None, gate_ramp=None):
     intervention = _iv_name(intervention, steer)
     if not intervention or intervention == "none":
         return None
@@ -219,7 +231,8 @@ def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, to
 
     return make_intervention(intervention, lm, **_intervention_args(steer, eta, steps, layers, threshold,
                                                                      vectors, top_k, gate=gate,
-                                                                     horizon=horizon))
+                                                                     horizon=horizon, row_threshold=row_threshold,
+                                                                     gate_ramp=gate_ramp))
 
 
 @app.command()
@@ -289,6 +302,7 @@ def eval_cmd(
     intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
     steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
     coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
+    row_threshold: RowThresholdOpt = None, gate_ramp: GateRampOpt = None,
     reuse_unsteered: Path | None = typer.Option(
         None, help="an unsteered run folder with the same settings: rows the intervention leaves unsteered "
                    "(ELS harm gate, CAST condition) take their answers from it instead of being generated"),
@@ -305,7 +319,7 @@ def eval_cmd(
     try:
         intervention = _iv_name(intervention, steer)
         iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors, top_k, coeff, gate,
-                                     horizon) or None
+                                     horizon, row_threshold, gate_ramp) or None
         cfg = load_config(
             EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
             judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
@@ -359,7 +373,7 @@ def fluency(
                **perplexity(lm, [r["prompt"] for r in rows], [r["response"] for r in rows], progress=True)}
     except (AligntaxError, FileNotFoundError) as exc:
         _fail(exc)
-    (run / "fluency.json").write_text(json.dumps(res, indent=2))
+    write_json_atomic(run / "fluency.json", res)
     print(json.dumps(res, indent=2))
 
 
@@ -375,6 +389,7 @@ def mc_cmd(
     intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
     steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
     coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
+    row_threshold: RowThresholdOpt = None, gate_ramp: GateRampOpt = None,
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
@@ -385,7 +400,7 @@ def mc_cmd(
         cfg = MCConfig(out=str(out), model=model, data=data, limit=limit, system=system, batch_size=batch_size,
                        dtype=dtype, intervention=intervention,
                        intervention_args=_intervention_args(steer, eta, steps, layers, threshold, vectors, top_k,
-                                                            coeff, gate, horizon),
+                                                            coeff, gate, horizon, row_threshold, gate_ramp),
                        progress=not no_progress)
         res = run_mc(cfg)
     except AligntaxError as exc:
@@ -396,6 +411,53 @@ def mc_cmd(
     table.add_row("all", str(res["n"]), format_accuracy(res))
     Console().print(table)
     console.print(f"mean probability on the option letters: {res['letter_mass_mean']:.3f}; results: {out}")
+
+
+@app.command("knowns")
+def knowns_cmd(
+    out: Path = typer.Option(..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"),
+    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    data: str = typer.Option("builtin", help="'builtin' (360 everyday questions) or a JSONL/JSON file"),
+    split: str = typer.Option("test", help="test, val (for choosing settings) or all"),
+    limit: int | None = typer.Option(None, help="first N items of the split"),
+    compare_to: str | None = typer.Option(None, help="another knowns run folder: paired change over shared items"),
+    system: str | None = typer.Option(None, help="system prompt"),
+    max_new_tokens: int = typer.Option(48),
+    batch_size: int = typer.Option(32),
+    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
+    steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
+    coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
+    row_threshold: RowThresholdOpt = None, gate_ramp: GateRampOpt = None,
+    no_progress: bool = typer.Option(False, help="hide progress bars"),
+) -> None:
+    """Known-answer accuracy of greedy answers to everyday questions, with or without an intervention."""
+    from aligntax.metrics.knowns import KnownsConfig, run_knowns
+    from aligntax.metrics.mc import format_accuracy
+
+    try:
+        intervention = _iv_name(intervention, steer)
+        cfg = KnownsConfig(out=str(out), model=model, data=data, split=split, limit=limit,
+                           max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, system=system,
+                           intervention=intervention,
+                           intervention_args=_intervention_args(steer, eta, steps, layers, threshold, vectors,
+                                                                top_k, coeff, gate, horizon, row_threshold,
+                                                                gate_ramp),
+                           compare_to=compare_to, progress=not no_progress)
+        res = run_knowns(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    paired = res.get("paired")
+    table = Table("kind", "n", "accuracy [95% CI]", *(("paired change", "gained", "lost", "p") if paired else ()))
+    for kind, r in [*res["by_kind"].items(), ("all", res)]:
+        extra = ()
+        if paired:
+            c = paired["by_kind"].get(kind) if kind != "all" else paired
+            extra = (f"{100 * c['diff']:+.1f} pts", str(c["gained"]), str(c["lost"]), f"{c['p_value']:.3g}") \
+                if c else ("", "", "", "")
+        table.add_row(kind, str(r["n"]), format_accuracy(r), *extra)
+    Console().print(table)
+    console.print(f"results: {out}")
 
 
 els_app = typer.Typer(help="Energy Landscape Steering: train energy models and tune steering.",
@@ -475,7 +537,7 @@ def els_sweep(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
     out: Path | None = typer.Option(None, help="default STEER/sweep"),
     model: str | None = typer.Option(None), config: Path | None = typer.Option(None),
-    benign: list[str] = typer.Option(None, help="validation benign sets (default orbench-hard-val)"),
+    benign: list[str] = typer.Option(None, help="validation benign sets (default orbench-hard-val, phtest-harmless-val)"),
     harmful: list[str] = typer.Option(None, help="validation harmful sets (default harmful-val, harmbench-val)"),
     method: str | None = typer.Option(None, help="first-token (screen, then confirm) or generate"),
     eta: str | None = typer.Option(None, help="comma-separated grid"),
@@ -485,6 +547,11 @@ def els_sweep(
     gate: str | None = typer.Option(None, help="comma-separated grid of harm-gate thresholds ('none' = no gate, "
                                                "'saved' = the gate's own threshold)"),
     horizon: str | None = typer.Option(None, help="comma-separated grid of steered generated tokens ('none' = all)"),
+    row_threshold: str | None = typer.Option(None, help="comma-separated grid of row energy thresholds ('none' = off)"),
+    gate_ramp: str | None = typer.Option(None, help="comma-separated grid of harm-gate ramps ('none' = off)"),
+    knowns: str | None = typer.Option(None, help="everyday questions with known answers whose val split a setting "
+                                                 "must keep within --knowns-tolerance ('builtin', a file, or 'none')"),
+    knowns_tolerance: float | None = typer.Option(None, help="largest accuracy loss allowed (default 0.02)"),
     max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (default 24)"),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
     leak: list[str] = typer.Option(None, help="held-out harmful sets: refusal on the prompts each gated setting's "
@@ -505,8 +572,12 @@ def els_sweep(
                           steps=[int(x) for x in steps.split(",")] if steps else None,
                           threshold=_opt_numbers(threshold, float, "--threshold"),
                           gate=_opt_numbers(gate, float, "--gate", _gate_value), horizon=_opt_numbers(horizon, int, "--horizon"),
+                          row_threshold=_opt_numbers(row_threshold, float, "--row-threshold"),
+                          gate_ramp=_opt_numbers(gate_ramp, float, "--gate-ramp"), knowns_tolerance=knowns_tolerance,
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
                           leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint)
+        if knowns is not None:
+            cfg.knowns = None if knowns.strip().lower() == "none" else knowns
         res = run_sweep(cfg)
     except AligntaxError as exc:
         _fail(exc)

@@ -221,6 +221,22 @@ DATASETS: dict[str, DatasetSpec] = {
             package="do-not-answer",
         ),
         _spec(
+            "phtest-harmless-train",
+            "refusal/phtest/phtest_harmless_train.json",
+            "generic",
+            1200,
+            "PHTest (An et al. 2024) pseudo-harmful prompts its authors label harmless, train split: 1,200 benign",
+            source="phtest",
+        ),
+        _spec(
+            "phtest-harmless-val",
+            "refusal/phtest/phtest_harmless_val.json",
+            "generic",
+            300,
+            "PHTest harmless prompts, validation split: 300 benign (over-refusal prompts unlike OR-Bench)",
+            source="phtest",
+        ),
+        _spec(
             "dan-unsafe",
             f"{_JB}/DAN_unsafe.json",
             "dan-unsafe",

@@ -127,17 +127,21 @@ class Intervention:
         CAST's condition) answer with :func:`prefill_decisions`; the others change every row."""
         return None
 
+    def row_info(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
+        """Per prompt, what the intervention decides for it before generating (e.g. ``steered``, a harm
+        probability, an energy), for the run's records; None when it decides nothing per row."""
+        return None
 
-def prefill_decisions(lm, prompts, layers: Sequence[int], decide: Callable[[dict[int, torch.Tensor]], torch.Tensor],
-                      intervention: Intervention, system: str | None = None, batch_size: int = 32) -> list[bool]:
-    """``decide`` applied to the states entering blocks ``layers`` at each prompt's last token
-    (``{block: [N, d]}``), as the intervention's pre-hooks see them in generation (same chat template
-    and message changes), in batches that stop after the last of those blocks."""
+
+def prefill_states(lm, prompts, layers: Sequence[int], intervention: Intervention, system: str | None = None,
+                   batch_size: int = 32) -> dict[int, torch.Tensor]:
+    """The states entering blocks ``layers`` at each prompt's last token, ``{block: [N, d]}`` on the
+    model's device, as the intervention's pre-hooks see them in generation (same chat template and
+    message changes), computed in batches that stop after the last of those blocks (and remembered
+    inside :func:`remembered_prefill_states`)."""
     from aligntax.activations.capture import capture_seqs, chat_ids
 
-    if not prompts:
-        return []
-    blocks = sorted(int(x) for x in layers)
+    blocks = sorted({int(x) for x in layers})
     seqs, plens = chat_ids(lm, prompts, system, intervention)
     key = (id(lm.model), tuple(blocks), tuple(map(tuple, seqs))) if _PREFILL_MEMO is not None else None
     states = _PREFILL_MEMO.get(key) if key is not None else None
@@ -146,8 +150,15 @@ def prefill_decisions(lm, prompts, layers: Sequence[int], decide: Callable[[dict
         states = {b: states[b] for b in blocks}
         if key is not None:
             _PREFILL_MEMO[key] = states
-    on_device = {b: h.to(lm.device) for b, h in states.items()}
-    return [bool(x) for x in decide(on_device).cpu()]
+    return {b: h.to(lm.device) for b, h in states.items()}
+
+
+def prefill_decisions(lm, prompts, layers: Sequence[int], decide: Callable[[dict[int, torch.Tensor]], torch.Tensor],
+                      intervention: Intervention, system: str | None = None, batch_size: int = 32) -> list[bool]:
+    """``decide`` applied to :func:`prefill_states` of ``prompts`` at blocks ``layers``."""
+    if not prompts:
+        return []
+    return [bool(x) for x in decide(prefill_states(lm, prompts, layers, intervention, system, batch_size)).cpu()]
 
 
 _PREFILL_MEMO: dict | None = None

@@ -8,7 +8,13 @@ the steered positions (by default the last prompt token and every generated toke
 where ``eta_l = eta * median residual norm of layer l`` when ``scale_by_norm`` (the norm stored in the
 energy bank at training time), else ``eta``; ``s_row`` is the context's per-row scale (0 for rows not
 steered, or a per-row strength). With a ``threshold``, a position is only moved while its energy is
-above it (gating, re-checked at every step). With a ``horizon`` H only the first H generated tokens
+above it (gating, re-checked at every step). With a ``row_threshold``, a whole row is steered only when
+the energy of its last prompt token, entering the first steered block, is above it: the energy models
+are trained on exactly those states, so this asks "is the model about to end in a bad state?" (a false
+refusal, or compliance with a harmful request) once per row, and leaves a prompt the model will answer
+well (an everyday question, a harmful request it will refuse) untouched. The harm gate (a probe of
+p(harmful) read before steering) holds back rows with ``p >= gate_threshold``; with ``gate_ramp`` the
+strength also falls linearly from 1 at ``p = gate_ramp`` to 0 at the threshold. With a ``horizon`` H only the first H generated tokens
 are steered after the last prompt token: refusal is decided in the first few tokens, and steering
 every later token of a long answer pushes the model off its manifold (loops). The energy and its
 gradient come from the energy model's closed-form backward in float32, so no autograd graph is built
@@ -38,7 +44,7 @@ from aligntax.interventions.base import (
     decide_at_prefill,
     hidden_from_args,
     hooks_attached,
-    prefill_decisions,
+    prefill_states,
     replace_hidden_in_args,
     steered_slice,
 )
@@ -48,7 +54,7 @@ POSITION_MODES = ("last_and_generated", "generated", "all")
 # Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one.
 # ``layers`` (a list) names the steered layers; None steers the bank's ``top_k`` best.
 DEFAULT_SETTINGS = {"top_k": 2, "layers": None, "eta": 0.3, "steps": 3, "threshold": None, "gate": None,
-                    "horizon": None}
+                    "horizon": None, "row_threshold": None, "gate_ramp": None}
 TUNED_KEYS = tuple(DEFAULT_SETTINGS)
 
 
@@ -125,7 +131,8 @@ class EnergySteering(Intervention):
                  norms: dict[int, float] | None = None, threshold: float | None = None,
                  layer_eta: dict[int, float] | None = None, source: str | None = None,
                  grad_method: str = "closed", gate: HarmGate | None = None,
-                 gate_threshold: float | None = None, horizon: int | None = None):
+                 gate_threshold: float | None = None, horizon: int | None = None,
+                 row_threshold: float | None = None, gate_ramp: float | None = None):
         if not models:
             raise AligntaxError("Energy steering needs at least one layer's energy model.")
         if steps < 0:
@@ -140,6 +147,7 @@ class EnergySteering(Intervention):
         self.scale_by_norm = bool(scale_by_norm)
         self.norms = {int(k): float(v) for k, v in (norms or {}).items()}
         self.threshold = None if threshold is None else float(threshold)
+        self.row_threshold = None if row_threshold is None else float(row_threshold)
         self.layer_eta = {int(k): float(v) for k, v in (layer_eta or {}).items()}
         self.source = source
         if grad_method not in ("closed", "autograd"):
@@ -159,6 +167,10 @@ class EnergySteering(Intervention):
             if gate.layer > min(self.models):
                 raise AligntaxError(f"The harm gate reads layer {gate.layer}, after the first steered layer "
                                     f"{min(self.models)}; it must decide before steering starts.")
+        self.gate_ramp = None if gate_ramp is None else float(gate_ramp)
+        if self.gate_ramp is not None and (gate is None or not 0.0 <= self.gate_ramp < self.gate_threshold):
+            raise AligntaxError("gate_ramp needs a harm gate and must lie in [0, gate threshold); got "
+                                f"{self.gate_ramp} (gate threshold {self.gate_threshold}).")
         self._device_models: dict[tuple[int, str], EnergyModel] = {}
         self.settings_from: str | None = None
 
@@ -180,7 +192,8 @@ class EnergySteering(Intervention):
     def from_dir(cls, directory: str | Path, lm=None, layers: Sequence[int] | None = None,
                  eta: float | None = None, steps: int | None = None, top_k: int | None = None,
                  threshold: float | str | None = None, gate: bool | float | str | None = None,
-                 horizon: int | str | None = None, **kwargs) -> EnergySteering:
+                 horizon: int | str | None = None, row_threshold: float | str | None = None,
+                 gate_ramp: float | str | None = None, **kwargs) -> EnergySteering:
         """Load a saved :class:`EnergyBank` (checked against ``lm.fingerprint``) and steer its best layers.
 
         Settings not given (None) come from the setting tuned by ``aligntax els sweep`` in
@@ -189,15 +202,20 @@ class EnergySteering(Intervention):
         steers every row; True holds back rows the folder's harm gate
         (:class:`aligntax.energy.gate.HarmGate`) calls harmful at its saved threshold; a float in (0, 1)
         uses that threshold. ``horizon``: steer only the first N generated tokens (``"none"``: all).
+        ``row_threshold``: steer a row only when its last prompt token's energy is above it;
+        ``gate_ramp``: graded strength below the gate's threshold (see the module docstring).
         ``layers`` (given, else the tuned setting's) wins over ``top_k``.
         """
         settings, origin = resolve_settings(directory, eta=eta, steps=steps, threshold=threshold, gate=gate,
-                                            top_k=top_k, horizon=horizon, layers=layers)
+                                            top_k=top_k, horizon=horizon, layers=layers,
+                                            row_threshold=row_threshold, gate_ramp=gate_ramp)
         layers = settings["layers"]
         top_k = settings["top_k"] if layers is None else top_k
         eta, steps, threshold, gate = settings["eta"], settings["steps"], settings["threshold"], settings["gate"]
         kwargs["threshold"] = threshold
         kwargs["horizon"] = settings["horizon"]
+        kwargs["row_threshold"] = settings["row_threshold"]
+        kwargs["gate_ramp"] = settings["gate_ramp"]
         fp = dict(lm.fingerprint) if lm is not None and getattr(lm, "fingerprint", None) else None
         hs = lm.hidden_size if lm is not None else None
         bank = EnergyBank.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
@@ -222,21 +240,64 @@ class EnergySteering(Intervention):
                 "positions": self.positions, "horizon": self.horizon, "scale_by_norm": self.scale_by_norm, "threshold": self.threshold,
                 "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
                 "grad_method": self.grad_method, "source": self.source, "settings_from": self.settings_from,
-                "gate": None if self.gate is None else self._gate_config()}
+                "gate": None if self.gate is None else self._gate_config(),
+                # only when set: a run folder made before these options existed resumes unchanged
+                **({"row_threshold": self.row_threshold} if self.row_threshold is not None else {})}
 
     def _gate_config(self) -> dict:
         # "layers" only for a gate of several: a one-layer gate's settings read as they always did, so a
         # run folder made before gates of several layers existed still resumes
         extra = {"layers": self.gate.layers} if len(self.gate.layers) > 1 else {}
+        if self.gate_ramp is not None:
+            extra["ramp"] = self.gate_ramp
         return {"layer": self.gate.layer, "threshold": self.gate_threshold, **extra}
 
+    @property
+    def first_layer(self) -> int:
+        """The first steered block: the row energy decision reads the state entering it."""
+        return min(self.models)
+
+    def gate_scale(self, p: torch.Tensor) -> torch.Tensor:
+        """Per-row strength from the harm gate's p(harmful): 0 at or above its threshold, 1 below
+        ``gate_ramp`` (or below the threshold, without a ramp), linear in between."""
+        t = self.gate_threshold
+        if self.gate_ramp is None:
+            return (p < t).float()
+        return ((t - p) / (t - self.gate_ramp)).clamp(0.0, 1.0).float()
+
+    def row_energy(self, last: torch.Tensor) -> torch.Tensor:
+        """Energy of the last prompt token's state entering the first steered block, ``[N, d] -> [N]``."""
+        with torch.no_grad():
+            return self._model_on(self.first_layer, last.device)(last.float(), check=False)
+
+    def row_info(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
+        """Per prompt: ``steered`` (the gate and the row energy decision pass it), ``strength`` (the
+        gate's per-row scale), ``harm_p`` (with a gate) and ``energy`` (the row energy at the first
+        steered block), from one prefill pass that stops at the last block they read."""
+        if not prompts:
+            return []
+        blocks = [self.first_layer, *(self.gate.layers if self.gate is not None else [])]
+        states = prefill_states(lm, prompts, blocks, self, system, batch_size)
+        energy = self.row_energy(states[self.first_layer]).cpu()
+        scale = torch.ones(len(prompts))
+        rows = [{"energy": round(float(e), 4)} for e in energy]
+        if self.gate is not None:
+            p = self.gate.prob(self.gate.stack(states)).cpu()
+            scale = self.gate_scale(p)
+            for r, pi in zip(rows, p, strict=True):
+                r["harm_p"] = round(float(pi), 4)
+        if self.row_threshold is not None:
+            scale = scale * (energy > self.row_threshold).float()
+        for r, sc in zip(rows, scale, strict=True):
+            r.update(steered=bool(sc > 0 and self.steps > 0), strength=round(float(sc), 4))
+        return rows
+
     def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
-        """The rows the harm gate holds back (never steered); None without a gate (every row may be)."""
-        if self.gate is None:
+        """The rows the harm gate or the row energy decision holds back (never steered); None when
+        every row may be steered."""
+        if self.gate is None and self.row_threshold is None:
             return None
-        return prefill_decisions(lm, prompts, self.gate.layers,
-                                 lambda states: self.gate.harmful(self.gate.stack(states), self.gate_threshold),
-                                 self, system, batch_size)
+        return [not r["steered"] for r in self.row_info(lm, prompts, system, batch_size)]
 
     @property
     def prefix_free(self) -> bool:  # the gate reads the last prompt token; steering starts there unless "all"
@@ -326,24 +387,32 @@ class EnergySteering(Intervention):
             return hook
 
         def gate_hook(module, args, kwargs):
-            def decide(last):
-                return self.gate.harmful(self.gate.stack({**gate_states, self.gate.layer: last}), self.gate_threshold)
+            def decide(last):  # the per-row strength the gate allows (0: held back)
+                return self.gate_scale(self.gate.prob(self.gate.stack({**gate_states, self.gate.layer: last})))
 
             decide_at_prefill(hidden_from_args(args, kwargs), ctx, gate_key, decide, "The harm gate")
             gate_states.clear()
             return None
+
+        energy_key = (id(self), "energy")  # ctx.row_state[energy_key]: rows the energy decision holds back
 
         def make_hook(layer: int):
             def hook(module, args, kwargs):
                 if self.steps == 0:
                     return None
                 h = hidden_from_args(args, kwargs)
+                if self.row_threshold is not None and layer == self.first_layer:
+                    decide_at_prefill(h, ctx, energy_key, lambda last: self.row_energy(last) <= self.row_threshold,
+                                      "The row energy decision")
                 sl = positions_slice(h.shape[1], ctx, self.positions)
                 sl = within_horizon(sl, h.shape[1], ctx, next_pos, layer, self.horizon)
                 if sl.start >= sl.stop:
                     return None
                 scale = ctx.row_scale(h.shape[0], h.device, torch.float32)
-                held = ctx.row_state.get(gate_key)
+                allowed = ctx.row_state.get(gate_key)
+                if allowed is not None:
+                    scale = scale * allowed.view(-1, 1, 1).to(scale.dtype)
+                held = ctx.row_state.get(energy_key)
                 if held is not None:
                     scale = scale * (~held).view(-1, 1, 1).to(scale.dtype)
                 x = self.steer(layer, h[:, sl].float(), scale, accs[layer])
@@ -360,8 +429,13 @@ class EnergySteering(Intervention):
         with hooks_attached(regs):
             yield
         if gate_key in ctx.decisions:
-            held = ctx.decisions[gate_key].cpu()
+            held = ctx.decisions[gate_key].cpu() == 0
             g = ctx.stats.setdefault("els_gate", {"rows": 0, "held": 0})
+            g["rows"] += len(held)
+            g["held"] += int(held.sum())
+        if energy_key in ctx.decisions:
+            held = ctx.decisions[energy_key].cpu()
+            g = ctx.stats.setdefault("els_row_energy", {"rows": 0, "held": 0})
             g["rows"] += len(held)
             g["held"] += int(held.sum())
         # Only reached when the body did not raise: summarise (one device sync per layer).

@@ -48,6 +48,26 @@ def eval_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def steering_table(results: dict) -> str:
+    """Which rows the intervention steered, per dataset and label (``results["steering"]``): rows,
+    steered, mean strength of the steered rows, and the quartiles (min, 25%, median, 75%, max) of
+    the harm gate's probability and of the row energy; empty without steering records."""
+    steering = results.get("steering")
+    if not steering:
+        return ""
+
+    def q(values) -> str:
+        return " / ".join(f"{v:.2f}" for v in values) if values else ""
+
+    lines = ["| dataset/label | rows | steered | mean strength | p(harmful) quartiles | row energy quartiles |",
+             "|---|---:|---:|---:|---|---|"]
+    for key, s in steering.items():
+        strength = "" if s["mean_strength"] is None else f"{s['mean_strength']:.2f}"
+        lines.append(f"| {key} | {s['rows']} | {s['steered']} ({100 * s['steered'] / s['rows']:.0f}%) | {strength} "
+                     f"| {q(s['harm_p'])} | {q(s['energy'])} |")
+    return "\n".join(lines)
+
+
 def write_eval_report(results: dict, path: str | Path) -> None:
     cfg = results.get("config", {})
     timing = results.get("timing", {})
@@ -72,4 +92,7 @@ def write_eval_report(results: dict, path: str | Path) -> None:
         eval_table(results),
         "",
     ]
+    if results.get("steering"):
+        text += ["Rows steered (decided at the last prompt token, before generating):", "",
+                 steering_table(results), ""]
     Path(path).write_text("\n".join(text))

@@ -16,8 +16,13 @@ from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
+from aligntax.runs.fsio import write_json_atomic
 
 TEST_SETS = ["orbench-hard-test", "xstest-safe", "oktest", "xstest-unsafe", "jailbreakbench", "harmbench-test"]
+# the test-set Pareto plot's axes: mean compliance over the benign sets, mean refusal over the harmful ones
+# (``source/label`` blocks of a results file)
+PARETO_BENIGN = ["orbench-hard-test/benign", "xstest/benign", "oktest/benign"]
+PARETO_HARMFUL = ["xstest/harmful", "jailbreakbench/harmful", "harmbench-test/harmful"]
 
 
 @dataclass
@@ -41,6 +46,12 @@ class DemoConfig:
     # toxic prompts are written like the benign OR-Bench ones, so a few pass the gate and get steered
     leak: list[str] = field(default_factory=lambda: ["orbench-toxic"])
     limit_leak: int | None = None
+    # everyday questions with known answers (``aligntax.metrics.knowns``), test split, with and without the
+    # selected setting ("none": skipped)
+    knowns: str | None = "builtin"
+    # the baselines also evaluated on the test sets, for the test-set Pareto plot (name, args; the vector
+    # folder is the ELS folder's)
+    test_baselines: list[str] = field(default_factory=lambda: ["system-prompt", "refusal-ablation", "cast"])
     progress: bool = True
 
 
@@ -50,30 +61,31 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     clock = _Clock()
+    stages = ["baseline evaluation", "ELS training (labels, activations, energy models, vectors, harm gate)",
+              "validation sweep", "steered evaluation"]
+    stages += ["known-answer check"] if cfg.knowns else []
+    stages += ["baselines on the test sets"] if cfg.test_baselines else []
+    say = _Stages(stages, cfg.progress)
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     clock.lap("model load")
     common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                   dtype=cfg.dtype, progress=cfg.progress)
+    say("baseline evaluation", f"the unsteered model on {len(cfg.test_sets)} test sets")
     base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common), lm=lm)
     clock.lap("baseline evaluation")
+    say("ELS training (labels, activations, energy models, vectors, harm gate)",
+        "label the model's own answers on train prompts, capture states, train energy models and the harm gate")
     train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train,
                              limit_harmful=cfg.limit_harmful_train,
                              limit_gate_harmful=cfg.limit_gate_harmful, limit_gate_benign=cfg.limit_gate_benign,
                              **common), lm=lm)
     clock.lap("ELS training (labels, activations, energy models, vectors, harm gate)")
-    sweep = run_sweep(SweepConfig(steer=str(out / "els"), model=cfg.model, judge=cfg.judge,
-                                  batch_size=cfg.batch_size, dtype=cfg.dtype, top_k=[1], eta=[0.35],
-                                  # the five best layers: near-tied in accuracy, they steer differently
-                                  layers=_runner_up_layers(out / "els", 4),
-                                  # the harm gate decides which rows are steered, the first 16 tokens
-                                  threshold=[None], gate=[True], horizon=[16],
-                                  extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
-                                  max_new_tokens=cfg.sweep_max_new_tokens,
-                                  baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak,
-                                  progress=cfg.progress), lm=lm)
+    say("validation sweep", "score ELS settings and baselines on validation prompts; pick the best eligible one")
+    sweep = run_sweep(demo_sweep_config(cfg, out / "els"), lm=lm)
     clock.lap("validation sweep")
     best = sweep["best"]
-    steered = None
+    steered = knowns = None
+    say("steered evaluation", "the selected setting on the test sets (rows it leaves unsteered are copied)")
     if best is not None:
         args = {"path": str(out / "els"), **best["args"]}
         _set_aside_if_changed(out / "steered", args)
@@ -82,10 +94,100 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
                                       intervention="els", intervention_args=args,
                                       reuse_unsteered=str(out / "baseline"), **common), lm=lm)
         clock.lap("steered evaluation")
-    summary = {"baseline": base, "steered": steered, "best": best, "minutes": clock.minutes()}
-    (out / "timing.json").write_text(json.dumps(summary["minutes"], indent=2))
+        if cfg.knowns:
+            say("known-answer check", "everyday questions with known answers, unsteered and steered (test split)")
+            knowns = _knowns(cfg, out, lm, args)
+            clock.lap("known-answer check")
+    tests = None
+    if cfg.test_baselines:
+        say("baselines on the test sets", ", ".join(cfg.test_baselines) + " (for the test-set Pareto plot)")
+        tests = _test_pareto(cfg, out, lm, base, steered, common)
+        clock.lap("baselines on the test sets")
+    summary = {"baseline": base, "steered": steered, "best": best, "knowns": knowns, "test_pareto": tests,
+               "sweep": sweep, "minutes": clock.minutes()}
+    write_json_atomic(out / "timing.json", summary["minutes"])
     write_demo_report(out, summary)
     return summary
+
+
+def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
+    """The demo's validation grid: the five most accurate energy layers, each with the harm gate at its
+    saved threshold and the row energy decision (steer a row only when its last prompt token's energy
+    says the model is about to end badly), the first 16 generated tokens; the paper-style per-position
+    energy threshold without gate; and the baselines. Known answers (val split) must be kept."""
+    return SweepConfig(steer=str(els_dir), model=cfg.model, judge=cfg.judge, batch_size=cfg.batch_size,
+                       dtype=cfg.dtype, top_k=[1], eta=[0.35],
+                       # the five best layers: near-tied in accuracy, they steer differently
+                       layers=_runner_up_layers(els_dir, 4),
+                       threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0],
+                       extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
+                       max_new_tokens=cfg.sweep_max_new_tokens, knowns=cfg.knowns,
+                       baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak, progress=cfg.progress)
+
+
+def _knowns(cfg: DemoConfig, out: Path, lm, args: dict) -> dict:
+    """Known-answer accuracy (test split) unsteered and with the selected setting, paired."""
+    from aligntax.metrics.knowns import KnownsConfig, run_knowns
+
+    common = dict(model=cfg.model, data=cfg.knowns, split="test", limit=cfg.limit, max_new_tokens=cfg.max_new_tokens,
+                  batch_size=cfg.batch_size, dtype=cfg.dtype, progress=cfg.progress)
+    before = run_knowns(KnownsConfig(out=str(out / "knowns-baseline"), **common), lm=lm)
+    _set_aside_if_changed(out / "knowns-steered", args)
+    after = run_knowns(KnownsConfig(out=str(out / "knowns-steered"), intervention="els", intervention_args=args,
+                                    compare_to=str(out / "knowns-baseline"), **common), lm=lm)
+    return {"baseline": before, "steered": after}
+
+
+def pareto_point(results: dict) -> tuple[float, float]:
+    """(mean harmful refusal, mean benign compliance) over the demo's test sets, from a results file."""
+    def rate(key: str) -> float | None:
+        source, label = key.split("/")
+        block = results.get("datasets", {}).get(source, {}).get(label)
+        if not block:
+            return None
+        return block["refusal_rate"] if label == "harmful" else block["compliance_rate"]
+
+    def mean(keys: list[str]) -> float:
+        vals = [v for v in map(rate, keys) if v is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    return mean(PARETO_HARMFUL), mean(PARETO_BENIGN)
+
+
+def _test_pareto(cfg: DemoConfig, out: Path, lm, base: dict, steered: dict | None, common: dict) -> list[dict]:
+    """Each test baseline evaluated on the test sets (rows CAST leaves unsteered are copied); one point
+    per run (unsteered, ELS, baselines) and the test-set Pareto plot ``test_pareto.png``."""
+    from aligntax.reports.plots import pareto_plot
+
+    vec = str(out / "els" / "vectors")
+    points = [("none", "unsteered", base)] + ([("els", "ELS (selected)", steered)] if steered else [])
+    for name in cfg.test_baselines:
+        args = {} if name.endswith("-prompt") else {"path": vec}
+        res = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "test-baselines" / name), limit=cfg.limit,
+                                  intervention=name, intervention_args=args,
+                                  reuse_unsteered=str(out / "baseline"), **common), lm=lm)
+        points.append((name, name, res))
+    rows = []
+    for name, label, res in points:
+        x, y = pareto_point(res)
+        rows.append({"name": name, "label": label, "harmful_refusal": x, "benign_compliance": y})
+    pareto_plot(rows, out / "test_pareto.png", title="test sets: mean benign compliance vs mean harmful refusal")
+    return rows
+
+
+class _Stages:
+    """Prints each stage's name, number and purpose as it starts (the progress bars below it name their
+    own work)."""
+
+    def __init__(self, names: list[str], show: bool = True) -> None:
+        self.names, self.show = names, show
+
+    def __call__(self, name: str, what: str) -> None:
+        if self.show:
+            import sys
+
+            print(f"\n[demo {self.names.index(name) + 1}/{len(self.names)}] {name}: {what}", file=sys.stderr,
+                  flush=True)
 
 
 class _Clock:
@@ -140,6 +242,20 @@ def _cells(block: dict | None) -> dict[tuple[str, str], str]:
     return out
 
 
+def _knowns_lines(knowns: dict | None) -> list[str]:
+    """The known-answer check's line of the report: accuracy unsteered and steered, paired change."""
+    if not knowns:
+        return []
+    before, after = knowns["baseline"], knowns["steered"]
+    paired = after.get("paired") or {}
+    change = f"; paired: {fmt_change(paired)}" if paired and "diff" in paired else ""
+    steered = after.get("steered_rows")
+    touched = f"; the setting steered {steered} of {after['n']} questions" if steered is not None else ""
+    return ["", f"Everyday questions with known answers (test split, {after['n']} questions, answer checked): "
+                f"unsteered {fmt_rate(before['accuracy'], before['ci95'])}, steered "
+                f"{fmt_rate(after['accuracy'], after['ci95'])}{change}{touched}."]
+
+
 def write_demo_report(out: Path, summary: dict) -> None:
     base, steered, best = summary["baseline"], summary["steered"], summary["best"]
     lines = ["# aligntax demo: energy landscape steering against over-refusal", "",
@@ -173,6 +289,19 @@ def write_demo_report(out: Path, summary: dict) -> None:
     timing_b, timing_s = base.get("timing", {}), (steered or {}).get("timing", {})
     lines += ["", "The paired change compares the same prompts without and with ELS: prompts that turned "
                   "compliant/refused (up) and back (down), and the exact McNemar p-value."]
+    lines += _knowns_lines(summary.get("knowns"))
+    if steered and steered.get("steering"):
+        from aligntax.reports.markdown import steering_table
+
+        lines += ["", "Rows the selected setting steered, decided at the last prompt token (harm gate and row "
+                      "energy); the others are answered exactly as unsteered:", "", steering_table(steered)]
+    if summary.get("test_pareto"):
+        lines += ["", "Test sets, every method (mean benign compliance over ORB-H test, XSTest safe and OKTest; "
+                      "mean harmful refusal over XSTest unsafe, JailbreakBench and HarmBench test):", "",
+                  "| method | mean benign compliance | mean harmful refusal |", "|---|---:|---:|"]
+        lines += [f"| {r['label']} | {100 * r['benign_compliance']:.1f}% | {100 * r['harmful_refusal']:.1f}% |"
+                  for r in summary["test_pareto"]]
+        lines += ["", "![test-set Pareto plot](test_pareto.png)"]
     lines += ["", "Useful compliance counts a benign answer only when it is neither a refusal nor empty or looping "
                   "(`aligntax.metrics.degeneration`); the sweep selects settings by it."]
     lines += ["", f"Throughput (tokens/s): unsteered {timing_b.get('tokens_per_second')}, "

@@ -1,7 +1,9 @@
 """``aligntax eval``: generate, judge and score, appending every sample as it is produced.
 
 Rerunning the same command after a crash or Ctrl-C resumes: finished (source, id) pairs are read back
-from ``samples.jsonl`` and skipped, so nothing is redone and nothing is duplicated.
+from ``samples.jsonl`` and skipped, so nothing is redone and nothing is duplicated. A resumed run must
+have the same settings (``config.json``), and the same model fingerprint, intervention folder content
+and judge weights as recorded in ``provenance.json`` (see :mod:`aligntax.runs.provenance`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,21 @@ from pathlib import Path
 
 from aligntax.errors import AligntaxError
 from aligntax.generation import GenerationConfig, iter_generate
-from aligntax.interventions.base import rows_to_copy
+from aligntax.interventions.base import remembered_prefill_states, rows_to_copy
 from aligntax.metrics import summarize_refusals
 from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.runs.fsio import run_lock, write_json_atomic
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
+from aligntax.runs.provenance import (
+    check_intervention,
+    check_judge,
+    check_model,
+    folder_digest,
+    intervention_folder,
+    judge_identity,
+    read_provenance,
+    write_provenance,
+)
 
 # Fields that change what a sample is; a resumed run must agree on all of them.
 _RESULT_FIELDS = ("model", "judge", "system", "max_new_tokens", "do_sample", "temperature", "top_p",
@@ -56,10 +69,12 @@ class EvalConfig:
 
 
 def load_prompt_sets(specs: list[str], limit: int | None = None) -> list:
-    """The items of several datasets (files, names or Hub ids), in order; ``limit`` applies to each."""
-    from aligntax.data import load_prompts
+    """The items of several datasets (files, names or Hub ids), in order; ``limit`` applies to each.
+    Two inputs that would give rows the same source are refused
+    (:func:`aligntax.data.load_prompt_sets`)."""
+    from aligntax.data import load_prompt_sets as load_sets
 
-    return [item for spec in specs for item in load_prompts(spec, limit=limit)]
+    return load_sets(specs, limit=limit)
 
 
 def _setting_diffs(old: dict, cfg: EvalConfig, fields) -> list[str]:
@@ -75,16 +90,46 @@ def _sample(it, response: str, refused: bool, refusal_score: float, judge: str, 
             "judge": judge, "n_tokens": n_tokens, "finish_reason": finish_reason, **extra}
 
 
-def _check_resume(out: Path, cfg: EvalConfig) -> None:
+def _check_resume(out: Path, cfg: EvalConfig) -> dict:
+    """Refuse to resume a run made with other settings, or with another intervention folder's content;
+    returns the folder's provenance (``provenance.json``, with the intervention folder's digest now)."""
     path = out / "config.json"
-    if not path.exists():
-        return
-    diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
-    if diffs:
-        raise AligntaxError(
-            f"{out} holds a run with different settings ({'; '.join(diffs)}). Use another --out, or delete "
-            "the folder to start again."
-        )
+    if path.exists():
+        diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
+        if diffs:
+            raise AligntaxError(
+                f"{out} holds a run with different settings ({'; '.join(diffs)}). Use another --out, or delete "
+                "the folder to start again."
+            )
+    saved = read_provenance(out)
+    folder = intervention_folder(cfg.intervention_args) if cfg.intervention else None
+    digest = folder_digest(folder, saved.get("intervention")) if folder else None
+    if digest is None:
+        return saved
+    check_intervention(out, saved.get("intervention"), digest)
+    return {**saved, "intervention": digest}
+
+
+def _check_loaded(out: Path, saved: dict, lm=None, judge=None) -> dict:
+    """Refuse to resume with another model (its fingerprint: ``provenance.json`` or, for runs made before
+    it, ``results.json``) or another judge (its weights' hash and settings); absent = not checked.
+    Returns the provenance with what is loaded now."""
+    new = dict(saved)
+    fp = getattr(lm, "fingerprint", None) if lm is not None else None
+    if fp:
+        check_model(out, saved.get("model_fingerprint") or _previous(out).get("model_fingerprint"), fp)
+        new["model_fingerprint"] = dict(fp)
+    if judge is not None:
+        ident = judge_identity(judge)
+        check_judge(out, saved.get("judge"), ident)
+        new["judge"] = ident
+    return new
+
+
+def _save_provenance(out: Path, old: dict, new: dict) -> dict:
+    if new != old:
+        write_provenance(out, new)
+    return new
 
 
 def activation_id(item) -> str:
@@ -99,16 +144,23 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
     :class:`~aligntax.activations.capture.PrefillRecorder`, unsteered runs only) keeps the prompt states
     of every row generated now under ``"{source}/{id}"``.
     """
-    from aligntax.judges import get_judge
 
     if not cfg.data and items is None:
         raise AligntaxError("No data given: pass at least one --data FILE_OR_NAME")
     if recorder is not None and (intervention is not None or cfg.intervention):
         raise AligntaxError("Prompt states can be recorded only in an unsteered run.")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _check_resume(out, cfg)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    with run_lock(out):  # one writer per run folder; a second is refused
+        return _run_eval(cfg, out, lm, judge, intervention, items, recorder)
+
+
+def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, recorder) -> dict:
+    from aligntax.judges import get_judge
+
+    saved = read_provenance(out)
+    prov = _check_loaded(out, _check_resume(out, cfg), lm, judge)  # the model / judge given, if any
+    write_json_atomic(out / "config.json", asdict(cfg))
+    prov = _save_provenance(out, saved, prov)
     samples_path = out / "samples.jsonl"
 
     if items is None:
@@ -137,8 +189,15 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
             intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
         _record_intervention(out, intervention)
         judge = judge or get_judge(cfg.judge)
-        if cfg.reuse_unsteered and intervention is not None:
-            todo, n_reused = _reuse_unsteered(cfg, lm, intervention, todo, judge, samples_path)
+        prov = _save_provenance(out, prov, _check_loaded(out, prov, lm, judge))
+        steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
+        with remembered_prefill_states():  # one prefill pass serves the records and the reuse decision
+            info = intervention.row_info(lm, [it.prompt for it in todo], cfg.system, cfg.batch_size) \
+                if intervention is not None else None
+            if info is not None:
+                steering = {(it.source, it.id): r for it, r in zip(todo, info, strict=True)}
+            if cfg.reuse_unsteered and intervention is not None:
+                todo, n_reused = _reuse_unsteered(cfg, lm, intervention, todo, judge, samples_path, steering)
         batches = iter_generate(lm, [it.prompt for it in todo], cfg.generation(), recorder or intervention,
                                 progress=cfg.progress, desc="eval")
         tb = time.perf_counter()
@@ -150,7 +209,8 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
                 recorder.keep([activation_id(it) for it in batch_items], [it.label for it in batch_items])
             verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
             append_jsonl(samples_path, [
-                _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason)
+                _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason,
+                        **_steering_field(steering, it))
                 for it, g, v in zip(batch_items, gens, verdicts, strict=True)
             ])
             tb = time.perf_counter()
@@ -161,12 +221,13 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
         "config": asdict(cfg),
         "model_fingerprint": getattr(lm, "fingerprint", None) or prev.get("model_fingerprint"),
         **summarize_refusals(rows),
+        **steering_summary(rows),
         "intervention": _read_intervention(out),
         **_paired_against(cfg, rows),
         "timing": _timing(prev.get("timing", {}) if done else {}, time.perf_counter() - t0,
                           gen_seconds, n_tokens, len(todo), len(done & wanted), n_reused),
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_json_atomic(out / "results.json", results)
     from aligntax.reports import write_eval_report
 
     write_eval_report(results, out / "report.md")
@@ -187,7 +248,7 @@ def _record_intervention(out: Path, intervention) -> None:
                 f"{json.dumps(_settings(resolved))} (did the folder's sweep/best.json change?). Use another --out, "
                 "or give the settings explicitly.")
         return
-    path.write_text(json.dumps(resolved, indent=2))
+    write_json_atomic(path, resolved)
 
 
 def _settings(cfg):
@@ -199,7 +260,44 @@ def _read_intervention(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _reuse_unsteered(cfg: EvalConfig, lm, intervention, todo: list, judge, samples_path: Path) -> tuple[list, int]:
+def _steering_field(steering: dict, item) -> dict:
+    """``{"steering": {...}}`` for a sample whose row the intervention decided on (else ``{}``)."""
+    info = steering.get((item.source, item.id))
+    return {"steering": info} if info is not None else {}
+
+
+def steering_summary(rows: list[dict]) -> dict:
+    """``{"steering": ...}``: per dataset and label, how many rows the intervention steered (``steering``
+    records in the samples), their mean strength, and the harm probability and row energy quartiles;
+    ``{}`` when no sample has a record."""
+    import statistics
+
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if "steering" in r:
+            groups.setdefault(f"{r['source']}/{r['label']}", []).append(r["steering"])
+    if not groups:
+        return {}
+
+    def quartiles(values: list[float]) -> list[float] | None:
+        if len(values) < 2:
+            return [round(v, 4) for v in values] or None
+        q = statistics.quantiles(values, n=4, method="inclusive")
+        return [round(min(values), 4), *(round(x, 4) for x in q), round(max(values), 4)]
+
+    out = {}
+    for key, infos in sorted(groups.items()):
+        steered = [i for i in infos if i.get("steered")]
+        out[key] = {"rows": len(infos), "steered": len(steered),
+                    "mean_strength": round(sum(i.get("strength", 1.0) for i in steered) / len(steered), 4)
+                    if steered else None,
+                    "harm_p": quartiles([i["harm_p"] for i in infos if "harm_p" in i]),
+                    "energy": quartiles([i["energy"] for i in infos if "energy" in i])}
+    return {"steering": out}
+
+
+def _reuse_unsteered(cfg: EvalConfig, lm, intervention, todo: list, judge, samples_path: Path,
+                     steering: dict | None = None) -> tuple[list, int]:
     """Copy the unsteered run's answers for the rows ``intervention`` leaves unsteered (appended to the
     samples with ``"reused": True``); returns the rows still to generate and how many were copied."""
     src = Path(cfg.reuse_unsteered)
@@ -230,7 +328,7 @@ def _reuse_unsteered(cfg: EvalConfig, lm, intervention, todo: list, judge, sampl
         verdicts = [(v.refused, v.refusal_score) for v in judge.judge([r["prompt"] for r in rows],
                                                                       [r["response"] for r in rows])]
     append_jsonl(samples_path, [_sample(it, r["response"], refused, score, judge.name, r["n_tokens"],
-                                        r["finish_reason"], reused=True)
+                                        r["finish_reason"], reused=True, **_steering_field(steering or {}, it))
                                 for it, r, (refused, score) in zip(reuse, rows, verdicts, strict=True)])
     return [it for it, c in zip(todo, copy, strict=True) if not c], len(reuse)
 
@@ -284,14 +382,21 @@ def _previous(out: Path) -> dict:
 def rejudge(out: str | Path, judge_name: str | None = None, judge=None) -> dict:
     """Judge the responses of an existing run folder again (a new judge, or a retrained one) and rewrite
     ``samples.jsonl``, ``results.json`` and ``report.md``; no generation. The rewrite is atomic."""
-    import os
 
-    from aligntax.judges import get_judge
 
     out = Path(out)
     prev = _previous(out)
     if not prev or not (out / "samples.jsonl").exists():
         raise AligntaxError(f"{out} is not a finished evaluation run (no results.json / samples.jsonl)")
+    with run_lock(out):
+        return _rejudge(out, prev, judge_name, judge)
+
+
+def _rejudge(out: Path, prev: dict, judge_name: str | None, judge) -> dict:
+    import os
+
+    from aligntax.judges import get_judge
+
     cfg = EvalConfig(**prev["config"])
     cfg.judge = judge_name or cfg.judge
     judge = judge or get_judge(cfg.judge)
@@ -303,9 +408,13 @@ def rejudge(out: str | Path, judge_name: str | None = None, judge=None) -> dict:
     tmp.unlink(missing_ok=True)
     append_jsonl(tmp, rows)
     os.replace(tmp, out / "samples.jsonl")
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    results = {**prev, "config": asdict(cfg), **summarize_refusals(rows), **_paired_against(cfg, rows)}
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_json_atomic(out / "config.json", asdict(cfg))
+    saved = read_provenance(out)
+    if saved:  # the samples are judged by this judge now
+        _save_provenance(out, saved, {**saved, "judge": judge_identity(judge)})
+    results = {**prev, "config": asdict(cfg), **summarize_refusals(rows), **steering_summary(rows),
+               **_paired_against(cfg, rows)}
+    write_json_atomic(out / "results.json", results)
     from aligntax.reports import write_eval_report
 
     write_eval_report(results, out / "report.md")
