@@ -1,5 +1,5 @@
 """Cost of the ELS training states: label generation plus a capture pass, versus recording the states
-during the label generation's prefill (:class:`aligntax.activations.capture.PrefillRecorder`).
+during the label generation's prefill (:class:`aligntax.activations.recorder.PrefillRecorder`).
 
 The same prompts (OR-Bench-Hard train by default, the energy models' training prompts), greedy, in the
 same batches, run as:
@@ -41,7 +41,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from aligntax.activations.capture import PrefillRecorder, capture
+    from aligntax.activations.capture import capture
+    from aligntax.activations.recorder import PrefillRecorder
     from aligntax.generation import GenerationConfig, generate, iter_generate
 
     lm, load_s = bl.start(args)

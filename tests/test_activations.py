@@ -147,7 +147,7 @@ def test_activation_cache_round_trip_and_resume(lm, tmp_path):
 
 
 def test_prefill_recorder_gives_the_captured_states_and_leaves_the_model_alone(lm, tmp_path):
-    from aligntax.activations.capture import PrefillRecorder
+    from aligntax.activations.recorder import PrefillRecorder
     from aligntax.generation import GenerationConfig, generate, iter_generate
 
     cfg = GenerationConfig(max_new_tokens=4, batch_size=3)

@@ -547,7 +547,7 @@ def test_per_row_state_follows_rows_leaving_the_batch(lm):
     """Generation drops finished rows from the batch: the harm gate's and CAST's per-row decisions,
     the steered rows and strengths, and the prompt states a recorder takes go with them, so every
     answer is the one ``model.generate`` gives keeping finished rows, and the stats cover every row."""
-    from aligntax.activations.capture import PrefillRecorder
+    from aligntax.activations.recorder import PrefillRecorder
 
     gate, _ = _split_gate(lm)
     prompts = PROMPTS + ["a", "Tell me a story about a dragon", "zzz", "What is 2+2?"]

@@ -1,3 +1,23 @@
-"""aligntax: measure and cut the alignment tax of open-weight LLMs."""
+"""aligntax: measure and cut the alignment tax of open-weight LLMs.
+
+``aligntax.load_model`` and ``aligntax.load_intervention`` (:mod:`aligntax.api`) load on first use,
+so ``import aligntax`` itself stays light."""
 
 __version__ = "0.1.0"
+
+_LAZY = {"load_model": "aligntax.api", "load_intervention": "aligntax.api"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from aligntax import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'aligntax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = ["__version__", "load_intervention", "load_model"]

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from aligntax.data._io import Row, Table, describe_columns, read_table
 from aligntax.data.base import Label, PromptItem, label_argument, normalize_label
+from aligntax.data.catalog import source_for_filename
 from aligntax.errors import DataError
 
 Mapper = Callable[[Table, str, "Label | None"], list[PromptItem]]
@@ -410,8 +411,6 @@ def detect_format(path: str | Path, table: Table | None = None) -> str:
 
 def default_source(path: str | Path) -> str:
     """The ``source`` for a file: the dataset name for an upstream file name, else the file stem."""
-    from aligntax.data.registry import source_for_filename
-
     path = Path(path)
     known = source_for_filename(path.name)
     if known:

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions.base import Intervention
+
+
+class MessageRewriter(Protocol):
+    """What chat building needs of an intervention (:class:`aligntax.interventions.base.Intervention`):
+    typed structurally so this module does not import the intervention layer above it."""
+
+    def prepare_messages(self, messages: list[dict]) -> list[dict]: ...
 
 
 def build_messages(prompt: str | list[dict], system: str | None = None,
-                   intervention: Intervention | None = None) -> list[dict]:
+                   intervention: MessageRewriter | None = None) -> list[dict]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system is not None:
         messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]

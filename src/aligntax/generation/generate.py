@@ -267,8 +267,8 @@ def text_logits(lm, texts: Sequence[str], intervention: Intervention | None = No
     persona, few-shot turns, the template's system turn) is computed once and each batch feeds only the
     rest (:mod:`aligntax.generation.prefix`), when the intervention is prefix-free and
     ``share_prefix``."""
-    from aligntax.activations.capture import pad_left, position_ids_from_mask
     from aligntax.generation.prefix import repeated, run_prefix
+    from aligntax.hooks import pad_left, position_ids_from_mask
 
     intervention = intervention or NoIntervention()
     model, tok = lm.model, lm.tokenizer

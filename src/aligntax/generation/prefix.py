@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from aligntax.hooks import position_ids_from_mask
+
 
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     """How many leading tokens all sequences share, leaving each at least one token of its own."""
@@ -111,7 +113,5 @@ def repeated(prefix_kv, rows: int):
 def prefixed_inputs(rest_mask: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(attention_mask, position_ids)`` for a forward of the rest of each row after a cached prefix of
     ``prefix`` tokens: the mask covers prefix and rest, the positions the rest only."""
-    from aligntax.activations.capture import position_ids_from_mask
-
     full = torch.cat([rest_mask.new_ones(rest_mask.shape[0], prefix), rest_mask], dim=1)
     return full, position_ids_from_mask(full)[:, prefix:]

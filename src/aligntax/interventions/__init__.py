@@ -14,8 +14,10 @@ from aligntax.interventions.prompting import (
     SystemPrompt,
 )
 
-# Steering interventions import the energy and activation packages, which import this package's base
-# module; they are loaded on first use to keep imports acyclic.
+# The steering modules import no module that imports them back (tests/test_layering.py), but importing
+# them runs the energy, activations and generation package __init__s, and those reach this package
+# again through aligntax.interventions.base: they are loaded on first use so that importing any of
+# those packages first works, and so that ``import aligntax.interventions`` stays light.
 _LAZY = {
     "EnergySteering": "aligntax.interventions.els",
     "ActivationAddition": "aligntax.interventions.vectors",

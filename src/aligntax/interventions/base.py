@@ -8,13 +8,30 @@ on exit, also when the body raises, so the user's model is never left changed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from aligntax.errors import AligntaxError
+from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_args
+
+__all__ = [
+    "AppliedIntervention",
+    "Intervention",
+    "NoIntervention",
+    "SteerContext",
+    "decide_at_prefill",
+    "hidden_from_args",
+    "hooks_attached",
+    "prefill_decisions",
+    "prefill_states",
+    "remembered_prefill_states",
+    "replace_hidden_in_args",
+    "rows_to_copy",
+    "steered_slice",
+]
 
 
 @dataclass
@@ -118,6 +135,34 @@ class Intervention:
     def config(self) -> dict:
         return {"name": self.name}
 
+    def rewrites_messages(self) -> bool:
+        """Whether this intervention changes the chat messages (a system prompt, few-shot turns)."""
+        return type(self).prepare_messages is not Intervention.prepare_messages
+
+    @contextmanager
+    def apply(self, model: nn.Module) -> Iterator[AppliedIntervention]:
+        """Attach this intervention's hooks to a plain Hugging Face causal LM for the ``with`` body, so
+        that ``model.generate(**tok(texts, padding=True, padding_side="left"))`` (or a plain forward) is
+        steered as aligntax's own generation steers it.
+
+        Each ``model.generate`` call (and each forward outside ``generate`` that starts from an empty KV
+        cache) gets a fresh :class:`SteerContext`: its ``prompt_len`` is the sequence length of the first
+        forward, the one holding the left-padded prompts, and the intervention's :meth:`attach` is
+        entered then and left when the call ends, as aligntax's generation does per batch. The prompts
+        must be left-padded (AligntaxError otherwise) and rendered with the chat template by the caller.
+        Interventions that rewrite the messages (system prompt, few-shot) cannot act through hooks:
+        AligntaxError. All hooks are removed on exit, also when the body raises. Yields an
+        :class:`AppliedIntervention` whose ``ctx`` is the last call's context (its ``stats``)."""
+        if self.rewrites_messages():
+            raise AligntaxError(
+                f"Intervention '{self.name}' rewrites the chat messages (prepare_messages), which hooks on "
+                "the model cannot do: render the prompts with intervention.prepare_messages(messages) "
+                "before tokenising, or use aligntax.generation.generate."
+            )
+        applied = AppliedIntervention(self, model)
+        with applied._installed():
+            yield applied
+
     def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
         """Which prompts this intervention leaves exactly as the unmodified model would answer them,
         decided from the prompt alone (before generating); None when it cannot tell in advance.
@@ -195,32 +240,103 @@ class NoIntervention(Intervention):
     prefix_free = True
 
 
-@contextmanager
-def hooks_attached(
-    registrations: list[tuple[nn.Module, Callable, bool]],
-) -> Iterator[None]:
-    """Register (module, hook, is_pre) hooks and remove them on exit, even after an exception."""
-    handles = []
-    try:
-        for module, hook, is_pre in registrations:
-            if is_pre:
-                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-            else:
-                handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+def _cache_is_empty(kwargs: dict) -> bool:
+    """Whether a model forward starts from an empty KV cache (it holds a prompt from its start)."""
+    pos = kwargs.get("cache_position")
+    if isinstance(pos, torch.Tensor) and pos.numel():
+        return int(pos.reshape(-1)[0]) == 0
+    past = kwargs.get("past_key_values")
+    if past is None:
+        return True
+    if hasattr(past, "get_seq_length"):
+        return int(past.get_seq_length()) == 0
+    return len(past) == 0
 
 
-def replace_hidden_in_args(args: tuple, kwargs: dict, new_hidden: torch.Tensor) -> tuple[tuple, dict]:
-    """Return (args, kwargs) of a decoder block call with the hidden states replaced."""
-    if args:
-        return (new_hidden, *args[1:]), kwargs
-    kwargs = dict(kwargs)
-    kwargs["hidden_states"] = new_hidden
-    return args, kwargs
+class AppliedIntervention:
+    """An intervention applied to a plain Hugging Face model (:meth:`Intervention.apply`).
 
+    A forward pre-hook on the model notices the forward that holds a new batch of prompts (the first
+    forward of each ``generate`` call; outside ``generate``, a forward from an empty KV cache), checks
+    the left padding, and enters the intervention's :meth:`~Intervention.attach` with a fresh
+    :class:`SteerContext` whose ``prompt_len`` is that forward's length; the attach is left at the end
+    of the ``generate`` call (or when the next prompt forward comes, or on exit). ``ctx`` is the last
+    context; ``calls`` counts the prompt forwards seen."""
 
-def hidden_from_args(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+    def __init__(self, intervention: Intervention, model: nn.Module) -> None:
+        self.intervention = intervention
+        self.model = model
+        self.ctx: SteerContext | None = None
+        self.calls = 0
+        self._attached: ExitStack | None = None
+        self._generating = 0
+        self._pending = False
+
+    def _start(self, prompt_len: int) -> None:
+        self._finish()
+        ctx = SteerContext(prompt_len=prompt_len)
+        stack = ExitStack()
+        stack.enter_context(self.intervention.attach(self.model, ctx))
+        self._attached, self.ctx = stack, ctx
+        self.calls += 1
+
+    def _finish(self) -> None:
+        stack, self._attached = self._attached, None
+        if stack is not None:
+            stack.close()
+
+    def _pre_forward(self, module, args, kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None:
+            return None
+        new_prompt = self._pending if self._generating else _cache_is_empty(kwargs)
+        if not new_prompt:
+            if self._attached is None:
+                raise AligntaxError(
+                    "Intervention.apply: this forward continues a KV cache filled without the intervention; "
+                    "run the prompt forward (or the whole generate call) inside the with block."
+                )
+            return None
+        self._pending = False
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] and not bool(mask[:, -1].all()):
+            raise AligntaxError(
+                "Intervention.apply needs left-padded prompts (the hooks find each row's last prompt "
+                "token at the end): tokenise with padding_side='left'."
+            )
+        self._start(int(x.shape[1]))
+        return None
+
+    @contextmanager
+    def _installed(self) -> Iterator[None]:
+        model = self.model
+        had_own = "generate" in vars(model)
+        own = vars(model).get("generate")
+        inner = model.generate if hasattr(model, "generate") else None
+
+        def generate(*args, **kwargs):
+            self._generating += 1
+            self._pending = True
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._generating -= 1
+                self._pending = False
+                if not self._generating:
+                    self._finish()
+
+        handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
+        try:
+            if inner is not None:
+                model.generate = generate
+            yield
+        finally:
+            handle.remove()
+            if inner is not None:
+                if had_own:
+                    model.generate = own
+                else:
+                    del model.generate
+            self._finish()

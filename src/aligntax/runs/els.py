@@ -84,7 +84,7 @@ class ELSTrainConfig:
 
 def train_els(cfg: ELSTrainConfig, lm=None) -> dict:
     """Run the whole training pipeline; returns the training summary also written to ``report.md``."""
-    from aligntax.activations.capture import PrefillRecorder
+    from aligntax.activations.recorder import PrefillRecorder
     from aligntax.energy import plot_energy_histograms, train_layers
     from aligntax.interventions.vectors import compute_vectors
     from aligntax.models import load_model

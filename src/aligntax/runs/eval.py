@@ -141,7 +141,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
     """Run (or resume) an evaluation; returns the results dict also written to ``results.json``.
 
     ``items`` (PromptItems) replaces loading ``cfg.data`` when given. ``recorder`` (a
-    :class:`~aligntax.activations.capture.PrefillRecorder`, unsteered runs only) keeps the prompt states
+    :class:`~aligntax.activations.recorder.PrefillRecorder`, unsteered runs only) keeps the prompt states
     of every row generated now under ``"{source}/{id}"``.
     """
 

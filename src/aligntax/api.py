@@ -1,0 +1,50 @@
+"""The top-level library entry points, re-exported lazily by :mod:`aligntax`:
+:func:`load_model` and :func:`load_intervention`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aligntax.errors import AligntaxError
+from aligntax.models.loader import load_model
+
+__all__ = ["load_intervention", "load_model"]
+
+
+def load_intervention(dir_or_name: str | Path, lm=None, **options):
+    """An :class:`~aligntax.interventions.base.Intervention` from a name or a saved folder.
+
+    - a name of :data:`aligntax.interventions.registry.INTERVENTIONS` (``"els"``, ``"refusal-ablation"``,
+      ``"system-prompt"``, ...): built by :func:`~aligntax.interventions.registry.make_intervention`
+      with ``options`` (``dir=`` for the ones that load a folder);
+    - a folder: an energy bank (it holds ``energy.json``) is ELS; a vector folder (``vectors.json``)
+      needs ``name=`` the vector method (``refusal-add``, ``refusal-ablation``,
+      ``false-refusal-ablation``, ``cast``). ``name=`` also overrides the ELS default.
+
+    ``lm`` (a :class:`~aligntax.models.loader.LoadedModel`) checks the artefact's model fingerprint."""
+    from aligntax.energy.bank import SIDECAR as ENERGY_SIDECAR
+    from aligntax.interventions.registry import INTERVENTIONS, make_intervention
+    from aligntax.interventions.vectors import SIDECAR as VECTORS_SIDECAR
+
+    text = str(dir_or_name)
+    name = options.pop("name", None)
+    if name is None and text in INTERVENTIONS:
+        return make_intervention(text, lm, **options)
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise AligntaxError(
+            f"{text!r} is neither an intervention name ({', '.join(INTERVENTIONS)}) nor a folder."
+        )
+    if name is None:
+        if (path / ENERGY_SIDECAR).is_file():
+            name = "els"
+        elif (path / VECTORS_SIDECAR).is_file():
+            raise AligntaxError(
+                f"{path} holds steering vectors: say which method with name= (refusal-add, refusal-ablation, "
+                "false-refusal-ablation or cast)."
+            )
+        else:
+            raise AligntaxError(f"{path} holds neither an energy bank ({ENERGY_SIDECAR}) nor vectors ({VECTORS_SIDECAR}).")
+    if any(k in options for k in ("dir", "directory", "path")):
+        raise AligntaxError("Give the folder once: as the first argument or as dir=, not both.")
+    return make_intervention(name, lm, dir=str(path), **options)
