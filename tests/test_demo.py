@@ -56,9 +56,9 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]
     runner_ups = [r for r in gated if "layers" in r["args"]]
     assert {r["args"]["layers"][0] for r in runner_ups} == set(ranked[1:3])  # the 2nd and 3rd best layers
-    assert len(gated) == 1 + len(ranked[1:3]) and any(r["name"] == "els" and "gate" not in r["args"] for r in rows)
+    assert len(gated) == 2 * (1 + len(ranked[1:3])) and any(r["name"] == "els" and "gate" not in r["args"] for r in rows)
     assert all(r["args"]["threshold"] is None and r["args"]["horizon"] == 16 for r in gated)
-    assert all(r["args"]["row_threshold"] == 0.0 for r in gated)  # the row energy decision
+    assert {r["args"]["row_threshold"] for r in gated} == {0.0, -2.0}  # the row energy decision
     assert all("degenerate" in r for r in rows)
     # benign validation is scored per set (OR-Bench-Hard val and PHTest val) and averaged; every setting is
     # also scored on the known-answer val questions
@@ -83,7 +83,7 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
 
     before = {r["key"]: r for r in rows}
     res = run_sweep(SweepConfig(steer=str(out / "els"), top_k=[1], eta=[0.35], layers=[[x] for x in ranked[1:3]],
-                                threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0], baselines=False,
+                                threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0, -2.0], baselines=False,
                                 judge="keyword",
                                 max_new_tokens=6, leak=["orbench-toxic"], limit_leak=30,
                                 extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}], progress=False),

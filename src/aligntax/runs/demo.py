@@ -112,14 +112,16 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
 
 def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
     """The demo's validation grid: the five most accurate energy layers, each with the harm gate at its
-    saved threshold and the row energy decision (steer a row only when its last prompt token's energy
-    says the model is about to end badly), the first 16 generated tokens; the paper-style per-position
+    saved threshold and the row energy decision at 0 and -2 (steer a row only when its last prompt
+    token's energy says the model is about to end badly), the first 16 generated tokens; the paper-style per-position
     energy threshold without gate; and the baselines. Known answers (val split) must be kept."""
     return SweepConfig(steer=str(els_dir), model=cfg.model, judge=cfg.judge, batch_size=cfg.batch_size,
                        dtype=cfg.dtype, top_k=[1], eta=[0.35],
                        # the five best layers: near-tied in accuracy, they steer differently
                        layers=_runner_up_layers(els_dir, 4),
-                       threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0],
+                       # the row energy decision at two cut-offs: a lower one steers more rows, until the
+                       # known-answer constraint says it costs correct answers
+                       threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0, -2.0],
                        extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
                        max_new_tokens=cfg.sweep_max_new_tokens, knowns=cfg.knowns,
                        baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak, progress=cfg.progress)

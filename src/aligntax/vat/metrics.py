@@ -253,6 +253,19 @@ def hub_stability(table: pd.DataFrame, reps: int = 100, fraction: float = 0.8, s
             "full_top1_kept": float(first[order.index(full["top_strength"][0])] / reps)}
 
 
+def mantel_statistic(R: np.ndarray, D: np.ndarray | None = None, method: str = "spearman") -> float:
+    """The Mantel statistic: correlation (``method``) between the upper-triangle entries of R and D, over
+    the finite entries of R; NaN with fewer than 3 finite entries or a constant side."""
+    R = np.asarray(R, dtype=float)
+    D = distance_matrix() if D is None else np.asarray(D, dtype=float)
+    iu = np.triu_indices(R.shape[0], 1)
+    r, dd = R[iu], D[iu]
+    ok = np.isfinite(r)
+    if ok.sum() < 3 or np.std(r[ok]) < 1e-12 or np.std(dd[ok]) < 1e-12:
+        return math.nan
+    return _corr(r[ok], dd[ok], method)
+
+
 def mantel_test(R: np.ndarray, D: np.ndarray | None = None, n_perm: int = 999, seed: int = 0,
                 method: str = "spearman", alternative: str = "less") -> dict:
     """Permutation (Mantel) test of the association between the coupling matrix R and a distance matrix
@@ -266,14 +279,9 @@ def mantel_test(R: np.ndarray, D: np.ndarray | None = None, n_perm: int = 999, s
     R = np.asarray(R, dtype=float)
     D = distance_matrix() if D is None else np.asarray(D, dtype=float)
     k = R.shape[0]
-    iu = np.triu_indices(k, 1)
 
     def stat(Rm: np.ndarray) -> float:
-        r, dd = Rm[iu], D[iu]
-        ok = np.isfinite(r)
-        if ok.sum() < 3 or np.std(r[ok]) < 1e-12 or np.std(dd[ok]) < 1e-12:
-            return math.nan
-        return _corr(r[ok], dd[ok], method)
+        return mantel_statistic(Rm, D, method)
 
     obs = stat(R)
     out = {"statistic": None if math.isnan(obs) else float(obs), "p_value": None, "n_perm": n_perm,

@@ -225,6 +225,44 @@ def strata_lines(results: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _valid(results: dict, key: str) -> str:
+    """' (n of reps valid resamples)' for a coupling-bootstrap statistic, '' without one."""
+    cb = results.get("coupling_bootstrap") or {}
+    blk = cb.get(key) or {}
+    if blk.get("ci95") is None:
+        return ""
+    return f" ({blk.get('n_valid')} of {cb.get('reps')} resamples valid)"
+
+
+def _coupling_interval_lines(results: dict) -> list[str]:
+    """The scene-bootstrap intervals of the coupling matrix: which off-diagonal entries' intervals
+    exclude 0, and the top hub's row-strength interval."""
+    cb = results.get("coupling_bootstrap") or {}
+    ci = results.get("coupling_ci95") or {}
+    lo, hi = ci.get("lower"), ci.get("upper")
+    if not lo or not hi:
+        return []
+    vals = results.get("values") or [str(i) for i in range(len(lo))]
+    pairs, n_def = [], 0
+    for a in range(len(lo)):
+        for b in range(a + 1, len(lo)):
+            if lo[a][b] is None or hi[a][b] is None:
+                continue
+            n_def += 1
+            if lo[a][b] > 0 or hi[a][b] < 0:
+                r = (results.get("coupling") or [[None] * len(lo)] * len(lo))[a][b]
+                pairs.append(f"{vals[a]}-{vals[b]} {_f(r)} [{lo[a][b]:+.3f}, {hi[a][b]:+.3f}]")
+    line = (f"- coupling R, scene-bootstrap {cb.get('level', 0.95):.0%} intervals per entry "
+            f"({cb.get('reps')} resamples): {len(pairs)} of {n_def} off-diagonal pairs exclude 0"
+            + (": " + "; ".join(pairs) if pairs else ""))
+    top = ((results.get("hubs") or {}).get("top_strength") or [None])[0]
+    sblk = (cb.get("strength") or {}).get(top) or {}
+    if top is not None and sblk.get("ci95"):
+        s = ((results.get("hubs") or {}).get("strength") or {}).get(top)
+        line += f"; top hub {top} row strength {_f(s)}{_ci(sblk['ci95'])}"
+    return [line]
+
+
 def write_report(results: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     plot_radar(results, out / "radar.png")
@@ -254,15 +292,21 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
         f"absolute = {_f(v.get('absolute'))}{_ci(v.get('ci95_absolute'))}"
         + (f" ({v['reason']})" if v.get("reason") else ""),
         *_specificity_lines(results),
-        f"- nVAT = {_f(results.get('nvat'))} (diagonal {results.get('nvat_diagonal')})"
+        f"- nVAT = {_f(results.get('nvat'))}{_ci(results.get('nvat_ci95'))}{_valid(results, 'nvat')} "
+        f"(diagonal {results.get('nvat_diagonal')})"
+        + ("; the point lies below its bootstrap interval (nVAT is inflated by resampling noise when coupling "
+           "is weak: read it against the null)" if results.get("nvat_ci95") and results.get("nvat") is not None
+           and results["nvat"] < results["nvat_ci95"][0] else "")
         + (f"; no-coupling null: mean {_f(nn.get('null_mean'))}, 95th pct {_f(nn.get('null_q95'))}, "
            f"p = {nn.get('p_value'):.3f}" if nn.get("p_value") is not None else ""),
-        f"- circumplex (Mantel) test: statistic = {_f(ct.get('statistic'))}, p = "
+        f"- circumplex (Mantel) test: statistic = {_f(ct.get('statistic'))}{_ci(ct.get('ci95'))}"
+        f"{_valid(results, 'mantel')}, p = "
         f"{_f(ct.get('p_value'))[1:] if ct.get('p_value') is not None else 'n/a'} "
         f"({ct.get('method')} of R vs {ct.get('distance')}, alternative {ct.get('alternative')}, "
         f"{ct.get('n_perm')} permutations)",
         f"- hubs: by row strength {hubs.get('top_strength')}, by eigenvector centrality "
         f"{hubs.get('top_eigenvector')}" + _hub_stability_text(results.get("hub_stability")),
+        *_coupling_interval_lines(results),
         f"- robustness: Spearman-Kendall agreement {_f(rob.get('spearman_kendall_agreement'))}, "
         f"nVAT Kendall {_f(rob.get('nvat_kendall'))}",
         "",

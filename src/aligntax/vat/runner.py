@@ -160,6 +160,12 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
     D = distance_matrix(cfg.circle_convention)
     mantel = M.mantel_test(R, D, n_perm=cfg.n_perm, seed=cfg.seed)
     mantel["distance"] = f"circular ({cfg.circle_convention} convention)"
+    cboot = (ST.coupling_bootstrap(table, reps=cfg.bootstrap_reps, seed=cfg.seed, method=cfg.coupling_method,
+                                   min_groups=cfg.min_groups, include_diagonal=cfg.include_diagonal, D=D)
+             if cfg.bootstrap_reps > 0 else None)
+    if cboot and cboot.get("mantel") is not None:
+        mantel["ci95"] = cboot["mantel"]["ci95"]
+        mantel["ci95_n_valid"] = cboot["mantel"]["n_valid"]
     if cfg.test_unit == "scene":
         tests = ST.scene_level_tests(d, values, groups, alpha=cfg.alpha, seed=cfg.seed)
     elif cfg.test_unit == "item":
@@ -216,10 +222,14 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
                        for v in VALUES},
         "values": list(VALUES),
         "coupling": R,
+        "coupling_ci95": (None if not cboot or cboot.get("coupling") is None else {
+            **cboot["coupling"], "level": cboot["level"], "reps": cboot["reps"]}),
         "coupling_method": cfg.coupling_method,
         "coupling_unit": "per-scene mean shift of each value",
         "coupling_diagonal": "1 on the diagonal (self-correlation), NaN -> null where undefined",
         "nvat": M.nvat(R, cfg.include_diagonal),
+        "nvat_ci95": (cboot.get("nvat") or {}).get("ci95") if cboot else None,
+        "nvat_ci95_n_valid": (cboot.get("nvat") or {}).get("n_valid") if cboot else None,
         "nvat_diagonal": "included" if cfg.include_diagonal else "excluded (off-diagonal entries only)",
         "nvat_null": (M.nvat_null(table, cfg.nvat_null_reps, cfg.seed, cfg.coupling_method, cfg.min_groups,
                                   cfg.include_diagonal) if cfg.nvat_null_reps > 0 else None),
@@ -227,6 +237,7 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
         "hub_stability": (M.hub_stability(table, cfg.hub_reps, seed=cfg.seed, method=cfg.coupling_method,
                                           min_groups=cfg.min_groups) if cfg.hub_reps > 0 else None),
         "circumplex_test": mantel,
+        "coupling_bootstrap": cboot,
         "tests": {"method": cfg.test if cfg.test_unit == "item" else "signflip", "unit": cfg.test_unit,
                   "alpha": cfg.alpha, "correction": "Benjamini-Hochberg", "per_value": tests},
         "bootstrap": (None if not boot else {k: boot[k] for k in (

@@ -390,3 +390,87 @@ def analyse_matrix(M: np.ndarray, n_perm: int = 9999, seed: int = 0, order: Sequ
             "own_shift": diag.tolist(), "own_rank_in_row": dict(zip(order, rank_of_own, strict=True)),
             "diagonal_test": diagonal_permutation_test(M, n_perm, seed),
             "mantel": matrix_mantel(M, n_perm=n_perm, seed=seed)}
+
+
+# ----------------------------------------------------------------- coupling, nVAT and Mantel intervals
+def _fast_coupling(X: np.ndarray, method: str, min_groups: int) -> np.ndarray | None:
+    """``coupling_matrix`` of a scene-shift array without missing cells, all pairs at once (Spearman or
+    Pearson); None when the array has a missing cell or the method is another (use the slow path)."""
+    import pandas as pd
+
+    if method not in ("spearman", "pearson") or not np.isfinite(X).all():
+        return None
+    n, k = X.shape
+    R = np.full((k, k), np.nan)
+    if n < max(min_groups, 3):
+        return R
+    Z = pd.DataFrame(X).rank(method="average").to_numpy(dtype=float) if method == "spearman" else X.copy()
+    Z = Z - Z.mean(axis=0)
+    ss = (Z * Z).sum(axis=0)
+    den = np.sqrt(np.outer(ss, ss))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        C = np.where(den > 1e-15, (Z.T @ Z) / np.where(den > 1e-15, den, 1.0), np.nan)
+    off = ~np.eye(k, dtype=bool)
+    R[off] = C[off]
+    R[np.diag_indices(k)] = np.where(X.std(axis=0) > 1e-12, 1.0, np.nan)
+    return R
+
+
+def coupling_bootstrap(table, reps: int = 2000, seed: int = 0, level: float = 0.95, method: str = "spearman",
+                       min_groups: int = 4, include_diagonal: bool = False, D: np.ndarray | None = None,
+                       order: Sequence[str] = VALUES) -> dict:
+    """Scene bootstrap of the coupling statistics. Each replicate draws n of the n scenes (rows of the
+    scene-shift table) with replacement, recomputes the coupling matrix R from them and from it nVAT, the
+    row strengths s_j = sum_{k != j} |R_jk| (the hub statistic) and the Mantel statistic against D
+    (default: circular distance, wedge convention). Percentile intervals; a replicate in which a
+    statistic is undefined (an R entry NaN, no finite off-diagonal entry for nVAT and the strengths, too
+    few finite entries or a constant side for the Mantel statistic) is skipped for that statistic, and
+    the number of valid replicates is reported with each interval."""
+    import pandas as pd
+
+    from aligntax.vat.metrics import coupling_matrix, mantel_statistic, nvat
+
+    D = distance_matrix() if D is None else np.asarray(D, dtype=float)
+    cols = list(table.columns)
+    X = table.to_numpy(dtype=float)
+    n, k = X.shape
+    out = {"method": "scene bootstrap (n of n scenes with replacement), percentile intervals",
+           "reps": int(reps), "n_groups": int(n), "level": level, "seed": int(seed),
+           "coupling_method": method, "min_groups": int(min_groups)}
+    if n < 2 or reps <= 0:
+        return {**out, "nvat": None, "mantel": None, "coupling": None, "strength": None}
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(reps, n))
+    off = ~np.eye(k, dtype=bool)
+    Rs = np.empty((reps, k, k))
+    nv = np.full(reps, np.nan)
+    mt = np.full(reps, np.nan)
+    st = np.full((reps, k), np.nan)
+    for b in range(reps):
+        Xb = X[idx[b]]
+        Rb = _fast_coupling(Xb, method, min_groups)
+        if Rb is None:
+            Rb = coupling_matrix(pd.DataFrame(Xb, columns=cols), method, min_groups)
+        Rs[b] = Rb
+        if np.isfinite(Rb[off]).any():
+            nv[b] = nvat(Rb, include_diagonal)
+            A = np.abs(np.nan_to_num(Rb, nan=0.0))
+            np.fill_diagonal(A, 0.0)
+            st[b] = A.sum(axis=1)
+        mt[b] = mantel_statistic(Rb, D, method)
+
+    def block(x: np.ndarray) -> dict:
+        return {"ci95": _pct(x, level), "n_valid": int(np.isfinite(x).sum())}
+
+    lower = np.full((k, k), np.nan)
+    upper = np.full((k, k), np.nan)
+    valid = np.isfinite(Rs).sum(axis=0)
+    for a in range(k):
+        for c in range(k):
+            ci = _pct(Rs[:, a, c], level)
+            if ci is not None:
+                lower[a, c], upper[a, c] = ci
+    labels = list(order) if len(order) == k else [str(c) for c in cols]
+    return {**out, "nvat": block(nv), "mantel": block(mt),
+            "coupling": {"lower": lower, "upper": upper, "n_valid": valid.astype(int)},
+            "strength": {v: block(st[:, j]) for j, v in enumerate(labels)}}
