@@ -490,6 +490,22 @@ def _split_gate(lm, layer=1):
     return gate, (s > cut)
 
 
+def _unsteered_run_with_gate(lm, tmp_path):
+    """PROMPTS as a benign data file, an unsteered run of it in ``tmp_path/base``, and a harm gate that
+    holds back two of its rows: (eval settings, gate, held rows)."""
+    import json
+
+    from aligntax.runs.eval import EvalConfig, run_eval
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "label": "benign"}) + "\n"
+                            for i, p in enumerate(PROMPTS)))
+    gate, held = _split_gate(lm)
+    common = dict(data=[str(data)], judge="keyword", max_new_tokens=6, batch_size=4, dtype="fp32", progress=False)
+    run_eval(EvalConfig(out=str(tmp_path / "base"), **common), lm=lm)
+    return common, gate, held
+
+
 @pytest.mark.parametrize("layer,steer", [(1, (1, 2)), ([1, 2], (2,))])
 def test_harm_gate_holds_back_rows(lm, layer, steer):
     """Held rows are exactly unsteered; for a gate of several layers too (it reads the earlier ones and
@@ -638,17 +654,11 @@ def test_gate_and_cast_stats_count_every_row_when_rows_leave(lm):
 def test_eval_reuses_unsteered_answers_for_held_rows(lm, tmp_path):
     """A steered evaluation that copies the gate-held rows from an unsteered run gives the same samples
     as one that generates every row, and generates only the rows the gate lets through."""
-    import json
 
     from aligntax.runs.eval import EvalConfig, run_eval
     from aligntax.runs.jsonl import read_jsonl
 
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "label": "benign"}) + "\n"
-                            for i, p in enumerate(PROMPTS)))
-    gate, held = _split_gate(lm)
-    common = dict(data=[str(data)], judge="keyword", max_new_tokens=6, batch_size=4, dtype="fp32", progress=False)
-    run_eval(EvalConfig(out=str(tmp_path / "base"), **common), lm=lm)
+    common, gate, held = _unsteered_run_with_gate(lm, tmp_path)
     full = run_eval(EvalConfig(out=str(tmp_path / "full"), **common), lm=lm, intervention=els(eta=2.0, gate=gate))
     fast = run_eval(EvalConfig(out=str(tmp_path / "fast"), reuse_unsteered=str(tmp_path / "base"), **common),
                     lm=lm, intervention=els(eta=2.0, gate=gate))
@@ -883,12 +893,7 @@ def test_eval_records_per_row_steering(lm, tmp_path):
     from aligntax.runs.eval import EvalConfig, run_eval
     from aligntax.runs.jsonl import read_jsonl
 
-    data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "label": "benign"}) + "\n"
-                            for i, p in enumerate(PROMPTS)))
-    gate, held = _split_gate(lm)
-    common = dict(data=[str(data)], judge="keyword", max_new_tokens=6, batch_size=4, dtype="fp32", progress=False)
-    run_eval(EvalConfig(out=str(tmp_path / "base"), **common), lm=lm)
+    common, gate, held = _unsteered_run_with_gate(lm, tmp_path)
     res = run_eval(EvalConfig(out=str(tmp_path / "s"), reuse_unsteered=str(tmp_path / "base"), **common), lm=lm,
                    intervention=els(eta=2.0, gate=gate))
     rows = {r["id"]: r for r in read_jsonl(tmp_path / "s" / "samples.jsonl")}
