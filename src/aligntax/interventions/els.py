@@ -415,6 +415,8 @@ class EnergySteering(Intervention):
                 held = ctx.row_state.get(energy_key)
                 if held is not None:
                     scale = scale * (~held).view(-1, 1, 1).to(scale.dtype)
+                if (allowed is not None or held is not None) and not bool(scale.any()):
+                    return None  # every row of the batch is held back: nothing to move
                 x = self.steer(layer, h[:, sl].float(), scale, accs[layer])
                 new = h.clone()
                 new[:, sl] = x.to(h.dtype)
