@@ -373,7 +373,7 @@ class EnergySteering(Intervention):
             if not 0 <= layer < n:
                 raise AligntaxError(f"Energy steering layer {layer} does not exist: the model has {n} layers.")
         accs: dict[int, dict] = {layer: {} for layer in self.models}
-        gate_key = (id(self), "gate")  # ctx.row_state[gate_key]: rows the harm gate holds back
+        gate_key = (id(self), "gate")  # ctx.row_state[gate_key]: the strength the harm gate allows
         next_pos: dict[int, int] = {}  # per layer: absolute position of the next token (for the horizon)
 
         gate_states: dict[int, torch.Tensor] = {}  # the prompt forward's last-token states at the gate's earlier layers
@@ -394,7 +394,8 @@ class EnergySteering(Intervention):
             gate_states.clear()
             return None
 
-        energy_key = (id(self), "energy")  # ctx.row_state[energy_key]: rows the energy decision holds back
+        energy_key = (id(self), "energy")  # ctx.row_state[energy_key]: 1 for rows the energy decision steers
+        decision_keys = (gate_key, energy_key)  # per-row strengths decided at the prompt (0: held back)
 
         def make_hook(layer: int):
             def hook(module, args, kwargs):
@@ -402,20 +403,18 @@ class EnergySteering(Intervention):
                     return None
                 h = hidden_from_args(args, kwargs)
                 if self.row_threshold is not None and layer == self.first_layer:
-                    decide_at_prefill(h, ctx, energy_key, lambda last: self.row_energy(last) <= self.row_threshold,
+                    decide_at_prefill(h, ctx, energy_key,
+                                      lambda last: (self.row_energy(last) > self.row_threshold).float(),
                                       "The row energy decision")
                 sl = positions_slice(h.shape[1], ctx, self.positions)
                 sl = within_horizon(sl, h.shape[1], ctx, next_pos, layer, self.horizon)
                 if sl.start >= sl.stop:
                     return None
                 scale = ctx.row_scale(h.shape[0], h.device, torch.float32)
-                allowed = ctx.row_state.get(gate_key)
-                if allowed is not None:
-                    scale = scale * allowed.view(-1, 1, 1).to(scale.dtype)
-                held = ctx.row_state.get(energy_key)
-                if held is not None:
-                    scale = scale * (~held).view(-1, 1, 1).to(scale.dtype)
-                if (allowed is not None or held is not None) and not bool(scale.any()):
+                decided = [ctx.row_state[k] for k in decision_keys if k in ctx.row_state]
+                for strength in decided:
+                    scale = scale * strength.view(-1, 1, 1).to(scale.dtype)
+                if decided and not bool(scale.any()):
                     return None  # every row of the batch is held back: nothing to move
                 x = self.steer(layer, h[:, sl].float(), scale, accs[layer])
                 new = h.clone()
@@ -430,16 +429,12 @@ class EnergySteering(Intervention):
         regs += [(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]
         with hooks_attached(regs):
             yield
-        if gate_key in ctx.decisions:
-            held = ctx.decisions[gate_key].cpu() == 0
-            g = ctx.stats.setdefault("els_gate", {"rows": 0, "held": 0})
-            g["rows"] += len(held)
-            g["held"] += int(held.sum())
-        if energy_key in ctx.decisions:
-            held = ctx.decisions[energy_key].cpu()
-            g = ctx.stats.setdefault("els_row_energy", {"rows": 0, "held": 0})
-            g["rows"] += len(held)
-            g["held"] += int(held.sum())
+        for key, stat in zip(decision_keys, ("els_gate", "els_row_energy"), strict=True):
+            if key in ctx.decisions:
+                held = ctx.decisions[key].cpu() == 0
+                g = ctx.stats.setdefault(stat, {"rows": 0, "held": 0})
+                g["rows"] += len(held)
+                g["held"] += int(held.sum())
         # Only reached when the body did not raise: summarise (one device sync per layer).
         stats = {}
         nonfinite = False
