@@ -60,32 +60,31 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    clock = _Clock()
     stages = ["baseline evaluation", "ELS training (labels, activations, energy models, vectors, harm gate)",
               "validation sweep", "steered evaluation"]
     stages += ["known-answer check"] if cfg.knowns else []
     stages += ["baselines on the test sets"] if cfg.test_baselines else []
-    say = _Stages(stages, cfg.progress)
+    clock = _Clock(stages, cfg.progress)
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     clock.lap("model load")
     common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                   dtype=cfg.dtype, progress=cfg.progress)
-    say("baseline evaluation", f"the unsteered model on {len(cfg.test_sets)} test sets")
+    clock.begin(0, f"the unsteered model on {len(cfg.test_sets)} test sets")
     base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common), lm=lm)
-    clock.lap("baseline evaluation")
-    say("ELS training (labels, activations, energy models, vectors, harm gate)",
-        "label the model's own answers on train prompts, capture states, train energy models and the harm gate")
+    clock.lap()
+    clock.begin(1, "label the model's own answers on train prompts, capture states, train energy models and the "
+                   "harm gate")
     train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train,
                              limit_harmful=cfg.limit_harmful_train,
                              limit_gate_harmful=cfg.limit_gate_harmful, limit_gate_benign=cfg.limit_gate_benign,
                              **common), lm=lm)
-    clock.lap("ELS training (labels, activations, energy models, vectors, harm gate)")
-    say("validation sweep", "score ELS settings and baselines on validation prompts; pick the best eligible one")
+    clock.lap()
+    clock.begin(2, "score ELS settings and baselines on validation prompts; pick the best eligible one")
     sweep = run_sweep(demo_sweep_config(cfg, out / "els"), lm=lm)
-    clock.lap("validation sweep")
+    clock.lap()
     best = sweep["best"]
     steered = knowns = None
-    say("steered evaluation", "the selected setting on the test sets (rows it leaves unsteered are copied)")
+    clock.begin(3, "the selected setting on the test sets (rows it leaves unsteered are copied)")
     if best is not None:
         args = {"path": str(out / "els"), **best["args"]}
         _set_aside_if_changed(out / "steered", args)
@@ -93,16 +92,16 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
         steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
                                       intervention="els", intervention_args=args,
                                       reuse_unsteered=str(out / "baseline"), **common), lm=lm)
-        clock.lap("steered evaluation")
+        clock.lap()
         if cfg.knowns:
-            say("known-answer check", "everyday questions with known answers, unsteered and steered (test split)")
+            clock.begin(4, "everyday questions with known answers, unsteered and steered (test split)")
             knowns = _knowns(cfg, out, lm, args)
-            clock.lap("known-answer check")
+            clock.lap()
     tests = None
     if cfg.test_baselines:
-        say("baselines on the test sets", ", ".join(cfg.test_baselines) + " (for the test-set Pareto plot)")
+        clock.begin(len(stages) - 1, ", ".join(cfg.test_baselines) + " (for the test-set Pareto plot)")
         tests = _test_pareto(cfg, out, lm, base, steered, common)
-        clock.lap("baselines on the test sets")
+        clock.lap()
     summary = {"baseline": base, "steered": steered, "best": best, "knowns": knowns, "test_pareto": tests,
                "sweep": sweep, "minutes": clock.minutes()}
     write_json_atomic(out / "timing.json", summary["minutes"])
@@ -177,31 +176,27 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, base: dict, steered: dict | Non
     return rows
 
 
-class _Stages:
-    """Prints each stage's name, number and purpose as it starts (the progress bars below it name their
-    own work)."""
-
-    def __init__(self, names: list[str], show: bool = True) -> None:
-        self.names, self.show = names, show
-
-    def __call__(self, name: str, what: str) -> None:
-        if self.show:
-            import sys
-
-            print(f"\n[demo {self.names.index(name) + 1}/{len(self.names)}] {name}: {what}", file=sys.stderr,
-                  flush=True)
-
-
 class _Clock:
-    """Wall minutes per stage (a resumed stage counts only the time it took this time)."""
+    """Wall minutes per stage (a resumed stage counts only the time it took this time). ``begin`` prints a
+    stage's number, name and purpose as it starts (the progress bars below it name their own work);
+    ``lap`` closes the stage begun last, or the one named."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages: list[str], show: bool = True) -> None:
+        self.stages, self.show = stages, show
+        self.current: str | None = None
         self.t = time.perf_counter()
         self.laps: dict[str, float] = {}
 
-    def lap(self, name: str) -> None:
+    def begin(self, index: int, what: str) -> None:
+        self.current = self.stages[index]
+        if self.show:
+            import sys
+
+            print(f"\n[demo {index + 1}/{len(self.stages)}] {self.current}: {what}", file=sys.stderr, flush=True)
+
+    def lap(self, name: str | None = None) -> None:
         now = time.perf_counter()
-        self.laps[name] = round((now - self.t) / 60, 2)
+        self.laps[name or self.current] = round((now - self.t) / 60, 2)
         self.t = now
 
     def minutes(self) -> dict:
