@@ -11,7 +11,7 @@ import torch
 
 import aligntax
 from aligntax.activations import capture
-from aligntax.energy import EnergyConfig, EnergyModel, train_layers
+from aligntax.energy import EnergyModel
 from aligntax.errors import AligntaxError
 from aligntax.generation import GenerationConfig, generate
 from aligntax.interventions import (
@@ -19,10 +19,9 @@ from aligntax.interventions import (
     EnergySteering,
     NoIntervention,
     SystemPrompt,
-    compute_vectors,
     make_intervention,
 )
-from tiny import PROMPTS, hook_counts, run_steered, tiny_lm
+from tiny import PROMPTS, hook_counts, run_steered, save_tiny_bank, save_tiny_vectors, tiny_lm
 
 H = 32
 P3 = PROMPTS[:3]  # three prompts of different lengths: a left-padded batch
@@ -66,23 +65,12 @@ def row_threshold(lm):
 
 @pytest.fixture(scope="module")
 def vector_dir(lm, tmp_path_factory):
-    harmful = capture(lm, ["how to build a bomb", "steal a car now", "hurt someone badly"], "all", progress=False)
-    harmless = capture(lm, ["bake a cake", "learn python", "plant a tree"], "all", progress=False)
-    pseudo = capture(lm, ["kill a python process", "shoot a photo", "buy a can of coke"], "all", progress=False)
-    d = tmp_path_factory.mktemp("vectors")
-    compute_vectors(harmful, harmless, pseudo, fingerprint=lm.fingerprint, layer=1).save(d)
-    return d
+    return save_tiny_vectors(lm, tmp_path_factory.mktemp("vectors"))
 
 
 @pytest.fixture(scope="module")
 def bank_dir(lm, tmp_path_factory):
-    prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(16)]
-    acts = capture(lm, prompts, "all", progress=False)
-    labels = torch.tensor([i % 2 for i in range(16)])
-    bank = train_layers(acts, labels, EnergyConfig.preset("small", widths=[16], epochs=2), fingerprint=lm.fingerprint)
-    d = tmp_path_factory.mktemp("bank")
-    bank.save(d)
-    return d
+    return save_tiny_bank(lm, tmp_path_factory.mktemp("bank"), n=16, epochs=2)
 
 
 def cast(lm, mode="add"):

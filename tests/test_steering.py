@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aligntax.activations import capture, position_ids_from_mask
-from aligntax.energy import EnergyBank, EnergyConfig, EnergyModel, train_layers
+from aligntax.energy import EnergyBank, EnergyModel
 from aligntax.errors import AligntaxError, CompatibilityError
 from aligntax.generation import GenerationConfig, generate
 from aligntax.interventions import (
@@ -25,7 +25,16 @@ from aligntax.interventions import (
     refusal_direction,
 )
 from aligntax.models import decoder_layers
-from tiny import PROMPTS, end_token_for_varied_lengths, hook_counts, record_block_inputs, run_steered, tiny_lm
+from tiny import (
+    PROMPTS,
+    end_token_for_varied_lengths,
+    hook_counts,
+    record_block_inputs,
+    run_steered,
+    save_tiny_bank,
+    save_tiny_vectors,
+    tiny_lm,
+)
 
 H = 32
 
@@ -282,13 +291,7 @@ def test_generate_integration_and_stats(lm):
 # ---- energy bank integration -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bank_dir(lm, tmp_path_factory):
-    prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(24)]
-    acts = capture(lm, prompts, "all", progress=False)
-    labels = torch.tensor([i % 2 for i in range(24)])
-    bank = train_layers(acts, labels, EnergyConfig.preset("small", widths=[16], epochs=3), fingerprint=lm.fingerprint)
-    d = tmp_path_factory.mktemp("bank")
-    bank.save(d)
-    return d
+    return save_tiny_bank(lm, tmp_path_factory.mktemp("bank"), n=24, epochs=3)
 
 
 def test_from_dir_and_fingerprint_refusal(lm, bank_dir):
@@ -404,13 +407,7 @@ def test_cast_decides_per_row(lm):
 # ---- storage and registry ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vector_dir(lm, tmp_path_factory):
-    harmful = capture(lm, ["how to build a bomb", "steal a car now", "hurt someone badly"], "all", progress=False)
-    harmless = capture(lm, ["bake a cake", "learn python", "plant a tree"], "all", progress=False)
-    pseudo = capture(lm, ["kill a python process", "shoot a photo", "buy a can of coke"], "all", progress=False)
-    vs = compute_vectors(harmful, harmless, pseudo, fingerprint=lm.fingerprint, layer=1)
-    d = tmp_path_factory.mktemp("vectors")
-    vs.save(d)
-    return d
+    return save_tiny_vectors(lm, tmp_path_factory.mktemp("vectors"))
 
 
 def test_vectors_round_trip_and_refusal(lm, vector_dir):

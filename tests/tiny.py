@@ -201,3 +201,31 @@ def end_token_for_varied_lengths(token_rows: list[list[int]]) -> int:
     if best is None:
         raise ValueError("every token occurs in every row")
     return best
+
+
+# ---- saved steering artefacts of a tiny model ---------------------------------------------------------------
+def save_tiny_vectors(lm, directory):
+    """Refusal, false-refusal and CAST vectors of ``lm`` (layer 1) from three harmful, harmless and
+    pseudo-harmful prompts each, saved in ``directory``; returns it."""
+    from aligntax.activations import capture
+    from aligntax.interventions import compute_vectors
+
+    harmful = capture(lm, ["how to build a bomb", "steal a car now", "hurt someone badly"], "all", progress=False)
+    harmless = capture(lm, ["bake a cake", "learn python", "plant a tree"], "all", progress=False)
+    pseudo = capture(lm, ["kill a python process", "shoot a photo", "buy a can of coke"], "all", progress=False)
+    compute_vectors(harmful, harmless, pseudo, fingerprint=lm.fingerprint, layer=1).save(directory)
+    return directory
+
+
+def save_tiny_bank(lm, directory, n: int = 24, epochs: int = 3):
+    """An energy bank of ``lm`` trained on ``n`` alternating prompts (label = odd index), saved in
+    ``directory``; returns it."""
+    from aligntax.activations import capture
+    from aligntax.energy import EnergyConfig, train_layers
+
+    prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(n)]
+    acts = capture(lm, prompts, "all", progress=False)
+    labels = torch.tensor([i % 2 for i in range(n)])
+    bank = train_layers(acts, labels, EnergyConfig.preset("small", widths=[16], epochs=epochs), fingerprint=lm.fingerprint)
+    bank.save(directory)
+    return directory
