@@ -75,19 +75,47 @@ def test_judge_command_round_trip(tmp_path):
 
 
 def test_els_flags_take_none_to_turn_a_tuned_setting_off():
-    import typer
+    from aligntax.errors import AligntaxError
+    from aligntax.interventions.registry import cli_options, grid_values, intervention_args
 
-    from aligntax.cli import _intervention_args, _opt_numbers
-
-    args = _intervention_args("bank", None, None, None, "none", None, gate="0.3", horizon="8")
+    args = intervention_args("els", {"iv_steer": "bank", "iv_energy_threshold": "none", "iv_gate": "0.3",
+                                     "iv_horizon": "8"})
     assert args == {"path": "bank", "threshold": "none", "gate": 0.3, "horizon": 8}
-    assert _intervention_args("bank", None, None, None, "-1", None, gate="None")["gate"] == "none"
-    with pytest.raises(typer.BadParameter, match="--horizon"):
-        _intervention_args("bank", None, None, None, None, None, horizon="eight")
-    assert _opt_numbers("none, 8,16", int, "--horizon") == [None, 8, 16]  # sweep grids parse the same way
-    with pytest.raises(typer.BadParameter, match="--gate"):
-        _opt_numbers("0.5,half", float, "--gate")
+    assert intervention_args("els", {"iv_gate": "None"})["gate"] == "none"
+    with pytest.raises(AligntaxError, match="--horizon"):
+        intervention_args("els", {"iv_horizon": "eight"})
+    opts = {o.flag: o for o in cli_options()}
+    assert grid_values("none, 8,16", opts["--horizon"]) == [None, 8, 16]  # sweep grids parse the same way
+    with pytest.raises(AligntaxError, match="--gate"):
+        grid_values("0.5,half", opts["--gate"])
     # 'saved' is the gate's own (recall-calibrated) threshold, on the command line and in sweep grids
-    assert _intervention_args("bank", None, None, None, None, None, gate="saved")["gate"] is True
-    from aligntax.cli import _gate_value
-    assert _opt_numbers("none,saved,0.5", float, "--gate", _gate_value) == [None, True, 0.5]
+    assert intervention_args("els", {"iv_gate": "saved"})["gate"] is True
+    assert grid_values("none,saved,0.5", opts["--gate"]) == [None, True, 0.5]
+    assert grid_values("17;19,20", opts["--layers"]) == [[17], [19, 20]]
+    # an option of another method is refused, naming the methods that take it
+    with pytest.raises(AligntaxError, match="--eta is an option of els, not of 'refusal-ablation'"):
+        intervention_args("refusal-ablation", {"iv_eta": "0.3"})
+
+
+def test_every_registered_option_is_on_the_steering_commands_once():
+    """The options are declared once (aligntax.interventions.registry) and every steering command gets
+    all of them; --threshold stays an alias of --energy-threshold."""
+    from aligntax.interventions.registry import cli_options
+
+    env = {"COLUMNS": "300", "NO_COLOR": "1", "TERM": "dumb"}
+    for cmd in ("generate", "chat", "eval", "mc", "knowns"):
+        res = runner.invoke(app, [cmd, "--help"], env=env)
+        assert res.exit_code == 0, res.output
+        for o in cli_options():
+            assert o.flag in res.output, (cmd, o.flag)
+        assert "--threshold" in res.output
+    res = runner.invoke(app, ["els", "sweep", "--help"], env=env)
+    for flag in ("--eta", "--row-threshold", "--energy-threshold", "--gate-ramp", "--layers", "--horizon"):
+        assert flag in res.output, flag
+
+
+def test_a_wrong_option_for_the_method_is_a_clear_cli_error(tmp_path):
+    res = runner.invoke(app, ["generate", "hi", "--intervention", "refusal-ablation", "--eta", "0.3"])
+    assert res.exit_code == 2 and "--eta is an option of els" in res.output, res.output
+    res = runner.invoke(app, ["generate", "hi", "--steer", str(tmp_path), "--horizon", "eight"])
+    assert res.exit_code == 2 and "--horizon takes a number or 'none'" in res.output, res.output

@@ -108,6 +108,7 @@ def test_shared_prefix_cached_once_gives_the_prompts_logits():
     from aligntax.generation.chat import build_messages, encode_chats, render_chat
     from aligntax.generation.generate import greedy_decode
     from aligntax.generation.prefix import common_prefix_len, prefix_cache, unpadded
+    from aligntax.hooks import with_cache
 
     lm = byte_tiny_lm("qwen2", layers=2)
     texts = [render_chat(lm.tokenizer, build_messages(p, "Be brief.")) for p in PROMPTS]
@@ -121,8 +122,8 @@ def test_shared_prefix_cached_once_gives_the_prompts_logits():
         cache, rest, rest_mask = prefix_cache(lm.model, ids, mask, prefix)
         assert rest.shape[1] == ids.shape[1] - prefix and cache.get_seq_length() == prefix
         both = torch.cat([torch.ones(len(PROMPTS), prefix, dtype=mask.dtype), rest_mask], 1)
-        split = lm.model(input_ids=rest, attention_mask=both, position_ids=position_ids_from_mask(both)[:, prefix:],
-                         cache=cache).logits[:, -1]
+        split = lm.model(**with_cache(lm.model, cache, input_ids=rest, attention_mask=both,
+                                      position_ids=position_ids_from_mask(both)[:, prefix:])).logits[:, -1]
     torch.testing.assert_close(split, full, rtol=1e-4, atol=1e-4)
     assert common_prefix_len(unpadded(ids[:1], mask[:1])) == int(mask[0].sum()) - 1  # one row: all but its last token
     eos = {lm.tokenizer.eos_token_id}

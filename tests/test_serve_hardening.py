@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from aligntax.interventions.base import Intervention, hidden_from_args, hooks_attached, replace_hidden_in_args
 from aligntax.models.layers import decoder_layers
 from aligntax.serve import create_app
-from aligntax.serve.app import MAX_BODY_BYTES, InsecureBindError, _Gate, check_bind
+from aligntax.serve.app import MAX_BODY_BYTES, InsecureBindError, _RequestGuard, check_bind
 from aligntax.serve.background import BackgroundServer
 from aligntax.serve.engine import BatchEngine, Failed, Finished, Job, SamplingParams
 from aligntax.serve.metrics import ServeMetrics
@@ -167,7 +167,7 @@ def _paused(engine):
 
 # -- body size ------------------------------------------------------------------------------------------
 
-def test_gate_answers_413_to_endless_chunked_body_without_reading_it():
+def test_guard_answers_413_to_endless_chunked_body_without_reading_it():
     """ASGI level: a body that never ends is cut off just past the limit."""
     calls, sent = [0], []
     chunk = b"x" * (1 << 20)
@@ -182,9 +182,9 @@ def test_gate_answers_413_to_endless_chunked_body_without_reading_it():
     async def app(scope, receive, send):  # pragma: no cover - must not be reached
         raise AssertionError("the app was called")
 
-    gate = _Gate(app, None, ServeMetrics())
+    guard = _RequestGuard(app, None, ServeMetrics())
     scope = {"type": "http", "method": "POST", "path": URL, "headers": [(b"transfer-encoding", b"chunked")]}
-    asyncio.run(gate(scope, receive, send))
+    asyncio.run(guard(scope, receive, send))
     assert sent[0]["status"] == 413
     assert calls[0] == MAX_BODY_BYTES // len(chunk) + 1
     assert json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"

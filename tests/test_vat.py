@@ -781,3 +781,19 @@ def test_cli(tiny, cache_env, monkeypatch):
     assert r.exit_code == 0 and "gain" in r.output
     r = runner.invoke(app, ["rescore", str(cache_env)])
     assert r.exit_code == 2
+
+
+def test_vat_builds_any_registered_steering_method(tmp_path):
+    """VAT measures the value tax of every method of the intervention registry, built from the same
+    declared options (here refusal-ablation and cast from a vector folder)."""
+    from aligntax.interventions.vectors import ConditionalSteering, DirectionAblation
+    from aligntax.vat.interventions import build_intervention
+    from tiny import save_tiny_vectors, tiny_lm
+
+    lm = tiny_lm("qwen2", hidden=32, layers=3)
+    vec = save_tiny_vectors(lm, tmp_path / "vec")
+    iv = build_intervention("refusal-ablation", lm, "Benevolence", options={"path": str(vec), "coeff": 0.5})
+    assert isinstance(iv, DirectionAblation) and iv.coeff == 0.5 and iv.cacheable is False
+    assert isinstance(build_intervention("cast", lm, "Benevolence", options={"path": str(vec)}), ConditionalSteering)
+    with pytest.raises(AligntaxError, match="Unknown options for intervention 'cast'"):
+        build_intervention("cast", lm, "Benevolence", options={"path": str(vec), "eta": 0.3})

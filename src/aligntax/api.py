@@ -21,6 +21,9 @@ def load_intervention(dir_or_name: str | Path, lm=None, **options):
       needs ``name=`` the vector method (``refusal-add``, ``refusal-ablation``,
       ``false-refusal-ablation``, ``cast``). ``name=`` also overrides the ELS default.
 
+    - a steering bundle (a folder with ``bundle.json``, or a Hub id ``org/name``): its method and setting
+      (:func:`aligntax.bundles.from_pretrained`; ``options`` override the setting).
+
     ``lm`` (a :class:`~aligntax.models.loader.LoadedModel`) checks the artefact's model fingerprint."""
     from aligntax.energy.bank import SIDECAR as ENERGY_SIDECAR
     from aligntax.interventions.registry import INTERVENTIONS, make_intervention
@@ -31,6 +34,11 @@ def load_intervention(dir_or_name: str | Path, lm=None, **options):
     if name is None and text in INTERVENTIONS:
         return make_intervention(text, lm, **options)
     path = Path(text).expanduser()
+    from aligntax.bundles.bundle import MANIFEST, from_pretrained
+    from aligntax.bundles.card import is_hub_id
+
+    if (path / MANIFEST).is_file() or (not path.is_dir() and is_hub_id(text)):  # a steering bundle
+        return from_pretrained(text, lm, **({"name": name} if name else {}), **options)
     if not path.is_dir():
         raise AligntaxError(
             f"{text!r} is neither an intervention name ({', '.join(INTERVENTIONS)}) nor a folder."

@@ -11,7 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from aligntax.clitools import InterventionOpt, grid_options, steering_options
+from aligntax.clitools import fail as _fail
 from aligntax.errors import AligntaxError
+from aligntax.interventions.options import parse_value
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.fsio import write_json_atomic
 
@@ -22,11 +25,6 @@ data_app = typer.Typer(help="Benchmark datasets.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 console = Console(stderr=True)
-
-
-def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)  # no line breaks inside paths
-    raise typer.Exit(2)
 
 
 # ---------------------------------------------------------------- models
@@ -97,81 +95,12 @@ def data_fetch(name: str = typer.Argument(..., help="a packaged dataset, e.g. do
 
 
 # ---------------------------------------------------------------- generate / judge / eval
-# The intervention options shared by generate, chat, eval and mc.
-InterventionOpt = Annotated[str | None, typer.Option(
-    help="none, els, system-prompt, helpful-prompt, refusal-ablation, false-refusal-ablation, refusal-add, cast")]
-SteerOpt = Annotated[str | None, typer.Option(help="energy model folder (implies --intervention els)")]
-VectorsOpt = Annotated[str | None, typer.Option(help="vector folder for the vector baselines")]
-EtaOpt = Annotated[float | None, typer.Option(help="ELS step size (x the layer's median norm)")]
-StepsOpt = Annotated[int | None, typer.Option(help="ELS descent steps")]
-LayersOpt = Annotated[str | None, typer.Option(help="comma-separated layer indices")]
-ThresholdOpt = Annotated[str | None, typer.Option(help="ELS energy gate ('none': off, even if tuned)")]
-TopKOpt = Annotated[int | None, typer.Option(help="ELS: steer the K best layers of the bank")]
-CoeffOpt = Annotated[float | None, typer.Option(help="vector baselines: strength")]
-GateOpt = Annotated[str | None, typer.Option(
-    help="ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
-         "threshold; 'none': off, even if tuned)")]
-HorizonOpt = Annotated[str | None, typer.Option(help="ELS: steer only the first N generated tokens ('none': all)")]
-RowThresholdOpt = Annotated[str | None, typer.Option(
-    help="ELS: steer a row only when its last prompt token's energy is above this ('none': off, even if tuned)")]
-GateRampOpt = Annotated[str | None, typer.Option(
-    help="ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)")]
-
-
-def _iv_name(intervention: str | None, steer: str | None) -> str | None:
-    """``--steer DIR`` alone means ELS."""
-    return "els" if steer and not intervention else intervention
-
-
-def _intervention_args(steer: str | None, eta: float | None, steps: int | None,
-                       layers: str | None, threshold: str | None, vectors: str | None,
-                       top_k: int | None = None, coeff: float | None = None, gate: str | None = None,
-                       horizon: str | None = None, row_threshold: str | None = None,
-                       gate_ramp: str | None = None) -> dict:
-    args: dict = {}
-    if row_threshold is not None:
-        args["row_threshold"] = _number_or_none(row_threshold, float, "--row-threshold")
-    if gate_ramp is not None:
-        args["gate_ramp"] = _number_or_none(gate_ramp, float, "--gate-ramp")
-    if horizon is not None:
-        args["horizon"] = _number_or_none(horizon, int, "--horizon")
-    if gate is not None:
-        args["gate"] = _gate_value(gate)
-    if top_k is not None:
-        args["top_k"] = top_k
-    if coeff is not None:
-        args["coeff"] = coeff
-    if steer:
-        args["path"] = steer
-    if vectors:
-        args["path"] = vectors
-    if eta is not None:
-        args["eta"] = eta
-    if steps is not None:
-        args["steps"] = steps
-    if layers:
-        args["layers"] = [int(x) for x in layers.split(",") if x.strip()]
-    if threshold is not None:
-        args["threshold"] = _number_or_none(threshold, float, "--threshold")
-    return args
-
-
-def _gate_value(text: str):
-    """``--gate``: a probability, ``saved`` (True: the threshold stored with the gate) or ``none``."""
-    return True if text.strip().lower() == "saved" else _number_or_none(text, float, "--gate")
-
-
-def _number_or_none(text: str, kind, flag: str):
-    """A flag's number, or ``"none"`` (which turns a tuned ELS setting off)."""
-    if text.strip().lower() == "none":
-        return "none"
-    try:
-        return kind(text)
-    except ValueError:
-        raise typer.BadParameter(f"{flag} takes a number or 'none', not {text!r}.") from None
+# The intervention options of generate, chat, eval, mc and knowns: --intervention plus every registered
+# method's options (aligntax.interventions.options), added to a command by @steering_options.
 
 
 @app.command()
+@steering_options
 def generate(
     prompt: list[str] = typer.Argument(None, help="prompts; or use --in"),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
@@ -186,11 +115,11 @@ def generate(
     seed: int | None = typer.Option(None),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     limit: int | None = typer.Option(None),
-    intervention: InterventionOpt = None, steer: SteerOpt = None, eta: EtaOpt = None, steps: StepsOpt = None,
-    layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None, gate: GateOpt = None,
-    horizon: HorizonOpt = None, row_threshold: RowThresholdOpt = None, gate_ramp: GateRampOpt = None,
+    intervention: InterventionOpt = None, iv_args: dict | None = None,
+    backend: str = typer.Option("hf", help="hf, or vllm (continuous batching; ./run setup-vllm)"),
 ) -> None:
     """Generate chat responses for prompts, in batches."""
+    from aligntax.backends import check_backend
     from aligntax.generation import GenerationConfig
     from aligntax.generation import generate as gen
     from aligntax.models import load_model
@@ -206,12 +135,17 @@ def generate(
             ids += [it.id for it in items]
         if not prompts:
             raise AligntaxError("No prompts: give them as arguments or with --in")
-        lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate, horizon,
-                      row_threshold, gate_ramp)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, system=system,
                                do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
-        gens = gen(lm, prompts, cfg, iv)
+        if check_backend(backend) == "vllm":
+            from aligntax.backends.vllm.engine import VllmModel, prepare
+
+            vm = VllmModel(model, dtype=dtype)
+            preset, iv = prepare(vm, intervention, iv_args)
+            gens, _ = vm.generate(prompts, cfg, steer=preset, intervention=iv)
+        else:
+            lm = load_model(model, dtype=dtype)
+            gens = gen(lm, prompts, cfg, _make_iv(lm, intervention, iv_args))
     except AligntaxError as exc:
         _fail(exc)
     fh = open(out, "w") if out else sys.stdout
@@ -222,26 +156,20 @@ def generate(
         fh.close()
 
 
-def _make_iv(lm, intervention, steer, eta, steps, layers, threshold, vectors, top_k=None, gate=None, horizon=None,
-             row_threshold=None, gate_ramp=None):
-    intervention = _iv_name(intervention, steer)
+def _make_iv(lm, intervention: str | None, iv_args: dict | None):
     if not intervention or intervention == "none":
         return None
     from aligntax.interventions.registry import make_intervention
 
-    return make_intervention(intervention, lm, **_intervention_args(steer, eta, steps, layers, threshold,
-                                                                     vectors, top_k, gate=gate,
-                                                                     horizon=horizon, row_threshold=row_threshold,
-                                                                     gate_ramp=gate_ramp))
+    return make_intervention(intervention, lm, **(iv_args or {}))
 
 
 @app.command()
+@steering_options
 def chat(
     model: str = typer.Option(DEFAULT_MODEL), system: str | None = typer.Option(None),
     max_new_tokens: int = typer.Option(256), dtype: str = typer.Option("bf16"),
-    intervention: InterventionOpt = None, steer: SteerOpt = None, eta: EtaOpt = None, steps: StepsOpt = None,
-    layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None, gate: GateOpt = None,
-    horizon: HorizonOpt = None,
+    intervention: InterventionOpt = None, iv_args: dict | None = None,
 ) -> None:
     """Interactive chat (one line a turn; an empty line or Ctrl-D ends)."""
     from aligntax.generation import GenerationConfig
@@ -250,7 +178,7 @@ def chat(
 
     try:
         lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, steer, eta, steps, layers, threshold, None, top_k, gate, horizon)
+        iv = _make_iv(lm, intervention, iv_args)
     except AligntaxError as exc:
         _fail(exc)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -284,7 +212,31 @@ def judge(
     console.print(f"judged {summary['n']} lines ({summary['n_refused']} refused) with {summary['judge']} -> {out}")
 
 
+# Runs over Ray (aligntax.runs.distributed, docs/ray.md) and models split over devices.
+RayOpt = Annotated[str | None, typer.Option(
+    "--ray", help="generate on replicas of the model over Ray: 'local' (a new cluster on this machine), 'auto' "
+                  "(the cluster this machine belongs to, or RAY_ADDRESS), HOST:6379 or ray://HOST:10001")]
+WorkersOpt = Annotated[int | None, typer.Option(help="--ray: replicas of the model (default: as many as fit)")]
+WorkerCpusOpt = Annotated[float, typer.Option(help="--ray: CPUs per replica (also its torch threads)")]
+WorkerGpusOpt = Annotated[float | None, typer.Option(
+    help="--ray: GPUs per replica (default 1 when the cluster has GPUs, else 0)")]
+DeviceMapOpt = Annotated[str | None, typer.Option(
+    help="'auto': split a model larger than one device over the devices (accelerate)")]
+
+
+def _ray_config(address: str | None, workers: int | None, cpus: float, gpus: float | None):
+    """The Ray settings of ``--ray`` and its options (None without ``--ray``)."""
+    if address is None:
+        if workers is not None or gpus is not None:
+            raise AligntaxError("--workers and --worker-gpus go with --ray ADDRESS (e.g. --ray local).")
+        return None
+    from aligntax.runs.distributed import RayConfig
+
+    return RayConfig(address=address, workers=workers, cpus=cpus, gpus=gpus)
+
+
 @app.command("eval")
+@steering_options
 def eval_cmd(
     data: list[str] = typer.Option(None, "--data", help="file or dataset name; repeatable"),
     out: Path | None = typer.Option(None, help="run folder"),
@@ -299,10 +251,7 @@ def eval_cmd(
     sample: bool | None = typer.Option(None, help="sample instead of greedy"),
     temperature: float | None = typer.Option(None), top_p: float | None = typer.Option(None),
     seed: int | None = typer.Option(None),
-    intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
-    steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
-    coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
-    row_threshold: RowThresholdOpt = None, gate_ramp: GateRampOpt = None,
+    intervention: InterventionOpt = None, iv_args: dict | None = None,
     reuse_unsteered: Path | None = typer.Option(
         None, help="an unsteered run folder with the same settings: rows the intervention leaves unsteered "
                    "(ELS harm gate, CAST condition) take their answers from it instead of being generated"),
@@ -310,6 +259,9 @@ def eval_cmd(
         None, help="an earlier run folder over the same prompts (default: --reuse-unsteered): the paired change "
                    "against it per dataset (turned compliant/refusing, exact McNemar p)"),
     no_progress: bool = typer.Option(False, help="hide progress bars"),
+    ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
+    worker_gpus: WorkerGpusOpt = None, device_map: DeviceMapOpt = None,
+    backend: str | None = typer.Option(None, help="hf (default), or vllm (continuous batching; ./run setup-vllm)"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
     from aligntax.config import load_config
@@ -317,17 +269,15 @@ def eval_cmd(
     from aligntax.runs import EvalConfig, run_eval
 
     try:
-        intervention = _iv_name(intervention, steer)
-        iv_args = _intervention_args(steer, eta, steps, layers, threshold, vectors, top_k, coeff, gate,
-                                     horizon, row_threshold, gate_ramp) or None
         cfg = load_config(
             EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
             judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
             batch_size=batch_size, dtype=dtype, do_sample=sample, temperature=temperature, top_p=top_p,
-            seed=seed, intervention=intervention, intervention_args=iv_args,
+            seed=seed, intervention=intervention, intervention_args=iv_args or None,
             reuse_unsteered=str(reuse_unsteered) if reuse_unsteered else None,
-            compare_to=str(compare_to) if compare_to else None, progress=False if no_progress else None)
-        results = run_eval(cfg)
+            compare_to=str(compare_to) if compare_to else None, progress=False if no_progress else None,
+            device_map=device_map, backend=backend)
+        results = run_eval(cfg, ray=_ray_config(ray, workers, worker_cpus, worker_gpus))
     except AligntaxError as exc:
         _fail(exc)
     Console().print(eval_table(results))
@@ -378,6 +328,7 @@ def fluency(
 
 
 @app.command("mc")
+@steering_options
 def mc_cmd(
     out: Path = typer.Option(..., help="output folder (results.json, samples.jsonl)"),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
@@ -386,21 +337,15 @@ def mc_cmd(
     system: str | None = typer.Option(None, help="system prompt"),
     batch_size: int = typer.Option(16),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
-    intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
-    steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
-    coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
-    row_threshold: RowThresholdOpt = None, gate_ramp: GateRampOpt = None,
+    intervention: InterventionOpt = None, iv_args: dict | None = None,
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
     from aligntax.metrics.mc import MCConfig, format_accuracy, run_mc
 
     try:
-        intervention = _iv_name(intervention, steer)
         cfg = MCConfig(out=str(out), model=model, data=data, limit=limit, system=system, batch_size=batch_size,
-                       dtype=dtype, intervention=intervention,
-                       intervention_args=_intervention_args(steer, eta, steps, layers, threshold, vectors, top_k,
-                                                            coeff, gate, horizon, row_threshold, gate_ramp),
+                       dtype=dtype, intervention=intervention, intervention_args=iv_args,
                        progress=not no_progress)
         res = run_mc(cfg)
     except AligntaxError as exc:
@@ -414,6 +359,7 @@ def mc_cmd(
 
 
 @app.command("knowns")
+@steering_options
 def knowns_cmd(
     out: Path = typer.Option(..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
@@ -425,10 +371,7 @@ def knowns_cmd(
     max_new_tokens: int = typer.Option(48),
     batch_size: int = typer.Option(32),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
-    intervention: InterventionOpt = None, steer: SteerOpt = None, vectors: VectorsOpt = None, eta: EtaOpt = None,
-    steps: StepsOpt = None, layers: LayersOpt = None, threshold: ThresholdOpt = None, top_k: TopKOpt = None,
-    coeff: CoeffOpt = None, gate: GateOpt = None, horizon: HorizonOpt = None,
-    row_threshold: RowThresholdOpt = None, gate_ramp: GateRampOpt = None,
+    intervention: InterventionOpt = None, iv_args: dict | None = None,
     no_progress: bool = typer.Option(False, help="hide progress bars"),
 ) -> None:
     """Known-answer accuracy of greedy answers to everyday questions, with or without an intervention."""
@@ -436,13 +379,9 @@ def knowns_cmd(
     from aligntax.metrics.mc import format_accuracy
 
     try:
-        intervention = _iv_name(intervention, steer)
         cfg = KnownsConfig(out=str(out), model=model, data=data, split=split, limit=limit,
                            max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, system=system,
-                           intervention=intervention,
-                           intervention_args=_intervention_args(steer, eta, steps, layers, threshold, vectors,
-                                                                top_k, coeff, gate, horizon, row_threshold,
-                                                                gate_ramp),
+                           intervention=intervention, intervention_args=iv_args,
                            compare_to=compare_to, progress=not no_progress)
         res = run_knowns(cfg)
     except AligntaxError as exc:
@@ -516,7 +455,7 @@ def els_train(
                           limit_gate_harmful=limit_gate_harmful, gate_benign=_split_list(gate_benign),
                           limit_gate_benign=limit_gate_benign, gate_ensemble=gate_ensemble)
         if gate_recall is not None:
-            value = _number_or_none(gate_recall, float, "--gate-recall")
+            value = parse_value(gate_recall, "float_or_none", "--gate-recall")
             cfg.gate_recall = None if value == "none" else value
         train_els(cfg)
     except AligntaxError as exc:
@@ -524,15 +463,8 @@ def els_train(
     console.print(f"energy models and report: {out}")
 
 
-def _opt_numbers(text: str | None, kind, flag: str, parse=None) -> list | None:
-    """A sweep grid: ``"none,0,0.5"`` -> ``[None, 0.0, 0.5]`` (numbers of ``kind``, or ``parse``)."""
-    if not text:
-        return None
-    parse = parse or (lambda x: _number_or_none(x, kind, flag))
-    return [None if v == "none" else v for v in (parse(x) for x in text.split(","))]
-
-
 @els_app.command("sweep")
+@grid_options
 def els_sweep(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
     out: Path | None = typer.Option(None, help="default STEER/sweep"),
@@ -540,15 +472,6 @@ def els_sweep(
     benign: list[str] = typer.Option(None, help="validation benign sets (default orbench-hard-val, phtest-harmless-val)"),
     harmful: list[str] = typer.Option(None, help="validation harmful sets (default harmful-val, harmbench-val)"),
     method: str | None = typer.Option(None, help="first-token (screen, then confirm) or generate"),
-    eta: str | None = typer.Option(None, help="comma-separated grid"),
-    top_k: str | None = typer.Option(None, help="comma-separated grid of how many best layers"),
-    steps: str | None = typer.Option(None, help="comma-separated grid of step counts"),
-    threshold: str | None = typer.Option(None, help="comma-separated grid of energy gates ('none' = ungated)"),
-    gate: str | None = typer.Option(None, help="comma-separated grid of harm-gate thresholds ('none' = no gate, "
-                                               "'saved' = the gate's own threshold)"),
-    horizon: str | None = typer.Option(None, help="comma-separated grid of steered generated tokens ('none' = all)"),
-    row_threshold: str | None = typer.Option(None, help="comma-separated grid of row energy thresholds ('none' = off)"),
-    gate_ramp: str | None = typer.Option(None, help="comma-separated grid of harm-gate ramps ('none' = off)"),
     knowns: str | None = typer.Option(None, help="everyday questions with known answers whose val split a setting "
                                                  "must keep within --knowns-tolerance ('builtin', a file, or 'none')"),
     knowns_tolerance: float | None = typer.Option(None, help="largest accuracy loss allowed (default 0.02)"),
@@ -559,6 +482,9 @@ def els_sweep(
     limit_leak: int | None = typer.Option(None, help="at most N prompts of each leak set (sampled)"),
     leak_constraint: bool | None = typer.Option(None, help="the selected setting must keep every leaked refusal"),
     judge_name: str | None = typer.Option(None, "--judge"), dtype: str | None = typer.Option(None),
+    ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
+    worker_gpus: WorkerGpusOpt = None, device_map: DeviceMapOpt = None,
+    grid: dict | None = None,
 ) -> None:
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
     from aligntax.config import load_config
@@ -567,18 +493,13 @@ def els_sweep(
     try:
         cfg = load_config(SweepConfig, config, steer=str(steer), out=str(out) if out else None, model=model,
                           benign=_split_list(benign), harmful=_split_list(harmful), method=method,
-                          eta=[float(x) for x in eta.split(",")] if eta else None,
-                          top_k=[int(x) for x in top_k.split(",")] if top_k else None,
-                          steps=[int(x) for x in steps.split(",")] if steps else None,
-                          threshold=_opt_numbers(threshold, float, "--threshold"),
-                          gate=_opt_numbers(gate, float, "--gate", _gate_value), horizon=_opt_numbers(horizon, int, "--horizon"),
-                          row_threshold=_opt_numbers(row_threshold, float, "--row-threshold"),
-                          gate_ramp=_opt_numbers(gate_ramp, float, "--gate-ramp"), knowns_tolerance=knowns_tolerance,
+                          **(grid or {}), knowns_tolerance=knowns_tolerance,
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
-                          leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint)
+                          leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint,
+                          device_map=device_map)
         if knowns is not None:
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
-        res = run_sweep(cfg)
+        res = run_sweep(cfg, ray=_ray_config(ray, workers, worker_cpus, worker_gpus))
     except AligntaxError as exc:
         _fail(exc)
     print(json.dumps(res, indent=2))
@@ -619,6 +540,12 @@ def _mount_optional() -> None:
         app.command("serve")(serve_command)
     except ImportError:
         pass
+    from aligntax.lmeval.cli import lm_eval_command  # lm-eval itself is imported when the command runs
+
+    app.command("lm-eval")(lm_eval_command)
+    from aligntax.bundles.cli import mount as mount_bundles  # aligntax bundle save|push|pull, aligntax export
+
+    mount_bundles(app)
 
 
 _mount_optional()

@@ -46,6 +46,21 @@ def hidden_from_args(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def with_cache(model: nn.Module, cache, **kwargs) -> dict:
+    """``kwargs`` plus the KV cache under the keyword ``model``'s forward takes it by: ``cache`` in recent
+    transformers, ``past_key_values`` in earlier 5.x releases (which would silently ignore ``cache=``)."""
+    kind = type(model)
+    if kind not in _CACHE_KWARG:
+        import inspect
+
+        params = inspect.signature(kind.forward).parameters
+        _CACHE_KWARG[kind] = "cache" if "cache" in params else "past_key_values"
+    return {**kwargs, _CACHE_KWARG[kind]: cache}
+
+
 def pad_left(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id sequences as a left-padded ``(input_ids, attention_mask)`` batch on ``device``."""
     width = max(len(s) for s in seqs)

@@ -23,28 +23,16 @@ from tqdm.auto import tqdm
 
 from aligntax.errors import AligntaxError
 from aligntax.generation.batching import CAPTURE_BATCH_TOKENS, length_batches
-from aligntax.hooks import hidden_from_args, pad_left, position_ids_from_mask
+from aligntax.hooks import hidden_from_args, pad_left, position_ids_from_mask, with_cache
 from aligntax.models.layers import decoder_layers, hidden_size
+from aligntax.models.layers import resolve_layers as _resolve_layers
 
 POSITIONS = ("last", "mean", "response")
 
 
 def resolve_layers(model: nn.Module, layers: int | str | Sequence[int] | None) -> list[int]:
-    """Layer indices from ``'all'``/None, an int or a list (negative indices count from the end)."""
-    n = len(decoder_layers(model))
-    if layers is None or layers == "all":
-        return list(range(n))
-    if isinstance(layers, int):
-        layers = [layers]
-    out = []
-    for layer in layers:
-        layer = int(layer)
-        idx = layer + n if layer < 0 else layer
-        if not 0 <= idx < n:
-            raise AligntaxError(f"Layer {layer} is out of range: the model has {n} decoder layers (0..{n - 1}).")
-        if idx not in out:
-            out.append(idx)
-    return out
+    """Block indices of ``model`` (:func:`aligntax.models.layers.resolve_layers`)."""
+    return _resolve_layers(layers, model)
 
 
 def _require_finite(h: torch.Tensor, layer: int) -> None:
@@ -118,7 +106,7 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
             if prefix > 0:
                 cache, ids, mask = prefix_cache(model, ids, mask, prefix, forward=stopped)
                 full, pos = prefixed_inputs(mask, prefix)
-                kwargs = dict(cache=cache, use_cache=True)
+                kwargs = with_cache(model, cache, use_cache=True)
                 batch = [s[prefix:] for s in batch]
                 bp = [p - prefix for p in bp]
             else:

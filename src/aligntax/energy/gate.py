@@ -76,13 +76,15 @@ class HarmGate:
 
     def stack(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
         """The input of :meth:`logit` from ``{layer: [..., d]}``: ``[..., L, d]``, or ``[..., d]`` for a
-        one-layer gate."""
+        one-layer gate. In a model split over devices the layers' states may sit on different devices:
+        they are stacked on the device of the gate's last layer, where it decides."""
         missing = [layer for layer in self.layers if layer not in states]
         if missing:
             raise AligntaxError(f"The harm gate reads layers {self.layers}; no states for {missing}.")
         if len(self.layers) == 1:
             return states[self.layers[0]]
-        return torch.stack([states[layer] for layer in self.layers], dim=-2)
+        device = states[self.layer].device
+        return torch.stack([states[layer].to(device) for layer in self.layers], dim=-2)
 
     def logit(self, h: torch.Tensor) -> torch.Tensor:
         """Logit of p(harmful), float32, for states ``[..., L, d]`` of the gate's layers in order (see

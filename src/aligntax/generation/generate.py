@@ -29,9 +29,11 @@ import torch
 from tqdm.auto import tqdm
 
 from aligntax.generation.batching import GENERATION_BATCH_TOKENS, length_batches
-from aligntax.generation.chat import build_messages, encode_chats, render_chat
+from aligntax.generation.chat import build_messages, render_chat
 from aligntax.generation.prefix import prefix_cache, prefixed_inputs, unpadded, usable_prefix
+from aligntax.hooks import pad_left, with_cache
 from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
+from aligntax.interventions.kernels import merge_stats
 
 
 @dataclass
@@ -129,8 +131,8 @@ def decode_loop(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ma
     mask, pos = prefixed_inputs(attention_mask, cached)
     ids = input_ids
     for step in range(max_new_tokens):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                       logits_to_keep=1).logits[:, -1, :]
+        logits = model(**with_cache(model, cache, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                    use_cache=True, logits_to_keep=1)).logits[:, -1, :]
         nxt = logits.argmax(-1) if choose is None else choose(logits, alive)
         for row, token in zip(alive.tolist(), nxt.tolist(), strict=True):
             out[row].append(token)
@@ -176,14 +178,17 @@ def decode_batch(model, enc: dict, intervention: Intervention, max_new_tokens: i
         return decode_loop(model, ids, mask, max_new_tokens, eos_ids, ctx, cache, prefix, choose, ended, out), ctx
 
 
-def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: Intervention,
-                    rows: torch.Tensor | None, strength: torch.Tensor | None, batch_seed: int | None):
+def _generate_batch(lm, texts: list[str], seqs: list[list[int]], cfg: GenerationConfig,
+                    intervention: Intervention, rows: torch.Tensor | None, strength: torch.Tensor | None,
+                    batch_seed: int | None, stats: dict | None = None):
+    """One batch of already tokenised prompts (``seqs``: each text's ids, tokenised once per run)."""
     tok, model = lm.tokenizer, lm.model
-    enc = encode_chats(tok, texts, lm.device)
+    ids, mask = pad_left(seqs, tok.pad_token_id if tok.pad_token_id is not None else 0, lm.device)
+    enc = {"input_ids": ids, "attention_mask": mask}
     eos_ids = eos_token_ids(lm)
     if cfg.drop_finished and cfg.use_cache and not cfg.do_sample and plain_greedy(model):
-        new, _ = decode_batch(model, enc, intervention, cfg.max_new_tokens, eos_ids, rows, strength,
-                              cfg.share_prefix)
+        new, ctx = decode_batch(model, enc, intervention, cfg.max_new_tokens, eos_ids, rows, strength,
+                                cfg.share_prefix)
     else:
         gen_kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, use_cache=cfg.use_cache,
                           pad_token_id=tok.pad_token_id)
@@ -196,6 +201,8 @@ def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: I
         ctx = SteerContext(prompt_len=enc["input_ids"].shape[1], rows=rows, strength=strength)
         with torch.no_grad(), intervention.attach(model, ctx):
             new = model.generate(**enc, **gen_kwargs)[:, enc["input_ids"].shape[1]:].tolist()
+    if stats is not None:
+        merge_stats(stats, ctx.stats)
     results = []
     for i, row in enumerate(new):
         n = len(row)
@@ -207,7 +214,7 @@ def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: I
         text = tok.decode(row[:n], skip_special_tokens=True)
         text, stopped = _truncate_at_stop(text, cfg.stop)
         results.append(Generation(
-            prompt=texts[i], response=text.strip(), n_prompt_tokens=int(enc["attention_mask"][i].sum()),
+            prompt=texts[i], response=text.strip(), n_prompt_tokens=len(seqs[i]),
             n_tokens=n, finish_reason="stop" if stopped else finish))
     return results
 
@@ -215,13 +222,16 @@ def _generate_batch(lm, texts: list[str], cfg: GenerationConfig, intervention: I
 def iter_generate(lm, prompts: Sequence[str | list[dict]], cfg: GenerationConfig | None = None,
                   intervention: Intervention | None = None, steer_rows: Sequence[bool] | None = None,
                   strengths: Sequence[float] | None = None, progress: bool = True,
-                  desc: str = "generate") -> Iterator[tuple[list[int], list[Generation]]]:
-    """Yield (input indices, generations) batch by batch, so callers can save as they go."""
+                  desc: str = "generate", stats: dict | None = None) -> Iterator[tuple[list[int], list[Generation]]]:
+    """Yield (input indices, generations) batch by batch, so callers can save as they go. Each prompt is
+    rendered and tokenised once. ``stats``: a dict the steering statistics of every batch are merged
+    into (:func:`aligntax.interventions.kernels.merge_stats`; e.g. ELS energy before/after per layer)."""
     cfg = cfg or GenerationConfig()
     intervention = intervention or NoIntervention()
     lm.require_chat_template()
     texts = [render_chat(lm.tokenizer, build_messages(p, cfg.system, intervention)) for p in prompts]
-    lengths = [len(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    seqs = lm.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    lengths = [len(x) for x in seqs]
     order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
     bar = tqdm(total=len(texts), desc=desc, disable=not progress, unit="prompt")
     try:
@@ -231,7 +241,8 @@ def iter_generate(lm, prompts: Sequence[str | list[dict]], cfg: GenerationConfig
             rows = torch.tensor([bool(steer_rows[i]) for i in idx]) if steer_rows is not None else None
             strength = torch.tensor([float(strengths[i]) for i in idx]) if strengths is not None else None
             seed = None if cfg.seed is None else cfg.seed + b
-            gens = _generate_batch(lm, [texts[i] for i in idx], cfg, intervention, rows, strength, seed)
+            gens = _generate_batch(lm, [texts[i] for i in idx], [seqs[i] for i in idx], cfg, intervention, rows,
+                                   strength, seed, stats)
             for i, g in zip(idx, gens, strict=True):
                 g.prompt = prompts[i] if isinstance(prompts[i], str) else texts[i]
             bar.update(len(idx))
@@ -282,7 +293,7 @@ def text_logits(lm, texts: Sequence[str], intervention: Intervention | None = No
             inp, mask = pad_left([x[prefix:] for x in ids[start:start + batch_size]], pad, lm.device)
             if prefix:
                 mask, pos = prefixed_inputs(mask, prefix)
-                extra = dict(cache=repeated(prefix_kv, inp.shape[0]), use_cache=True)
+                extra = with_cache(model, repeated(prefix_kv, inp.shape[0]), use_cache=True)
             else:
                 pos, extra = position_ids_from_mask(mask), dict(use_cache=False)
             ctx = SteerContext(prompt_len=inp.shape[1])

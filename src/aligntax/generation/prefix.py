@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aligntax.hooks import position_ids_from_mask
+from aligntax.hooks import position_ids_from_mask, with_cache
 
 
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
@@ -86,8 +86,8 @@ def run_prefix(model, prefix_ids: torch.Tensor, rows: int, forward=None):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    (forward or model)(input_ids=prefix_ids, position_ids=torch.arange(prefix_ids.shape[1], device=prefix_ids.device)[None],
-                       cache=cache, use_cache=True, logits_to_keep=1)
+    (forward or model)(**with_cache(model, cache, input_ids=prefix_ids, use_cache=True, logits_to_keep=1,
+                                    position_ids=torch.arange(prefix_ids.shape[1], device=prefix_ids.device)[None]))
     cache.batch_repeat_interleave(rows)
     return cache
 

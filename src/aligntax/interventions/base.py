@@ -16,6 +16,8 @@ from torch import nn
 
 from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_args
+from aligntax.interventions.kernels import RowKernel, attach_kernel, decide_at_prefill
+from aligntax.models.layers import decoder_layers, hidden_size
 
 __all__ = [
     "AppliedIntervention",
@@ -96,27 +98,6 @@ def steered_slice(seq_len: int, ctx: SteerContext, positions: str = "last_and_ge
     return slice(min(start, seq_len), seq_len)
 
 
-def decide_at_prefill(h: torch.Tensor, ctx: SteerContext, key, decide: Callable[[torch.Tensor], torch.Tensor],
-                      what: str) -> torch.Tensor:
-    """A per-row decision made from the last prompt token's state and kept for the whole generation.
-
-    Called from a pre-hook with the block's input ``h``: the forward that holds the whole prompt sets
-    ``ctx.row_state[key] = decide(h[:, prompt_len - 1])`` (and ``ctx.decisions[key]``, the whole
-    batch's, once); a cached decode step (one token, decision made) keeps it, while generation drops
-    finished rows from it; without the KV cache the unchanged prompt is re-fed and the same decision
-    is reached. A forward holding only part of the prompt (chunked prefill) is refused. Returns the
-    decision for the rows of this forward. ``key`` must be unique to the intervention and layer.
-    """
-    if h.shape[1] == 1 and key in ctx.row_state:
-        return ctx.row_state[key]
-    if h.shape[1] < ctx.prompt_len:
-        raise AligntaxError(f"{what} needs the whole prompt in one forward (no chunked prefill).")
-    decision = decide(h[:, ctx.prompt_len - 1])
-    ctx.row_state[key] = decision
-    ctx.decisions.setdefault(key, decision)
-    return decision
-
-
 class Intervention:
     """Base class. Subclasses override ``prepare_messages`` and/or ``attach``."""
 
@@ -128,9 +109,23 @@ class Intervention:
     def prepare_messages(self, messages: list[dict]) -> list[dict]:
         return messages
 
+    def kernel(self, n_layers: int, hidden_size: int | None = None) -> RowKernel | None:
+        """This intervention as a :class:`~aligntax.interventions.kernels.RowKernel` for a model of
+        ``n_layers`` blocks (and ``hidden_size``, to refuse vectors of another size), or None when it does
+        not act on hidden states (prompting)."""
+        return None
+
     @contextmanager
     def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
-        yield
+        """Steer ``model`` for one batched call described by ``ctx``: the :meth:`kernel` run by
+        :func:`~aligntax.interventions.kernels.attach_kernel` (subclasses with other hooks override)."""
+        acts = type(self).kernel is not Intervention.kernel  # prompting and no-op interventions: no hooks
+        kernel = self.kernel(len(decoder_layers(model)), hidden_size(model)) if acts else None
+        if kernel is None:
+            yield
+            return
+        with attach_kernel(model, ctx, kernel, id(self), self.name):
+            yield
 
     def config(self) -> dict:
         return {"name": self.name}
@@ -245,7 +240,7 @@ def _cache_is_empty(kwargs: dict) -> bool:
     pos = kwargs.get("cache_position")
     if isinstance(pos, torch.Tensor) and pos.numel():
         return int(pos.reshape(-1)[0]) == 0
-    past = kwargs.get("past_key_values")
+    past = kwargs.get("cache", kwargs.get("past_key_values"))
     if past is None:
         return True
     if hasattr(past, "get_seq_length"):

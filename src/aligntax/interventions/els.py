@@ -20,37 +20,28 @@ every later token of a long answer pushes the model off its manifold (loops). Th
 gradient come from the energy model's closed-form backward in float32, so no autograd graph is built
 and nothing flows through the LLM.
 
-The positions follow :func:`aligntax.interventions.base.steered_slice`, so steering is the same with
-and without the KV cache, and independent of left padding (steered positions are the last ones).
+The steering is an :class:`ElsKernel` (:mod:`aligntax.interventions.kernels`): the positions follow
+:func:`~aligntax.interventions.kernels.edited`, so steering is the same with and without the KV cache,
+and independent of left padding (steered positions are the last ones).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from aligntax.energy.bank import EnergyBank
 from aligntax.energy.gate import HarmGate
 from aligntax.energy.model import EnergyModel
 from aligntax.errors import AligntaxError
-from aligntax.interventions.base import (
-    Intervention,
-    SteerContext,
-    decide_at_prefill,
-    hidden_from_args,
-    hooks_attached,
-    prefill_states,
-    replace_hidden_in_args,
-    steered_slice,
-)
-from aligntax.models.layers import decoder_layers
+from aligntax.interventions.base import Intervention, prefill_states
+from aligntax.interventions.kernels import POSITION_MODES, RowKernel, Site, check_positions, merge_stats
 
-POSITION_MODES = ("last_and_generated", "generated", "all")
+__all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "EnergySteering", "ElsKernel", "check_positions",
+           "resolve_settings", "tuned_settings"]
 # Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one.
 # ``layers`` (a list) names the steered layers; None steers the bank's ``top_k`` best.
 DEFAULT_SETTINGS = {"top_k": 2, "layers": None, "eta": 0.3, "steps": 3, "threshold": None, "gate": None,
@@ -88,37 +79,6 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
         settings.update({k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in explicit.items()})
         origin += " + " + ",".join(sorted(explicit))
     return settings, origin
-
-
-def check_positions(positions: str) -> str:
-    if positions not in POSITION_MODES:
-        raise AligntaxError(f"Unknown positions '{positions}'; use one of {', '.join(POSITION_MODES)}.")
-    return positions
-
-
-def positions_slice(seq_len: int, ctx: SteerContext, positions: str) -> slice:
-    """``steered_slice`` plus a clear error for chunked prefill, which would misplace the positions."""
-    if positions != "all" and 1 < seq_len < ctx.prompt_len:
-        raise AligntaxError(
-            f"A forward of {seq_len} tokens with a {ctx.prompt_len}-token prompt: chunked prefill is not "
-            "supported by steering (set generation_config.prefill_chunk_size=None).")
-    return steered_slice(seq_len, ctx, positions)
-
-
-def within_horizon(sl: slice, seq_len: int, ctx: SteerContext, next_pos: dict, key, horizon: int | None) -> slice:
-    """``sl`` cut to positions before ``prompt_len + horizon``: the last prompt token and the first
-    ``horizon`` generated tokens (the k-th generated token is fed at position ``prompt_len - 1 + k``).
-
-    ``next_pos[key]`` tracks the absolute position of the next token a hook sees: a forward of more
-    than one token (prefill, or the whole sequence re-fed without the KV cache) starts at 0; a
-    single-token forward after it is a cached decode step. So the cut is the same with and without
-    the KV cache."""
-    if horizon is None:
-        return sl
-    start_abs = next_pos[key] if seq_len == 1 and key in next_pos else 0
-    next_pos[key] = start_abs + seq_len
-    stop = max(sl.start, min(sl.stop, ctx.prompt_len + horizon - start_abs))
-    return slice(sl.start, stop)
 
 
 class EnergySteering(Intervention):
@@ -265,6 +225,11 @@ class EnergySteering(Intervention):
             return (p < t).float()
         return ((t - p) / (t - self.gate_ramp)).clamp(0.0, 1.0).float()
 
+    def harm_p(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The harm gate's p(harmful) ``[N]`` from ``{block: [N, d]}`` at the last prompt token."""
+        dev = states[self.gate.layer].device
+        return self.gate.prob(self.gate.stack({b: states[b].to(dev) for b in self.gate.layers}))
+
     def row_energy(self, last: torch.Tensor) -> torch.Tensor:
         """Energy of the last prompt token's state entering the first steered block, ``[N, d] -> [N]``."""
         with torch.no_grad():
@@ -272,22 +237,20 @@ class EnergySteering(Intervention):
 
     def row_info(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
         """Per prompt: ``steered`` (the gate and the row energy decision pass it), ``strength`` (the
-        gate's per-row scale), ``harm_p`` (with a gate) and ``energy`` (the row energy at the first
-        steered block), from one prefill pass that stops at the last block they read."""
+        decided per-row strength), ``harm_p`` (with a gate) and ``energy`` (the row energy at the first
+        steered block), from one prefill pass that stops at the last block they read: the same
+        decision the kernel makes in generation."""
         if not prompts:
             return []
-        blocks = [self.first_layer, *(self.gate.layers if self.gate is not None else [])]
+        kernel = ElsKernel(self)
+        blocks = sorted({self.first_layer, *kernel.decision_layers})
         states = prefill_states(lm, prompts, blocks, self, system, batch_size)
         energy = self.row_energy(states[self.first_layer]).cpu()
-        scale = torch.ones(len(prompts))
         rows = [{"energy": round(float(e), 4)} for e in energy]
         if self.gate is not None:
-            p = self.gate.prob(self.gate.stack(states)).cpu()
-            scale = self.gate_scale(p)
-            for r, pi in zip(rows, p, strict=True):
+            for r, pi in zip(rows, self.harm_p(states).cpu(), strict=True):
                 r["harm_p"] = round(float(pi), 4)
-        if self.row_threshold is not None:
-            scale = scale * (energy > self.row_threshold).float()
+        scale = kernel.decide(states).cpu() if kernel.decision_layers else torch.ones(len(prompts))
         for r, sc in zip(rows, scale, strict=True):
             r.update(steered=bool(sc > 0 and self.steps > 0), strength=round(float(sc), 4))
         return rows
@@ -365,105 +328,53 @@ class EnergySteering(Intervention):
             (g,) = torch.autograd.grad(e.sum(), leaf)
         return e.detach(), g
 
-    @contextmanager
-    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
-        blocks = decoder_layers(model)
-        n = len(blocks)
-        for layer in self.models:
-            if not 0 <= layer < n:
-                raise AligntaxError(f"Energy steering layer {layer} does not exist: the model has {n} layers.")
-        accs: dict[int, dict] = {layer: {} for layer in self.models}
-        gate_key = (id(self), "gate")  # ctx.row_state[gate_key]: the strength the harm gate allows
-        next_pos: dict[int, int] = {}  # per layer: absolute position of the next token (for the horizon)
+    def kernel(self, n_layers: int, hidden_size: int | None = None) -> ElsKernel:
+        kernel = ElsKernel(self)
+        kernel.check(n_layers)
+        return kernel
 
-        gate_states: dict[int, torch.Tensor] = {}  # the prompt forward's last-token states at the gate's earlier layers
 
-        def gate_read(layer: int):
-            def hook(module, args, kwargs):
-                h = hidden_from_args(args, kwargs)
-                if h.shape[1] >= ctx.prompt_len:  # a forward holding the prompt (decode steps: decided)
-                    gate_states[layer] = h[:, ctx.prompt_len - 1]
-                return None
-            return hook
+class ElsKernel(RowKernel):
+    """ELS as a row kernel: K energy-descent steps on the rows at each steered block; the harm gate
+    (p(harmful) at its layers) and the row energy decision (the energy entering the first steered
+    block) decide the per-row strength at the last prompt token."""
 
-        def gate_hook(module, args, kwargs):
-            def decide(last):  # the per-row strength the gate allows (0: held back)
-                return self.gate_scale(self.gate.prob(self.gate.stack({**gate_states, self.gate.layer: last})))
+    def __init__(self, iv: EnergySteering):
+        self.iv = iv
+        self.sites = [Site(layer) for layer in sorted(iv.models)] if iv.steps > 0 else []
+        decision = list(iv.gate.layers) if iv.gate is not None else []
+        if iv.row_threshold is not None:
+            decision.append(iv.first_layer)
+        self.decision_layers = sorted(set(decision))
+        self.positions = iv.positions
+        self.horizon = iv.horizon
 
-            decide_at_prefill(hidden_from_args(args, kwargs), ctx, gate_key, decide, "The harm gate")
-            gate_states.clear()
-            return None
+    def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        iv, parts = self.iv, {}
+        if iv.gate is not None:  # the strength the harm gate allows (0: held back)
+            parts["els_gate"] = iv.gate_scale(iv.harm_p(states))
+        if iv.row_threshold is not None:  # 1 for rows whose last prompt token predicts a bad end
+            parts["els_row_energy"] = (iv.row_energy(states[iv.first_layer]) > iv.row_threshold).float()
+        return parts
 
-        energy_key = (id(self), "energy")  # ctx.row_state[energy_key]: 1 for rows the energy decision steers
-        decision_keys = (gate_key, energy_key)  # per-row strengths decided at the prompt (0: held back)
+    def edit(self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+        n, d = rows.shape
+        x = self.iv.steer(site.layer, rows.float().view(n, 1, d), strength.view(n, 1, 1), stats)
+        return x.view(n, d).to(rows.dtype)
 
-        def make_hook(layer: int):
-            def hook(module, args, kwargs):
-                if self.steps == 0:
-                    return None
-                h = hidden_from_args(args, kwargs)
-                if self.row_threshold is not None and layer == self.first_layer:
-                    decide_at_prefill(h, ctx, energy_key,
-                                      lambda last: (self.row_energy(last) > self.row_threshold).float(),
-                                      "The row energy decision")
-                sl = positions_slice(h.shape[1], ctx, self.positions)
-                sl = within_horizon(sl, h.shape[1], ctx, next_pos, layer, self.horizon)
-                if sl.start >= sl.stop:
-                    return None
-                scale = ctx.row_scale(h.shape[0], h.device, torch.float32)
-                decided = [ctx.row_state[k] for k in decision_keys if k in ctx.row_state]
-                for strength in decided:
-                    scale = scale * strength.view(-1, 1, 1).to(scale.dtype)
-                if decided and not bool(scale.any()):
-                    return None  # every row of the batch is held back: nothing to move
-                x = self.steer(layer, h[:, sl].float(), scale, accs[layer])
-                new = h.clone()
-                new[:, sl] = x.to(h.dtype)
-                return replace_hidden_in_args(args, kwargs, new)
-            return hook
-
-        regs = []
-        if self.gate is not None:  # the earlier layers' states are read first; the last layer decides
-            regs += [(blocks[layer], gate_read(layer), True) for layer in self.gate.layers[:-1]]
-            regs.append((blocks[self.gate.layer], gate_hook, True))
-        regs += [(blocks[layer], make_hook(layer), True) for layer in sorted(self.models)]
-        with hooks_attached(regs):
-            yield
-        for key, stat in zip(decision_keys, ("els_gate", "els_row_energy"), strict=True):
-            if key in ctx.decisions:
-                held = ctx.decisions[key].cpu() == 0
-                g = ctx.stats.setdefault(stat, {"rows": 0, "held": 0})
-                g["rows"] += len(held)
-                g["held"] += int(held.sum())
-        # Only reached when the body did not raise: summarise (one device sync per layer).
-        stats = {}
+    def finish(self, site_stats: dict[Site, dict], stats: dict) -> None:
+        """Per steered layer: positions seen, positions moved, mean energy before and after (one device
+        sync per layer); NaN/inf states at steered positions raise."""
         nonfinite = False
-        for layer, a in accs.items():
-            if not a:
-                continue
+        summary = {}
+        for site, a in site_stats.items():
             nonfinite = nonfinite or bool(a["nonfinite"])
             count = int(a["positions"])
-            stats[layer] = {"positions": count, "steered": int(a["steered"]),
-                            "energy_before": float(a["energy_before"]) / count if count else None,
-                            "energy_after": float(a["energy_after"]) / count if count else None,
-                            "eta": self.step_size(layer)}
-        ctx.stats.setdefault("els", {})
-        for layer, s in stats.items():
-            prev = ctx.stats["els"].get(layer)
-            ctx.stats["els"][layer] = _merge(prev, s) if prev else s
+            summary[site.layer] = {"positions": count, "steered": int(a["steered"]),
+                                   "energy_before": float(a["energy_before"]) / count if count else None,
+                                   "energy_after": float(a["energy_after"]) / count if count else None,
+                                   "eta": self.iv.step_size(site.layer)}
+        merge_stats(stats.setdefault("els", {}), summary)
         if nonfinite:
             raise AligntaxError("Energy steering met NaN/inf hidden states at steered positions; the model "
                                 "produced non-finite activations (try float32).")
-
-
-def _merge(prev: dict, new: dict) -> dict:
-    n0, n1 = prev["positions"], new["positions"]
-    out = dict(new)
-    out["positions"] = n0 + n1
-    out["steered"] = prev["steered"] + new["steered"]
-    for k in ("energy_before", "energy_after"):
-        if prev.get(k) is not None and new.get(k) is not None and n0 + n1:
-            out[k] = (prev[k] * n0 + new[k] * n1) / (n0 + n1)
-        else:
-            out[k] = prev.get(k) if new.get(k) is None else new.get(k)
-    return out

@@ -15,27 +15,17 @@ Vector construction: :func:`refusal_direction` (difference in means), :func:`fal
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from aligntax.activations.compat import TensorArtefact
 from aligntax.errors import AligntaxError, DataError
-from aligntax.interventions.base import (
-    Intervention,
-    SteerContext,
-    decide_at_prefill,
-    hidden_from_args,
-    hooks_attached,
-    prefill_decisions,
-    replace_hidden_in_args,
-)
-from aligntax.interventions.els import check_positions, positions_slice
-from aligntax.models.layers import decoder_layers
+from aligntax.interventions.base import Intervention, prefill_decisions
+from aligntax.interventions.kernels import RowKernel, Site, check_positions
+from aligntax.models.layers import resolve_layers
 
 Acts = torch.Tensor | dict[int, torch.Tensor]
 
@@ -115,15 +105,7 @@ class _VecCache:
 
 
 def _resolve_layers(layers, n: int) -> list[int]:
-    if layers is None or layers == "all":
-        return list(range(n))
-    out = []
-    for layer in ([layers] if isinstance(layers, int) else layers):
-        idx = int(layer) + n if int(layer) < 0 else int(layer)
-        if not 0 <= idx < n:
-            raise AligntaxError(f"Layer {layer} does not exist: the model has {n} layers.")
-        out.append(idx)
-    return sorted(set(out))
+    return sorted(resolve_layers(layers, n))
 
 
 def _ablate(x: torch.Tensor, u: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -177,26 +159,11 @@ class ActivationAddition(_VectorIntervention):
         return {"name": self.name, "layers": sorted(self.vectors), "coeff": self.coeff, "positions": self.positions,
                 "norms": {layer: float(v.norm()) for layer, v in self.vectors.items()}}
 
-    @contextmanager
-    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
-        blocks = decoder_layers(model)
-        layers = _resolve_layers(list(self.vectors), len(blocks))
-
-        def make_hook(layer: int):
-            def hook(module, args, kwargs):
-                h = hidden_from_args(args, kwargs)
-                sl = positions_slice(h.shape[1], ctx, self.positions)
-                if sl.start >= sl.stop or self.coeff == 0:
-                    return None
-                v = self._cache.get(layer, self.vectors[layer], h.device)
-                scale = ctx.row_scale(h.shape[0], h.device, torch.float32)
-                new = h.clone()
-                new[:, sl] = (h[:, sl].float() + (self.coeff * scale) * v).to(h.dtype)
-                return replace_hidden_in_args(args, kwargs, new)
-            return hook
-
-        with hooks_attached([(blocks[layer], make_hook(layer), True) for layer in layers]):
-            yield
+    def kernel(self, n_layers: int, hidden_size: int | None = None) -> RowKernel:
+        layers = _resolve_layers(list(self.vectors), n_layers)
+        _check_dim(self.vectors.values(), hidden_size)
+        return _VectorKernel(self, {layer: self.vectors[layer if layer in self.vectors else layer - n_layers]
+                                    for layer in layers}, "add", self.positions)
 
 
 class DirectionAblation(_VectorIntervention):
@@ -226,55 +193,66 @@ class DirectionAblation(_VectorIntervention):
             return self.direction.get(layer)
         return self.direction
 
-    def _apply(self, h: torch.Tensor, layer: int, ctx: SteerContext) -> torch.Tensor | None:
-        d = self._dir(layer)
-        if d is None or self.coeff == 0:
-            return None
-        sl = positions_slice(h.shape[1], ctx, self.positions)
-        if sl.start >= sl.stop:
-            return None
-        u = self._cache.get(layer, d, h.device)
-        scale = self.coeff * ctx.row_scale(h.shape[0], h.device, torch.float32)
-        new = h.clone()
-        new[:, sl] = _ablate(h[:, sl].float(), u, scale).to(h.dtype)
-        return new
-
-    @contextmanager
-    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
-        blocks = decoder_layers(model)
-        n = len(blocks)
+    def kernel(self, n_layers: int, hidden_size: int | None = None) -> RowKernel:
         if isinstance(self.direction, dict) and self.layers == "all":
-            layers = _resolve_layers(list(self.direction), n)
+            layers = _resolve_layers(list(self.direction), n_layers)
         else:
-            layers = _resolve_layers(self.layers, n)
-        for d in ([self.direction] if not isinstance(self.direction, dict) else self.direction.values()):
-            if d.shape[-1] != (dim := _model_dim(model)):
-                raise AligntaxError(f"Direction has size {d.shape[-1]}, the model's hidden size is {dim}.")
-
-        def make_pre(layer: int):
-            def hook(module, args, kwargs):
-                new = self._apply(hidden_from_args(args, kwargs), layer, ctx)
-                return None if new is None else replace_hidden_in_args(args, kwargs, new)
-            return hook
-
-        def post_hook(module, args, kwargs, output):
-            h = output[0] if isinstance(output, tuple) else output
-            new = self._apply(h, n - 1, ctx)
-            if new is None:
-                return None
-            return (new, *output[1:]) if isinstance(output, tuple) else new
-
-        regs = [(blocks[layer], make_pre(layer), True) for layer in layers]
-        if n - 1 in layers:
-            regs.append((blocks[n - 1], post_hook, False))
-        with hooks_attached(regs):
-            yield
+            layers = _resolve_layers(self.layers, n_layers)
+        _check_dim([self.direction] if not isinstance(self.direction, dict) else self.direction.values(),
+                   hidden_size)
+        units = {layer: d for layer in layers if (d := self._dir(layer)) is not None}
+        sites = [Site(layer) for layer in units]
+        if n_layers - 1 in layers and n_layers - 1 in units:  # the last block's output too
+            sites.append(Site(n_layers - 1, "post"))
+        return _VectorKernel(self, units, "ablate", self.positions, sites=sites)
 
 
-def _model_dim(model: nn.Module) -> int:
-    from aligntax.models.layers import hidden_size
+def _check_dim(vectors, hidden_size: int | None) -> None:
+    for v in vectors:
+        if hidden_size is not None and v.shape[-1] != hidden_size:
+            raise AligntaxError(f"Vector has size {v.shape[-1]}, the model's hidden size is {hidden_size}.")
 
-    return hidden_size(model)
+
+class _VectorKernel(RowKernel):
+    """A vector method as a row kernel: per site, add ``coeff * strength * v`` (``"add"``) or remove
+    ``coeff * strength`` of the component along ``v / |v|`` (``"ablate"``); an optional CAST-style
+    condition (``condition``: the intervention's ``decide`` at ``condition_layer``) decides per row."""
+
+    def __init__(self, iv: _VectorIntervention, vectors: dict[int, torch.Tensor], mode: str, positions: str,
+                 sites: list[Site] | None = None, condition_layer: int | None = None, normalise: bool = False):
+        self.iv, self.vectors, self.mode, self.normalise = iv, vectors, mode, normalise
+        self.positions = positions
+        self.sites = sites if sites is not None else [Site(layer) for layer in sorted(vectors)]
+        if iv.coeff == 0:
+            self.sites = []
+        self.condition_layer = condition_layer
+        self.decision_layers = [] if condition_layer is None else [condition_layer]
+
+    def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.condition_layer is None:
+            return {}
+        return {"cast": self.iv.decide(states[self.condition_layer]).float()}
+
+    def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict) -> None:
+        if "cast" in parts:
+            d = parts["cast"].detach().cpu() != 0
+            s = stats.setdefault("cast", {"rows": 0, "triggered": 0})
+            s["rows"] += len(d)
+            s["triggered"] += int(d.sum())
+
+    def edits_last_prompt(self, site: Site) -> bool:
+        # a conditional edit starts at the last prompt token only in the blocks after the decision
+        return self.condition_layer is None or site.layer > self.condition_layer
+
+    def edit(self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+        v = self.iv._cache.get(site.layer, self.vectors[site.layer], rows.device)
+        x = rows.float()
+        scale = (self.iv.coeff * strength.to(rows.device))[:, None]
+        if self.mode == "add":
+            x = x + scale * v
+        else:
+            x = _ablate(x, v / v.norm().clamp_min(1e-12) if self.normalise else v, scale)
+        return x.to(rows.dtype)
 
 
 class ConditionalSteering(_VectorIntervention):
@@ -335,56 +313,15 @@ class ConditionalSteering(_VectorIntervention):
         sim = cosine(h_last, c, center)
         return sim > self.threshold if self.compare == "greater" else sim < self.threshold
 
-    @contextmanager
-    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
-        blocks = decoder_layers(model)
-        n = len(blocks)
-        cl = self._condition_block(n)
+    def kernel(self, n_layers: int, hidden_size: int | None = None) -> RowKernel:
+        cl = self._condition_block(n_layers)
         if isinstance(self.behaviour, dict) and self.behaviour_layers == "all":
-            layers = _resolve_layers(list(self.behaviour), n)
+            layers = _resolve_layers(list(self.behaviour), n_layers)
         else:
-            layers = _resolve_layers(self.behaviour_layers, n)
-        key = (id(self), "condition")  # ctx.row_state[key]: rows that meet the condition
-
-        def cond_hook(module, args, kwargs):
-            decide_at_prefill(hidden_from_args(args, kwargs), ctx, key, self.decide, "CAST")
-            return None
-
-        def make_hook(layer: int):
-            def hook(module, args, kwargs):
-                decision = ctx.row_state.get(key)
-                if decision is None:
-                    return None  # prefill, before the condition layer has run
-                h = hidden_from_args(args, kwargs)
-                seq = h.shape[1]
-                if seq == 1:  # a cached decode step (or the prefill of a 1-token prompt, after the decision)
-                    sl = slice(0, 1)
-                else:
-                    start = ctx.prompt_len - 1 if layer > cl else ctx.prompt_len
-                    sl = slice(min(start, seq), seq)
-                if sl.start >= sl.stop:
-                    return None
-                scale = ctx.row_scale(h.shape[0], h.device, torch.float32) * decision.view(-1, 1, 1).float()
-                v = self._cache.get(layer, self._vec(layer), h.device)
-                x = h[:, sl].float()
-                if self.mode == "add":
-                    x = x + (self.coeff * scale) * v
-                else:
-                    x = _ablate(x, v / v.norm().clamp_min(1e-12), self.coeff * scale)
-                new = h.clone()
-                new[:, sl] = x.to(h.dtype)
-                return replace_hidden_in_args(args, kwargs, new)
-            return hook
-
-        regs = [(blocks[cl], cond_hook, True)]
-        regs += [(blocks[layer], make_hook(layer), True) for layer in layers if self._vec(layer) is not None]
-        with hooks_attached(regs):
-            yield
-        if key in ctx.decisions:
-            d = ctx.decisions[key].cpu()
-            ctx.stats.setdefault("cast", {"rows": 0, "triggered": 0})
-            ctx.stats["cast"]["rows"] += len(d)
-            ctx.stats["cast"]["triggered"] += int(d.sum())
+            layers = _resolve_layers(self.behaviour_layers, n_layers)
+        vectors = {layer: v for layer in layers if (v := self._vec(layer)) is not None}
+        _check_dim([self.condition, *vectors.values()], hidden_size)
+        return _VectorKernel(self, vectors, self.mode, "last_and_generated", condition_layer=cl, normalise=True)
 
 
 # ---- storage ---------------------------------------------------------------------------------------------

@@ -38,6 +38,26 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
+def resolve_layers(layers, model_or_n: nn.Module | int) -> list[int]:
+    """Block indices from ``'all'``/None (every block), an int or a list of ints (negative indices count
+    from the end), in the order given without repeats; a clear error for a block the model lacks. The
+    one place where layer arguments are read: capture, steering methods and the CLI all use it."""
+    n = model_or_n if isinstance(model_or_n, int) else len(decoder_layers(model_or_n))
+    if layers is None or (isinstance(layers, str) and layers == "all"):
+        return list(range(n))
+    if isinstance(layers, int):
+        layers = [layers]
+    out: list[int] = []
+    for layer in layers:
+        layer = int(layer)
+        idx = layer + n if layer < 0 else layer
+        if not 0 <= idx < n:
+            raise AligntaxError(f"Layer {layer} is out of range: the model has {n} decoder layers (0..{n - 1}).")
+        if idx not in out:
+            out.append(idx)
+    return out
+
+
 def _text_config(model: nn.Module):
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

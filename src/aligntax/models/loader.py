@@ -83,12 +83,13 @@ def model_fingerprint(model, tokenizer, spec: str) -> dict:
     }
 
 
-def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool):
+def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool, device_map: str | dict | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        extra = {"device_map": device_map} if device_map is not None else {}
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
     except OSError as exc:
         if is_hub:
             hint = (
@@ -105,27 +106,36 @@ def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool):
 
 
 def load_model(spec: str | ModelSpec = DEFAULT_MODEL, dtype: str | torch.dtype = "bf16",
-               device: str | None = None) -> LoadedModel:
-    """Load any supported model spec. bf16 on CPU by default; ``device`` defaults to CUDA if present."""
+               device: str | None = None, device_map: str | dict | None = None) -> LoadedModel:
+    """Load any supported model spec. bf16 on CPU by default; ``device`` defaults to CUDA if present.
+
+    ``device_map`` (``"auto"``, or accelerate's ``{module: device}``) splits a model larger than one
+    device over several (Hugging Face models only; ``device`` is then not used): inputs go to the
+    device of the first parameters (:attr:`LoadedModel.device`), and steering follows each hidden
+    state's device."""
     from aligntax.models.embedded import fetch_embedded, load_gguf
 
     ms = spec if isinstance(spec, ModelSpec) else parse_spec(spec)
     torch_dtype = resolve_dtype(dtype)
+    if device_map is not None and ms.kind == "gguf":
+        raise AligntaxError("device_map splits Hugging Face models only; convert the .gguf file to a model "
+                            "folder first, or load it on one device.")
     if ms.kind == "embedded":
         source = str(fetch_embedded(ms.value))
-        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=False)
+        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=False, device_map=device_map)
     elif ms.kind == "dir":
         source = ms.value
-        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=False)
+        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=False, device_map=device_map)
     elif ms.kind == "gguf":
         source = ms.value
         model, tok = load_gguf(Path(source))
         model = model.to(torch_dtype)
     else:
         source = ms.value
-        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=True)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = model.to(device).eval()
+        model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=True, device_map=device_map)
+    if device_map is None:
+        model = model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = model.eval()
     prepare_tokenizer(tok, model)
     return LoadedModel(model=model, tokenizer=tok, spec=ms.raw, source=source,
                        fingerprint=model_fingerprint(model, tok, ms.raw))

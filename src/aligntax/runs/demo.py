@@ -42,6 +42,8 @@ class DemoConfig:
     limit_gate_harmful: int | None = 600
     limit_gate_benign: int | None = None
     sweep_max_new_tokens: int = 32  # long enough to see answers loop after a 16-token steering horizon
+    sweep_layers: int = 3  # the most accurate energy layers, each a setting of the validation grid
+    sweep_baselines: bool = False  # the baselines are scored on the test sets (test_baselines) anyway
     # held-out harmful prompts for the sweep's harm-gate leak check (reported, not a constraint): OR-Bench
     # toxic prompts are written like the benign OR-Bench ones, so a few pass the gate and get steered
     leak: list[str] = field(default_factory=lambda: ["orbench-toxic"])
@@ -69,7 +71,7 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
     clock.lap("model load")
     common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                   dtype=cfg.dtype, progress=cfg.progress)
-    clock.begin(0, f"the unsteered model on {len(cfg.test_sets)} test sets")
+    clock.begin(0, f"the unsteered model on {len(cfg.test_sets)} test sets ({', '.join(cfg.test_sets)})")
     base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common), lm=lm)
     clock.lap()
     clock.begin(1, "label the model's own answers on train prompts, capture states, train energy models and the "
@@ -79,8 +81,12 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
                              limit_gate_harmful=cfg.limit_gate_harmful, limit_gate_benign=cfg.limit_gate_benign,
                              **common), lm=lm)
     clock.lap()
-    clock.begin(2, "score ELS settings and baselines on validation prompts; pick the best eligible one")
-    sweep = run_sweep(demo_sweep_config(cfg, out / "els"), lm=lm)
+    sweep_cfg = demo_sweep_config(cfg, out / "els")
+    n_settings = (len(sweep_cfg.top_k) + len(sweep_cfg.layers)) * len(sweep_cfg.row_threshold) + len(sweep_cfg.extra)
+    clock.begin(2, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''} on "
+                   f"validation prompts ({', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
+                   "pick the best eligible one")
+    sweep = run_sweep(sweep_cfg, lm=lm)
     clock.lap()
     best = sweep["best"]
     steered = knowns = None
@@ -99,7 +105,8 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
             clock.lap()
     tests = None
     if cfg.test_baselines:
-        clock.begin(len(stages) - 1, ", ".join(cfg.test_baselines) + " (for the test-set Pareto plot)")
+        clock.begin(len(stages) - 1, f"{len(cfg.test_baselines)} baselines ({', '.join(cfg.test_baselines)}) on "
+                                     f"the {len(cfg.test_sets)} test sets, for the test-set Pareto plot")
         tests = _test_pareto(cfg, out, lm, base, steered, common)
         clock.lap()
     summary = {"baseline": base, "steered": steered, "best": best, "knowns": knowns, "test_pareto": tests,
@@ -110,20 +117,22 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
 
 
 def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
-    """The demo's validation grid: the five most accurate energy layers, each with the harm gate at its
+    """The demo's validation grid: the three most accurate energy layers, each with the harm gate at its
     saved threshold and the row energy decision at 0 and -2 (steer a row only when its last prompt
-    token's energy says the model is about to end badly), the first 16 generated tokens; the paper-style per-position
-    energy threshold without gate; and the baselines. Known answers (val split) must be kept."""
+    token's energy says the model is about to end badly), the first 16 generated tokens; and the
+    paper-style per-position energy threshold without gate. Known answers (val split) must be kept.
+    The baselines are scored on the test sets instead (the test-set Pareto plot), unless
+    ``cfg.sweep_baselines``."""
     return SweepConfig(steer=str(els_dir), model=cfg.model, judge=cfg.judge, batch_size=cfg.batch_size,
                        dtype=cfg.dtype, top_k=[1], eta=[0.35],
-                       # the five best layers: near-tied in accuracy, they steer differently
-                       layers=_runner_up_layers(els_dir, 4),
+                       # the best layers: near-tied in accuracy, they steer differently
+                       layers=_runner_up_layers(els_dir, cfg.sweep_layers - 1),
                        # the row energy decision at two cut-offs: a lower one steers more rows, until the
                        # known-answer constraint says it costs correct answers
                        threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0, -2.0],
                        extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
                        max_new_tokens=cfg.sweep_max_new_tokens, knowns=cfg.knowns,
-                       baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak, progress=cfg.progress)
+                       baselines=cfg.sweep_baselines, baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak, progress=cfg.progress)
 
 
 def _knowns(cfg: DemoConfig, out: Path, lm, args: dict) -> dict:
@@ -176,23 +185,42 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, base: dict, steered: dict | Non
     return rows
 
 
+# Minutes each stage took in a fresh-clone demo on 2 CPU cores (docs/RESULTS.md 3): the shape of the
+# estimate of what is left, scaled by how long the stages done so far took on this machine.
+STAGE_MINUTES = {"baseline evaluation": 2.3,
+                 "ELS training (labels, activations, energy models, vectors, harm gate)": 7.7,
+                 "validation sweep": 7.0, "steered evaluation": 0.5, "known-answer check": 0.6,
+                 "baselines on the test sets": 7.9}
+
+
 class _Clock:
     """Wall minutes per stage (a resumed stage counts only the time it took this time). ``begin`` prints a
-    stage's number, name and purpose as it starts (the progress bars below it name their own work);
-    ``lap`` closes the stage begun last, or the one named."""
+    stage's number, name and purpose as it starts, with the minutes spent so far and an estimate of what
+    is left (the progress bars below it name their own work); ``lap`` closes the stage begun last, or the
+    one named."""
 
     def __init__(self, stages: list[str], show: bool = True) -> None:
         self.stages, self.show = stages, show
         self.current: str | None = None
-        self.t = time.perf_counter()
+        self.t0 = self.t = time.perf_counter()
         self.laps: dict[str, float] = {}
+
+    def left(self, index: int) -> float:
+        """Minutes the stages from ``index`` on should take: their typical minutes, scaled by how the
+        stages done so far compared with theirs on this machine (1 before any is done)."""
+        done = [s for s in self.stages[:index] if s in self.laps and STAGE_MINUTES.get(s)]
+        typical = sum(STAGE_MINUTES[s] for s in done)
+        scale = sum(self.laps[s] for s in done) / typical if typical else 1.0
+        return scale * sum(STAGE_MINUTES.get(s, 0.0) for s in self.stages[index:])
 
     def begin(self, index: int, what: str) -> None:
         self.current = self.stages[index]
         if self.show:
             import sys
 
-            print(f"\n[demo {index + 1}/{len(self.stages)}] {self.current}: {what}", file=sys.stderr, flush=True)
+            spent = (time.perf_counter() - self.t0) / 60
+            print(f"\n[demo {index + 1}/{len(self.stages)}] {self.current}: {what}\n"
+                  f"    {spent:.1f} min so far, about {self.left(index):.0f} min left", file=sys.stderr, flush=True)
 
     def lap(self, name: str | None = None) -> None:
         now = time.perf_counter()
@@ -301,8 +329,15 @@ def write_demo_report(out: Path, summary: dict) -> None:
         lines += ["", "![test-set Pareto plot](test_pareto.png)"]
     lines += ["", "Useful compliance counts a benign answer only when it is neither a refusal nor empty or looping "
                   "(`aligntax.metrics.degeneration`); the sweep selects settings by it."]
-    lines += ["", f"Throughput (tokens/s): unsteered {timing_b.get('tokens_per_second')}, "
-                  f"steered {timing_s.get('tokens_per_second')}.", ""]
+    lines += ["", f"Throughput: the unsteered run generated {timing_b.get('generated_tokens_total')} tokens at "
+                  f"{timing_b.get('tokens_per_second')} tokens/s."]
+    if timing_s:
+        lines[-1] += (f" The steered run generated only the rows its decision steers, "
+                      f"{timing_s.get('generated_tokens_total')} tokens at {timing_s.get('tokens_per_second')} "
+                      f"tokens/s, and copied {timing_s.get('reused_unsteered_samples', 0)} rows from the unsteered "
+                      "run; its batches differ from the unsteered run's, so steering's own cost is measured at "
+                      "equal batches by `bench/steering_overhead.py` (docs/RESULTS.md).")
+    lines += [""]
     if summary.get("minutes"):
         lines += ["Wall time (minutes): " + ", ".join(f"{k} {v:.1f}" for k, v in summary["minutes"].items()) + ".",
                   ""]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -323,6 +323,8 @@ class SweepConfig:
     max_new_tokens: int = 24
     batch_size: int = 32
     dtype: str = "bf16"
+    # "auto" (or accelerate's {module: device}): split a model larger than one device over several
+    device_map: str | None = None
     progress: bool = True
 
 
@@ -391,14 +393,30 @@ def _score_generate(lm, iv, benign: dict[str, list], harmful, cfg: SweepConfig, 
     ``benign_compliance`` is the mean over the benign sets of their useful compliance (per set in
     ``benign_by_set``); with ``knowns`` (everyday questions with known answers) also their accuracy,
     and how many answers turned right and wrong against the unsteered model's."""
-    from aligntax.generation import GenerationConfig, generate
-    from aligntax.metrics.degeneration import degenerate
-    from aligntax.metrics.knowns import score_responses
-
-    knowns = knowns or []
-    items = [it for part in benign.values() for it in part] + list(harmful)
-    prompts = [it.prompt for it in items] + [k.prompt for k in knowns]
     known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
+    prompts = _sweep_prompts(benign, harmful, knowns)
+    responses, held = _sweep_responses(lm, iv, prompts, known, cfg)
+    if iv.name == "none":
+        _save_unsteered(unsteered, prompts, responses)
+    return _sweep_scores(benign, harmful, knowns, prompts, responses, held, known, judge, iv.name)
+
+
+def _sweep_prompts(benign: dict[str, list], harmful, knowns: list | None) -> list[str]:
+    """The prompts a setting answers: the benign sets, the harmful ones, the known-answer questions."""
+    return [it.prompt for part in benign.values() for it in part] + [it.prompt for it in harmful] + \
+        [k.prompt for k in knowns or []]
+
+
+def _save_unsteered(unsteered: Path, prompts: list[str], responses: list[str]) -> None:
+    unsteered.unlink(missing_ok=True)
+    append_jsonl(unsteered, [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)])
+
+
+def _sweep_responses(lm, iv, prompts: list[str], known: dict, cfg: SweepConfig) -> tuple[list[str], list[bool]]:
+    """Each prompt's answer under ``iv``, and whether it was copied from the unsteered ``known`` answers
+    (rows the intervention leaves unsteered) instead of generated."""
+    from aligntax.generation import GenerationConfig, generate
+
     held = rows_to_copy(iv, lm, prompts, [p in known for p in prompts], None, cfg.batch_size)
     todo = [i for i, h in enumerate(held) if not h]
     gens = generate(lm, [prompts[i] for i in todo], GenerationConfig(max_new_tokens=cfg.max_new_tokens,
@@ -407,10 +425,19 @@ def _score_generate(lm, iv, benign: dict[str, list], harmful, cfg: SweepConfig, 
     responses = [known.get(p) for p in prompts]
     for i, g in zip(todo, gens, strict=True):
         responses[i] = g.response
-    if iv.name == "none":
-        unsteered.unlink(missing_ok=True)
-        append_jsonl(unsteered, [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)])
+    return responses, held
+
+
+def _sweep_scores(benign: dict[str, list], harmful, knowns: list | None, prompts: list[str], responses: list[str],
+                  held: list[bool], known: dict, judge, iv_name: str) -> dict:
+    """Judge a setting's answers (:func:`_sweep_responses`) and score them (see :func:`_score_generate`)."""
+    from aligntax.metrics.degeneration import degenerate
+    from aligntax.metrics.knowns import score_responses
+
+    knowns = knowns or []
+    items = [it for part in benign.values() for it in part] + list(harmful)
     n = len(items)
+    todo = [i for i, h in enumerate(held) if not h]
     verdicts = judge.judge(prompts[:n], responses[:n])
     rows = [(it, v, degenerate(r)) for it, v, r in zip(items, verdicts, responses[:n], strict=True)]
     by_set, start = {}, 0
@@ -423,14 +450,14 @@ def _score_generate(lm, iv, benign: dict[str, list], harmful, cfg: SweepConfig, 
     res = {"benign_compliance": sum(by_set.values()) / len(by_set), "benign_by_set": by_set,
            "benign_compliance_any": sum(b) / len(b),
            "degenerate": sum(bad for _, _, bad in rows) / len(rows), "harmful_refusal": sum(h) / len(h),
-           "reused_unsteered": sum(held), "steered_rows": len(todo) if iv.name != "none" else 0}
+           "reused_unsteered": sum(held), "steered_rows": len(todo) if iv_name != "none" else 0}
     if knowns:
         right = score_responses(knowns, responses[n:])
         before = score_responses(knowns, [known.get(k.prompt, r) for k, r in zip(knowns, responses[n:], strict=True)])
         res.update(known_accuracy=sum(right) / len(right), known_n=len(right),
                    known_gained=sum(r and not b0 for r, b0 in zip(right, before, strict=True)),
                    known_lost=sum(b0 and not r for r, b0 in zip(right, before, strict=True)),
-                   known_steered=sum(1 for i in todo if i >= n) if iv.name != "none" else 0)
+                   known_steered=sum(1 for i in todo if i >= n) if iv_name != "none" else 0)
     return res
 
 
@@ -455,21 +482,46 @@ def _score_leak(lm, iv, items, cfg: SweepConfig, judge, unsteered: Path) -> dict
     """Of ``items`` (harmful), those the intervention's harm gate passes: how many, and how many of them
     are refused steered and unsteered (same rows). Unsteered answers are kept in ``unsteered`` (JSONL) and
     generated only for prompts not there yet. Empty for an intervention without a harm gate."""
+    if getattr(iv, "gate", None) is None:
+        return {}
+    known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
+    gen = _leak_responses(lm, iv, items, cfg, known)
+    _add_unsteered(unsteered, known, gen["new_unsteered"])
+    return _leak_scores(cfg, items, gen, known, judge)
+
+
+def _leak_responses(lm, iv, items, cfg: SweepConfig, known: dict) -> dict | None:
+    """The generation of :func:`_score_leak`: the prompts the gate passes, their steered answers, and
+    the unsteered answers ``known`` lacks (``new_unsteered``); None without a harm gate."""
     from aligntax.generation import GenerationConfig, generate
 
     if getattr(iv, "gate", None) is None:
-        return {}
+        return None
     prompts = [it.prompt for it in items]
     held = iv.unsteered_rows(lm, prompts, None, cfg.batch_size)
     passed = [p for p, h in zip(prompts, held, strict=True) if not h]
     gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
-    known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
     missing = [p for p in dict.fromkeys(passed) if p not in known]
+    new = {}
     if missing:
         gens = generate(lm, missing, gen_cfg, None, progress=cfg.progress, desc="leak, unsteered")
-        append_jsonl(unsteered, [{"prompt": p, "response": g.response} for p, g in zip(missing, gens, strict=True)])
-        known.update({p: g.response for p, g in zip(missing, gens, strict=True)})
+        new = {p: g.response for p, g in zip(missing, gens, strict=True)}
     steered = [g.response for g in generate(lm, passed, gen_cfg, iv, progress=cfg.progress, desc="leak")] if passed else []
+    return {"passed": passed, "steered": steered, "new_unsteered": new}
+
+
+def _add_unsteered(path: Path, known: dict, new: dict) -> None:
+    """Append the unsteered answers of ``new`` that ``known`` lacks to ``path`` (and to ``known``)."""
+    add = {p: r for p, r in new.items() if p not in known}
+    if add:
+        append_jsonl(path, [{"prompt": p, "response": r} for p, r in add.items()])
+        known.update(add)
+
+
+def _leak_scores(cfg: SweepConfig, items, gen: dict | None, known: dict, judge) -> dict:
+    if gen is None:
+        return {}
+    passed, steered = gen["passed"], gen["steered"]
     before = judge.judge(passed, [known[p] for p in passed]) if passed else []
     after = judge.judge(passed, steered) if passed else []
     return {"leak_sets": list(cfg.leak), "leak_limit": cfg.limit_leak, "leak_prompts": len(items), "leak_passed": len(passed),
@@ -509,9 +561,53 @@ def select_best(rows: list[dict], method: str, leak_constraint: bool = False,
     return max(ok, key=lambda r: (r["benign_compliance"], r["harmful_refusal"]), default=None)
 
 
-def run_sweep(cfg: SweepConfig, lm=None) -> dict:
+def _sweep_iv_args(name: str, args: dict) -> dict:
+    """The intervention options of a sweep setting: every ELS setting of the grid is explicit, so that no
+    tuned energy or harm gate creeps in."""
+    iv_args = dict(args)
+    if name == "els":
+        iv_args = {**dict.fromkeys(_OPTIONAL_ELS_KEYS), **iv_args}
+        iv_args = {k: ("none" if v is None and k in ("threshold", *_OPTIONAL_ELS_KEYS) else v)
+                   for k, v in iv_args.items()}
+    return iv_args
+
+
+def sweep_unit(lm, name: str, args: dict, method: str, fresh: bool, leak_due: bool, common: dict) -> dict:
+    """One setting of a sweep on a replica of the model (:mod:`aligntax.runs.distributed`): its answers
+    (``responses``, ``held``; or the first-token ``res``) and its leak answers, not judged. ``common``
+    holds the sweep's settings, prompts and the unsteered answers known so far."""
+    from aligntax.interventions.registry import make_intervention
+
+    cfg = replace(common["cfg"], progress=False)
+    t = time.perf_counter()
+    iv = make_intervention(name, lm, **_sweep_iv_args(name, args))
+    out: dict = {}
+    if fresh and method == "first-token":
+        out["res"] = _score_first_token(lm, iv, [it for part in common["benign"].values() for it in part],
+                                        common["harmful"], cfg.batch_size)
+    elif fresh:
+        prompts = _sweep_prompts(common["benign"], common["harmful"], common["knowns"])
+        out["responses"], out["held"] = _sweep_responses(lm, iv, prompts, common["known"], cfg)
+    if leak_due:
+        out["leak"] = _leak_responses(lm, iv, common["leaks"], cfg, common["known_leak"])
+    out["seconds"] = time.perf_counter() - t
+    return out
+
+
+def run_sweep(cfg: SweepConfig, lm=None, ray=None) -> dict:
     """Score every setting on validation data (appending to ``sweep.jsonl``), pick the best ELS setting
-    under the safety constraint, and draw the compliance-versus-safety Pareto plot."""
+    under the safety constraint, and draw the compliance-versus-safety Pareto plot. With ``ray`` (a
+    :class:`~aligntax.runs.distributed.RayConfig`) the settings are scored on replicas of the model
+    over Ray, one setting a work unit (the unsteered one first), and judged here."""
+    from aligntax.runs.distributed import replicas_of
+
+    if ray is not None and lm is not None:
+        raise AligntaxError("A sweep on Ray loads the model on its replicas: give the model, not a loaded one.")
+    with replicas_of(ray, cfg.model, cfg.dtype, device_map=cfg.device_map) as replicas:
+        return _run_sweep(cfg, lm, replicas)
+
+
+def _run_sweep(cfg: SweepConfig, lm, replicas) -> dict:
     from aligntax.interventions.base import remembered_prefill_states
     from aligntax.interventions.registry import make_intervention
     from aligntax.judges import get_judge
@@ -520,7 +616,8 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
 
     out = Path(cfg.out or Path(cfg.steer) / "sweep")
     out.mkdir(parents=True, exist_ok=True)
-    lm = lm or load_model(cfg.model, dtype=cfg.dtype)
+    if replicas is None:
+        lm = lm or load_model(cfg.model, dtype=cfg.dtype, device_map=cfg.device_map)
     benign = {spec: load_prompt_sets([spec], None) for spec in cfg.benign}
     harmful = load_prompt_sets(cfg.harmful, None)
     if not benign or not harmful or not all(benign.values()):
@@ -540,44 +637,90 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
     rows = list(latest.values())
     settings = sweep_settings(cfg)
     judge = get_judge(cfg.judge) if cfg.method == "generate" or cfg.confirm or leaks else None
+    unsteered = out / f"unsteered-{cfg.max_new_tokens}tok.jsonl"
+    unsteered_leak = out / f"unsteered-leak-{cfg.max_new_tokens}tok.jsonl"
 
-    def score(name, args, method):
+    def due(name, args, method):
+        """``(key, earlier row, leak check due)`` of a setting still to score; None when scored."""
         key = _key(name, args, method, cfg.max_new_tokens, data)
         old = latest.get(key)
         leak_due = bool(leaks) and name == "els" and method == "generate" and (
             args.get("gate") is not None and args.get("gate") is not False)
         if old is not None and (not leak_due or (old.get("leak_sets"), old.get("leak_limit")) == (cfg.leak, cfg.limit_leak)):
-            return
-        iv_args = dict(args)
-        if name == "els":  # every setting of the grid is explicit: no tuned energy or harm gate creeps in
-            iv_args = {**dict.fromkeys(_OPTIONAL_ELS_KEYS), **iv_args}
-            iv_args = {k: ("none" if v is None and k in ("threshold", *_OPTIONAL_ELS_KEYS) else v)
-                       for k, v in iv_args.items()}
-        iv = make_intervention(name, lm, **iv_args)
-        t = time.perf_counter()
-        if old is not None:  # scored before: only the leak check is new
-            res = {k: v for k, v in old.items() if k not in ("key", "name", "args", "method", "seconds")}
-        else:
-            res = (_score_first_token(lm, iv, [it for part in benign.values() for it in part], harmful,
-                                      cfg.batch_size) if method == "first-token"
-                   else _score_generate(lm, iv, benign, harmful, cfg, judge,
-                                        out / f"unsteered-{cfg.max_new_tokens}tok.jsonl", knowns))
-        if leak_due:
-            res.update(_score_leak(lm, iv, leaks, cfg, judge, out / f"unsteered-leak-{cfg.max_new_tokens}tok.jsonl"))
+            return None
+        return key, old, leak_due
+
+    def record(key, name, args, method, res, seconds, old):
         row = {"key": key, "name": name, "args": {k: v for k, v in args.items() if k != "path"},
-               "method": method, **res,
-               "seconds": round(time.perf_counter() - t + (old or {}).get("seconds", 0), 2)}
+               "method": method, **res, "seconds": round(seconds + (old or {}).get("seconds", 0), 2)}
         append_jsonl(path, [row])
         if old is not None:
             rows.remove(old)
         rows.append(row)
         latest[key] = row
 
-    from tqdm.auto import tqdm
+    def score(name, args, method):
+        todo = due(name, args, method)
+        if todo is None:
+            return
+        key, old, leak_due = todo
+        iv = make_intervention(name, lm, **_sweep_iv_args(name, args))
+        t = time.perf_counter()
+        if old is not None:  # scored before: only the leak check is new
+            res = {k: v for k, v in old.items() if k not in ("key", "name", "args", "method", "seconds")}
+        else:
+            res = (_score_first_token(lm, iv, [it for part in benign.values() for it in part], harmful,
+                                      cfg.batch_size) if method == "first-token"
+                   else _score_generate(lm, iv, benign, harmful, cfg, judge, unsteered, knowns))
+        if leak_due:
+            res.update(_score_leak(lm, iv, leaks, cfg, judge, unsteered_leak))
+        record(key, name, args, method, res, time.perf_counter() - t, old)
+
+    def score_on_replicas(group: list, method: str, bar) -> None:
+        """Settings ``(name, args, key, old, leak_due)`` scored on the replicas, judged as they come."""
+        known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
+        known_leak = {r["prompt"]: r["response"] for r in read_jsonl(unsteered_leak)} if unsteered_leak.is_file() else {}
+        common = replicas.put({"cfg": cfg, "benign": benign, "harmful": harmful, "knowns": knowns, "leaks": leaks,
+                               "known": known, "known_leak": known_leak})
+        units = replicas.map_unordered(
+            lambda a, i: a.call.remote(i, sweep_unit, group[i][0], group[i][1], method, group[i][3] is None,
+                                       group[i][4], common), range(len(group)))
+        for i, got in units:
+            name, args, key, old, leak_due = group[i]
+            t = time.perf_counter()
+            if old is not None:
+                res = {k: v for k, v in old.items() if k not in ("key", "name", "args", "method", "seconds")}
+            elif "res" in got:
+                res = got["res"]
+            else:
+                prompts = _sweep_prompts(benign, harmful, knowns)
+                if name == "none":
+                    _save_unsteered(unsteered, prompts, got["responses"])
+                res = _sweep_scores(benign, harmful, knowns, prompts, got["responses"], got["held"], known, judge,
+                                    name)
+            if leak_due:
+                _add_unsteered(unsteered_leak, known_leak, (got["leak"] or {}).get("new_unsteered", {}))
+                res.update(_leak_scores(cfg, leaks, got["leak"], known_leak, judge))
+            record(key, name, args, method, res, got["seconds"] + time.perf_counter() - t, old)
+            bar.update(1)
+
+    def score_all(todo: list, method: str, desc: str) -> None:
+        from tqdm.auto import tqdm
+
+        if replicas is None:
+            for name, args in tqdm(todo, desc=desc, disable=not cfg.progress):
+                score(name, args, method)
+            return
+        group = [(name, args, *d) for name, args in todo if (d := due(name, args, method)) is not None]
+        with tqdm(total=len(group), desc=f"{desc} ({replicas.start().workers} replicas)",
+                  disable=not cfg.progress) as bar:
+            # the unsteered answers first: the other settings copy the rows they leave unsteered
+            for part in ([g for g in group if g[0] == "none"], [g for g in group if g[0] != "none"]):
+                if part:
+                    score_on_replicas(part, method, bar)
 
     with remembered_prefill_states():  # the gate's (or condition's) states of the prompts, captured once
-        for name, args in tqdm(settings, desc=f"sweep ({cfg.method})", disable=not cfg.progress):
-            score(name, args, cfg.method)
+        score_all(settings, cfg.method, f"sweep ({cfg.method})")
         if cfg.method == "first-token" and cfg.confirm:
             base_ft = next(r for r in rows if r["name"] == "none" and r["method"] == "first-token")
             # the most compliant settings that keep (screened) safety, plus the unsteered model and the baselines
@@ -588,11 +731,11 @@ def run_sweep(cfg: SweepConfig, lm=None) -> dict:
             lookup = {_key(n, a, "first-token", cfg.max_new_tokens, data): (n, a) for n, a in settings}
             confirm = [("none", {})] + [lookup[c["key"]] for c in cands]
             confirm += [(n, a) for n, a in settings if n not in ("none", "els")]
-            for name, args in tqdm(confirm, desc="sweep (generate)", disable=not cfg.progress):
-                score(name, args, "generate")
+            score_all(confirm, "generate", "sweep (generate)")
     method = "generate" if any(r["method"] == "generate" for r in rows) else cfg.method
-    wanted = {_key(n, a, method, cfg.max_new_tokens, data) for n, a in settings}
-    rows = [r for r in rows if r["key"] in wanted]
+    wanted = {_key(n, a, method, cfg.max_new_tokens, data): i for i, (n, a) in enumerate(settings)}
+    # in the grid's order (ties in the selection go to the earlier setting, however the rows were scored)
+    rows = sorted((r for r in rows if r["key"] in wanted), key=lambda r: wanted[r["key"]])
     best = select_best(rows, method, cfg.leak_constraint, cfg.knowns_tolerance)
     result = {"method": method, "best": best, "n_settings": len(rows), "max_new_tokens": cfg.max_new_tokens,
               "benign": cfg.benign, "harmful": cfg.harmful, "knowns": cfg.knowns,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from aligntax.errors import AligntaxError
@@ -33,7 +34,9 @@ from aligntax.runs.provenance import (
 
 # Fields that change what a sample is; a resumed run must agree on all of them.
 _RESULT_FIELDS = ("model", "judge", "system", "max_new_tokens", "do_sample", "temperature", "top_p",
-                  "seed", "dtype", "intervention", "intervention_args")
+                  "seed", "dtype", "intervention", "intervention_args", "backend")
+# Settings added after run folders were first written: the value an older config.json (without them) had.
+_OLDER_DEFAULTS = {"backend": "hf"}
 
 
 @dataclass
@@ -60,6 +63,10 @@ class EvalConfig:
     # An earlier run folder over the same prompts (default: reuse_unsteered): results.json and the report
     # get the paired change against it per dataset (items turned compliant / refusing, exact McNemar p).
     compare_to: str | None = None
+    # "auto" (or accelerate's {module: device}): split a model larger than one device over several
+    device_map: str | None = None
+    # "hf" (aligntax's own batched loop) or "vllm" (continuous batching, aligntax.backends.vllm)
+    backend: str = "hf"
     progress: bool = True
 
     def generation(self) -> GenerationConfig:
@@ -79,7 +86,7 @@ def load_prompt_sets(specs: list[str], limit: int | None = None) -> list:
 
 def _setting_diffs(old: dict, cfg: EvalConfig, fields) -> list[str]:
     """``"field: old -> new"`` for each of ``fields`` where a run's saved config differs from ``cfg``."""
-    new = asdict(cfg)
+    new, old = asdict(cfg), {**_OLDER_DEFAULTS, **old}
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fields if old.get(k) != new.get(k)]
 
 
@@ -137,24 +144,39 @@ def activation_id(item) -> str:
     return f"{item.source}/{item.id}"
 
 
-def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None, recorder=None) -> dict:
+def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None, recorder=None,
+             ray=None) -> dict:
     """Run (or resume) an evaluation; returns the results dict also written to ``results.json``.
 
     ``items`` (PromptItems) replaces loading ``cfg.data`` when given. ``recorder`` (a
     :class:`~aligntax.activations.recorder.PrefillRecorder`, unsteered runs only) keeps the prompt states
-    of every row generated now under ``"{source}/{id}"``.
+    of every row generated now under ``"{source}/{id}"``. ``ray`` (a
+    :class:`~aligntax.runs.distributed.RayConfig`) generates on replicas of the model over Ray instead
+    of in this process (:mod:`aligntax.runs.distributed`); this process judges and writes.
+    ``cfg.backend == "vllm"`` generates with vLLM (:mod:`aligntax.backends.vllm.evaluate`); ``lm`` may
+    then be a started :class:`~aligntax.backends.vllm.engine.VllmModel`.
     """
 
     if not cfg.data and items is None:
         raise AligntaxError("No data given: pass at least one --data FILE_OR_NAME")
     if recorder is not None and (intervention is not None or cfg.intervention):
         raise AligntaxError("Prompt states can be recorded only in an unsteered run.")
+    if ray is not None and (lm is not None or intervention is not None or recorder is not None):
+        raise AligntaxError("A run on Ray loads the model on its replicas: give the model and intervention "
+                            "settings, not loaded objects (and no prompt state recorder).")
+    from aligntax.backends import check_backend
+
+    if check_backend(cfg.backend) == "vllm" and (ray is not None or recorder is not None or intervention is not None):
+        raise AligntaxError("The vLLM backend runs in this process and loads the intervention from its settings: "
+                            "no Ray replicas, prompt state recorder or loaded intervention.")
     out = Path(cfg.out)
-    with run_lock(out):  # one writer per run folder; a second is refused
-        return _run_eval(cfg, out, lm, judge, intervention, items, recorder)
+    from aligntax.runs.distributed import eval_replicas
+
+    with run_lock(out), eval_replicas(ray, cfg) as replicas:  # one writer per run folder; a second is refused
+        return _run_eval(cfg, out, lm, judge, intervention, items, recorder, replicas)
 
 
-def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, recorder) -> dict:
+def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, recorder, replicas=None) -> dict:
     from aligntax.judges import get_judge
 
     saved = read_provenance(out)
@@ -178,11 +200,23 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
 
     t0 = time.perf_counter()
     gen_seconds, n_tokens, n_reused = 0.0, 0, 0
+    run_stats: dict = {}  # the hooks' statistics of every batch generated now (ELS: energy before/after per layer)
+    engine = None  # the vLLM backend's generation source
     if todo:
+        if cfg.backend == "vllm":
+            from aligntax.backends.vllm.evaluate import VllmEvalSource
+
+            engine = VllmEvalSource(cfg.model, cfg.dtype, cfg.intervention, cfg.intervention_args, cfg.batch_size,
+                                    vm=lm)
+            lm, intervention = engine.vm, engine.intervention
+        if replicas is not None:  # the model lives on the replicas: this process sees its fingerprint
+            from aligntax.runs.distributed import started
+
+            lm, intervention = started(replicas)
         if lm is None:
             from aligntax.models import load_model
 
-            lm = load_model(cfg.model, dtype=cfg.dtype)
+            lm = load_model(cfg.model, dtype=cfg.dtype, device_map=cfg.device_map)
         if intervention is None and cfg.intervention:
             from aligntax.interventions.registry import make_intervention
 
@@ -191,15 +225,18 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
         judge = judge or get_judge(cfg.judge)
         prov = _save_provenance(out, prov, _check_loaded(out, prov, lm, judge))
         steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
+        decider = engine.decision_model(bool(cfg.reuse_unsteered)) if engine is not None else lm
         with remembered_prefill_states():  # one prefill pass serves the records and the reuse decision
-            info = intervention.row_info(lm, [it.prompt for it in todo], cfg.system, cfg.batch_size) \
+            info = intervention.row_info(decider, [it.prompt for it in todo], cfg.system, cfg.batch_size) \
                 if intervention is not None else None
             if info is not None:
                 steering = {(it.source, it.id): r for it, r in zip(todo, info, strict=True)}
             if cfg.reuse_unsteered and intervention is not None:
-                todo, n_reused = _reuse_unsteered(cfg, lm, intervention, todo, judge, samples_path, steering)
-        batches = iter_generate(lm, [it.prompt for it in todo], cfg.generation(), recorder or intervention,
-                                progress=cfg.progress, desc="eval")
+                todo, n_reused = _reuse_unsteered(cfg, decider, intervention, todo, judge, samples_path, steering)
+        gen_over = replicas.iter_generate if replicas is not None else engine.iter_generate \
+            if engine is not None else partial(iter_generate, lm, intervention=recorder or intervention,
+                                               stats=run_stats)
+        batches = gen_over([it.prompt for it in todo], cfg.generation(), progress=cfg.progress, desc="eval")
         tb = time.perf_counter()
         for idx, gens in batches:
             gen_seconds += time.perf_counter() - tb
@@ -208,12 +245,15 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
             if recorder is not None:
                 recorder.keep([activation_id(it) for it in batch_items], [it.label for it in batch_items])
             verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
+            decided = engine.decided if engine is not None else {}
             append_jsonl(samples_path, [
                 _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason,
-                        **_steering_field(steering, it))
-                for it, g, v in zip(batch_items, gens, verdicts, strict=True)
+                        **_steering_field(steering, it, decided.get(i)))
+                for i, it, g, v in zip(idx, batch_items, gens, verdicts, strict=True)
             ])
             tb = time.perf_counter()
+        if engine is not None:
+            run_stats = engine.stats()
     rows = read_jsonl(samples_path)
     rows = [r for r in rows if (r["source"], r["id"]) in wanted]
     prev = _previous(out)
@@ -222,6 +262,7 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
         "model_fingerprint": getattr(lm, "fingerprint", None) or prev.get("model_fingerprint"),
         **summarize_refusals(rows),
         **steering_summary(rows),
+        **_steering_stats(prev if done else {}, run_stats),
         "intervention": _read_intervention(out),
         **_paired_against(cfg, rows),
         "timing": _timing(prev.get("timing", {}) if done else {}, time.perf_counter() - t0,
@@ -232,6 +273,16 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
 
     write_eval_report(results, out / "report.md")
     return results
+
+
+def _steering_stats(prev: dict, new: dict) -> dict:
+    """``{"steering_stats": ...}``: the steering hooks' statistics over every invocation that generated
+    rows in this run folder (per steered ELS layer: positions, positions moved, mean energy before and
+    after the descent; decisions' row counts); ``{}`` when nothing was steered."""
+    from aligntax.interventions.kernels import merge_stats
+
+    merged = merge_stats(json.loads(json.dumps(prev.get("steering_stats") or {})), json.loads(json.dumps(new)))
+    return {"steering_stats": merged} if merged else {}
 
 
 def _record_intervention(out: Path, intervention) -> None:
@@ -260,9 +311,12 @@ def _read_intervention(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _steering_field(steering: dict, item) -> dict:
-    """``{"steering": {...}}`` for a sample whose row the intervention decided on (else ``{}``)."""
+def _steering_field(steering: dict, item, engine: dict | None = None) -> dict:
+    """``{"steering": {...}}`` for a sample whose row the intervention decided on (else ``{}``); with the
+    vLLM backend, the strength its engine applied to the row as ``engine_strength``."""
     info = steering.get((item.source, item.id))
+    if info is not None and engine is not None:
+        info = {**info, "engine_strength": round(float(engine["strength"]), 4)}
     return {"steering": info} if info is not None else {}
 
 
@@ -312,7 +366,7 @@ def _reuse_unsteered(cfg: EvalConfig, lm, intervention, todo: list, judge, sampl
     if old.get("do_sample") or cfg.do_sample:
         raise AligntaxError("--reuse-unsteered needs greedy decoding in both runs (sampled answers are not "
                             "reproducible).")
-    diffs = _setting_diffs(old, cfg, ("model", "system", "max_new_tokens", "dtype"))
+    diffs = _setting_diffs(old, cfg, ("model", "system", "max_new_tokens", "dtype", "backend"))
     if diffs:
         raise AligntaxError(f"--reuse-unsteered {src} was made with other settings ({'; '.join(diffs)}).")
     prior = {(r["source"], r["id"]): r for r in read_jsonl(samples, repair=True)}

@@ -145,7 +145,7 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-class _Gate:
+class _RequestGuard:
     """Pure ASGI middleware: API key check, body size limit, and per-request metrics."""
 
     def __init__(self, app, api_key: str | None, metrics: ServeMetrics):
@@ -603,7 +603,7 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     app.state.server = server
     app.state.metrics = metrics
     app.state.settings = settings
-    app.add_middleware(_Gate, api_key=api_key, metrics=metrics)
+    app.add_middleware(_RequestGuard, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -611,7 +611,8 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
                        adapter_dir: str | Path | None = None, energy_dir: str | Path | None = None,
                        seed: int = 0, exclude_ids: set[str] | None = None,
                        progress: bool = False, adapter: str | Path | None = None,
-                       oracle_gain: float = 0.5, oracle_bias: float | None = None) -> Intervention:
+                       oracle_gain: float = 0.5, oracle_bias: float | None = None,
+                       options: dict | None = None) -> Intervention:
     """Make an intervention by name: none, persona, fewshot-K, persona-fewshot-K, steer, lora, dpo, els,
     adapter (load the PEFT LoRA adapter at ``adapter``, read only), and the validation oracles ``oracle``
     (target items only) and ``uniform`` (every item; ``OracleBias``).
@@ -619,7 +620,10 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
     ``adapter_dir`` is where a lora/dpo adapter is saved, or, if it already holds a matching adapter,
     loaded from. ``els`` loads the energy bank in ``energy_dir`` (written by ``aligntax els train``)
     with its tuned setting (``energy_dir/sweep/best.json``) through ``EnergySteering.from_dir``; it is not
-    aimed at any value, so ``target`` only names the value its gain is reported for."""
+    aimed at any value, so ``target`` only names the value its gain is reported for. Any other method of
+    the intervention registry (:mod:`aligntax.interventions.registry`: refusal-ablation, cast,
+    system-prompt, ...) is built from it with ``options`` (its registered options, e.g. ``path``), so
+    the value tax of every steering method is measured the same way."""
     key = name.strip().lower()
     t = resolve_value(target)
     judge_cfg = judge_cfg or JudgeConfig()
@@ -639,9 +643,9 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
         if energy_dir is None:
             raise AligntaxError("The els intervention needs the energy bank folder (--energy-dir), "
                                 "e.g. the output of `aligntax els train`")
-        from aligntax.interventions.els import EnergySteering
+        from aligntax.interventions.registry import make_intervention
 
-        iv = EnergySteering.from_dir(energy_dir, lm=lm)
+        iv = make_intervention("els", lm, path=str(energy_dir), **(options or {}))
         iv.cacheable = False  # its config names the folder, not the bank's content, which can be retrained
         return iv
     if key == "steer":
@@ -681,4 +685,11 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
         if method == "dpo":
             return train_dpo(lm, train_items, t, adapter_dir, judge_cfg, **kwargs)
         return train_lora_sft(lm, train_items, t, adapter_dir, judge_cfg, progress=progress, **kwargs)
-    raise AligntaxError(f"Unknown intervention '{name}'; use one of {', '.join(INTERVENTIONS)}")
+    from aligntax.interventions.registry import METHODS, make_intervention
+
+    if key in METHODS:
+        iv = make_intervention(key, lm, **(options or {}))
+        iv.cacheable = False  # its config names its folder, not the content
+        return iv
+    raise AligntaxError(f"Unknown intervention '{name}'; use one of {', '.join(INTERVENTIONS)} or a registered "
+                        f"method ({', '.join(METHODS)})")

@@ -1,0 +1,300 @@
+"""Offline generation with vLLM, steered per request, returning aligntax's ``Generation`` records.
+
+:class:`VllmModel` starts a ``vllm.LLM`` in eager mode with the steering worker extension
+(:mod:`aligntax.backends.vllm.worker`), registers steering presets (each a folder or intervention name
+loaded once per worker) and generates: prompts are rendered with the model's chat template and
+tokenised here, with the same tokenizer the Hugging Face backend uses, so both backends decode the
+same token ids; each request carries its preset and strength in ``SamplingParams.extra_args``, and a
+steered request's prefix-cache entries are salted per (preset, strength) (``cache_salt``), so steered
+KV states are never shared with plain requests or other settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aligntax.backends.vllm.steering import EXTRA_STEER, EXTRA_STRENGTH, MAX_STRENGTH
+from aligntax.backends.vllm.worker import EXTENSION
+from aligntax.errors import AligntaxError
+from aligntax.generation.chat import build_messages, render_chat
+from aligntax.generation.generate import Generation, GenerationConfig, _truncate_at_stop
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+           "fp16": "float16", "float16": "float16"}
+
+
+def available() -> bool:
+    """Whether vLLM can be imported here (``./run setup-vllm`` builds ``.venv-vllm`` with it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm() -> None:
+    if not available():
+        raise AligntaxError("The vLLM backend needs vLLM: run `./run setup-vllm` and use .venv-vllm/bin/aligntax.")
+
+
+@dataclass
+class VllmOptions:
+    """Engine settings (CPU-sized defaults)."""
+
+    max_model_len: int = 4096  # capped at the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # chunked prefill splits prompts longer than this
+    enable_prefix_caching: bool = True
+    kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE (whole GiB), when not set in the environment
+    seed: int = 0
+
+
+@dataclass
+class ModelFacts:
+    """What the intervention loaders read of a model (``fingerprint``, sizes), from its folder."""
+
+    spec: str
+    source: str
+    tokenizer: object
+    fingerprint: dict | None
+    hidden_size: int | None
+    num_layers: int | None
+    max_positions: int | None = None
+
+
+def resolve_source(spec: str) -> tuple[str, str]:
+    """A model spec as vLLM loads it: ``(spec, folder or Hub id)``; embedded models are fetched."""
+    from aligntax.models.spec import parse_spec
+
+    ms = parse_spec(spec)
+    if ms.kind == "embedded":
+        from aligntax.models.embedded import fetch_embedded
+
+        return ms.raw, str(fetch_embedded(ms.value))
+    if ms.kind == "gguf":
+        raise AligntaxError("The vLLM backend loads model folders and Hub ids, not .gguf files.")
+    return ms.raw, ms.value
+
+
+def folder_fingerprint(folder: str | Path, spec: str, dtype: str | None = None) -> dict | None:
+    """:func:`aligntax.models.loader.model_fingerprint` read from a model folder's config and
+    safetensors (no model built), of the weights as loaded in ``dtype`` (the digest rounds the
+    embedding rows as that dtype holds them); None for a Hub id or a folder without safetensors."""
+    import torch
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    files = sorted(folder.glob("*.safetensors"))
+    if not cfg_path.is_file() or not files:
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    text = cfg.get("text_config") or cfg
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            name = next((k for k in fh.keys() if k.endswith("embed_tokens.weight")), None)  # noqa: SIM118
+            if name is None:
+                continue
+            emb = fh.get_slice(name)
+            vocab = int(emb.get_shape()[0])
+            rows = emb[: min(64, vocab)]
+            if dtype is not None:
+                rows = rows.to(getattr(torch, _DTYPES[dtype]))
+            rows = rows.float().contiguous()
+            digest = hashlib.sha256(rows.numpy().round(3).tobytes()).hexdigest()[:16]
+            return {"spec": spec, "model_type": text.get("model_type", cfg.get("model_type")),
+                    "num_layers": int(text["num_hidden_layers"]), "hidden_size": int(text["hidden_size"]),
+                    "vocab_size": vocab, "embedding_digest": digest}
+    return None
+
+
+def model_facts(spec: str, dtype: str | None = None) -> ModelFacts:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from aligntax.models.loader import prepare_tokenizer
+
+    spec, source = resolve_source(spec)
+    tok = AutoTokenizer.from_pretrained(source)
+    prepare_tokenizer(tok)
+    cfg = AutoConfig.from_pretrained(source)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    fp = folder_fingerprint(source, spec, dtype) if Path(source).is_dir() else None
+    max_pos = getattr(text, "max_position_embeddings", None)
+    return ModelFacts(spec, source, tok, fp, int(text.hidden_size), int(text.num_hidden_layers),
+                      int(max_pos) if max_pos else None)
+
+
+def _greedy_extras(source: str) -> dict:
+    """Sampling settings of the model's generation config that the Hugging Face backend's greedy
+    decoding applies (``model.generate`` honours them): the repetition penalty."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    try:
+        gc = HFGenerationConfig.from_pretrained(source)
+    except OSError:
+        return {}
+    rp = getattr(gc, "repetition_penalty", None)
+    return {"repetition_penalty": float(rp)} if rp not in (None, 1.0) else {}
+
+
+def _eos_ids(source: str, tok) -> set[int]:
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    try:
+        ids = HFGenerationConfig.from_pretrained(source).eos_token_id
+    except OSError:
+        ids = None
+    ids = set(ids if isinstance(ids, list) else [ids]) | {tok.eos_token_id}
+    return {int(i) for i in ids if i is not None}
+
+
+class VllmModel:
+    """A vLLM engine on an aligntax model spec, with steering presets (see the module docstring)."""
+
+    def __init__(self, spec: str, dtype: str = "bf16", options: VllmOptions | None = None) -> None:
+        require_vllm()
+        from vllm import LLM
+
+        if dtype not in _DTYPES:
+            raise AligntaxError(f"Unknown dtype '{dtype}'; use bf16, fp16 or fp32.")
+        self.options = options = options or VllmOptions()
+        self.facts = model_facts(spec, dtype)
+        self.spec, self.source, self.tokenizer = self.facts.spec, self.facts.source, self.facts.tokenizer
+        self.fingerprint = self.facts.fingerprint
+        self.dtype = dtype
+        self.max_model_len = min(options.max_model_len, self.facts.max_positions or options.max_model_len)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(options.kv_cache_gib)))
+        extra = {}
+        if options.max_num_batched_tokens is not None:
+            extra["max_num_batched_tokens"] = options.max_num_batched_tokens
+            extra["enable_chunked_prefill"] = True
+        self.llm = LLM(model=self.source, tokenizer=self.source, dtype=_DTYPES[dtype], enforce_eager=True,
+                       worker_extension_cls=EXTENSION, max_model_len=self.max_model_len,
+                       max_num_seqs=options.max_num_seqs, enable_prefix_caching=options.enable_prefix_caching,
+                       seed=options.seed, generation_config="vllm", **extra)
+        self.eos_ids = _eos_ids(self.source, self.tokenizer)
+        self.greedy_extras = _greedy_extras(self.source)
+        self.presets: dict[str, dict] = {}
+
+    # ---- LoadedModel-like facts (for intervention loaders and run folders) ----------------------------
+    @property
+    def hidden_size(self) -> int | None:
+        return self.facts.hidden_size
+
+    @property
+    def num_layers(self) -> int | None:
+        return self.facts.num_layers
+
+    # ---- steering presets -------------------------------------------------------------------------------
+    def register(self, preset: str, source: str, /, **options) -> dict:
+        """Load the intervention ``source`` (a folder or name; ``options`` as for
+        :func:`aligntax.load_intervention`, e.g. ``name="refusal-ablation"``, ``eta=0.3``) in every worker
+        as ``preset``. It is first built here against this model's fingerprint and sizes (a folder
+        made for another model is refused). Returns its resolved config."""
+        from aligntax.api import load_intervention
+
+        local = load_intervention(source, self.facts, **dict(options))
+        if local.rewrites_messages():
+            raise AligntaxError(f"Intervention '{local.name}' rewrites the chat messages: pass it to "
+                                "generate(intervention=...) instead of registering it.")
+        configs = self.llm.collective_rpc("aligntax_register", args=(preset, str(source), dict(options)))
+        self.presets[preset] = configs[0]
+        return configs[0]
+
+    def summary(self) -> dict:
+        """The workers' steering statistics per preset and any errors."""
+        return self.llm.collective_rpc("aligntax_summary")[0]
+
+    def trace(self, on: bool = True) -> list[tuple]:
+        """Start/stop recording edited tokens (request id, position, layer, where); returns the record."""
+        return [tuple(t) for t in self.llm.collective_rpc("aligntax_trace", args=(on,))[0]]
+
+    # ---- generation ----------------------------------------------------------------------------------
+    def encode(self, prompts: Sequence[str | list[dict]], system: str | None = None,
+               intervention=None) -> tuple[list[str], list[list[int]]]:
+        """Chat-templated texts and their token ids, as the Hugging Face backend renders them."""
+        texts = [render_chat(self.tokenizer, build_messages(p, system, intervention)) for p in prompts]
+        return texts, [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    def generate(self, prompts: Sequence[str | list[dict]], cfg: GenerationConfig | None = None,
+                 steer: str | None = None, strengths: Sequence[float] | None = None,
+                 steer_rows: Sequence[bool] | None = None, intervention=None,
+                 progress: bool = False) -> tuple[list[Generation], list[dict | None]]:
+        """Generate for every prompt in one vLLM call (continuous batching). ``steer`` names a registered
+        preset; ``strengths`` / ``steer_rows`` set each prompt's strength (0 / False: plain). An
+        ``intervention`` that rewrites messages (a system prompt) is applied to them here. Returns the
+        generations in input order and, per prompt, what the steering decided (None: not steered)."""
+        from vllm import SamplingParams
+
+        cfg = cfg or GenerationConfig()
+        if steer is not None and steer not in self.presets:
+            raise AligntaxError(f"Unknown steering preset {steer!r}; registered: {', '.join(self.presets) or 'none'}.")
+        texts, ids = self.encode(prompts, cfg.system, intervention)
+        too_long = [i for i, x in enumerate(ids) if len(x) + 1 > self.max_model_len]
+        if too_long:
+            raise AligntaxError(f"Prompt {too_long[0]} has {len(ids[too_long[0]])} tokens; the engine's "
+                                f"max_model_len is {self.max_model_len}.")
+        reqs, params = [], []
+        for i, x in enumerate(ids):
+            s = 0.0 if steer is None else float(strengths[i]) if strengths is not None else 1.0
+            if steer_rows is not None and not steer_rows[i]:
+                s = 0.0
+            if not 0.0 <= s <= MAX_STRENGTH:
+                raise AligntaxError(f"Strength {s} of prompt {i} is outside [0, {MAX_STRENGTH:g}].")
+            extra = {EXTRA_STEER: steer, EXTRA_STRENGTH: s} if steer is not None and s > 0 else None
+            prompt = {"prompt_token_ids": list(x)}
+            if extra is not None:
+                prompt["cache_salt"] = f"aligntax:{steer}:{s!r}"
+            sp = dict(max_tokens=cfg.max_new_tokens, stop_token_ids=sorted(self.eos_ids), detokenize=False,
+                      extra_args=extra)
+            if cfg.do_sample:
+                sp.update(temperature=cfg.temperature, top_p=cfg.top_p,
+                          seed=None if cfg.seed is None else cfg.seed + i)
+            else:
+                sp.update(temperature=0.0, **self.greedy_extras)
+            reqs.append(prompt)
+            params.append(SamplingParams(**sp))
+        if cfg.max_new_tokens <= 0:
+            return [Generation(prompt=p if isinstance(p, str) else t, response="", n_prompt_tokens=len(x),
+                               n_tokens=0, finish_reason="length")
+                    for p, t, x in zip(prompts, texts, ids, strict=True)], [None] * len(prompts)
+        self.llm.collective_rpc("aligntax_records")  # drop records of earlier calls
+        outputs = self.llm.generate(reqs, params, use_tqdm=progress)
+        records = self.llm.collective_rpc("aligntax_records")[0] if steer is not None else {}
+        by_external = {rid.rsplit("-", 1)[0]: r for rid, r in records.items()}
+        gens, decided = [], []
+        for p, text, x, out in zip(prompts, texts, ids, outputs, strict=True):
+            row = list(out.outputs[0].token_ids)
+            n, finish = len(row), "length"
+            for j, t in enumerate(row):
+                if t in self.eos_ids:
+                    n, finish = j, "stop"
+                    break
+            resp = self.tokenizer.decode(row[:n], skip_special_tokens=True)
+            resp, stopped = _truncate_at_stop(resp, cfg.stop)
+            gens.append(Generation(prompt=p if isinstance(p, str) else text, response=resp.strip(),
+                                   n_prompt_tokens=len(x), n_tokens=n,
+                                   finish_reason="stop" if stopped else finish))
+            decided.append(by_external.get(out.request_id))
+        return gens, decided
+
+
+def prepare(vm: VllmModel, intervention: str | None, args: dict | None, preset: str = "steer"):
+    """The intervention a command names, on ``vm``: a steering method is registered as ``preset`` (returns
+    ``(preset, None)``); one that rewrites messages is built here (returns ``(None, intervention)``)."""
+    from aligntax.interventions.registry import make_intervention
+
+    if not intervention or intervention == "none":
+        return None, None
+    args = dict(args or {})
+    local = make_intervention(intervention, vm.facts, **args)
+    if local.rewrites_messages():
+        return None, local
+    source = args.pop("path", None) or args.pop("dir", None) or args.pop("directory", None)
+    if source is None:
+        raise AligntaxError(f"Intervention '{intervention}' needs its folder (--steer or --vectors).")
+    vm.register(preset, source, name=intervention, **{k: v for k, v in args.items() if v is not None})
+    return preset, None

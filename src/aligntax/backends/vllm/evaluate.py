@@ -1,0 +1,86 @@
+"""The vLLM backend as the generation source of an evaluation (``aligntax eval --backend vllm``).
+
+:class:`VllmEvalSource` holds a :class:`~aligntax.backends.vllm.engine.VllmModel` with the run's
+intervention registered as a steering preset (or, for a method that rewrites the chat messages, applied
+to the messages), and generates the run's prompts in chunks, so that samples are appended as chunks
+finish and a killed run resumes as the Hugging Face backend's does.
+
+Row decisions recorded before generating (``row_info``: the harm probability, the row energy, whether
+the row is steered) and the rows ``--reuse-unsteered`` copies are decided on a Hugging Face copy of the
+model, loaded only for an intervention that decides per row: the engine decides inside generation
+(too late to skip a copied row), and its decision records hold the decision's parts (gate strength,
+row energy pass) but not the harm probability or the row energy. The strength the engine itself
+applied to each generated row is kept next to those records (``engine_strength``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from aligntax.backends.vllm.engine import VllmModel, VllmOptions, prepare
+from aligntax.generation.generate import Generation, GenerationConfig
+from aligntax.interventions.base import Intervention
+
+PRESET = "eval"
+CHUNK_SLOTS = 4  # prompts per engine call: this many times the engine's sequence slots
+
+
+class VllmEvalSource:
+    """Generation for one evaluation on a vLLM engine (started here unless ``vm`` is given)."""
+
+    def __init__(self, model: str, dtype: str, intervention: str | None = None,
+                 intervention_args: dict | None = None, batch_size: int = 32, vm: VllmModel | None = None) -> None:
+        from aligntax.errors import AligntaxError
+        from aligntax.interventions.registry import make_intervention
+
+        if vm is not None and not isinstance(vm, VllmModel):
+            raise AligntaxError("The vLLM backend takes a started VllmModel as its model (or none).")
+        self.vm = vm or VllmModel(model, dtype=dtype, options=VllmOptions(max_num_seqs=max(1, batch_size)))
+        self.preset, rewriting = prepare(self.vm, intervention, intervention_args, preset=PRESET)
+        self.rewriting = rewriting
+        self.intervention = rewriting
+        if self.intervention is None and self.preset is not None:
+            self.intervention = make_intervention(intervention, self.vm.facts, **dict(intervention_args or {}))
+        self.decided: dict[int, dict] = {}  # prompt index -> the engine's decision record
+        self._hf = None
+
+    @property
+    def fingerprint(self) -> dict | None:
+        return self.vm.fingerprint
+
+    def decision_model(self, reuse_unsteered: bool = False):
+        """The model the intervention's per-row decisions run on before generating: a Hugging Face copy,
+        loaded on first need (None when the intervention decides nothing per row)."""
+        iv = self.intervention
+        if iv is None:
+            return None
+        cls = type(iv)
+        needed = cls.row_info is not Intervention.row_info or (
+            reuse_unsteered and cls.unsteered_rows is not Intervention.unsteered_rows)
+        if not needed:
+            return None
+        if self._hf is None:
+            from aligntax.models import load_model
+
+            self._hf = load_model(self.vm.spec, dtype=self.vm.dtype)
+        return self._hf
+
+    def iter_generate(self, prompts: Sequence, cfg: GenerationConfig, progress: bool = True,
+                      desc: str = "generate") -> Iterator[tuple[list[int], list[Generation]]]:
+        """Like :func:`aligntax.generation.iter_generate`: ``(indices, generations)`` per chunk of
+        prompts, each chunk one continuously batched engine call."""
+        prompts = list(prompts)
+        chunk = max(1, CHUNK_SLOTS * self.vm.options.max_num_seqs)
+        for start in range(0, len(prompts), chunk):
+            idx = list(range(start, min(len(prompts), start + chunk)))
+            gens, decided = self.vm.generate([prompts[i] for i in idx], cfg, steer=self.preset,
+                                             intervention=self.rewriting, progress=progress)
+            self.decided.update({i: d for i, d in zip(idx, decided, strict=True) if d is not None})
+            yield idx, gens
+
+    def stats(self) -> dict:
+        """The steering statistics of the preset since it was registered (the format of
+        :func:`aligntax.interventions.kernels.merge_stats`)."""
+        if self.preset is None:
+            return {}
+        return dict(self.vm.summary()["presets"].get(self.preset, {}).get("stats") or {})

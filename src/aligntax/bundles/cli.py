@@ -1,0 +1,125 @@
+"""``aligntax bundle save|push|pull`` and ``aligntax export``, mounted by :func:`mount`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from aligntax.errors import AligntaxError
+
+bundle_app = typer.Typer(help="Steering bundles: pack a trained steering folder with a model card; share it on "
+                              "the Hugging Face Hub.", no_args_is_help=True)
+console = Console(stderr=True)
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _options(pairs: list[str] | None) -> dict:
+    """``KEY=VALUE`` pairs; a value is read as JSON when it parses (numbers, lists, true/false, null)."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise AligntaxError(f"--set takes KEY=VALUE, got {pair!r}.")
+        try:
+            out[key.strip().replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip().replace("-", "_")] = value
+    return out
+
+
+@bundle_app.command("save")
+def bundle_save(
+    source: Path = typer.Argument(..., help="steering folder: an `aligntax els train` folder, or a vector folder"),
+    out: Path = typer.Option(..., help="new bundle folder"),
+    method: str | None = typer.Option(None, help="els (default for a folder with energy.json), refusal-ablation, "
+                                                 "refusal-add, false-refusal-ablation or cast"),
+    results: list[Path] | None = typer.Option(None, "--results", help="an `aligntax eval` run folder made with this "
+                                              "steering and setting, or unsteered (repeatable): its rates go into "
+                                              "the card"),
+    setting: list[str] | None = typer.Option(None, "--set", help="KEY=VALUE of the setting (e.g. eta=0.35, "
+                                             "layers=[19], gate=true; layer=20, coeff=1.0); repeatable"),
+    base_model: str | None = typer.Option(None, help="the base model's Hub id, for the card"),
+    repo_id: str | None = typer.Option(None, help="the Hub repository the card's loading lines name"),
+) -> None:
+    """Pack a steering folder into a bundle (safetensors, JSON, model card)."""
+    from aligntax.bundles import save_pretrained
+
+    try:
+        path = save_pretrained(source, out, method=method, results=[str(r) for r in results or []],
+                               base_model=base_model, repo_id=repo_id, **_options(setting))
+    except AligntaxError as exc:
+        _fail(exc)
+    print(path)
+
+
+@bundle_app.command("push")
+def bundle_push(
+    folder: Path = typer.Argument(..., help="bundle folder (aligntax bundle save)"),
+    repo_id: str = typer.Option(..., help="Hub repository, org/name"),
+    token: str | None = typer.Option(None, help="Hub token (default: HF_TOKEN or the saved login)"),
+    private: bool = typer.Option(True, help="create the repository private"),
+) -> None:
+    """Upload a bundle to a Hugging Face Hub model repository (created if missing)."""
+    from aligntax.bundles import push_to_hub
+
+    try:
+        info = push_to_hub(folder, repo_id, token=token, private=private)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(getattr(info, "commit_url", None) or info)
+
+
+@bundle_app.command("pull")
+def bundle_pull(
+    ref: str = typer.Argument(..., help="Hub id (org/name) of a bundle"),
+    out: Path = typer.Option(..., help="folder to download into"),
+    revision: str | None = typer.Option(None, help="branch, tag or commit"),
+) -> None:
+    """Download a bundle (safetensors, JSON and Markdown only) into a folder usable as --steer / --vectors."""
+    from aligntax.bundles import load_bundle
+
+    try:
+        b = load_bundle(ref, revision=revision, local_dir=out)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(b.path)
+
+
+def export_command(
+    intervention: str = typer.Option(..., help="refusal-ablation, false-refusal-ablation or refusal-addition"),
+    vectors: Path = typer.Option(..., help="vector folder (aligntax els train writes DIR/vectors)"),
+    out: Path = typer.Option(..., help="new Hugging Face model folder"),
+    layer: int | None = typer.Option(None, help="the vector's layer (default: the folder's); addition: also the "
+                                                "block whose input receives it"),
+    coeff: float = typer.Option(1.0, help="addition: scale of the vector; ablation: must be 1"),
+    model: str | None = typer.Option(None, help="model spec (default: the vector folder's model)"),
+    dtype: str = typer.Option("bf16", help="dtype the model is loaded and written in"),
+) -> None:
+    """Write a model with a vector intervention baked into its weights (a plain Hugging Face folder)."""
+    from aligntax.bundles.export import canonical_method, export_model
+    from aligntax.models import load_model
+
+    try:
+        canonical_method(intervention)
+        spec = model or (json.loads((vectors / "vectors.json").read_text()).get("fingerprint") or {}).get("spec") \
+            if (vectors / "vectors.json").is_file() else model
+        if not spec:
+            raise AligntaxError("Give --model: the vector folder names no model.")
+        lm = load_model(spec, dtype=dtype, device="cpu")
+        path = export_model(lm, vectors, intervention, out, layer=layer, coeff=coeff)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(path)
+
+
+def mount(app: typer.Typer) -> None:
+    """Add ``bundle`` and ``export`` to the ``aligntax`` command line."""
+    app.add_typer(bundle_app, name="bundle")
+    app.command("export")(export_command)

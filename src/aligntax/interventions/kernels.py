@@ -1,0 +1,306 @@
+"""Steering as row kernels, and the one adapter that runs them inside a Hugging Face model.
+
+Every steering method (ELS, activation addition, direction ablation, CAST) is a :class:`RowKernel`:
+
+- ``sites``: where it edits (:class:`Site`: the residual stream entering a decoder block, or leaving
+  the last one);
+- an optional per-request decision (:meth:`RowKernel.decide`) read from the states entering
+  ``decision_layers`` at the request's last prompt token, giving a per-row strength (0: held back,
+  never edited);
+- ``edit(site, rows [N, d], strength [N])``: the edit of a set of token states, rows of any batch;
+- which tokens it edits: :func:`edited` (``positions`` and ``horizon``), the one rule both backends use.
+
+A kernel knows nothing of batches, padding, KV caches or hooks. :func:`attach_kernel` maps a padded
+Hugging Face batch to rows (the positions from the prompt length and a per-site counter of decode
+steps, the per-row strength from the :class:`~aligntax.interventions.base.SteerContext` and the
+decision, rows dropped by generation) and registers the forward hooks; another backend (vLLM) maps its
+flattened token batch to the same rows with the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aligntax.errors import AligntaxError
+from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_args
+from aligntax.models.layers import decoder_layers
+
+__all__ = ["POSITION_MODES", "RowKernel", "Site", "attach_kernel", "check_positions", "decide_at_prefill", "edited",
+           "merge_stats", "token_slice"]
+
+POSITION_MODES = ("last_and_generated", "generated", "all")
+
+
+def check_positions(positions: str) -> str:
+    if positions not in POSITION_MODES:
+        raise AligntaxError(f"Unknown positions '{positions}'; use one of {', '.join(POSITION_MODES)}.")
+    return positions
+
+
+@dataclass(frozen=True, order=True)
+class Site:
+    """Where an edit happens: the residual stream entering block ``layer`` (``"pre"``) or leaving it
+    (``"post"``, used for the last block only, so the final norm and the LM head see the edit)."""
+
+    layer: int
+    where: str = "pre"
+
+
+class RowKernel:
+    """One steering method as pure functions of token states (see the module docstring).
+
+    Subclasses set ``sites`` (and ``decision_layers``, ``positions``, ``horizon`` where they have them)
+    and implement :meth:`edit`; a method with a per-request decision implements :meth:`decision_parts`.
+    """
+
+    sites: list[Site] = []
+    decision_layers: list[int] = []
+    positions: str = "last_and_generated"
+    horizon: int | None = None
+
+    # ---- the per-request decision ------------------------------------------------------------------
+    def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Named per-row strengths ``{name: [N] float32}`` from ``{block: [N, d]}`` (the states entering
+        ``decision_layers`` at the last prompt token); their product is the decision."""
+        return {}
+
+    def decide(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The per-row strength ``[N]`` float32 (0: the row is held back and never edited)."""
+        parts = self.decision_parts(states)
+        if not parts:
+            return torch.ones(len(next(iter(states.values()))))
+        return _product(parts)
+
+    def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict) -> None:
+        """Count a batch's decisions (as first made) into ``stats``: ``{name: {rows, held}}``."""
+        for name, part in parts.items():
+            held = part.detach().cpu() == 0
+            s = stats.setdefault(name, {"rows": 0, "held": 0})
+            s["rows"] += len(held)
+            s["held"] += int(held.sum())
+
+    # ---- the edit --------------------------------------------------------------------------------------
+    def edits_last_prompt(self, site: Site) -> bool:
+        """Whether the last prompt token is edited at ``site`` (with ``positions="last_and_generated"``)."""
+        return True
+
+    def edit(self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+        """New states for ``rows`` ``[N, d]`` (model dtype) at ``site``; ``strength`` ``[N]`` float32 scales
+        the edit per row (0 leaves a row exactly unchanged). ``stats``: a dict per site the kernel may
+        accumulate into (device tensors; summarised by :meth:`finish`)."""
+        raise NotImplementedError
+
+    def finish(self, site_stats: dict[Site, dict], stats: dict) -> None:
+        """Summarise the per-site accumulators of one batch into ``stats`` (may raise, e.g. on NaNs)."""
+
+    def check(self, n_layers: int) -> None:
+        """Refuse sites or decision layers outside a model of ``n_layers`` blocks."""
+        for s in self.sites:
+            if not 0 <= s.layer < n_layers:
+                raise AligntaxError(f"Steering layer {s.layer} does not exist: the model has {n_layers} layers.")
+            if s.where == "post" and s.layer != n_layers - 1:
+                raise AligntaxError("A 'post' site is only allowed on the last block.")
+        for layer in self.decision_layers:
+            if not 0 <= layer < n_layers:
+                raise AligntaxError(f"Decision layer {layer} does not exist: the model has {n_layers} layers.")
+
+
+def edited(position: int, prompt_len: int, kernel: RowKernel, site: Site) -> bool:
+    """Whether the token at absolute ``position`` (0-based) of a request whose prompt has
+    ``prompt_len`` tokens is edited at ``site``: every token with ``positions="all"``; else from the
+    last prompt token (``"last_and_generated"``, where the kernel edits it at this site) or the first
+    generated token's input on; with a ``horizon`` H only positions before ``prompt_len + H`` (the last
+    prompt token and the first H generated tokens fed back)."""
+    if kernel.horizon is not None and position >= prompt_len + kernel.horizon:
+        return False
+    if kernel.positions == "all":
+        return True
+    if position >= prompt_len:
+        return True
+    return (position == prompt_len - 1 and kernel.positions == "last_and_generated"
+            and kernel.edits_last_prompt(site))
+
+
+def token_slice(seq_len: int, start: int, prompt_len: int, kernel: RowKernel, site: Site) -> slice:
+    """:func:`edited` for a forward holding the contiguous absolute positions ``start ..
+    start + seq_len - 1`` of every row (left padding puts each row's last prompt token at
+    ``prompt_len - 1``): the slice of the forward's positions to edit."""
+    if kernel.positions == "all":
+        first = 0
+    elif kernel.positions == "last_and_generated" and kernel.edits_last_prompt(site):
+        first = prompt_len - 1
+    else:
+        first = prompt_len
+    stop_abs = start + seq_len
+    if kernel.horizon is not None:
+        stop_abs = min(stop_abs, prompt_len + kernel.horizon)
+    lo = min(max(first - start, 0), seq_len)
+    hi = max(lo, min(stop_abs - start, seq_len))
+    return slice(lo, hi)
+
+
+def decide_at_prefill(h: torch.Tensor, ctx, key, decide: Callable[[torch.Tensor], torch.Tensor],
+                      what: str) -> torch.Tensor:
+    """A per-row decision made from the last prompt token's state and kept for the whole generation.
+
+    Called from a pre-hook with the block's input ``h``: the forward that holds the whole prompt sets
+    ``ctx.row_state[key] = decide(h[:, prompt_len - 1])`` (and ``ctx.decisions[key]``, the whole
+    batch's, once); a cached decode step (one token, decision made) keeps it, while generation drops
+    finished rows from it; without the KV cache the unchanged prompt is re-fed and the same decision
+    is reached. A forward holding only part of the prompt (chunked prefill) is refused. Returns the
+    decision for the rows of this forward. ``key`` must be unique to the intervention and layer.
+    """
+    if h.shape[1] == 1 and key in ctx.row_state:
+        return ctx.row_state[key]
+    if h.shape[1] < ctx.prompt_len:
+        raise AligntaxError(f"{what} needs the whole prompt in one forward (no chunked prefill).")
+    decision = decide(h[:, ctx.prompt_len - 1])
+    ctx.row_state[key] = decision
+    ctx.decisions.setdefault(key, decision)
+    return decision
+
+
+@contextmanager
+def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "Steering") -> Iterator[None]:
+    """Run ``kernel`` inside ``model`` for one batched call described by ``ctx`` (a
+    :class:`~aligntax.interventions.base.SteerContext`).
+
+    One forward pre-hook per block that decides or edits (and a forward hook for a ``post`` site).
+    The decision is made on the forward that holds the whole prompt, at the last of
+    ``decision_layers`` (the earlier ones' last-prompt-token states are kept until then), before any
+    edit at that block, and kept in ``ctx.row_state`` (so it follows the rows generation keeps). A
+    forward of one token after the prompt forward is a cached decode step: its absolute position is
+    counted per site; a longer forward (the prompt, or the whole sequence re-fed without the KV cache)
+    starts at position 0, so steering is the same with and without the cache. Only reached on a clean
+    exit: the decisions are counted and the kernel summarises its statistics into ``ctx.stats``."""
+    blocks = decoder_layers(model)
+    n = len(blocks)
+    kernel.check(n)
+    key = (owner, "decision")
+    parts_key = (owner, "decision_parts")
+    decision_layers = sorted(set(kernel.decision_layers))
+    deciding = decision_layers[-1] if decision_layers else None
+    read: dict[int, torch.Tensor] = {}
+    next_pos: dict[Site, int] = {}
+    site_stats: dict[Site, dict] = {s: {} for s in kernel.sites}
+
+    def decide(h: torch.Tensor, layer: int) -> None:
+        if layer != deciding:
+            if h.shape[1] >= ctx.prompt_len:  # a forward holding the prompt (decode steps: decided)
+                read[layer] = h[:, ctx.prompt_len - 1]
+            return
+
+        def make(last):  # every state on the deciding block's device (a model split over devices)
+            states = {b: s.to(last.device) for b, s in {**read, layer: last}.items()}
+            parts = kernel.decision_parts(states)
+            ctx.decisions.setdefault(parts_key, parts)
+            return _product(parts) if parts else kernel.decide(states)
+
+        decide_at_prefill(h, ctx, key, make, what)
+        read.clear()
+
+    def run_edit(site: Site, h: torch.Tensor) -> torch.Tensor | None:
+        seq = h.shape[1]
+        if kernel.positions != "all" and 1 < seq < ctx.prompt_len:
+            raise AligntaxError(
+                f"A forward of {seq} tokens with a {ctx.prompt_len}-token prompt: chunked prefill is not "
+                "supported by steering (set generation_config.prefill_chunk_size=None).")
+        start = next_pos.get(site, 0) if seq == 1 else 0
+        next_pos[site] = start + seq
+        sl = token_slice(seq, start, ctx.prompt_len, kernel, site)
+        if sl.start >= sl.stop:
+            return None
+        decision = ctx.row_state.get(key)
+        if decision_layers and decision is None:
+            return None  # the prompt forward, before the decision is made
+        scale = ctx.row_scale(h.shape[0], h.device, torch.float32).view(-1)
+        if decision is not None:
+            scale = scale * decision.to(device=h.device, dtype=torch.float32).view(-1)
+        if not bool(scale.any()):
+            return None  # every row of the batch is held back: nothing to move
+        x = h[:, sl]
+        b, t, d = x.shape
+        rows = kernel.edit(site, x.reshape(b * t, d), scale.repeat_interleave(t), site_stats[site])
+        new = h.clone()
+        new[:, sl] = rows.view(b, t, d).to(h.dtype)
+        return new
+
+    by_block: dict[int, list[Site]] = {}
+    for s in kernel.sites:
+        if s.where == "pre":
+            by_block.setdefault(s.layer, []).append(s)
+
+    def make_pre(layer: int):
+        def hook(module, args, kwargs):
+            h = hidden_from_args(args, kwargs)
+            if layer in decision_layers:
+                decide(h, layer)
+            new = None
+            for site in by_block.get(layer, ()):
+                out = run_edit(site, h if new is None else new)
+                new = out if out is not None else new
+            return None if new is None else replace_hidden_in_args(args, kwargs, new)
+        return hook
+
+    def make_post(site: Site):
+        def hook(module, args, kwargs, output):
+            h = output[0] if isinstance(output, tuple) else output
+            new = run_edit(site, h)
+            if new is None:
+                return None
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+        return hook
+
+    pre_blocks = sorted(set(decision_layers) | set(by_block))
+    regs = [(blocks[b], make_pre(b), True) for b in pre_blocks]
+    regs += [(blocks[s.layer], make_post(s), False) for s in kernel.sites if s.where == "post"]
+    with hooks_attached(regs):
+        yield
+    if parts_key in ctx.decisions:
+        kernel.record_decisions(ctx.decisions.pop(parts_key), ctx.stats)
+    kernel.finish({s: a for s, a in site_stats.items() if a}, ctx.stats)
+
+
+def merge_stats(acc: dict, new: dict) -> dict:
+    """Fold one batch's steering statistics (``SteerContext.stats``) into ``acc`` and return it: counts
+    add up; a per-layer block with ``positions`` (ELS: positions, steered, mean energy before and after)
+    is merged with its means weighted by positions."""
+    for key, value in new.items():
+        if isinstance(value, dict):
+            if "positions" in value and key in acc:
+                acc[key] = _merge_means(acc[key], value)
+            elif "positions" in value:
+                acc[key] = dict(value)
+            else:
+                merge_stats(acc.setdefault(key, {}), value)
+        elif isinstance(value, int | float) and not isinstance(value, bool) and key in acc:
+            acc[key] = acc[key] + value
+        else:
+            acc[key] = value
+    return acc
+
+
+def _merge_means(prev: dict, new: dict) -> dict:
+    n0, n1 = prev["positions"], new["positions"]
+    out = dict(new)
+    out["positions"] = n0 + n1
+    out["steered"] = prev.get("steered", 0) + new.get("steered", 0)
+    for k in ("energy_before", "energy_after"):
+        if prev.get(k) is not None and new.get(k) is not None and n0 + n1:
+            out[k] = (prev[k] * n0 + new[k] * n1) / (n0 + n1)
+        else:
+            out[k] = prev.get(k) if new.get(k) is None else new.get(k)
+    return out
+
+
+def _product(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    values = list(parts.values())
+    out = values[0].float()
+    for p in values[1:]:
+        out = out * p.float().to(out.device)
+    return out

@@ -1,0 +1,183 @@
+"""Each intervention's options, declared once.
+
+A method registers itself with :func:`register` (name, a typed options dataclass, a builder). Every
+field of an options dataclass is declared with :func:`option`: its help text, its command-line flag
+(and old spellings), how a text value is read, whether it is an axis of the ``aligntax els sweep``
+grid, and whether a server client may set it per request. The command-line options of generate, chat,
+eval, mc and knowns, the YAML ``intervention_args`` keys (the field names), the sweep's grid options
+and the server's per-request fields are all read from here, so a new method or option is declared in
+one place.
+
+This module imports nothing of aligntax but the errors: every layer may read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aligntax.errors import AligntaxError
+
+__all__ = ["METHODS", "Method", "OptionSpec", "cli_options", "option", "options_of", "parse_value", "register"]
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """How one option is shown and read.
+
+    ``parse``: ``float``, ``int``, ``str``, ``float_or_none`` / ``int_or_none`` (a number, or ``none``
+    to turn a tuned setting off), ``gate`` (a probability, ``saved`` or ``none``), ``layers``
+    (comma-separated ints). ``cli``: offered on the command line; ``grid``: an axis of the ELS sweep
+    (comma-separated values); ``request``: a server client may set it per request."""
+
+    help: str
+    flag: str | None = None
+    aliases: tuple[str, ...] = ()
+    parse: str = "str"
+    cli: bool = True
+    grid: bool = False
+    request: bool = False
+
+
+def option(help: str, default: Any = None, **spec) -> Any:
+    """A dataclass field carrying its :class:`OptionSpec`."""
+    return field(default=default, metadata={"option": OptionSpec(help, **spec)})
+
+
+def spec_of(f: dataclasses.Field) -> OptionSpec:
+    return f.metadata.get("option") or OptionSpec(help=f.name)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return spec_of(f).flag or "--" + f.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered intervention: its name, options dataclass, builder ``build(lm, options)`` and a line of help."""
+
+    name: str
+    options: type
+    build: Callable[[Any, Any], Any]
+    help: str
+
+    def make(self, lm=None, **kwargs):
+        """Build with keyword options (None values ignored; ``dir=``/``directory=`` mean ``path=``)."""
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        for alias in ("dir", "directory"):
+            if alias in kwargs:
+                if "path" in kwargs:
+                    raise AligntaxError(f"Intervention '{self.name}': give the folder once (path= or {alias}=).")
+                kwargs["path"] = kwargs.pop(alias)
+        known = {f.name for f in dataclasses.fields(self.options)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise AligntaxError(f"Unknown options for intervention '{self.name}': {', '.join(unknown)} "
+                                f"(it takes {', '.join(sorted(known)) or 'none'}).")
+        return self.build(lm, self.options(**kwargs))
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str, options: type, help: str) -> Callable:
+    """Decorator: register ``build(lm, options) -> Intervention`` as intervention ``name``."""
+    if not dataclasses.is_dataclass(options):
+        raise TypeError(f"{options!r} is not a dataclass")
+
+    def deco(build: Callable) -> Callable:
+        if name in METHODS:
+            raise AligntaxError(f"Intervention '{name}' is registered twice.")
+        METHODS[name] = Method(name, options, build, help)
+        return build
+    return deco
+
+
+def options_of(name: str) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(METHODS[name].options))
+
+
+def parse_value(text: Any, parse: str, flag: str) -> Any:
+    """A text value (command line, comma-separated grid entry) read as ``parse`` says."""
+    if not isinstance(text, str):
+        return text
+    t = text.strip()
+    try:
+        if parse in ("float_or_none", "int_or_none", "gate") and t.lower() == "none":
+            return "none"
+        if parse == "gate":
+            return True if t.lower() == "saved" else float(t)
+        if parse in ("float", "float_or_none"):
+            return float(t)
+        if parse in ("int", "int_or_none"):
+            return int(t)
+        if parse == "layers":
+            return [int(x) for x in t.split(",") if x.strip()]
+    except ValueError:
+        kind = {"gate": "a probability, 'saved' or 'none'", "layers": "comma-separated layer numbers"}.get(
+            parse, "a number" + (" or 'none'" if parse.endswith("_or_none") else ""))
+        raise AligntaxError(f"{flag} takes {kind}, not {text!r}.") from None
+    return t
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """One command-line option shared by the methods that declare it (same flag, same field name)."""
+
+    flag: str
+    aliases: tuple[str, ...]
+    name: str  # the options field (the ``intervention_args`` key)
+    help: str
+    parse: str
+    methods: tuple[str, ...]
+    grid: bool
+
+    @property
+    def param(self) -> str:
+        """A Python parameter name for the flag."""
+        return "iv_" + self.flag.lstrip("-").replace("-", "_")
+
+
+def cli_options() -> list[CliOption]:
+    """Every command-line option of the registered methods, one per flag, in declaration order."""
+    out: dict[str, CliOption] = {}
+    for method in METHODS.values():
+        for f in dataclasses.fields(method.options):
+            spec = spec_of(f)
+            if not spec.cli:
+                continue
+            flag = flag_of(f)
+            prev = out.get(flag)
+            if prev is None:
+                out[flag] = CliOption(flag, spec.aliases, f.name, spec.help, spec.parse, (method.name,), spec.grid)
+            else:
+                if prev.name != f.name or prev.parse != spec.parse:
+                    raise AligntaxError(f"{flag} means different options in {prev.methods} and {method.name}.")
+                out[flag] = dataclasses.replace(prev, methods=(*prev.methods, method.name),
+                                                aliases=tuple(dict.fromkeys(prev.aliases + spec.aliases)))
+    return list(out.values())
+
+
+def intervention_args(name: str | None, given: dict[str, Any]) -> dict:
+    """``intervention_args`` from command-line values ``{param: text or value}`` (None: not given):
+    each read as its option says; an option the chosen method does not take is refused."""
+    args: dict = {}
+    for opt in cli_options():
+        value = given.get(opt.param)
+        if value is None:
+            continue
+        if name and name in METHODS and name not in opt.methods:
+            raise AligntaxError(f"{opt.flag} is an option of {', '.join(opt.methods)}, not of '{name}'.")
+        args[opt.name] = parse_value(value, opt.parse, opt.flag)
+    return args
+
+
+def grid_values(text: str | None, opt: CliOption) -> list | None:
+    """A sweep grid axis: ``"none,0,0.5"`` -> ``[None, 0.0, 0.5]``; ``layers`` sets are separated by ``;``."""
+    if not text:
+        return None
+    parts = text.split(";") if opt.parse == "layers" else text.split(",")
+    values = [parse_value(x, opt.parse, opt.flag) for x in parts if x.strip()]
+    return [None if v == "none" else v for v in values]

@@ -1,0 +1,52 @@
+"""``aligntax lm-eval``: mounted by :mod:`aligntax.cli` when lm-eval (extra ``lmeval``) is installed.
+
+Register with ``app.command("lm-eval")(lm_eval_command)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from aligntax.clitools import InterventionOpt, steering_options
+from aligntax.models.spec import DEFAULT_MODEL
+
+
+@steering_options
+def lm_eval_command(
+    lm_eval_args: Annotated[list[str] | None, typer.Argument(
+        help="lm-eval's own arguments, after '--': --tasks, --num_fewshot, --batch_size, --limit, "
+             "--include_path, --apply_chat_template, --log_samples, ...")] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help="model spec")] = DEFAULT_MODEL,
+    out: Annotated[Path, typer.Option(help="run folder")] = Path("runs/lm-eval"),
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if available)")] = None,
+    intervention: InterventionOpt = None, iv_args: dict | None = None,
+    compare: Annotated[bool, typer.Option("--compare", help="also run unsteered and report both side by "
+                                          "side (the capability tax)")] = False,
+) -> None:
+    """Run lm-evaluation-harness on a model loaded by aligntax, optionally steered, into a run folder."""
+    from rich.console import Console
+
+    from aligntax.errors import AligntaxError
+    from aligntax.lmeval.run import LmEvalConfig, run_lm_eval
+
+    console = Console(stderr=True)
+    options = dict(iv_args or {})
+    folder = options.pop("path", None)
+    config = LmEvalConfig(model=model, dtype=dtype, device=device, intervention=intervention,
+                          steer=folder if intervention == "els" else None,
+                          vectors=folder if intervention != "els" else None, options=options,
+                          compare=compare, lm_eval_args=list(lm_eval_args or []))
+    if not config.lm_eval_args:
+        console.print("[bold red]error:[/] give lm-eval's arguments after '--', e.g. -- --tasks arc_easy")
+        raise typer.Exit(2)
+    try:
+        run_lm_eval(config, out)
+    except AligntaxError as exc:
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    print((out / "report.md").read_text(encoding="utf-8"))
+    console.print(f"wrote {out}/results.json and report.md")

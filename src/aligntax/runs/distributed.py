@@ -1,0 +1,300 @@
+"""Runs sharded over Ray: replicas of the model as Ray actors, results streamed into one run folder.
+
+``aligntax eval --ray [ADDRESS] --workers N`` (and ``aligntax els sweep --ray``) load the model once per
+replica (:class:`ModelReplica`, a Ray actor holding a GPU or some CPUs) and hand out work units with
+Ray's own :class:`ray.util.ActorPool`:
+
+- an evaluation's unit is one generation batch. The driver forms the batches exactly as one process
+  would (prompts sorted by token length, :func:`~aligntax.generation.batching.length_batches`), so the
+  replicas generate the same batches and, in float32, the same tokens; decisions made from the prompt
+  (the ELS harm gate's records, CAST's condition, the rows copied from ``--reuse-unsteered``) are
+  sharded over the replicas the same way;
+- a sweep's unit is one setting of the grid (every validation prompt, batched as one process does).
+
+Replicas only generate; the driver judges each unit as it comes back and appends it to the run
+folder (``samples.jsonl``, ``sweep.jsonl``), which therefore resumes like a run of one process: a
+killed driver is started again with the same command. A replica that dies is restarted by Ray
+(``max_restarts``) and its unfinished units are run again (``max_task_retries``); nothing is written
+twice, since only the driver writes. See docs/ray.md.
+
+Ray is optional (``pip install 'aligntax[ray]'``); nothing here imports it before a run asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+
+from aligntax.errors import AligntaxError
+
+
+@dataclass
+class RayConfig:
+    """Where and how to run the replicas."""
+
+    # None: the cluster RAY_ADDRESS names, else a new local one; "auto": the cluster this machine belongs
+    # to; "HOST:6379" (a head node) or "ray://HOST:10001" (Ray client); "local": a new local cluster
+    address: str | None = None
+    workers: int | None = None  # replicas; None: as many as the cluster's free CPUs / GPUs allow
+    cpus: float = 1.0  # CPUs per replica (also its torch threads)
+    gpus: float | None = None  # GPUs per replica; None: 1 when the cluster has GPUs, else 0
+    max_restarts: int = 3  # a replica that dies is restarted this many times; its units are run again
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise AligntaxError("Ray is not installed: pip install 'aligntax[ray]' (or 'ray[default]').") from None
+    return ray
+
+
+@contextmanager
+def ray_connection(cfg: RayConfig) -> Iterator:
+    """Connected to Ray for the ``with`` body: an existing connection of this process is used as it is;
+    otherwise ``cfg.address`` is joined (or a local cluster started) and left again on exit."""
+    ray = import_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    local = cfg.address == "local" or (cfg.address is None and not os.environ.get("RAY_ADDRESS"))
+    kwargs = {"include_dashboard": False} if local else {}
+    ray.init(address=cfg.address, logging_level="WARNING", **kwargs)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+class ModelReplica:
+    """One replica of the model (a Ray actor): loads it once, with an optional intervention, and
+    answers work units. Every prefill state an intervention decides from is remembered for the
+    actor's life (:func:`~aligntax.interventions.base.remembered_prefill_states`), as one sweep
+    process remembers them."""
+
+    def __init__(self, model: str, dtype: str, device_map: str | None = None, threads: int | None = None,
+                 intervention: str | None = None, intervention_args: dict | None = None) -> None:
+        import torch
+
+        from aligntax.interventions.base import remembered_prefill_states
+        from aligntax.models import load_model
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.lm = load_model(model, dtype=dtype, device_map=device_map)
+        self.iv = None
+        if intervention:
+            from aligntax.interventions.registry import make_intervention
+
+            self.iv = make_intervention(intervention, self.lm, **(intervention_args or {}))
+        self._memo = remembered_prefill_states()
+        self._memo.__enter__()
+
+    def identity(self) -> dict:
+        """The loaded model's fingerprint and the intervention's resolved settings (JSON values)."""
+        import json
+
+        iv = json.loads(json.dumps(self.iv.config(), default=str)) if self.iv is not None else None
+        return {"fingerprint": dict(self.lm.fingerprint), "intervention": iv, "pid": os.getpid()}
+
+    def lengths(self, prompts: list, system: str | None) -> list[int]:
+        """Token length of each chat-templated prompt, as generation batches them."""
+        from aligntax.generation.chat import build_messages, render_chat
+        from aligntax.interventions.base import NoIntervention
+
+        self.lm.require_chat_template()
+        iv = self.iv or NoIntervention()
+        texts = [render_chat(self.lm.tokenizer, build_messages(p, system, iv)) for p in prompts]
+        return [len(self.lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+    def row_info(self, prompts: list, system: str | None, batch_size: int) -> list[dict] | None:
+        return self.iv.row_info(self.lm, prompts, system, batch_size) if self.iv is not None else None
+
+    def unsteered_rows(self, prompts: list, system: str | None, batch_size: int) -> list[bool] | None:
+        return self.iv.unsteered_rows(self.lm, prompts, system, batch_size) if self.iv is not None else None
+
+    def generate(self, unit: int, prompts: list, gen: dict) -> tuple[int, list[dict]]:
+        """One work unit: the prompts of one generation batch; returns ``(unit, generations)``."""
+        from aligntax.generation import GenerationConfig, generate
+
+        gens = generate(self.lm, prompts, GenerationConfig(**gen), self.iv, progress=False)
+        return unit, [asdict(g) for g in gens]
+
+    def call(self, unit: int, fn, *args) -> tuple:
+        """Another kind of work unit: ``fn(lm, *args)`` (a module-level function, e.g. one setting of a
+        sweep); returns ``(unit, result)``."""
+        return unit, fn(self.lm, *args)
+
+
+class Replicas:
+    """The replicas of one run, started on first use (:meth:`start`) and killed on :meth:`close`."""
+
+    def __init__(self, cfg: RayConfig, model: str, dtype: str, intervention: str | None = None,
+                 intervention_args: dict | None = None, device_map: str | None = None) -> None:
+        self.cfg = cfg
+        self.device_map = device_map  # "auto": each replica's model split over its GPUs (accelerate)
+        self.spec = (model, dtype, intervention, dict(intervention_args or {}))
+        self.actors: list = []
+        self.pool = None
+        self.identity: dict = {}
+        self._conn = None
+
+    def start(self) -> Replicas:
+        if self.actors:
+            return self
+        self._conn = ray_connection(self.cfg)
+        ray = self._conn.__enter__()
+        from ray.util import ActorPool
+
+        resources = ray.cluster_resources()
+        gpus = self.cfg.gpus if self.cfg.gpus is not None else (1.0 if resources.get("GPU", 0) >= 1 else 0.0)
+        if self.device_map and not gpus:
+            raise AligntaxError("--device-map splits a replica's model over its GPUs: give each replica "
+                                "GPUs (--worker-gpus), or leave --device-map out.")
+        workers = self.cfg.workers
+        if workers is None:
+            workers = int(resources.get("GPU", 0) // gpus) if gpus else int(resources.get("CPU", 1) // self.cfg.cpus)
+        if workers < 1:
+            raise AligntaxError(f"The Ray cluster has no room for one replica ({self.cfg.cpus} CPUs, {gpus} GPUs "
+                                f"each; it has {resources.get('CPU', 0)} CPUs, {resources.get('GPU', 0)} GPUs).")
+        model, dtype, intervention, args = self.spec
+        remote = ray.remote(ModelReplica).options(num_cpus=self.cfg.cpus, num_gpus=gpus,
+                                                  max_restarts=self.cfg.max_restarts, max_task_retries=-1)
+        threads = max(1, int(self.cfg.cpus))
+        self.actors = [remote.remote(model, dtype, self.device_map, threads, intervention, args)
+                       for _ in range(workers)]
+        idents = ray.get([a.identity.remote() for a in self.actors])
+        fps = {repr(sorted(i["fingerprint"].items())) for i in idents}
+        if len(fps) != 1:
+            raise AligntaxError("The replicas loaded different models (fingerprints differ); give every node "
+                                "the same model files.")
+        self.identity = idents[0]
+        self.pool = ActorPool(self.actors)
+        return self
+
+    def close(self) -> None:
+        if self._conn is None:
+            return
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors, self.pool = [], None
+        conn, self._conn = self._conn, None
+        conn.__exit__(None, None, None)
+
+    @property
+    def workers(self) -> int:
+        return len(self.actors)
+
+    def map_unordered(self, call, units: Sequence) -> Iterator:
+        """``call(actor, unit)`` (an actor method's ``.remote(...)``) for every unit, over the pool;
+        results as they finish."""
+        return self.pool.map_unordered(call, list(units))
+
+    def put(self, value):
+        """``value`` in Ray's object store, once for every unit that takes it."""
+        import ray
+
+        self.start()
+        return ray.put(value)
+
+    def map(self, call, units: Sequence) -> list:
+        return list(self.pool.map(call, list(units)))
+
+    # ---- sharded per-prompt calls (results in the prompts' order) --------------------------------
+    def _sharded(self, method: str, prompts: list, *args) -> list | None:
+        if not prompts:
+            return []
+        size = -(-len(prompts) // max(1, self.workers))
+        chunks = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+        parts = self.map(lambda a, c: getattr(a, method).remote(c, *args), chunks)
+        if any(p is None for p in parts):
+            return None
+        return [x for p in parts for x in p]
+
+    def lengths(self, prompts: list, system: str | None) -> list[int]:
+        return self._sharded("lengths", prompts, system)
+
+    def iter_generate(self, prompts: Sequence, cfg, progress: bool = True,
+                      desc: str = "generate") -> Iterator[tuple[list[int], list]]:
+        """:func:`aligntax.generation.iter_generate` over the replicas: the same batches (sorted by
+        length, the same caps, each batch's own seed), one work unit each; yields ``(indices,
+        generations)`` as units finish."""
+        from tqdm.auto import tqdm
+
+        from aligntax.generation import Generation
+        from aligntax.generation.batching import length_batches
+
+        prompts = list(prompts)
+        lengths = self.lengths(prompts, cfg.system)
+        order = sorted(range(len(prompts)), key=lambda i: (-lengths[i], i))
+        spans = length_batches([lengths[i] for i in order], cfg.batch_size, cfg.max_batch_tokens)
+        units = [order[s.start:s.stop] for s in spans]
+        gens = [asdict(replace(cfg, seed=None if cfg.seed is None else cfg.seed + b)) for b in range(len(units))]
+        bar = tqdm(total=len(prompts), desc=f"{desc} ({self.workers} replicas)", disable=not progress, unit="prompt")
+        try:
+            results = self.map_unordered(lambda a, b: a.generate.remote(b, [prompts[i] for i in units[b]], gens[b]),
+                                         range(len(units)))
+            for b, out in results:
+                bar.update(len(out))
+                yield units[b], [Generation(**g) for g in out]
+        finally:
+            bar.close()
+
+
+class RemoteModel:
+    """The model the replicas hold, as the driver sees it: its spec and fingerprint."""
+
+    def __init__(self, spec: str, fingerprint: dict) -> None:
+        self.spec = spec
+        self.fingerprint = fingerprint
+
+
+class RemoteIntervention:
+    """The replicas' intervention, as the driver sees it: its resolved settings, and the per-prompt
+    decisions of :class:`~aligntax.interventions.base.Intervention` sharded over the replicas."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        self.replicas = replicas
+        self.name = (replicas.identity.get("intervention") or {}).get("name", "none")
+
+    def config(self) -> dict:
+        return self.replicas.identity.get("intervention")
+
+    def row_info(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
+        return self.replicas._sharded("row_info", list(prompts), system, batch_size)
+
+    def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
+        return self.replicas._sharded("unsteered_rows", list(prompts), system, batch_size)
+
+
+@contextmanager
+def replicas_of(ray_cfg: RayConfig | None, model: str, dtype: str, intervention: str | None = None,
+                intervention_args: dict | None = None, device_map: str | None = None) -> Iterator[Replicas | None]:
+    """The replicas of one run, started when first needed and killed on exit; None without
+    ``ray_cfg``."""
+    if ray_cfg is None:
+        yield None
+        return
+    import_ray()
+    reps = Replicas(ray_cfg, model, dtype, intervention, intervention_args, device_map)
+    try:
+        yield reps
+    finally:
+        reps.close()
+
+
+def eval_replicas(ray_cfg: RayConfig | None, cfg):
+    """:func:`replicas_of` an evaluation (:class:`~aligntax.runs.eval.EvalConfig`)."""
+    return replicas_of(ray_cfg, cfg.model, cfg.dtype, cfg.intervention or None, cfg.intervention_args,
+                       cfg.device_map)
+
+
+def started(replicas: Replicas) -> tuple[RemoteModel, RemoteIntervention | None]:
+    """Start ``replicas``; the model and intervention the evaluation sees in their place."""
+    replicas.start()
+    model = RemoteModel(replicas.spec[0], replicas.identity["fingerprint"])
+    return model, (RemoteIntervention(replicas) if replicas.spec[2] else None)
