@@ -71,10 +71,14 @@ class RowKernel:
 
     def decide(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
         """The per-row strength ``[N]`` float32 (0: the row is held back and never edited)."""
+        return self.decide_with_parts(states)[0]
+
+    def decide_with_parts(self, states: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-row strength and the named parts it is the product of (for the records)."""
         parts = self.decision_parts(states)
         if not parts:
-            return torch.ones(len(next(iter(states.values()))))
-        return _product(parts)
+            return torch.ones(len(next(iter(states.values())))), parts
+        return _product(parts), parts
 
     def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict) -> None:
         """Count a batch's decisions (as first made) into ``stats``: ``{name: {rows, held}}``."""
@@ -197,9 +201,9 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
 
         def make(last):  # every state on the deciding block's device (a model split over devices)
             states = {b: s.to(last.device) for b, s in {**read, layer: last}.items()}
-            parts = kernel.decision_parts(states)
+            decision, parts = kernel.decide_with_parts(states)
             ctx.decisions.setdefault(parts_key, parts)
-            return _product(parts) if parts else kernel.decide(states)
+            return decision
 
         decide_at_prefill(h, ctx, key, make, what)
         read.clear()

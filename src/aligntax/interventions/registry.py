@@ -75,21 +75,23 @@ class ElsOptions:
 
 
 @dataclass
-class VectorOptions:
+class _SavedVectorOptions:
+    """What every method reading a vector folder takes."""
+
     path: str | None = option("vector folder for the vector baselines", flag="--vectors")
     coeff: float | None = option("vector baselines: strength", parse="float")
     layer: int | None = option("vector baselines: the layer whose vector is used (default: the folder's)",
                                parse="int")
+
+
+@dataclass
+class VectorOptions(_SavedVectorOptions):
     layers: list[int] | None = option("comma-separated layer indices", parse="layers")
     positions: str | None = option("last_and_generated, generated or all (default all)", cli=False)
 
 
 @dataclass
-class CastOptions:
-    path: str | None = option("vector folder for the vector baselines", flag="--vectors")
-    coeff: float | None = option("vector baselines: strength", parse="float")
-    layer: int | None = option("vector baselines: the layer whose vector is used (default: the folder's)",
-                               parse="int")
+class CastOptions(_SavedVectorOptions):
     threshold: float | None = option("CAST: the condition's cosine threshold (default: the fitted one)", cli=False)
     mode: str | None = option("CAST: add or ablate the behaviour vector", cli=False)
     compare: str | None = option("CAST: steer when the similarity is greater or less than the threshold",

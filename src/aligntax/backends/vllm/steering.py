@@ -249,8 +249,7 @@ class BatchSteering:
     def _decide(self, g: _Group) -> None:
         kernel = g.preset.kernel
         states = {b: g.read[b] for b in kernel.decision_layers}
-        parts = kernel.decision_parts(states)
-        decision = _product(parts) if parts else kernel.decide(states)
+        decision, parts = kernel.decide_with_parts(states)
         if parts:
             kernel.record_decisions(parts, g.preset.stats)
         decision = decision.detach().float().cpu()
@@ -307,11 +306,3 @@ def _strength(live: _Live) -> float:
 def _stream(hidden: torch.Tensor, residual: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
     """The residual stream at tokens ``idx``: ``hidden + residual`` (``hidden`` alone before block 0)."""
     return hidden[idx] if residual is None else hidden[idx] + residual[idx]
-
-
-def _product(parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    values = list(parts.values())
-    out = values[0].float()
-    for p in values[1:]:
-        out = out * p.float().to(out.device)
-    return out
