@@ -153,3 +153,15 @@ def test_merge_stats_adds_counts_and_weights_means():
                       "els_gate": {"rows": 4, "held": 3}})
     assert acc["els"][1] == {"positions": 8, "steered": 7, "energy_before": 2.5, "energy_after": 1.5, "eta": 0.3}
     assert acc["els_gate"] == {"rows": 8, "held": 4}
+
+
+def test_row_records_come_from_the_kernel_for_every_method_with_a_decision(lm, vector_dir):
+    """``row_info`` and ``unsteered_rows`` read the kernel's decision: CAST now records per row whether
+    its condition steered it, as ELS records its gate and row energy decision."""
+    cast = make_intervention("cast", lm, dir=str(vector_dir))
+    info = cast.row_info(lm, PROMPTS)
+    held = cast.unsteered_rows(lm, PROMPTS)
+    assert [not r["steered"] for r in info] == held and any(held) and not all(held)
+    assert make_intervention("refusal-add", lm, dir=str(vector_dir)).row_info(lm, PROMPTS) is None
+    els_info = _els(lm, row_threshold=0.0).row_info(lm, PROMPTS)
+    assert set(els_info[0]) == {"energy", "steered", "strength"}

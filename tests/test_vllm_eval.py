@@ -73,9 +73,8 @@ def _compare(tmp: Path, setup, tag: str, **iv) -> dict:
     res = run_eval(_cfg(tmp / f"vllm-{tag}", "vllm", judge, compare_to=str(tmp / f"hf-{tag}"), **iv), lm=vm)
     change = res["paired"]["datasets"][DATA]["benign"]
     lo, hi = paired_interval(change["gained"], change["lost"], change["n"])
-    same = sum(a["response"] == b["response"] for a, b in zip(
-        read_jsonl(tmp / f"hf-{tag}" / "samples.jsonl"), read_jsonl(tmp / f"vllm-{tag}" / "samples.jsonl"),
-        strict=True))
+    hf_rows = _by_key(tmp / f"hf-{tag}")
+    same = sum(r["response"] == hf_rows[k]["response"] for k, r in _by_key(tmp / f"vllm-{tag}").items())
     print(f"{tag}: judge {judge}; compliance hf {change['before']:.3f} vllm {change['after']:.3f} "
           f"(+{change['gained']} -{change['lost']}, 95% paired interval [{lo:+.3f}, {hi:+.3f}], "
           f"p {change['p_value']:.3f}); identical responses {same}/{N}")
@@ -84,10 +83,15 @@ def _compare(tmp: Path, setup, tag: str, **iv) -> dict:
     return res
 
 
+def _by_key(run: Path) -> dict:
+    return {(r["source"], r["id"]): r for r in read_jsonl(run / "samples.jsonl")}
+
+
 def _same_fields(a: Path, b: Path) -> None:
-    ra, rb = read_jsonl(a / "samples.jsonl"), read_jsonl(b / "samples.jsonl")
-    assert [(r["source"], r["id"]) for r in ra] == [(r["source"], r["id"]) for r in rb]
-    for x, y in zip(ra, rb, strict=True):
+    ra, rb = _by_key(a), _by_key(b)
+    assert sorted(ra) == sorted(rb) and len(ra) == N
+    for key, x in ra.items():
+        y = rb[key]
         assert set(x) == set(y)
         if "steering" in x:
             assert set(y["steering"]) - set(x["steering"]) == {"engine_strength"}
@@ -123,10 +127,11 @@ def test_els_rates_agree(tmp_path, setup):
     iv = {"intervention": "els", "intervention_args": {"path": folder}}
     res = _compare(tmp_path, setup, "els", **iv)
     _same_fields(tmp_path / "hf-els", tmp_path / "vllm-els")
-    rows = read_jsonl(tmp_path / "vllm-els" / "samples.jsonl")
-    hf_rows = read_jsonl(tmp_path / "hf-els" / "samples.jsonl")
+    rows = list(_by_key(tmp_path / "vllm-els").values())
+    hf_rows = _by_key(tmp_path / "hf-els")
     # the records before generating are the HF backend's (one HF prefill decides in both runs)
-    assert [r["steering"]["steered"] for r in rows] == [r["steering"]["steered"] for r in hf_rows]
+    assert [r["steering"]["steered"] for r in rows] == [hf_rows[(r["source"], r["id"])]["steering"]["steered"]
+                                                       for r in rows]
     steered = [r["steering"]["steered"] for r in rows]
     engine = [r["steering"]["engine_strength"] > 0 for r in rows]
     agree = sum(a == b for a, b in zip(steered, engine, strict=True))

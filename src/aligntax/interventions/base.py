@@ -7,7 +7,7 @@ on exit, also when the body raises, so the user's model is never left changed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -27,7 +27,6 @@ __all__ = [
     "decide_at_prefill",
     "hidden_from_args",
     "hooks_attached",
-    "prefill_decisions",
     "prefill_states",
     "remembered_prefill_states",
     "replace_hidden_in_args",
@@ -158,19 +157,37 @@ class Intervention:
         with applied._installed():
             yield applied
 
+    def _kernel_for(self, lm) -> RowKernel | None:
+        if type(self).kernel is Intervention.kernel:
+            return None
+        return self.kernel(lm.num_layers, lm.hidden_size)
+
     def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
         """Which prompts this intervention leaves exactly as the unmodified model would answer them,
         decided from the prompt alone (before generating); None when it cannot tell in advance.
 
         An evaluation may take those rows' answers from an unsteered run instead of generating them
-        again. Interventions that decide once per row at the last prompt token (the ELS harm gate,
-        CAST's condition) answer with :func:`prefill_decisions`; the others change every row."""
-        return None
+        again. A kernel with a per-row decision (the ELS harm gate and row energy decision, CAST's
+        condition) answers from the states at its decision layers (:func:`prefill_states`): a row whose
+        strength is 0 is never edited; the others change every row."""
+        kernel = self._kernel_for(lm)
+        if kernel is None or not kernel.decision_layers:
+            return None
+        if not prompts:
+            return []
+        states = prefill_states(lm, prompts, kernel.decision_layers, self, system, batch_size)
+        return [bool(s == 0) or not kernel.sites for s in kernel.decide(states).cpu()]
 
     def row_info(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
-        """Per prompt, what the intervention decides for it before generating (e.g. ``steered``, a harm
-        probability, an energy), for the run's records; None when it decides nothing per row."""
-        return None
+        """Per prompt, what the intervention decides for it before generating (``steered``, ``strength``
+        and what the method reads, e.g. a harm probability, an energy: the kernel's ``row_records``), for
+        the run's records; None when it decides nothing per row."""
+        kernel = self._kernel_for(lm)
+        if kernel is None or not kernel.read_layers:
+            return None
+        if not prompts:
+            return []
+        return kernel.row_records(prefill_states(lm, prompts, kernel.read_layers, self, system, batch_size))
 
 
 def prefill_states(lm, prompts, layers: Sequence[int], intervention: Intervention, system: str | None = None,
@@ -193,20 +210,12 @@ def prefill_states(lm, prompts, layers: Sequence[int], intervention: Interventio
     return {b: h.to(lm.device) for b, h in states.items()}
 
 
-def prefill_decisions(lm, prompts, layers: Sequence[int], decide: Callable[[dict[int, torch.Tensor]], torch.Tensor],
-                      intervention: Intervention, system: str | None = None, batch_size: int = 32) -> list[bool]:
-    """``decide`` applied to :func:`prefill_states` of ``prompts`` at blocks ``layers``."""
-    if not prompts:
-        return []
-    return [bool(x) for x in decide(prefill_states(lm, prompts, layers, intervention, system, batch_size)).cpu()]
-
-
 _PREFILL_MEMO: dict | None = None
 
 
 @contextmanager
 def remembered_prefill_states() -> Iterator[None]:
-    """Inside, :func:`prefill_decisions` captures the states of the same token sequences at the same
+    """Inside, :func:`prefill_states` captures the states of the same token sequences at the same
     block once and reuses them: a sweep over settings of one harm gate (or one CAST condition) decides
     on the same prompts again and again. Forgotten on exit."""
     global _PREFILL_MEMO

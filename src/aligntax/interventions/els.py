@@ -37,7 +37,7 @@ from aligntax.energy.bank import EnergyBank
 from aligntax.energy.gate import HarmGate
 from aligntax.energy.model import EnergyModel
 from aligntax.errors import AligntaxError
-from aligntax.interventions.base import Intervention, prefill_states
+from aligntax.interventions.base import Intervention
 from aligntax.interventions.kernels import POSITION_MODES, RowKernel, Site, check_positions, merge_stats
 
 __all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "EnergySteering", "ElsKernel", "check_positions",
@@ -235,33 +235,6 @@ class EnergySteering(Intervention):
         with torch.no_grad():
             return self._model_on(self.first_layer, last.device)(last.float(), check=False)
 
-    def row_info(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
-        """Per prompt: ``steered`` (the gate and the row energy decision pass it), ``strength`` (the
-        decided per-row strength), ``harm_p`` (with a gate) and ``energy`` (the row energy at the first
-        steered block), from one prefill pass that stops at the last block they read: the same
-        decision the kernel makes in generation."""
-        if not prompts:
-            return []
-        kernel = ElsKernel(self)
-        blocks = sorted({self.first_layer, *kernel.decision_layers})
-        states = prefill_states(lm, prompts, blocks, self, system, batch_size)
-        energy = self.row_energy(states[self.first_layer]).cpu()
-        rows = [{"energy": round(float(e), 4)} for e in energy]
-        if self.gate is not None:
-            for r, pi in zip(rows, self.harm_p(states).cpu(), strict=True):
-                r["harm_p"] = round(float(pi), 4)
-        scale = kernel.decide(states).cpu() if kernel.decision_layers else torch.ones(len(prompts))
-        for r, sc in zip(rows, scale, strict=True):
-            r.update(steered=bool(sc > 0 and self.steps > 0), strength=round(float(sc), 4))
-        return rows
-
-    def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
-        """The rows the harm gate or the row energy decision holds back (never steered); None when
-        every row may be steered."""
-        if self.gate is None and self.row_threshold is None:
-            return None
-        return [not r["steered"] for r in self.row_info(lm, prompts, system, batch_size)]
-
     @property
     def prefix_free(self) -> bool:  # the gate reads the last prompt token; steering starts there unless "all"
         return self.positions != "all"
@@ -356,6 +329,24 @@ class ElsKernel(RowKernel):
         if iv.row_threshold is not None:  # 1 for rows whose last prompt token predicts a bad end
             parts["els_row_energy"] = (iv.row_energy(states[iv.first_layer]) > iv.row_threshold).float()
         return parts
+
+    @property
+    def read_layers(self) -> list[int]:
+        return sorted({self.iv.first_layer, *self.decision_layers})
+
+    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict]:
+        """Per row: ``energy`` (the row energy at the first steered block), ``harm_p`` (with a gate),
+        ``steered`` (the gate and the row energy decision pass it) and ``strength``."""
+        iv = self.iv
+        energy = iv.row_energy(states[iv.first_layer]).cpu()
+        rows = [{"energy": round(float(e), 4)} for e in energy]
+        if iv.gate is not None:
+            for r, p in zip(rows, iv.harm_p(states).cpu(), strict=True):
+                r["harm_p"] = round(float(p), 4)
+        scale = self.decide(states).cpu() if self.decision_layers else torch.ones(len(rows))
+        for r, sc in zip(rows, scale, strict=True):
+            r.update(steered=bool(sc > 0 and iv.steps > 0), strength=round(float(sc), 4))
+        return rows
 
     def edit(self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
         n, d = rows.shape

@@ -80,6 +80,18 @@ class RowKernel:
             return torch.ones(len(next(iter(states.values())))), parts
         return _product(parts), parts
 
+    @property
+    def read_layers(self) -> list[int]:
+        """The blocks whose last-prompt-token input states :meth:`row_records` reads."""
+        return self.decision_layers
+
+    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict]:
+        """Per row, for the run's records: ``steered`` and ``strength`` (what the method reads, too,
+        where it has more to say), from ``{block: [N, d]}`` at :attr:`read_layers`."""
+        n = len(next(iter(states.values())))
+        strength = self.decide(states).cpu() if self.decision_layers else torch.ones(n)
+        return [{"steered": bool(s > 0 and self.sites), "strength": round(float(s), 4)} for s in strength]
+
     def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict) -> None:
         """Count a batch's decisions (as first made) into ``stats``: ``{name: {rows, held}}``."""
         for name, part in parts.items():

@@ -23,7 +23,7 @@ import torch
 
 from aligntax.activations.compat import TensorArtefact
 from aligntax.errors import AligntaxError, DataError
-from aligntax.interventions.base import Intervention, prefill_decisions
+from aligntax.interventions.base import Intervention
 from aligntax.interventions.kernels import RowKernel, Site, check_positions
 from aligntax.models.layers import resolve_layers
 
@@ -296,12 +296,6 @@ class ConditionalSteering(_VectorIntervention):
 
     def _vec(self, layer: int) -> torch.Tensor | None:
         return self.behaviour.get(layer) if isinstance(self.behaviour, dict) else self.behaviour
-
-    def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
-        """The rows whose prompt does not meet the condition (never steered)."""
-        block = self._condition_block(lm.num_layers)
-        return prefill_decisions(lm, prompts, [block], lambda states: ~self.decide(states[block]), self, system,
-                                 batch_size)
 
     def _condition_block(self, n_layers: int) -> int:
         return _resolve_layers(self.condition_layer, n_layers)[0]
