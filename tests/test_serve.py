@@ -356,3 +356,27 @@ def test_client_disconnect_cancels_stream(live):
     while engine.cancel_epoch == epoch:
         assert time.monotonic() < deadline, "the server did not notice the client going away"
         time.sleep(0.01)
+
+
+def test_serve_takes_every_steering_option_of_the_registry(tmp_path, monkeypatch):
+    """``aligntax serve --steer DIR --gate none --horizon 4 --eta 0.7`` builds the steered variant with
+    those settings (the same options as every steering command); an option of another method is a clear
+    error before anything is loaded."""
+    from typer.testing import CliRunner
+
+    import aligntax.serve.app as serve_app
+    from aligntax.cli import app
+    from tiny import save_tiny_bank, tiny_lm
+
+    lm = tiny_lm("qwen2", hidden=32, layers=3)
+    bank = save_tiny_bank(lm, tmp_path / "bank")
+    seen = {}
+    monkeypatch.setattr("aligntax.models.loader.load_model", lambda *a, **k: lm)
+    monkeypatch.setattr(serve_app, "serve", lambda lm, app=None, **kw: seen.setdefault("app", app))
+    res = CliRunner().invoke(app, ["serve", "--steer", str(bank), "--layers", "1", "--eta", "0.7",
+                                   "--horizon", "4", "--gate", "none"])
+    assert res.exit_code == 0, res.output
+    cfg = seen["app"].state.engine.intervention.config()
+    assert cfg["name"] == "els" and cfg["eta"] == 0.7 and cfg["horizon"] == 4 and cfg["layers"] == [1]
+    res = CliRunner().invoke(app, ["serve", "--intervention", "refusal-ablation", "--eta", "0.3"])
+    assert res.exit_code == 2 and "--eta is an option of els" in res.output

@@ -9,28 +9,22 @@ from typing import Annotated
 
 import typer
 
+from aligntax.clitools import InterventionOpt, steering_options
 from aligntax.models.spec import DEFAULT_MODEL
 
 
-def _make_intervention(name: str, lm, path: str | None):
-    try:
-        from aligntax.interventions.registry import make_intervention
-    except ImportError as exc:
-        raise RuntimeError(
-            "Steering needs the intervention registry (aligntax.interventions.registry), which this "
-            f"installation does not have ({exc}). Serve without --steer/--intervention, or update aligntax."
-        ) from exc
-    iv = make_intervention(name, lm, path=path)  # the registry ignores None-valued options
+def _make_intervention(name: str, lm, options: dict):
+    from aligntax.interventions.registry import make_intervention
+
+    iv = make_intervention(name, lm, **options)
     return None if iv is None or getattr(iv, "name", None) == "none" else iv
 
 
+@steering_options
 def serve_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Model spec: embedded:NAME, Hub id, model folder "
                                        "or .gguf file.")] = DEFAULT_MODEL,
-    steer: Annotated[str | None, typer.Option(help="Energy-model folder; also serves MODEL+els steered by it.")]
-    = None,
-    intervention: Annotated[str | None, typer.Option(help="Intervention name from the registry (default 'els' "
-                                                     "with --steer).")] = None,
+    intervention: InterventionOpt = None, iv_args: dict | None = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(envvar="ALIGNTAX_API_KEY", help="Require this bearer key "
@@ -70,7 +64,9 @@ def serve_command(
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds a graceful shutdown waits for running "
                                                     "requests before failing them.")] = 30.0,
 ) -> None:
-    """Serve MODEL (and MODEL+<intervention> when steering) behind an OpenAI-compatible API."""
+    """Serve MODEL (and MODEL+<intervention> when steering) behind an OpenAI-compatible API. The steered
+    variant takes the intervention's options like every steering command (--steer DIR alone means ELS
+    with the setting its sweep selected; --gate, --horizon, --eta, ... override it)."""
     from aligntax.errors import AligntaxError
     from aligntax.models.loader import load_model
     from aligntax.serve.app import check_bind, create_app, default_model_name
@@ -87,8 +83,8 @@ def serve_command(
     try:
         lm = load_model(model, dtype=dtype, device=device)
         iv = None
-        if steer is not None or intervention is not None:
-            iv = _make_intervention(intervention or "els", lm, steer)
+        if intervention is not None:  # --steer DIR alone means els; every method's options apply
+            iv = _make_intervention(intervention, lm, iv_args or {})
     except (AligntaxError, RuntimeError) as exc:
         typer.secho(f"Error: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
