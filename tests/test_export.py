@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from aligntax.bundles.export import bake, exact_hooks, export_model, hook_equivalent
+from aligntax.bundles.export import bake, export_model, hook_equivalent
 from aligntax.errors import AligntaxError
 from aligntax.interventions import SteeringVectors
 from aligntax.interventions.vectors import ActivationAddition
@@ -55,7 +55,7 @@ def test_exported_ablation_gives_the_hook_tokens(arch, tmp_path):
     model, tok = load_plain(out)
     assert type(model) is type(lm.model)
     got = generate(model, tok)
-    with exact_hooks(vectors, lm, "refusal-ablation", layer=1):
+    with hook_equivalent(vectors, lm, "refusal-ablation", layer=1).apply(lm.model):
         want = generate(lm.model, lm.tokenizer)
     assert torch.equal(got, want)
     assert not torch.equal(got, generate(lm.model, lm.tokenizer))  # the edit changes the answers
@@ -146,7 +146,7 @@ def test_cli_export(tmp_path):
                               "--model", str(tmp_path / "base")])
     assert res.exit_code == 0, res.output
     model, tok = load_plain(tmp_path / "m")
-    with exact_hooks(vectors, base, "refusal-addition", layer=2, coeff=4.0):
+    with hook_equivalent(vectors, base, "refusal-addition", layer=2, coeff=4.0).apply(base.model):
         want = generate(base.model, base.tokenizer)
     assert torch.equal(generate(model, tok), want)
     res = runner.invoke(app, ["export", "--intervention", "els", "--vectors", str(vectors), "--out", str(tmp_path / "e"),

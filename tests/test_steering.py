@@ -24,6 +24,7 @@ from aligntax.interventions import (
     make_intervention,
     refusal_direction,
 )
+from aligntax.interventions.kernels import attach_kernel
 from aligntax.models import decoder_layers
 from tiny import (
     PROMPTS,
@@ -336,7 +337,29 @@ def test_direction_ablation_removes_direction(lm):
         finally:
             handle.remove()
     assert (out["h"] @ u).abs().max() < 1e-4
-    # unsteered rows are untouched
+    # nor does the stream between each attention and its MLP (the input of post_attention_layernorm: the
+    # block input plus the attention output); without the attention-output sites it does
+    for attn_sites in (True, False):
+        kernel = DirectionAblation(r).kernel(3, H)
+        if not attn_sites:
+            kernel.sites = [s for s in kernel.sites if s.where != "attn"]
+        mids = {}
+
+        def keep(i, into):
+            def hook(m, args):
+                into[i] = args[0].detach()
+            return hook
+        handles = [blk.post_attention_layernorm.register_forward_pre_hook(keep(i, mids))
+                   for i, blk in enumerate(blocks)]
+        try:
+            with torch.no_grad(), attach_kernel(lm.model, SteerContext(prompt_len=3), kernel, "test"):
+                lm.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        worst = max(float((m @ u).abs().max()) for m in mids.values())
+        assert (worst < 1e-4) == attn_sites, worst
+    assert hook_counts(lm.model) == 0
     base, log0, _, _ = forward_with(lm, PROMPTS, NoIntervention())
     part, log_p, _, _ = forward_with(lm, PROMPTS, DirectionAblation(r), rows=[False, True, False, True])
     assert torch.equal(log_p[0], log0[0]) and not torch.allclose(log_p[1], log0[1])

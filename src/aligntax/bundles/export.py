@@ -26,8 +26,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from torch import nn
 from aligntax.errors import AligntaxError
 from aligntax.models.layers import decoder_layers
 
-__all__ = ["BAKEABLE", "ExportInfo", "bake", "exact_hooks", "export_model", "hook_equivalent"]
+__all__ = ["BAKEABLE", "ExportInfo", "bake", "export_model", "hook_equivalent"]
 
 FORMAT = "aligntax.export/1"
 INFO_FILE = "aligntax_export.json"
@@ -95,50 +93,15 @@ def canonical_method(method: str) -> str:
 
 
 def hook_equivalent(vectors_dir: str | Path, lm, method: str, layer: int | None = None, coeff: float = 1.0):
-    """The hook-based intervention an export of ``method`` stands for: the registry's vector method with
-    the same direction (``layer``), ``coeff``, every layer and every position.
-
-    For an addition the two are the same computation. For an ablation the export also removes the
-    direction between each block's attention and its MLP (the attention output is orthogonalised too),
-    which the hook-based :class:`~aligntax.interventions.vectors.DirectionAblation` does not: it ablates
-    at block inputs and the last block's output only, so the two differ by what each attention layer
-    writes along the direction before the MLP reads it (a small difference; see docs/bundles.md)."""
+    """The hook-based intervention an export of ``method`` computes exactly: the registry's vector method
+    with the same direction (``layer``), ``coeff``, every layer and every position. For an ablation that
+    is :class:`~aligntax.interventions.vectors.DirectionAblation`, which removes the direction from every
+    block's input, every attention output and the last block's output, as the orthogonalised weights do;
+    for an addition, :class:`~aligntax.interventions.vectors.ActivationAddition` at the block's input."""
     from aligntax.interventions.registry import make_intervention
 
     name, _, _ = BAKEABLE[canonical_method(method)]
     return make_intervention(name, lm, dir=str(vectors_dir), layer=layer, coeff=coeff, positions="all")
-
-
-@contextmanager
-def exact_hooks(vectors_dir: str | Path, lm, method: str, layer: int | None = None, coeff: float = 1.0) -> Iterator[None]:
-    """Hooks on ``lm.model`` that compute exactly what the export of ``method`` computes, for the ``with``
-    block: :func:`hook_equivalent` applied with ``Intervention.apply``, plus, for an ablation, the
-    direction removed from each attention output (the write between a block's attention and its MLP).
-    Every hook is removed on exit."""
-    from aligntax.interventions.vectors import SteeringVectors
-
-    method = canonical_method(method)
-    _, kind, edit = BAKEABLE[method]
-    iv = hook_equivalent(vectors_dir, lm, method, layer, coeff)
-    hooks = []
-    if edit == "ablate":
-        vs = SteeringVectors.load(vectors_dir, expect_fingerprint=dict(lm.fingerprint) if lm.fingerprint else None)
-        v = vs.get(kind, vs.default_layer(kind) if layer is None else int(layer)).float()
-        r = v / v.norm()
-
-        def ablate(module, args, out):
-            u = r.to(out.device)
-            return (out.float() - (out.float() @ u)[..., None] * u).to(out.dtype)
-
-        hooks = [blk.self_attn.o_proj for blk in decoder_layers(lm.model)]
-    with iv.apply(lm.model):
-        handles = []
-        try:
-            handles = [m.register_forward_hook(ablate) for m in hooks]
-            yield
-        finally:
-            for h in handles:
-                h.remove()
 
 
 def _check_architecture(model: nn.Module, method: str, edit: str, block: int) -> str:

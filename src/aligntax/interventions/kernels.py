@@ -2,8 +2,8 @@
 
 Every steering method (ELS, activation addition, direction ablation, CAST) is a :class:`RowKernel`:
 
-- ``sites``: where it edits (:class:`Site`: the residual stream entering a decoder block, or leaving
-  the last one);
+- ``sites``: where it edits (:class:`Site`: the residual stream entering a decoder block, what the
+  block's attention writes into it, or the stream leaving the last block);
 - an optional per-request decision (:meth:`RowKernel.decide`) read from the states entering
   ``decision_layers`` at the request's last prompt token, giving a per-row strength (0: held back,
   never edited);
@@ -30,8 +30,8 @@ from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_args
 from aligntax.models.layers import decoder_layers
 
-__all__ = ["POSITION_MODES", "RowKernel", "Site", "attach_kernel", "check_positions", "decide_at_prefill", "edited",
-           "merge_stats", "token_slice"]
+__all__ = ["POSITION_MODES", "SITE_KINDS", "RowKernel", "Site", "attach_kernel", "attention_module",
+           "check_positions", "decide_at_prefill", "edited", "merge_stats", "token_slice"]
 
 POSITION_MODES = ("last_and_generated", "generated", "all")
 
@@ -42,10 +42,15 @@ def check_positions(positions: str) -> str:
     return positions
 
 
+SITE_KINDS = ("pre", "attn", "post")
+
+
 @dataclass(frozen=True, order=True)
 class Site:
-    """Where an edit happens: the residual stream entering block ``layer`` (``"pre"``) or leaving it
-    (``"post"``, used for the last block only, so the final norm and the LM head see the edit)."""
+    """Where an edit happens: the residual stream entering block ``layer`` (``"pre"``), the output of
+    its attention sub-layer, i.e. what the attention adds to the stream before the MLP reads it
+    (``"attn"``), or the stream leaving the block (``"post"``, used for the last block only, so the
+    final norm and the LM head see the edit)."""
 
     layer: int
     where: str = "pre"
@@ -117,6 +122,8 @@ class RowKernel:
     def check(self, n_layers: int) -> None:
         """Refuse sites or decision layers outside a model of ``n_layers`` blocks."""
         for s in self.sites:
+            if s.where not in SITE_KINDS:
+                raise AligntaxError(f"Unknown steering site '{s.where}'; use one of {', '.join(SITE_KINDS)}.")
             if not 0 <= s.layer < n_layers:
                 raise AligntaxError(f"Steering layer {s.layer} does not exist: the model has {n_layers} layers.")
             if s.where == "post" and s.layer != n_layers - 1:
@@ -186,7 +193,8 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
     """Run ``kernel`` inside ``model`` for one batched call described by ``ctx`` (a
     :class:`~aligntax.interventions.base.SteerContext`).
 
-    One forward pre-hook per block that decides or edits (and a forward hook for a ``post`` site).
+    One forward pre-hook per block that decides or edits, a forward hook on the attention sub-layer
+    for an ``attn`` site and on the block for a ``post`` site.
     The decision is made on the forward that holds the whole prompt, at the last of
     ``decision_layers`` (the earlier ones' last-prompt-token states are kept until then), before any
     edit at that block, and kept in ``ctx.row_state`` (so it follows the rows generation keeps). A
@@ -275,11 +283,23 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
     pre_blocks = sorted(set(decision_layers) | set(by_block))
     regs = [(blocks[b], make_pre(b), True) for b in pre_blocks]
     regs += [(blocks[s.layer], make_post(s), False) for s in kernel.sites if s.where == "post"]
+    regs += [(attention_module(blocks[s.layer], s.layer), make_post(s), False)
+             for s in kernel.sites if s.where == "attn"]
     with hooks_attached(regs):
         yield
     if parts_key in ctx.decisions:
         kernel.record_decisions(ctx.decisions.pop(parts_key), ctx.stats)
     kernel.finish({s: a for s, a in site_stats.items() if a}, ctx.stats)
+
+
+def attention_module(block: nn.Module, layer: int) -> nn.Module:
+    """The attention sub-layer of a decoder block (``self_attn``, or ``attn``/``attention``), whose
+    output is what the block's attention adds to the residual stream."""
+    for name in ("self_attn", "attn", "attention"):
+        mod = getattr(block, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    raise AligntaxError(f"Block {layer} ({type(block).__name__}) has no attention sub-layer (self_attn) to edit.")
 
 
 def merge_stats(acc: dict, new: dict) -> dict:

@@ -2,8 +2,9 @@
 
 - :class:`ActivationAddition`: add ``coeff * v_l`` to the residual stream entering layer l.
 - :class:`DirectionAblation`: project a unit direction out of the residual stream at every layer (input
-  of every block and output of the last block) and every position (Arditi et al. 2024). With the
-  false-refusal vector (Wang et al. 2024) this is single-vector false-refusal ablation.
+  of every block, its attention output, and the output of the last block) and every position (Arditi
+  et al. 2024). With the false-refusal vector (Wang et al. 2024) this is single-vector false-refusal
+  ablation.
 - :class:`ConditionalSteering`: CAST-style (Lee et al. 2025): at prefill, the cosine similarity of each
   row's last-prompt-token state at a condition layer with a condition vector decides whether the
   behaviour vector is added (or ablated) for that row's later tokens.
@@ -170,8 +171,11 @@ class DirectionAblation(_VectorIntervention):
     """Project a direction out of the residual stream at every (selected) layer and position.
 
     ``direction`` is one vector (used at every layer) or ``{layer: vector}``. The direction is removed
-    from the input of every selected block and, when the last block is selected, from its output (so
-    the final norm and the LM head never see it). ``coeff`` < 1 removes only part of the component.
+    from the input of every selected block, from what its attention writes into the stream (so the
+    MLP never reads it either) and, when the last block is selected, from its output (so the final
+    norm and the LM head never see it): with ``coeff`` 1 on every layer the stream never holds a
+    component along it, which is what the weight export (``aligntax export``) bakes in. ``coeff`` < 1
+    removes only part of the component at each of those sites.
     """
 
     name = "direction-ablation"
@@ -201,7 +205,7 @@ class DirectionAblation(_VectorIntervention):
         _check_dim([self.direction] if not isinstance(self.direction, dict) else self.direction.values(),
                    hidden_size)
         units = {layer: d for layer in layers if (d := self._dir(layer)) is not None}
-        sites = [Site(layer) for layer in units]
+        sites = [Site(layer, where) for layer in units for where in ("pre", "attn")]
         if n_layers - 1 in layers and n_layers - 1 in units:  # the last block's output too
             sites.append(Site(n_layers - 1, "post"))
         return _VectorKernel(self, units, "ablate", self.positions, sites=sites)

@@ -153,14 +153,15 @@ class BatchSteering:
             raise AligntaxError(f"A steering preset needs a name (not {name!r}).")
         self.presets[name] = Preset(name, kernel, dict(config or {}))
 
-    def blocks(self) -> tuple[list[int], list[int]]:
-        """The blocks that need a pre-hook (decisions, "pre" sites) and a forward hook ("post" sites)."""
-        pre, post = set(), set()
+    def blocks(self) -> tuple[list[int], list[int], list[int]]:
+        """The blocks that need a pre-hook (decisions, "pre" sites), a forward hook ("post" sites) and a
+        forward hook on their attention sub-layer ("attn" sites)."""
+        kinds: dict[str, set[int]] = {"pre": set(), "post": set(), "attn": set()}
         for p in self.presets.values():
-            pre |= set(p.kernel.decision_layers)
+            kinds["pre"] |= set(p.kernel.decision_layers)
             for s in p.kernel.sites:
-                (pre if s.where == "pre" else post).add(s.layer)
-        return sorted(pre), sorted(post)
+                kinds[s.where].add(s.layer)
+        return sorted(kinds["pre"]), sorted(kinds["post"]), sorted(kinds["attn"])
 
     # ---- one engine step ---------------------------------------------------------------------------------
     def begin_step(self, batch: StepBatch, asks: Sequence[RequestSteer | None], alive: Container[str]) -> None:
@@ -234,12 +235,14 @@ class BatchSteering:
                         changed = True
         return (hidden, residual) if changed else None
 
-    def post_block(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """The forward hook of block ``layer`` ("post" sites: the stream leaving it)."""
+    def post_block(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None, where: str = "post"):
+        """The forward hook of block ``layer`` ("post" sites: the stream leaving it) or, with ``where="attn"``,
+        of its attention sub-layer (``hidden``: what the attention writes into the stream; ``residual``
+        None)."""
         changed = False
         for g in self.groups:
             for site in g.preset.kernel.sites:
-                if site.layer == layer and site.where == "post":
+                if site.layer == layer and site.where == where:
                     out = self._edit(g, site, hidden, residual)
                     if out is not None:
                         hidden, residual = out

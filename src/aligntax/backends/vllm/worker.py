@@ -61,18 +61,22 @@ class SteeringExtension:
 
     def aligntax_install(self) -> None:
         """(Re)register the hooks the registered presets need."""
+        from aligntax.interventions.kernels import attention_module
         from aligntax.models.layers import decoder_layers
 
         state = self.aligntax_state()
         self.aligntax_detach()
         model = self.aligntax_model()
         blocks = decoder_layers(model)
-        pre, post = state.blocks()
+        pre, post, attn = state.blocks()
         handles = [model.register_forward_pre_hook(self._aligntax_begin, with_kwargs=True)]
         for b in pre:
             handles.append(blocks[b].register_forward_pre_hook(_pre_hook(state, b), with_kwargs=True))
         for b in post:
             handles.append(blocks[b].register_forward_hook(_post_hook(state, b), with_kwargs=True))
+        for b in attn:
+            handles.append(attention_module(blocks[b], b).register_forward_hook(_attn_hook(state, b),
+                                                                                with_kwargs=True))
         self._aligntax_handles = handles
 
     def aligntax_detach(self) -> None:
@@ -157,4 +161,16 @@ def _post_hook(state: BatchSteering, layer: int):
         hidden, residual = output
         out = state.post_block(layer, hidden, residual)
         return None if out is None else out
+    return hook
+
+
+def _attn_hook(state: BatchSteering, layer: int):
+    def hook(module, args, kwargs, output):
+        if not state.groups:
+            return None
+        out = output[0] if isinstance(output, tuple) else output
+        new = state.post_block(layer, out, None, where="attn")
+        if new is None:
+            return None
+        return (new[0], *output[1:]) if isinstance(output, tuple) else new[0]
     return hook
