@@ -8,7 +8,10 @@ is a tiny random one (``--model tiny``, tests/serve_tiny.py: no download) or any
 
 Steps:
 
-1. unloaded latency: ``--unloaded-n`` requests one at a time (closed loop); its p95 is the reference;
+1. unloaded latency: ``--unloaded-n`` requests one at a time (closed loop); its p95 is the reference
+   (with ``--max-latency-x F`` the server's completion-latency target is set to F x that p95 after
+   step 2, so the sustainable rate is probed without it; with ``--remeasure`` the reference is measured
+   again just before step 3 and that one is used for the overload and the target);
 2. sustainable rate: open-loop Poisson arrivals (exponential gaps, seeded, sent without waiting for
    earlier answers) for ``--probe-duration`` s at rates from about half the one-at-a-time throughput,
    multiplied by ``--step`` while they pass (divided while they fail), then ``--refine`` bisections; a rate passes when nothing is rejected or
@@ -16,13 +19,15 @@ Steps:
    passing one;
 3. overload: ``--overload`` x that rate (default 2) for ``--duration`` s (default 60);
 4. optionally ``--extra-rates``, fixed rates (e.g. far past capacity), ``--probe-duration`` s each;
-5. afterwards: ``/health``, one plain request, and whether the server process is still running.
+5. the unloaded latency again (the reference drifts on a shared machine);
+6. afterwards: ``/health``, one plain request, and whether the server process is still running.
 
 Reported per phase: sent, admitted (200), rejected (429/503), timed out (504), other failures,
 admitted/s, p50/p95 of the admitted requests and p95 against the unloaded p95.
 
     python bench/serve_load.py --model tiny --max-queue-wait-ms 60
     python bench/serve_load.py --model embedded:qwen2.5-coder-0.5b-instruct --max-tokens 8 --duration 60
+    python bench/serve_load.py --model embedded:qwen2.5-coder-0.5b-instruct --max-tokens 8 --max-latency-x 1.6
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=256, help="server --max-queue (default 256)")
     p.add_argument("--max-queue-wait-ms", type=float, default=20.0,
                    help="server --max-queue-wait-ms, the admission target (default 20; 0: none)")
+    p.add_argument("--max-latency-ms", type=float, default=0.0,
+                   help="server --max-latency-ms, the completion-latency target (default 0: none)")
+    p.add_argument("--max-latency-x", type=float, default=0.0,
+                   help="set the server's latency target to this x the measured unloaded p95 before the "
+                        "overload (after the probes; overrides --max-latency-ms; default 0: no)")
     p.add_argument("--max-batch-size", type=int, default=16, help="server max_batch_size (default 16)")
     p.add_argument("--max-batch-wait-ms", type=float, default=20.0,
                    help="server --max-batch-wait-ms, the longest a batch gathers requests (default 20)")
@@ -75,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-rates", type=lambda t: [float(x) for x in t.split(",") if x.strip()], default=[],
                    help="fixed rates (requests/s) to run after the overload, --probe-duration s each (e.g. "
                         "far past capacity)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the unloaded latency again just before the overload and use it as the "
+                        "overload's reference (and for --max-latency-x)")
+    p.add_argument("--sustainable-rate", type=float, default=0.0,
+                   help="skip the probes and take this rate (requests/s) as the sustainable one (e.g. from an "
+                        "earlier run, to compare admission settings at the same load)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder or .json path for the results (default: print only)")
     p.add_argument("--serve-child", type=int, default=None, help=argparse.SUPPRESS)
@@ -97,7 +113,15 @@ def serve_child(args) -> None:
     app = create_app(lm, None, MODEL_NAME, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                      max_batch_wait_ms=args.max_batch_wait_ms,
                      max_queue_wait_ms=args.max_queue_wait_ms or None, request_timeout_s=args.request_timeout,
-                     max_new_tokens_limit=max(args.max_tokens, 4))
+                     max_new_tokens_limit=max(args.max_tokens, 4), max_latency_ms=args.max_latency_ms or None)
+
+    @app.post("/_bench/max-latency")
+    async def set_max_latency(body: dict):  # the load generator sets the target from the unloaded p95
+        ms = float(body["ms"])
+        app.state.settings.max_latency_ms = ms
+        app.state.engine.max_latency = ms / 1000.0
+        return {"max_latency_ms": ms}
+
     serve(lm, port=args.serve_child, log_level="warning", app=app)
 
 
@@ -254,8 +278,8 @@ def main(argv=None) -> dict:
             return row
 
         rate = max(0.5, 0.5 * unloaded["admitted_per_s"])
-        good, bad = None, None
-        for _ in range(20):  # up while the rate passes; down from a first rate that fails
+        good, bad = (args.sustainable_rate or None), None
+        for _ in range(0 if good else 20):  # up while the rate passes; down from a first rate that fails
             if probe(rate)["passes"]:
                 good = rate
                 if bad is not None:
@@ -268,21 +292,39 @@ def main(argv=None) -> dict:
                 rate /= args.step
         if good is None:
             raise RuntimeError("no probed rate was sustainable")
-        for _ in range(args.refine if bad is not None else 0):
+        for _ in range(args.refine if bad is not None and not args.sustainable_rate else 0):
             mid = (good * bad) ** 0.5
             if probe(mid)["passes"]:
                 good = mid
             else:
                 bad = mid
         sustainable = good
-        over = asyncio.run(open_loop(url, args.overload * sustainable, args.duration, args.max_tokens, rng, ref,
-                                     "overload"))
+        over_ref = ref
+        if args.remeasure:  # the reference again, just before the overload
+            before = asyncio.run(closed_loop(url, args.unloaded_n, args.max_tokens, rng))
+            before["phase"] = "unloaded (before overload)"
+            over_ref = before["p95_s"]
+            rows.append(before)
+            print(_line(before), flush=True)
+        if args.max_latency_x:  # the sustainable rate is probed without it
+            args.max_latency_ms = args.max_latency_x * over_ref * 1000.0
+            import httpx
+
+            httpx.post(base + "/_bench/max-latency", json={"ms": args.max_latency_ms}, timeout=30).raise_for_status()
+            print(f"latency target {args.max_latency_ms:.0f} ms ({args.max_latency_x:g} x unloaded p95)", flush=True)
+        over = asyncio.run(open_loop(url, args.overload * sustainable, args.duration, args.max_tokens, rng,
+                                     over_ref, "overload"))
         rows.append(over)
         print(_line(over), flush=True)
         for rate in args.extra_rates:
             row = asyncio.run(open_loop(url, rate, args.probe_duration, args.max_tokens, rng, ref, "fixed"))
             rows.append(row)
             print(_line(row), flush=True)
+        # the reference again: on a shared machine the unloaded latency drifts while the test runs
+        again = asyncio.run(closed_loop(url, args.unloaded_n, args.max_tokens, rng))
+        again["phase"] = "unloaded (after)"
+        rows.append(again)
+        print(_line(again), flush=True)
         after = after_check(base, proc)
     finally:
         proc.terminate()
@@ -299,14 +341,16 @@ def main(argv=None) -> dict:
     md = "\n".join([
         f"# serve_load: {args.model}, max_tokens {args.max_tokens}, batch {args.max_batch_size}, max_queue "
         f"{args.max_queue}, max_queue_wait_ms {args.max_queue_wait_ms:g}, max_batch_wait_ms "
-        f"{args.max_batch_wait_ms:g}, server threads {args.threads}", "",
+        f"{args.max_batch_wait_ms:g}, max_latency_ms {args.max_latency_ms:.0f}, server threads {args.threads}", "",
         f"`{cmd}`", "", table, "",
         f"sustainable rate {sustainable:.1f}/s (no rejection, p95 <= {args.near:g} x unloaded p95 "
         f"{bl.fmt(ref)} s); overload {args.overload:g} x = {args.overload * sustainable:.1f}/s for "
         f"{args.duration:g} s: admitted p95 {bl.fmt(over['p95_s'])} s = {bl.fmt(over['p95_vs_unloaded'])} x "
-        f"unloaded; client send lag p95 {bl.fmt(over['send_lag_p95_s'])} s",
+        f"unloaded{' (measured just before it)' if args.remeasure else ''}; client send lag p95 {bl.fmt(over['send_lag_p95_s'])} s; against the unloaded p95 measured "
+        f"after it ({bl.fmt(again['p95_s'])} s): {bl.fmt(over['p95_s'] / again['p95_s'])} x",
         f"after the overload: healthy {after['healthy']} ({json.dumps(after)})"])
-    result = {"args": vars(args), "command": cmd, "unloaded_p95_s": ref, "sustainable_rate": sustainable,
+    result = {"args": vars(args), "command": cmd, "unloaded_p95_s": ref, "unloaded_after_p95_s": again["p95_s"],
+              "sustainable_rate": sustainable,
               "phases": rows, "after": after}
     if args.out:
         bl.write_outputs(args.out, NAME, result, md)

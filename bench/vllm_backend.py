@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from aligntax.activations.decisions import row_info
     from aligntax.backends.vllm.engine import VllmModel, VllmOptions
     from aligntax.generation import GenerationConfig, generate
     from aligntax.interventions.registry import make_intervention
@@ -61,7 +62,7 @@ def main(argv=None) -> dict:
                    options=VllmOptions(max_model_len=2048, max_num_seqs=args.batch_size,
                                        enable_prefix_caching=args.prefix_caching, kv_cache_gib=args.kv_cache_gib))
     vm.register("els", args.steer)
-    info = iv.row_info(lm, prompts, None, args.batch_size)
+    info = row_info(iv, lm, prompts, None, args.batch_size)
     steered_rows = sum(r["steered"] for r in info) if info else len(prompts)
     answers: dict[str, list[str]] = {}
 

@@ -45,10 +45,10 @@ import torch
 
 from aligntax.activations.cache import ActivationCache
 from aligntax.activations.capture import capture
+from aligntax.activations.decisions import PrefillDecider, rows_to_copy
 from aligntax.config import load_config
 from aligntax.energy.gate import HarmGate, train_harm_gate
 from aligntax.generation import GenerationConfig, generate
-from aligntax.interventions.base import rows_to_copy
 from aligntax.interventions.els import EnergySteering
 from aligntax.interventions.vectors import SteeringVectors
 from aligntax.judges.registry import get_judge
@@ -182,7 +182,7 @@ def steer_part(demo: Path, lm) -> list[dict]:
             todo = [i for i, pi in enumerate(p) if pi < gate.threshold]
             strengths = [1 - p[i] / gate.threshold for i in todo]
         else:
-            held = rows_to_copy(iv, lm, prompts, [True] * len(prompts), None, 96)
+            held = rows_to_copy(PrefillDecider(lm, iv), prompts, [True] * len(prompts), None, 96)
             todo, strengths = [i for i, h in enumerate(held) if not h], None
         gens = generate(lm, [prompts[i] for i in todo], GenerationConfig(max_new_tokens=tokens, batch_size=96), iv,
                         strengths=strengths, progress=True, desc="variant")

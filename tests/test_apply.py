@@ -11,6 +11,7 @@ import torch
 
 import aligntax
 from aligntax.activations import capture
+from aligntax.activations.decisions import row_info
 from aligntax.energy import EnergyModel
 from aligntax.errors import AligntaxError
 from aligntax.generation import GenerationConfig, generate
@@ -58,7 +59,7 @@ def split_gate(lm, layer=1):
 
 
 def row_threshold(lm):
-    e = torch.tensor([r["energy"] for r in els().row_info(lm, P3)])
+    e = torch.tensor([r["energy"] for r in row_info(els(), lm, P3)])
     srt = e.sort().values
     return float(srt[0] + srt[1]) / 2
 

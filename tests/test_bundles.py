@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 import aligntax
 from aligntax.activations import capture
+from aligntax.activations.decisions import unsteered_rows
 from aligntax.bundles import check_files, from_pretrained, load_bundle, push_to_hub, save_pretrained
 from aligntax.bundles.card import read_front_matter
 from aligntax.errors import AligntaxError, CompatibilityError, DataError
@@ -82,8 +83,8 @@ def test_els_bundle_round_trip_steers_the_same(lm, els_dir, tmp_path):
     want, got = hf_generate(lm, src), hf_generate(lm, back)
     assert torch.equal(want, got)
     assert not torch.equal(want, unsteered(lm))  # the steering does something on these prompts
-    held = back.unsteered_rows(lm, PROMPTS)
-    assert held == src.unsteered_rows(lm, PROMPTS) and any(held) and not all(held)  # the gate travelled
+    held = unsteered_rows(back, lm, PROMPTS)
+    assert held == unsteered_rows(src, lm, PROMPTS) and any(held) and not all(held)  # the gate travelled
     # the same through the top-level loader and as a plain --steer folder
     assert torch.equal(hf_generate(lm, aligntax.load_intervention(str(out), lm)), want)
     assert torch.equal(hf_generate(lm, make_intervention("els", lm, dir=str(out))), want)

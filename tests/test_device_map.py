@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aligntax.activations.decisions import row_info, unsteered_rows
 from tiny import make_tiny_lm, save_tiny_vectors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -94,8 +95,8 @@ def test_els_with_a_gate_across_the_split(model_dir, tmp_path):
     steered = _greedy(lm, make_intervention("els", lm, **args))
     expected = _greedy(ref, make_intervention("els", ref, **args))
     assert len(steered) == len(expected)
-    info = make_intervention("els", lm, **args).row_info(lm, PROMPTS)
-    info_ref = make_intervention("els", ref, **args).row_info(ref, PROMPTS)
+    info = row_info(make_intervention("els", lm, **args), lm, PROMPTS)
+    info_ref = row_info(make_intervention("els", ref, **args), ref, PROMPTS)
     assert [r["steered"] for r in info] == [r["steered"] for r in info_ref]
     assert [r["harm_p"] for r in info] == pytest.approx([r["harm_p"] for r in info_ref], abs=1e-3)
 
@@ -111,6 +112,6 @@ def test_cast_condition_and_steering_on_two_devices(model_dir, tmp_path):
     iv = make_intervention("cast", lm, path=str(tmp_path / "vec"), coeff=1.0)  # steers every layer
     out = _greedy(lm, iv)
     assert len(out) == len(PROMPTS)
-    held = iv.unsteered_rows(lm, PROMPTS)
-    held_ref = make_intervention("cast", ref, path=str(tmp_path / "vec"), coeff=1.0).unsteered_rows(ref, PROMPTS)
+    held = unsteered_rows(iv, lm, PROMPTS)
+    held_ref = unsteered_rows(make_intervention("cast", ref, path=str(tmp_path / "vec"), coeff=1.0), ref, PROMPTS)
     assert held == held_ref

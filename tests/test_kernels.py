@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from aligntax.activations.decisions import row_info, unsteered_rows
 from aligntax.interventions.base import SteerContext
 from aligntax.interventions.els import EnergySteering
 from aligntax.interventions.kernels import RowKernel, Site, edited, token_slice
@@ -159,9 +160,9 @@ def test_row_records_come_from_the_kernel_for_every_method_with_a_decision(lm, v
     """``row_info`` and ``unsteered_rows`` read the kernel's decision: CAST now records per row whether
     its condition steered it, as ELS records its gate and row energy decision."""
     cast = make_intervention("cast", lm, dir=str(vector_dir))
-    info = cast.row_info(lm, PROMPTS)
-    held = cast.unsteered_rows(lm, PROMPTS)
+    info = row_info(cast, lm, PROMPTS)
+    held = unsteered_rows(cast, lm, PROMPTS)
     assert [not r["steered"] for r in info] == held and any(held) and not all(held)
-    assert make_intervention("refusal-add", lm, dir=str(vector_dir)).row_info(lm, PROMPTS) is None
-    els_info = _els(lm, row_threshold=0.0).row_info(lm, PROMPTS)
+    assert row_info(make_intervention("refusal-add", lm, dir=str(vector_dir)), lm, PROMPTS) is None
+    els_info = row_info(_els(lm, row_threshold=0.0), lm, PROMPTS)
     assert set(els_info[0]) == {"energy", "steered", "strength"}

@@ -159,3 +159,28 @@ def test_no_import_cycle():
     if cycle is not None:
         groups = "\n".join("  " + ", ".join(c) for c in all_cycles(graph))
         raise AssertionError(f"import cycle: {' -> '.join(cycle)}\nstrongly connected groups:\n{groups}")
+
+
+def test_no_intervention_runs_the_model():
+    """Interventions only describe steering (messages, kernels, hooks): nothing under
+    ``aligntax.interventions`` reaches the capture, the decode loop or the decisions made before
+    generating (``aligntax.activations.decisions`` runs the prefill and reads the kernels instead)."""
+    graph = import_graph()
+    runners = {"aligntax.activations.capture", "aligntax.activations.decisions", "aligntax.activations.recorder",
+               "aligntax.generation.generate"}
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            v = todo.pop()
+            for w in graph.get(v, ()):
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+
+    for mod in graph:
+        if mod.startswith("aligntax.interventions") and mod != "aligntax.interventions":
+            hit = reach(mod) & runners
+            assert not hit, f"{mod} reaches {sorted(hit)}"
+    assert "aligntax.interventions.base" in graph["aligntax.activations.decisions"]  # the decisions sit above

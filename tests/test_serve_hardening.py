@@ -646,3 +646,113 @@ def test_shutdown_timeout_bounds_a_graceful_shutdown(lm, logs):
     assert not engine.alive
     assert result and not (isinstance(result[0], httpx.Response) and result[0].status_code == 200)
     assert not logs.unhandled(), logs.unhandled()
+
+
+def test_step_time_model_fits_a_per_row_cost():
+    from aligntax.serve.engine import StepTimeModel
+
+    model = StepTimeModel()
+    assert model.step_seconds(1) is None
+    model.observe(1, 0.2, 10)  # 0.02 s per step for one row
+    assert model.step_seconds(8) == pytest.approx(0.02)  # one size seen: no slope yet
+    model.observe(3, 0.4, 10)  # 0.04 s per step for three rows
+    a, b = model.coefficients()
+    assert a == pytest.approx(0.01) and b == pytest.approx(0.01)
+    assert model.step_seconds(5) > model.step_seconds(3) > model.step_seconds(1)
+    # predictions carry 2x the mean error of past predictions (0.04 observed, 0.02 predicted)
+    assert model.dev == pytest.approx(0.25 * 0.02)
+    assert model.step_seconds(1) == pytest.approx(0.02 + 2 * model.dev)
+    assert model.step_seconds(1, margin=0) == pytest.approx(0.02)
+    assert model.batch_seconds(2, 10) == pytest.approx(10 * (a + 2 * b + 2 * model.dev))
+    model.observe(2, 0.0, 10)  # ignored: no time
+    model.observe(2, 1.0, 0)  # ignored: no step
+    assert model.coefficients() == (a, b)
+
+
+def _latency_engine(lm, target_ms: float) -> BatchEngine:
+    """An engine whose step time is 0.01 + 0.01 * rows s (measured on two batches), not started."""
+    engine = BatchEngine(lm, None, max_batch_size=2, batch_wait_ms=0, max_latency_ms=target_ms)
+    engine.step_model.observe(1, 0.2, 10)
+    engine.step_model.observe(3, 0.4, 10)
+    engine.step_model.margin = 0  # the plain fit: the arithmetic below is exact
+    return engine
+
+
+def _queued(lm, max_tokens: int, arrived_s_ago: float) -> Job:
+    return Job(_ids(lm, "hi"), SamplingParams(max_tokens, 0), arrived_at=time.perf_counter() - arrived_s_ago)
+
+
+def test_predicted_latency_counts_the_running_batch_the_batches_ahead_and_its_own(lm):
+    engine = _latency_engine(lm, 1000)
+    step = engine.step_model.step_seconds
+    assert step(1) == pytest.approx(0.02) and step(2) == pytest.approx(0.03)
+    now = time.perf_counter()
+    assert engine.predicted_latency(10, now=now) == pytest.approx(10 * step(1))  # idle: its own batch only
+    engine._batch_started, engine._batch_expected_end = now, now + 0.5  # a batch running for 0.5 s more
+    assert engine.predicted_latency(10, now=now) == pytest.approx(0.5 + 10 * step(1))
+    # one request waiting (20 tokens, arrived 0.3 s ago): the new one joins its batch of 2 rows that
+    # decodes 20 steps, and the oldest of that batch will have waited 0.3 s longer
+    engine._q.put_nowait(_queued(lm, 20, 0.3))
+    assert engine.predicted_latency(10, now=now) == pytest.approx(0.5 + 20 * step(2) + 0.3, abs=0.01)
+    # two waiting: a full batch of 2 ahead (20 steps), then its own batch of one row (10 steps)
+    engine._q.put_nowait(_queued(lm, 5, 0.1))
+    assert engine.predicted_latency(10, now=now) == pytest.approx(0.5 + 20 * step(2) + 10 * step(1), abs=0.01)
+    engine.shutdown()
+
+
+def test_admission_refuses_a_request_predicted_over_the_latency_target(lm):
+    from aligntax.serve.engine import EngineOverloaded
+
+    engine = _latency_engine(lm, 1300)
+    engine.admit(max_tokens=10**6)  # idle: always admitted, whatever the prediction
+    engine.withdraw()
+    now = time.perf_counter()
+    engine._batch_started, engine._batch_expected_end = now, now + 0.5
+    engine.admit(max_tokens=10)  # 0.5 + 0.2 s: within 1.3 s
+    engine.withdraw()
+    engine._q.put_nowait(_queued(lm, 20, 0.3))
+    # its own latency (0.5 + 0.6 s) is within the target, but it would make the oldest request of its
+    # batch finish 1.4 s after that one arrived: refused
+    with pytest.raises(EngineOverloaded) as e:
+        engine.admit(max_tokens=10)
+    assert (e.value.status, e.value.code) == (503, "overloaded")
+    assert "target 1.30 s" in str(e.value) and "complete" in str(e.value)
+    engine.admit()  # without max_tokens the latency target is not checked
+    assert engine.waiting == 2
+    engine.max_latency = None
+    engine.admit(max_tokens=10)  # no target: admitted
+    engine.shutdown(drain=False)
+
+
+def test_latency_target_answers_503_through_the_server(lm, logs):
+    app = create_app(lm, None, "w", max_batch_size=4, max_queue=50, max_latency_ms=300, max_new_tokens_limit=64)
+    assert app.state.engine.max_latency == pytest.approx(0.3)
+    with BackgroundServer(app) as srv:
+        engine = app.state.engine
+        body = {"model": "w", "messages": HELLO, "max_tokens": 4, "temperature": 0}
+        results: list = []
+        first = threading.Thread(target=lambda: results.append(httpx.post(srv.url + URL, json=body, timeout=30)))
+        with _paused(engine):
+            first.start()  # idle engine: admitted; the paused worker holds it
+            _wait(lambda: engine.queue_depth == 1, what="the first request")
+            engine.step_model.observe(1, 0.4, 4)  # 0.1 s per step
+            now = time.perf_counter()
+            engine._batch_started, engine._batch_expected_end = now, now + 0.5  # as if a batch were running
+            r = httpx.post(srv.url + URL, json=body, timeout=30)  # 0.5 + 4 x 0.1 s > 0.3 s
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "overloaded" and "complete" in err["message"]
+            assert int(r.headers["Retry-After"]) >= 1
+            engine._batch_started = engine._batch_expected_end = None
+        first.join(30)
+        assert [x.status_code for x in results] == [200]
+        assert httpx.post(srv.url + URL, json=body, timeout=30).status_code == 200
+        assert engine.waiting == 0
+    assert not logs.unhandled(), logs.unhandled()
+
+
+def test_serve_cli_has_the_latency_target():
+    from aligntax.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert res.exit_code == 0 and "--max-latency-ms" in res.output

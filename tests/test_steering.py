@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from aligntax.activations import capture, position_ids_from_mask
+from aligntax.activations.decisions import row_info, unsteered_rows
 from aligntax.energy import EnergyBank, EnergyModel
 from aligntax.errors import AligntaxError, CompatibilityError
 from aligntax.generation import GenerationConfig, generate
@@ -423,8 +424,8 @@ def test_cast_decides_per_row(lm):
     _, log_a, ctx_a, _ = run_steered(lm, PROMPTS, ablate)
     assert ctx_a.stats["cast"]["triggered"] == 3 and torch.equal(log_a[2], log0[2])
     # decided before generating: exactly the rows the hooks leave alone
-    assert cast.unsteered_rows(lm, PROMPTS) == [True, True, False, True]
-    assert ablate.unsteered_rows(lm, PROMPTS) == [False, False, True, False]
+    assert unsteered_rows(cast, lm, PROMPTS) == [True, True, False, True]
+    assert unsteered_rows(ablate, lm, PROMPTS) == [False, False, True, False]
 
 
 # ---- storage and registry ---------------------------------------------------------------------------------
@@ -550,9 +551,9 @@ def test_harm_gate_holds_back_rows(lm, layer, steer):
 @pytest.mark.parametrize("layer,steer", [(1, (1, 2)), ([1, 2], (2,))])
 def test_unsteered_rows_are_the_gate_held_rows(lm, layer, steer):
     gate, held = _split_gate(lm, layer)
-    assert els(eta=2.0, layers=steer, gate=gate).unsteered_rows(lm, PROMPTS) == held.tolist()
-    assert els(eta=2.0).unsteered_rows(lm, PROMPTS) is None  # without a gate any row may be steered
-    assert NoIntervention().unsteered_rows(lm, PROMPTS) is None
+    assert unsteered_rows(els(eta=2.0, layers=steer, gate=gate), lm, PROMPTS) == held.tolist()
+    assert unsteered_rows(els(eta=2.0), lm, PROMPTS) is None  # without a gate any row may be steered
+    assert unsteered_rows(NoIntervention(), lm, PROMPTS) is None
 
 
 def test_remembered_prefill_states_capture_once(lm, monkeypatch):
@@ -560,7 +561,7 @@ def test_remembered_prefill_states_capture_once(lm, monkeypatch):
     decisions are those of a fresh capture, and nothing is remembered after the block."""
     import importlib
 
-    from aligntax.interventions.base import remembered_prefill_states
+    from aligntax.activations.decisions import remembered_prefill_states
 
     cap = importlib.import_module("aligntax.activations.capture")
 
@@ -571,10 +572,10 @@ def test_remembered_prefill_states_capture_once(lm, monkeypatch):
     monkeypatch.setattr(cap, "chat_ids", lambda *a, **k: tokenised.append(1) or real_ids(*a, **k))
     with remembered_prefill_states():
         for eta in (0.5, 1.0, 2.0):
-            assert els(eta=eta, gate=gate).unsteered_rows(lm, PROMPTS) == held.tolist()
-        assert els(eta=1.0, gate=gate).unsteered_rows(lm, PROMPTS[:2]) == held.tolist()[:2]  # other prompts
+            assert unsteered_rows(els(eta=eta, gate=gate), lm, PROMPTS) == held.tolist()
+        assert unsteered_rows(els(eta=1.0, gate=gate), lm, PROMPTS[:2]) == held.tolist()[:2]  # other prompts
     assert len(calls) == 2
-    els(eta=1.0, gate=gate).unsteered_rows(lm, PROMPTS)
+    unsteered_rows(els(eta=1.0, gate=gate), lm, PROMPTS)
     assert len(calls) == 3
     assert len(tokenised) == 5  # each decision tokenises its prompts once, captured or remembered
 
@@ -829,7 +830,7 @@ def test_harm_gate_ensemble_of_layers(lm, tmp_path):
 def _row_split_threshold(lm, iv):
     """A row threshold between the 2nd and 3rd lowest last-prompt-token energies of PROMPTS at ``iv``'s
     first steered block: two rows above it (steered), two below (held)."""
-    e = torch.tensor([r["energy"] for r in iv.row_info(lm, PROMPTS)])
+    e = torch.tensor([r["energy"] for r in row_info(iv, lm, PROMPTS)])
     srt = e.sort().values
     return float(srt[1] + srt[2]) / 2, e
 
@@ -851,9 +852,9 @@ def test_row_energy_decision_steers_exactly_the_high_energy_rows(lm):
             ref = log_all[i] if steered[i] else log0[i]
             torch.testing.assert_close(log_r[i], ref, rtol=0, atol=1e-5 if use_cache else 1e-4)
         assert ctx.stats["els_row_energy"] == {"rows": 4, "held": 2}
-    info = iv.row_info(lm, PROMPTS)
+    info = row_info(iv, lm, PROMPTS)
     assert [r["steered"] for r in info] == steered.tolist()
-    assert iv.unsteered_rows(lm, PROMPTS) == (~steered).tolist()
+    assert unsteered_rows(iv, lm, PROMPTS) == (~steered).tolist()
     assert "harm_p" not in info[0] and info[0]["strength"] in (0.0, 1.0)
     assert iv.config()["row_threshold"] == thr and "row_threshold" not in els().config()
 
@@ -864,7 +865,7 @@ def test_row_energy_decision_and_gate_combine(lm):
     thr, energy = _row_split_threshold(lm, els(eta=2.0))
     iv = els(eta=2.0, gate=gate, row_threshold=thr)
     want = (~held) & (energy > thr)
-    info = iv.row_info(lm, PROMPTS)
+    info = row_info(iv, lm, PROMPTS)
     assert [r["steered"] for r in info] == want.tolist()
     assert all(0.0 <= r["harm_p"] <= 1.0 for r in info)
     _, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
@@ -883,7 +884,7 @@ def test_gate_ramp_scales_strength_by_harm_probability(lm):
     iv = els(eta=2.0, gate=gate, gate_threshold=min(t, 0.999), gate_ramp=max(ramp, 0.0))
     strength = iv.gate_scale(p)
     assert ((strength > 0) & (strength < 1)).any()
-    info = iv.row_info(lm, PROMPTS)
+    info = row_info(iv, lm, PROMPTS)
     torch.testing.assert_close(torch.tensor([r["strength"] for r in info]), strength, rtol=0, atol=1e-4)
     s_ramp, _, _, _ = forward_with(lm, PROMPTS, iv, layers=[2])
     ctx_strength = els(eta=2.0)

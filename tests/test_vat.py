@@ -797,3 +797,41 @@ def test_vat_builds_any_registered_steering_method(tmp_path):
     assert isinstance(build_intervention("cast", lm, "Benevolence", options={"path": str(vec)}), ConditionalSteering)
     with pytest.raises(AligntaxError, match="Unknown options for intervention 'cast'"):
         build_intervention("cast", lm, "Benevolence", options={"path": str(vec), "eta": 0.3})
+
+
+def test_vat_methods_are_registered_with_typed_options(builtin):
+    """The value-targeted methods live in a registry like the steering methods: a typed options
+    dataclass each, fewshot-K read as fewshot with k=K, the options of other methods left to them,
+    and a misspelt option refused with the names that exist."""
+    import dataclasses
+
+    from aligntax.vat.interventions import (
+        VAT_METHODS,
+        SteerOptions,
+        ValueFewShot,
+        ValuePersona,
+        build_intervention,
+        describe_vat,
+        vat_method,
+    )
+
+    assert {"none", "persona", "fewshot", "persona-fewshot", "steer", "lora", "dpo", "adapter", "els", "oracle",
+            "uniform"} <= set(VAT_METHODS)
+    assert VAT_METHODS["steer"].options is SteerOptions
+    assert {f.name for f in dataclasses.fields(SteerOptions)} == {"strength", "layer"}
+    method, implied = vat_method("persona-fewshot-8")
+    assert method.name == "persona-fewshot" and implied == {"k": 8}
+    assert vat_method("sft")[0].name == "lora"
+    with pytest.raises(AligntaxError, match="fewshot-K"):
+        vat_method("fewshot")
+    assert "oracle_gain" in describe_vat() and "steer:" in describe_vat()
+    # a command line passes every method's options; persona takes none of them
+    iv = build_intervention("persona", None, "benevolence", strength=4.0, steps=None, oracle_gain=0.5)
+    assert isinstance(iv, ValuePersona) and iv.config()["target"] == "Benevolence"
+    with pytest.raises(AligntaxError, match="strenght"):
+        build_intervention("persona", None, "Benevolence", strenght=2.0)
+    _, tr = split_items(builtin, 0.2)
+    fs = build_intervention("persona-fewshot-2", None, "Benevolence", tr, seed=1)
+    assert isinstance(fs, ValueFewShot) and fs.config()["k"] == 2 and fs.system
+    with pytest.raises(AligntaxError, match="Unknown intervention"):
+        build_intervention("personna", None, "Benevolence")

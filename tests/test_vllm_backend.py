@@ -209,3 +209,37 @@ def test_unknown_preset_and_bad_strength_are_refused(engine):
 
 def test_no_steering_errors(engine):
     assert engine.summary()["errors"] == []
+
+
+def test_eval_records_the_per_row_decisions_of_the_hf_backend(engine, lm, tiny_dir, tmp_path):
+    """``aligntax eval --backend vllm`` with a method that decides per row (CAST's condition): every
+    sample records the decision made before generating (on a Hugging Face copy of the model), equal to
+    the Hugging Face backend's run, and the answers are the same (fp32)."""
+    import json
+
+    from aligntax.activations.decisions import row_info
+    from aligntax.runs import EvalConfig, run_eval
+    from aligntax.runs.jsonl import read_jsonl
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "prompt": p, "label": "benign"}) + "\n"
+                            for i, p in enumerate(MORE)))
+    args = {"path": str(tiny_dir / "vectors"), "threshold": 0.0}
+
+    def run(backend: str, model):
+        cfg = EvalConfig(data=[str(data)], out=str(tmp_path / backend), model=str(tiny_dir / "model"), dtype="fp32",
+                         judge="keyword", max_new_tokens=8, batch_size=3, backend=backend, progress=False,
+                         intervention="cast", intervention_args=args)
+        run_eval(cfg, lm=model)
+        return {r["id"]: r for r in read_jsonl(tmp_path / backend / "samples.jsonl")}
+
+    hf, vl = run("hf", lm), run("vllm", engine)
+    from aligntax.api import load_intervention
+
+    want = row_info(load_intervention(str(tiny_dir / "vectors"), lm, name="cast", threshold=0.0), lm, MORE)
+    assert any(w["steered"] for w in want) and not all(w["steered"] for w in want)
+    for i, w in enumerate(want):
+        got = vl[str(i)]["steering"]
+        assert {k: got[k] for k in w} == w == hf[str(i)]["steering"]
+        assert got["engine_strength"] == w["strength"]  # the engine decided as the prefill did
+        assert vl[str(i)]["response"] == hf[str(i)]["response"]

@@ -119,3 +119,25 @@ def test_post_site_edits_the_stream_leaving_the_last_block():
     hidden, residual = torch.randn(2, 4), torch.randn(2, 4)
     new_h, new_r = st.post_block(2, hidden, residual)
     assert torch.allclose(new_h, hidden + residual + 1.0) and torch.equal(new_r, torch.zeros(2, 4))
+
+
+def test_records_off_keeps_nothing_but_steers_the_same():
+    """A server turns the decision records off (``keep_records``): no record is kept per request, and the
+    decisions and edits are the same."""
+    results = []
+    for keep in (True, False):
+        st = BatchSteering()
+        st.keep_records = keep
+        st.register("k", AddKernel(decide_layer=0))
+        st.register("add", AddKernel())
+        batch = StepBatch(["x", "y", "z"], [0, 3, 6], [3, 6, 9], [3, 3, 3], torch.tensor([0, 1, 2] * 3))
+        st.begin_step(batch, [RequestSteer("k", 1.0), RequestSteer("k", 1.0), RequestSteer("add", 1.0)],
+                      {"x", "y", "z"})
+        h0 = torch.zeros(9, 4)
+        h0[2, 0], h0[5, 0] = 1.0, -1.0
+        st.pre_block(0, h0, None)
+        torch.manual_seed(0)
+        hidden, residual = torch.randn(9, 4), torch.randn(9, 4)
+        results.append(st.pre_block(1, hidden, residual))
+        assert (len(st.take_records()) == 3) if keep else (st.records == {})
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))

@@ -440,8 +440,11 @@ def els_train(
     gate_ensemble: bool | None = typer.Option(
         None, help="also try the mean of one probe per candidate layer, kept when its cross-validated "
                    "balanced accuracy is higher (default off)"),
+    ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
+    worker_gpus: WorkerGpusOpt = None,
 ) -> None:
-    """Label the model's behaviour, capture activations, train one energy model per layer."""
+    """Label the model's behaviour, capture activations, train one energy model per layer (with --ray, the
+    label generation and the states recorded during it run on replicas of the model over Ray)."""
     from aligntax.config import load_config
     from aligntax.runs.els import ELSTrainConfig, train_els
 
@@ -457,7 +460,7 @@ def els_train(
         if gate_recall is not None:
             value = parse_value(gate_recall, "float_or_none", "--gate-recall")
             cfg.gate_recall = None if value == "none" else value
-        train_els(cfg)
+        train_els(cfg, ray=_ray_config(ray, workers, worker_cpus, worker_gpus))
     except AligntaxError as exc:
         _fail(exc)
     console.print(f"energy models and report: {out}")
@@ -485,6 +488,8 @@ def els_sweep(
     ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None, device_map: DeviceMapOpt = None,
     grid: dict | None = None,
+    backend: str | None = typer.Option(None, help="hf (default), or vllm: the settings' answers from a vLLM "
+                                                  "engine (./run setup-vllm)"),
 ) -> None:
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
     from aligntax.config import load_config
@@ -496,7 +501,7 @@ def els_sweep(
                           **(grid or {}), knowns_tolerance=knowns_tolerance,
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
                           leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint,
-                          device_map=device_map)
+                          device_map=device_map, backend=backend)
         if knowns is not None:
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
         res = run_sweep(cfg, ray=_ray_config(ray, workers, worker_cpus, worker_gpus))

@@ -32,7 +32,8 @@ class PrefillRecorder(Intervention):
     name = "none"
     prefix_free = True  # reads the last prompt token only
 
-    def __init__(self, model: nn.Module, layers: int | str | Sequence[int] | None = "all") -> None:
+    def __init__(self, model: nn.Module | int, layers: int | str | Sequence[int] | None = "all") -> None:
+        # ``model``: the model, or its number of blocks (a recorder of states that replicas send back)
         self.layers = resolve_layers(model, layers)
         self._last: dict[int, torch.Tensor] | None = None
         self._acts: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
@@ -53,6 +54,18 @@ class PrefillRecorder(Intervention):
         with hooks_attached([(blocks[layer], make_hook(layer), True) for layer in self.layers]):
             yield
         got = {layer: ctx.decisions[(id(self), layer)] for layer in self.layers if (id(self), layer) in ctx.decisions}
+        for layer, h in got.items():
+            _require_finite(h, layer)
+        self._last = got
+
+    def recorded(self, states: dict[int, torch.Tensor]) -> None:
+        """The states ``{layer: [rows, d]}`` of a batch generated elsewhere (a replica of the model,
+        :mod:`aligntax.runs.distributed`), rows in the batch's order, taken as if recorded here:
+        :meth:`keep` files them next."""
+        if sorted(states) != sorted(self.layers):
+            raise AligntaxError(f"The batch's states are of layers {sorted(states)}, not of the recorded "
+                                f"layers {sorted(self.layers)}.")
+        got = {layer: states[layer].float().cpu() for layer in self.layers}
         for layer, h in got.items():
             _require_finite(h, layer)
         self._last = got

@@ -2,12 +2,14 @@
 
 An intervention may rewrite the chat messages (prompting), and may attach hooks to the model for the
 duration of one batched call (steering, adapters). Hooks live inside a context manager and are removed
-on exit, also when the body raises, so the user's model is never left changed.
+on exit, also when the body raises, so the user's model is never left changed. An intervention never
+runs the model itself: its per-row decisions before generating are computed above it
+(:mod:`aligntax.activations.decisions`) from its kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -27,10 +29,7 @@ __all__ = [
     "decide_at_prefill",
     "hidden_from_args",
     "hooks_attached",
-    "prefill_states",
-    "remembered_prefill_states",
     "replace_hidden_in_args",
-    "rows_to_copy",
     "steered_slice",
 ]
 
@@ -156,87 +155,6 @@ class Intervention:
         applied = AppliedIntervention(self, model)
         with applied._installed():
             yield applied
-
-    def _kernel_for(self, lm) -> RowKernel | None:
-        if type(self).kernel is Intervention.kernel:
-            return None
-        return self.kernel(lm.num_layers, lm.hidden_size)
-
-    def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
-        """Which prompts this intervention leaves exactly as the unmodified model would answer them,
-        decided from the prompt alone (before generating); None when it cannot tell in advance.
-
-        An evaluation may take those rows' answers from an unsteered run instead of generating them
-        again. A kernel with a per-row decision (the ELS harm gate and row energy decision, CAST's
-        condition) answers from the states at its decision layers (:func:`prefill_states`): a row whose
-        strength is 0 is never edited; the others change every row."""
-        kernel = self._kernel_for(lm)
-        if kernel is None or not kernel.decision_layers:
-            return None
-        if not prompts:
-            return []
-        states = prefill_states(lm, prompts, kernel.decision_layers, self, system, batch_size)
-        return [bool(s == 0) or not kernel.sites for s in kernel.decide(states).cpu()]
-
-    def row_info(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
-        """Per prompt, what the intervention decides for it before generating (``steered``, ``strength``
-        and what the method reads, e.g. a harm probability, an energy: the kernel's ``row_records``), for
-        the run's records; None when it decides nothing per row."""
-        kernel = self._kernel_for(lm)
-        if kernel is None or not kernel.read_layers:
-            return None
-        if not prompts:
-            return []
-        return kernel.row_records(prefill_states(lm, prompts, kernel.read_layers, self, system, batch_size))
-
-
-def prefill_states(lm, prompts, layers: Sequence[int], intervention: Intervention, system: str | None = None,
-                   batch_size: int = 32) -> dict[int, torch.Tensor]:
-    """The states entering blocks ``layers`` at each prompt's last token, ``{block: [N, d]}`` on the
-    model's device, as the intervention's pre-hooks see them in generation (same chat template and
-    message changes), computed in batches that stop after the last of those blocks (and remembered
-    inside :func:`remembered_prefill_states`)."""
-    from aligntax.activations.capture import capture_seqs, chat_ids
-
-    blocks = sorted({int(x) for x in layers})
-    seqs, plens = chat_ids(lm, prompts, system, intervention)
-    key = (id(lm.model), tuple(blocks), tuple(map(tuple, seqs))) if _PREFILL_MEMO is not None else None
-    states = _PREFILL_MEMO.get(key) if key is not None else None
-    if states is None:
-        states = capture_seqs(lm, seqs, plens, blocks, batch_size=batch_size, progress=False)
-        states = {b: states[b] for b in blocks}
-        if key is not None:
-            _PREFILL_MEMO[key] = states
-    return {b: h.to(lm.device) for b, h in states.items()}
-
-
-_PREFILL_MEMO: dict | None = None
-
-
-@contextmanager
-def remembered_prefill_states() -> Iterator[None]:
-    """Inside, :func:`prefill_states` captures the states of the same token sequences at the same
-    block once and reuses them: a sweep over settings of one harm gate (or one CAST condition) decides
-    on the same prompts again and again. Forgotten on exit."""
-    global _PREFILL_MEMO
-    outer = _PREFILL_MEMO
-    _PREFILL_MEMO = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _PREFILL_MEMO = outer
-
-
-def rows_to_copy(intervention: Intervention, lm, prompts, available, system: str | None = None,
-                 batch_size: int = 32) -> list[bool]:
-    """Per prompt: an unsteered answer is ``available`` and the intervention leaves the row unsteered,
-    so that answer can be copied instead of generating the row again."""
-    idx = [i for i, a in enumerate(available) if a]
-    held = intervention.unsteered_rows(lm, [prompts[i] for i in idx], system, batch_size) if idx else None
-    out = [False] * len(prompts)
-    for i, h in zip(idx, held or [False] * len(idx), strict=True):
-        out[i] = bool(h)
-    return out
 
 
 class NoIntervention(Intervention):

@@ -63,9 +63,14 @@ class Method:
     build: Callable[[Any, Any], Any]
     help: str
 
-    def make(self, lm=None, **kwargs):
-        """Build with keyword options (None values ignored; ``dir=``/``directory=`` mean ``path=``)."""
+    def make(self, lm=None, *, only_known: bool = False, **kwargs):
+        """Build with keyword options (None values ignored; ``dir=``/``directory=`` mean ``path=``); an
+        option the method does not take is refused, or, with ``only_known``, left out (a caller holding
+        the options of several methods)."""
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if only_known:
+            known = {f.name for f in dataclasses.fields(self.options)}
+            kwargs = {k: v for k, v in kwargs.items() if k in known or k in ("dir", "directory")}
         for alias in ("dir", "directory"):
             if alias in kwargs:
                 if "path" in kwargs:
@@ -82,15 +87,18 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, options: type, help: str) -> Callable:
-    """Decorator: register ``build(lm, options) -> Intervention`` as intervention ``name``."""
+def register(name: str, options: type, help: str, registry: dict[str, Method] | None = None) -> Callable:
+    """Decorator: register ``build(lm, options) -> Intervention`` as intervention ``name`` in ``registry``
+    (default :data:`METHODS`, the steering methods; the value alignment tax keeps its value-targeted
+    methods, built from a context instead of a model, in a registry of its own)."""
     if not dataclasses.is_dataclass(options):
         raise TypeError(f"{options!r} is not a dataclass")
+    table = METHODS if registry is None else registry
 
     def deco(build: Callable) -> Callable:
-        if name in METHODS:
+        if name in table:
             raise AligntaxError(f"Intervention '{name}' is registered twice.")
-        METHODS[name] = Method(name, options, build, help)
+        table[name] = Method(name, options, build, help)
         return build
     return deco
 

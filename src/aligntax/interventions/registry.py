@@ -2,9 +2,9 @@
 
 Each method is registered once with :func:`aligntax.interventions.options.register`: its name, its
 typed options dataclass (every field declared with its help, flag and parsing) and a builder. The
-command-line options, the YAML ``intervention_args`` keys and the sweep's grid axes are read from those
-dataclasses. ``python -c "from aligntax.interventions.registry import describe; print(describe())"``
-lists them.
+command-line options, the YAML ``intervention_args`` keys, the sweep's grid axes and the server's
+per-request options (the fields declared ``request=True``) are read from those dataclasses.
+``python -c "from aligntax.interventions.registry import describe; print(describe())"`` lists them.
 
 ``dir=`` may also be spelt ``path=`` or ``directory=``. Vector folders are made by
 :func:`aligntax.interventions.vectors.compute_vectors` then ``.save(dir)``; every artefact is checked
@@ -51,24 +51,26 @@ class PromptOptions:
 @dataclass
 class ElsOptions:
     path: str | None = option("energy model folder (implies --intervention els)", flag="--steer")
-    eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", grid=True)
-    steps: int | None = option("ELS descent steps", parse="int", grid=True)
-    layers: list[int] | None = option("comma-separated layer indices", parse="layers", grid=True)
-    top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", grid=True)
+    eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", grid=True,
+                               request=True)
+    steps: int | None = option("ELS descent steps", parse="int", grid=True, request=True)
+    layers: list[int] | None = option("comma-separated layer indices", parse="layers", grid=True, request=True)
+    top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", grid=True,
+                                request=True)
     threshold: float | str | None = option(
         "ELS: move a position only while its energy is above this ('none': off, even if tuned)",
-        flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", grid=True)
+        flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", grid=True, request=True)
     gate: float | bool | str | None = option(
         "ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
-        "threshold; 'none': off, even if tuned)", parse="gate", grid=True)
+        "threshold; 'none': off, even if tuned)", parse="gate", grid=True, request=True)
     horizon: int | str | None = option("ELS: steer only the first N generated tokens ('none': all)",
-                                       parse="int_or_none", grid=True)
+                                       parse="int_or_none", grid=True, request=True)
     row_threshold: float | str | None = option(
         "ELS: steer a row only when its last prompt token's energy is above this ('none': off, even if tuned)",
-        parse="float_or_none", grid=True)
+        parse="float_or_none", grid=True, request=True)
     gate_ramp: float | str | None = option(
         "ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)",
-        parse="float_or_none", grid=True)
+        parse="float_or_none", grid=True, request=True)
     positions: str | None = option("last_and_generated, generated or all", cli=False)
     scale_by_norm: bool | None = option("step size in units of the layer's median residual norm", cli=False)
     grad_method: str | None = option("closed (the energy model's own backward) or autograd", cli=False)
@@ -79,20 +81,21 @@ class _SavedVectorOptions:
     """What every method reading a vector folder takes."""
 
     path: str | None = option("vector folder for the vector baselines", flag="--vectors")
-    coeff: float | None = option("vector baselines: strength", parse="float")
+    coeff: float | None = option("vector baselines: strength", parse="float", request=True)
     layer: int | None = option("vector baselines: the layer whose vector is used (default: the folder's)",
-                               parse="int")
+                               parse="int", request=True)
 
 
 @dataclass
 class VectorOptions(_SavedVectorOptions):
-    layers: list[int] | None = option("comma-separated layer indices", parse="layers")
+    layers: list[int] | None = option("comma-separated layer indices", parse="layers", request=True)
     positions: str | None = option("last_and_generated, generated or all (default all)", cli=False)
 
 
 @dataclass
 class CastOptions(_SavedVectorOptions):
-    threshold: float | None = option("CAST: the condition's cosine threshold (default: the fitted one)", cli=False)
+    threshold: float | None = option("CAST: the condition's cosine threshold (default: the fitted one)",
+                                      parse="float", cli=False, request=True)
     mode: str | None = option("CAST: add or ablate the behaviour vector", cli=False)
     compare: str | None = option("CAST: steer when the similarity is greater or less than the threshold",
                                  cli=False)

@@ -251,6 +251,7 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
     response is scored again against the items' current accepted answers, so a corrected answer list
     applies to a finished run on the next invocation (``samples.jsonl`` is rewritten when a verdict changes).
     """
+    from aligntax.activations.decisions import row_info
     from aligntax.generation import iter_generate
     from aligntax.runs.eval import _previous, _read_intervention, _record_intervention
     from aligntax.runs.jsonl import append_jsonl, read_jsonl
@@ -278,7 +279,7 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
 
             intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
         _record_intervention(out, intervention)
-        info = intervention.row_info(lm, [it.prompt for it in todo], cfg.system, cfg.batch_size) \
+        info = row_info(intervention, lm, [it.prompt for it in todo], cfg.system, cfg.batch_size) \
             if intervention is not None else None
         steering = {it.id: r for it, r in zip(todo, info, strict=True)} if info is not None else {}
         tb = time.perf_counter()

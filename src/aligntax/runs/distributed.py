@@ -1,7 +1,7 @@
 """Runs sharded over Ray: replicas of the model as Ray actors, results streamed into one run folder.
 
-``aligntax eval --ray [ADDRESS] --workers N`` (and ``aligntax els sweep --ray``) load the model once per
-replica (:class:`ModelReplica`, a Ray actor holding a GPU or some CPUs) and hand out work units with
+``aligntax eval --ray [ADDRESS] --workers N`` (and ``aligntax els train --ray``, ``aligntax els sweep
+--ray``) load the model once per replica (:class:`ModelReplica`, a Ray actor holding a GPU or some CPUs) and hand out work units with
 Ray's own :class:`ray.util.ActorPool`:
 
 - an evaluation's unit is one generation batch. The driver forms the batches exactly as one process
@@ -9,6 +9,8 @@ Ray's own :class:`ray.util.ActorPool`:
   replicas generate the same batches and, in float32, the same tokens; decisions made from the prompt
   (the ELS harm gate's records, CAST's condition, the rows copied from ``--reuse-unsteered``) are
   sharded over the replicas the same way;
+- ELS training's label generation is an evaluation whose units also record each batch's prompt
+  states (the prefill states the energy models train on) and send them back with the answers;
 - a sweep's unit is one setting of the grid (every validation prompt, batched as one process does).
 
 Replicas only generate; the driver judges each unit as it comes back and appends it to the run
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 
 from aligntax.errors import AligntaxError
@@ -71,14 +73,14 @@ def ray_connection(cfg: RayConfig) -> Iterator:
 class ModelReplica:
     """One replica of the model (a Ray actor): loads it once, with an optional intervention, and
     answers work units. Every prefill state an intervention decides from is remembered for the
-    actor's life (:func:`~aligntax.interventions.base.remembered_prefill_states`), as one sweep
+    actor's life (:func:`~aligntax.activations.decisions.remembered_prefill_states`), as one sweep
     process remembers them."""
 
     def __init__(self, model: str, dtype: str, device_map: str | None = None, threads: int | None = None,
                  intervention: str | None = None, intervention_args: dict | None = None) -> None:
         import torch
 
-        from aligntax.interventions.base import remembered_prefill_states
+        from aligntax.activations.decisions import remembered_prefill_states
         from aligntax.models import load_model
 
         if threads:
@@ -110,17 +112,47 @@ class ModelReplica:
         return [len(self.lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
     def row_info(self, prompts: list, system: str | None, batch_size: int) -> list[dict] | None:
-        return self.iv.row_info(self.lm, prompts, system, batch_size) if self.iv is not None else None
+        from aligntax.activations.decisions import row_info
+
+        return row_info(self.iv, self.lm, prompts, system, batch_size)
 
     def unsteered_rows(self, prompts: list, system: str | None, batch_size: int) -> list[bool] | None:
-        return self.iv.unsteered_rows(self.lm, prompts, system, batch_size) if self.iv is not None else None
+        from aligntax.activations.decisions import unsteered_rows
 
-    def generate(self, unit: int, prompts: list, gen: dict) -> tuple[int, list[dict]]:
-        """One work unit: the prompts of one generation batch; returns ``(unit, generations)``."""
-        from aligntax.generation import GenerationConfig, generate
+        return unsteered_rows(self.iv, self.lm, prompts, system, batch_size)
 
-        gens = generate(self.lm, prompts, GenerationConfig(**gen), self.iv, progress=False)
-        return unit, [asdict(g) for g in gens]
+    def generate(self, unit: int, prompts: list, gen: dict,
+                 record: list[int] | None = None) -> tuple[int, list[dict], dict | None]:
+        """One work unit: the prompts of one generation batch; returns ``(unit, generations, states)``.
+        With ``record`` (block indices, unsteered replicas only) ``states`` holds the residual stream
+        entering those blocks at each prompt's last token, read in the prefill as
+        :class:`~aligntax.activations.recorder.PrefillRecorder` reads it (``{layer: [rows, d]}``, rows
+        in the prompts' order), shipped in the model's dtype when that loses nothing (bf16 / fp16
+        states are half the bytes of float32 in the object store); else None."""
+        from aligntax.generation import GenerationConfig, generate, iter_generate
+
+        if record is None:
+            gens = generate(self.lm, prompts, GenerationConfig(**gen), self.iv, progress=False)
+            return unit, [asdict(g) for g in gens], None
+        import torch
+
+        from aligntax.activations.recorder import PrefillRecorder
+
+        if self.iv is not None:
+            raise AligntaxError("Prompt states are recorded only by unsteered replicas.")
+        rec = PrefillRecorder(self.lm.model, record)
+        out: list = [None] * len(prompts)
+        for idx, gens in iter_generate(self.lm, prompts, GenerationConfig(**gen), rec, progress=False):
+            rec.keep([str(i) for i in idx])
+            for i, g in zip(idx, gens, strict=True):
+                out[i] = asdict(g)
+        order = torch.tensor([int(i) for i in rec.prompt_ids]).argsort()
+        states = {}
+        for layer, h in rec.states().items():
+            h = h[order]
+            small = h.to(self.lm.dtype)
+            states[layer] = small if torch.equal(small.float(), h) else h
+        return unit, out, states
 
     def call(self, unit: int, fn, *args) -> tuple:
         """Another kind of work unit: ``fn(lm, *args)`` (a module-level function, e.g. one setting of a
@@ -204,6 +236,11 @@ class Replicas:
     def map(self, call, units: Sequence) -> list:
         return list(self.pool.map(call, list(units)))
 
+    def imap(self, call, units: Sequence) -> Iterator:
+        """``call(actor, unit)`` for every unit, over the pool; results in the units' order, each as
+        soon as it and those before it are done."""
+        return self.pool.map(call, list(units))
+
     # ---- sharded per-prompt calls (results in the prompts' order) --------------------------------
     def _sharded(self, method: str, prompts: list, *args) -> list | None:
         if not prompts:
@@ -218,11 +255,22 @@ class Replicas:
     def lengths(self, prompts: list, system: str | None) -> list[int]:
         return self._sharded("lengths", prompts, system)
 
-    def iter_generate(self, prompts: Sequence, cfg, progress: bool = True,
-                      desc: str = "generate") -> Iterator[tuple[list[int], list]]:
+    # a decider (aligntax.activations.decisions): the intervention's per-row decisions, made on the replicas
+    def row_info(self, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
+        return self._sharded("row_info", list(prompts), system, batch_size)
+
+    def unsteered_rows(self, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
+        return self._sharded("unsteered_rows", list(prompts), system, batch_size)
+
+    def iter_generate(self, prompts: Sequence, cfg, progress: bool = True, desc: str = "generate",
+                      recorder=None) -> Iterator[tuple[list[int], list]]:
         """:func:`aligntax.generation.iter_generate` over the replicas: the same batches (sorted by
         length, the same caps, each batch's own seed), one work unit each; yields ``(indices,
-        generations)`` as units finish."""
+        generations)`` as units finish. With ``recorder`` (a
+        :class:`~aligntax.activations.recorder.PrefillRecorder` of this process) each replica records
+        the prompt states of its batch and the recorder holds them when the batch is yielded, as
+        after a batch generated here, for the caller to keep
+        (:meth:`~aligntax.activations.recorder.PrefillRecorder.keep`)."""
         from tqdm.auto import tqdm
 
         from aligntax.generation import Generation
@@ -234,12 +282,15 @@ class Replicas:
         spans = length_batches([lengths[i] for i in order], cfg.batch_size, cfg.max_batch_tokens)
         units = [order[s.start:s.stop] for s in spans]
         gens = [asdict(replace(cfg, seed=None if cfg.seed is None else cfg.seed + b)) for b in range(len(units))]
+        record = list(recorder.layers) if recorder is not None else None
         bar = tqdm(total=len(prompts), desc=f"{desc} ({self.workers} replicas)", disable=not progress, unit="prompt")
         try:
-            results = self.map_unordered(lambda a, b: a.generate.remote(b, [prompts[i] for i in units[b]], gens[b]),
-                                         range(len(units)))
-            for b, out in results:
+            results = self.map_unordered(
+                lambda a, b: a.generate.remote(b, [prompts[i] for i in units[b]], gens[b], record), range(len(units)))
+            for b, out, states in results:
                 bar.update(len(out))
+                if recorder is not None:
+                    recorder.recorded(states)
                 yield units[b], [Generation(**g) for g in out]
         finally:
             bar.close()
@@ -254,8 +305,8 @@ class RemoteModel:
 
 
 class RemoteIntervention:
-    """The replicas' intervention, as the driver sees it: its resolved settings, and the per-prompt
-    decisions of :class:`~aligntax.interventions.base.Intervention` sharded over the replicas."""
+    """The replicas' intervention, as the driver sees it: its resolved settings (its per-prompt
+    decisions are made on the replicas: :class:`Replicas` is the run's decider)."""
 
     def __init__(self, replicas: Replicas) -> None:
         self.replicas = replicas
@@ -264,11 +315,6 @@ class RemoteIntervention:
     def config(self) -> dict:
         return self.replicas.identity.get("intervention")
 
-    def row_info(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[dict] | None:
-        return self.replicas._sharded("row_info", list(prompts), system, batch_size)
-
-    def unsteered_rows(self, lm, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
-        return self.replicas._sharded("unsteered_rows", list(prompts), system, batch_size)
 
 
 @contextmanager
@@ -287,8 +333,15 @@ def replicas_of(ray_cfg: RayConfig | None, model: str, dtype: str, intervention:
         reps.close()
 
 
-def eval_replicas(ray_cfg: RayConfig | None, cfg):
-    """:func:`replicas_of` an evaluation (:class:`~aligntax.runs.eval.EvalConfig`)."""
+def eval_replicas(ray_cfg: RayConfig | Replicas | None, cfg):
+    """:func:`replicas_of` an evaluation (:class:`~aligntax.runs.eval.EvalConfig`); given
+    :class:`Replicas` (of a caller that runs more on them, e.g. ELS training), those, left running."""
+    if isinstance(ray_cfg, Replicas):
+        model, dtype, intervention, _ = ray_cfg.spec
+        if (model, dtype, intervention or None) != (cfg.model, cfg.dtype, cfg.intervention or None):
+            raise AligntaxError(f"The replicas hold {model} ({dtype}, intervention {intervention}), not the "
+                                f"run's {cfg.model} ({cfg.dtype}, intervention {cfg.intervention or None}).")
+        return nullcontext(ray_cfg)
     return replicas_of(ray_cfg, cfg.model, cfg.dtype, cfg.intervention or None, cfg.intervention_args,
                        cfg.device_map)
 

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
+from aligntax.activations.decisions import PrefillDecider, remembered_prefill_states, rows_to_copy
 from aligntax.errors import AligntaxError
 from aligntax.generation import GenerationConfig, iter_generate
-from aligntax.interventions.base import remembered_prefill_states, rows_to_copy
 from aligntax.metrics import summarize_refusals
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.fsio import run_lock, write_json_atomic
@@ -151,8 +151,10 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
     ``items`` (PromptItems) replaces loading ``cfg.data`` when given. ``recorder`` (a
     :class:`~aligntax.activations.recorder.PrefillRecorder`, unsteered runs only) keeps the prompt states
     of every row generated now under ``"{source}/{id}"``. ``ray`` (a
-    :class:`~aligntax.runs.distributed.RayConfig`) generates on replicas of the model over Ray instead
-    of in this process (:mod:`aligntax.runs.distributed`); this process judges and writes.
+    :class:`~aligntax.runs.distributed.RayConfig`, or started
+    :class:`~aligntax.runs.distributed.Replicas`) generates on replicas of the model over Ray instead
+    of in this process (:mod:`aligntax.runs.distributed`; the replicas then record the prompt states
+    for ``recorder``); this process judges and writes.
     ``cfg.backend == "vllm"`` generates with vLLM (:mod:`aligntax.backends.vllm.evaluate`); ``lm`` may
     then be a started :class:`~aligntax.backends.vllm.engine.VllmModel`.
     """
@@ -161,9 +163,9 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
         raise AligntaxError("No data given: pass at least one --data FILE_OR_NAME")
     if recorder is not None and (intervention is not None or cfg.intervention):
         raise AligntaxError("Prompt states can be recorded only in an unsteered run.")
-    if ray is not None and (lm is not None or intervention is not None or recorder is not None):
+    if ray is not None and (lm is not None or intervention is not None):
         raise AligntaxError("A run on Ray loads the model on its replicas: give the model and intervention "
-                            "settings, not loaded objects (and no prompt state recorder).")
+                            "settings, not loaded objects.")
     from aligntax.backends import check_backend
 
     if check_backend(cfg.backend) == "vllm" and (ray is not None or recorder is not None or intervention is not None):
@@ -225,15 +227,18 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
         judge = judge or get_judge(cfg.judge)
         prov = _save_provenance(out, prov, _check_loaded(out, prov, lm, judge))
         steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
-        decider = engine.decision_model(bool(cfg.reuse_unsteered)) if engine is not None else lm
+        # where the per-row decisions are made before generating: the replicas, the vLLM backend's HF copy
+        # (None: nothing decided per row) or this process's model
+        decider = replicas if replicas is not None else engine.decider() if engine is not None else \
+            PrefillDecider(lm, intervention)
         with remembered_prefill_states():  # one prefill pass serves the records and the reuse decision
-            info = intervention.row_info(decider, [it.prompt for it in todo], cfg.system, cfg.batch_size) \
-                if intervention is not None else None
+            info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
+                if intervention is not None and decider is not None else None
             if info is not None:
                 steering = {(it.source, it.id): r for it, r in zip(todo, info, strict=True)}
-            if cfg.reuse_unsteered and intervention is not None:
-                todo, n_reused = _reuse_unsteered(cfg, decider, intervention, todo, judge, samples_path, steering)
-        gen_over = replicas.iter_generate if replicas is not None else engine.iter_generate \
+            if cfg.reuse_unsteered and intervention is not None and decider is not None:
+                todo, n_reused = _reuse_unsteered(cfg, decider, todo, judge, samples_path, steering)
+        gen_over = partial(replicas.iter_generate, recorder=recorder) if replicas is not None else engine.iter_generate \
             if engine is not None else partial(iter_generate, lm, intervention=recorder or intervention,
                                                stats=run_stats)
         batches = gen_over([it.prompt for it in todo], cfg.generation(), progress=cfg.progress, desc="eval")
@@ -350,10 +355,11 @@ def steering_summary(rows: list[dict]) -> dict:
     return {"steering": out}
 
 
-def _reuse_unsteered(cfg: EvalConfig, lm, intervention, todo: list, judge, samples_path: Path,
+def _reuse_unsteered(cfg: EvalConfig, decider, todo: list, judge, samples_path: Path,
                      steering: dict | None = None) -> tuple[list, int]:
-    """Copy the unsteered run's answers for the rows ``intervention`` leaves unsteered (appended to the
-    samples with ``"reused": True``); returns the rows still to generate and how many were copied."""
+    """Copy the unsteered run's answers for the rows the intervention leaves unsteered (``decider``:
+    where its decisions are made; appended to the samples with ``"reused": True``); returns the rows
+    still to generate and how many were copied."""
     src = Path(cfg.reuse_unsteered)
     cfg_path, samples = src / "config.json", src / "samples.jsonl"
     if not cfg_path.is_file() or not samples.is_file():
@@ -371,7 +377,7 @@ def _reuse_unsteered(cfg: EvalConfig, lm, intervention, todo: list, judge, sampl
         raise AligntaxError(f"--reuse-unsteered {src} was made with other settings ({'; '.join(diffs)}).")
     prior = {(r["source"], r["id"]): r for r in read_jsonl(samples, repair=True)}
     known = [(it.source, it.id) in prior and prior[(it.source, it.id)]["prompt"] == it.prompt for it in todo]
-    copy = rows_to_copy(intervention, lm, [it.prompt for it in todo], known, cfg.system, cfg.batch_size)
+    copy = rows_to_copy(decider, [it.prompt for it in todo], known, cfg.system, cfg.batch_size)
     reuse = [it for it, c in zip(todo, copy, strict=True) if c]
     if not reuse:
         return todo, 0

@@ -4,7 +4,10 @@ Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completi
 ``stream: true`` server-sent events), ``GET /health`` and ``GET /metrics``. The model is served under
 ``model_name`` (unsteered) and, when an intervention is given, ``model_name+suffix`` (steered, suffix
 defaulting to the intervention's name). A request picks steering with the model name and may set its
-strength with the extension field ``{"aligntax": {"strength": 0.5}}``.
+strength with the extension field ``{"aligntax": {"strength": 0.5}}``. When the server knows the
+registered method it steers with (``steer_method``), a request to the steered model may also set that
+method's per-request options, ``{"aligntax": {"options": {"eta": 0.2, "horizon": 8}}}``: the keys and
+types come from the registry and are listed in ``GET /v1/models`` (:mod:`aligntax.serve.options`).
 
 Every error is answered as ``{"error": {"message", "type", "param", "code"}}``; FastAPI's 422
 validation errors become 400s. With ``api_key`` set, ``/v1/*`` and ``/metrics`` need
@@ -12,8 +15,8 @@ validation errors become 400s. With ``api_key`` set, ``/v1/*`` and ``/metrics`` 
 
 Hardening: bodies over 16 MiB get 413, chunked ones too (without reading the rest); invalid Unicode
 (lone surrogates) and unknown fields (unless ``allow_unknown_fields``) get 400; at most 4 stop strings
-of at most 256 characters; a full queue gets 429 and an expected wait over ``max_queue_wait_ms`` 503,
-both with ``Retry-After`` (requests count from their arrival, tokenisation included); ``request_timeout_s`` bounds a
+of at most 256 characters; a full queue gets 429 and an expected wait over ``max_queue_wait_ms`` (or
+a predicted completion latency over ``max_latency_ms``) 503, both with ``Retry-After`` (requests count from their arrival, tokenisation included); ``request_timeout_s`` bounds a
 request's time (504 ``request_timeout``, its generation cancelled), and a non-streaming client that
 disconnects has its generation cancelled too; prompts are tokenised with a private copy of the
 tokenizer, so the per-step decoding of running batches never waits on a long prompt's tokenisation.
@@ -55,6 +58,7 @@ from aligntax.serve.engine import (
     SamplingParams,
 )
 from aligntax.serve.metrics import ServeMetrics
+from aligntax.serve.options import RequestSteering
 from aligntax.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -139,6 +143,16 @@ class ServeSettings:
     created: int
     allow_unknown_fields: bool = False
     request_timeout_s: float | None = None
+    max_latency_ms: float | None = None
+
+
+@dataclass
+class RequestPlan:
+    """What :meth:`_Server.check_model` decided for a request: steered or not, and its own steering
+    options (empty: the server's)."""
+
+    steer: bool
+    options: dict
 
 
 def _sse(obj: dict | str) -> str:
@@ -230,9 +244,11 @@ class _RequestGuard:
 class _Server:
     """Request handling shared by the routes: validation, prompt building and answering."""
 
-    def __init__(self, lm, intervention: Intervention | None, engine: BatchEngine, settings: ServeSettings):
+    def __init__(self, lm, intervention: Intervention | None, engine: BatchEngine, settings: ServeSettings,
+                 steering: RequestSteering | None = None):
         self.lm = lm
         self.intervention = intervention
+        self.steering = steering  # the per-request options of the steered model (None: it takes none)
         self.engine = engine
         self.s = settings
         digest = (getattr(lm, "fingerprint", None) or {}).get("embedding_digest")
@@ -250,11 +266,20 @@ class _Server:
         return [self.s.model_name] + ([self.s.steered_name] if self.s.steered_name else [])
 
     def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.s.created, "owned_by": "aligntax"}
+        card = {"id": name, "object": "model", "created": self.s.created, "owned_by": "aligntax"}
+        if name == self.s.steered_name:
+            card["aligntax"] = {
+                "method": self.steering.method if self.steering else getattr(self.intervention, "name", None),
+                "strength": {"type": "number", "default": self.s.default_strength,
+                             "help": "steering strength (0: unsteered)"},
+                "options": [f.card() for f in self.steering.fields] if self.steering else [],
+            }
+        return card
 
     # -- validation and prompt building -------------------------------------------------------------
-    def check_model(self, body: ChatCompletionRequest) -> bool:
-        """Whether the request is for the steered model; 404 for an unknown model."""
+    def check_model(self, body: ChatCompletionRequest) -> RequestPlan:
+        """Whether the request is for the steered model, and its steering options (checked against the
+        served method's per-request fields); 404 for an unknown model, 400 for a bad option."""
         if body.model == self.s.model_name:
             steer = False
         elif self.s.steered_name is not None and body.model == self.s.steered_name:
@@ -268,7 +293,17 @@ class _Server:
             where = (f"the steered model '{self.s.steered_name}'" if self.s.steered_name
                      else "a steered model, and this server has none (start it with an intervention)")
             raise invalid(f"'aligntax.strength' only applies to {where}.", "aligntax.strength")
-        return steer
+        raw = ext.options if ext is not None else None
+        if not raw:
+            return RequestPlan(steer, {})
+        if not steer:
+            where = (f"the steered model '{self.s.steered_name}'" if self.s.steered_name
+                     else "a steered model, and this server has none (start it with an intervention)")
+            raise invalid(f"'aligntax.options' only applies to {where}.", "aligntax.options")
+        if self.steering is None or not self.steering.fields:
+            raise invalid(f"The model '{body.model}' takes no per-request steering options.", "aligntax.options",
+                          "unknown_parameter")
+        return RequestPlan(steer, self.steering.parse(raw, body.model))
 
     def check_fields(self, body: ChatCompletionRequest) -> None:
         err = unknown_field(body, self.s.allow_unknown_fields)
@@ -335,16 +370,23 @@ class _Server:
             out.append(msg)
         return out
 
-    def encode(self, messages: list[dict], steer: bool) -> list[int]:
-        """Chat template + tokenisation (runs in a thread pool)."""
+    def encode(self, messages: list[dict], steer: bool, intervention: Intervention | None = None) -> list[int]:
+        """Chat template + tokenisation (runs in a thread pool); ``intervention``: the steered request's own."""
         tok = self.encode_tokenizer
-        msgs = build_messages(messages, None, self.intervention if steer else None)
+        msgs = build_messages(messages, None, (intervention or self.intervention) if steer else None)
         with self.encode_lock:
             try:
                 text = render_chat(tok, msgs)
             except Exception as exc:  # jinja errors: e.g. roles the template does not accept
                 raise invalid(f"The chat template rejected these messages: {exc}", "messages") from exc
             return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def requested_tokens(self, body: ChatCompletionRequest) -> int:
+        """The completion limit a request asks for (before its prompt is known), as admission reads it."""
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if requested is None:
+            requested = self.s.default_max_tokens
+        return max(1, min(int(requested), self.s.max_new_tokens_limit))
 
     def max_tokens(self, body: ChatCompletionRequest, n_prompt: int) -> int:
         s = self.s
@@ -376,11 +418,13 @@ class _Server:
 
     async def prepare(self, body: ChatCompletionRequest) -> Job:
         self.check_fields(body)
-        steer = self.check_model(body)
+        plan = self.check_model(body)
+        steer = plan.steer
         self.check_params(body)
         stops = self.stops(body)
         messages = self.messages(body)
-        prompt_ids = await run_in_threadpool(self.encode, messages, steer)
+        iv = await run_in_threadpool(self.steering.intervention, plan.options) if plan.options else None
+        prompt_ids = await run_in_threadpool(self.encode, messages, steer, iv)
         params = SamplingParams(
             max_tokens=self.max_tokens(body, len(prompt_ids)),
             temperature=1.0 if body.temperature is None else float(body.temperature),
@@ -390,14 +434,18 @@ class _Server:
         strength = self.s.default_strength
         if body.aligntax is not None and body.aligntax.strength is not None:
             strength = float(body.aligntax.strength)
-        return Job(prompt_ids=prompt_ids, params=params, steer=steer, strength=strength,
+        return Job(prompt_ids=prompt_ids, params=params, steer=steer, strength=strength, intervention=iv,
                    stream=bool(body.stream), loop=asyncio.get_running_loop(), events=asyncio.Queue())
 
-    def admit(self) -> None:
+    def admit(self, body: ChatCompletionRequest | None = None) -> None:
         """Count the request against the engine's bounds from its arrival (before tokenisation), or
-        answer 429 (queue full) / 503 (expected wait over the target) with Retry-After."""
+        answer 429 (queue full) / 503 (expected wait or predicted latency over the target) with
+        Retry-After. With a latency target the engine is told the request's completion limit."""
         try:
-            self.engine.admit()
+            if self.s.max_latency_ms is not None and body is not None:
+                self.engine.admit(max_tokens=self.requested_tokens(body))
+            else:
+                self.engine.admit()
         except EngineClosed as exc:
             raise APIError(503, str(exc), "server_error", None, "server_shutting_down") from None
         except EngineOverloaded as exc:
@@ -444,6 +492,8 @@ class _Server:
         }]
         out["usage"] = self._usage(ev)
         out["aligntax"] = {"steered": job.steer, "strength": job.strength if job.steer else 0.0}
+        if body.aligntax is not None and body.aligntax.options and job.steer:
+            out["aligntax"]["options"] = body.aligntax.options
         return out
 
     async def complete_watched(self, body: ChatCompletionRequest, job: Job, receive,
@@ -543,7 +593,10 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
                default_strength: float = 1.0, max_queue: int = 1024, mix_steered: bool = True,
                drain_timeout_s: float | None = None, max_batch_tokens: int | None = 32768,
                allow_unknown_fields: bool = False, request_timeout_s: float | None = None,
-               shutdown_timeout_s: float | None = None, max_queue_wait_ms: float | None = None) -> FastAPI:
+               shutdown_timeout_s: float | None = None, max_queue_wait_ms: float | None = None,
+               steer_method: str | None = None, steer_options: dict | None = None,
+               options_cache_size: int = 16, engine_factory=None,
+               max_latency_ms: float | None = None) -> FastAPI:
     """Build the OpenAI-compatible app for a loaded model (``aligntax.models.load_model``).
 
     ``model_name`` defaults to the model spec's name; with an ``intervention``, the steered model is
@@ -556,15 +609,31 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     bounds a graceful shutdown (also read by :func:`serve` and ``BackgroundServer`` for uvicorn):
     whatever still runs after it is failed with 503.
 
+    Per-request steering options: ``steer_method`` names the registered method of ``intervention``
+    (:mod:`aligntax.interventions.registry`) and ``steer_options`` its ``intervention_args``; a request's
+    ``aligntax.options`` (the method's fields declared ``request=True``) update these, and the
+    intervention built for them is cached (the ``options_cache_size`` most recently used option sets).
+    With ``steer_method`` and no ``intervention``, the intervention is built from ``steer_options``.
+    ``engine_factory`` (default :class:`BatchEngine`) builds the generation engine from ``BatchEngine``'s
+    arguments (another backend's engine: :mod:`aligntax.backends.vllm.serving`).
+
     Admission: a request counts as waiting from its arrival (tokenisation included) until a batch
     takes it; at most ``max_queue`` wait (more get 429 ``queue_full``), and with ``max_queue_wait_ms`` a
     request whose expected wait for a batch (from the measured batch duration) is over that target
-    gets 503 ``overloaded``; both with ``Retry-After``. See :meth:`BatchEngine.admit`.
+    gets 503 ``overloaded``; both with ``Retry-After``. With ``max_latency_ms`` a request whose
+    predicted completion latency (the running batch's rest, the batches ahead and its own, from
+    measured per-step times; see :meth:`BatchEngine.predicted_latency`) is over that target gets 503
+    ``overloaded`` too. See :meth:`BatchEngine.admit`.
     """
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError("request_timeout_s must be > 0")
     lm.require_chat_template()
     prepare_tokenizer(lm.tokenizer, lm.model)
+    steering = None
+    if steer_method is not None and steer_method != "none":
+        steering = RequestSteering(steer_method, lm, steer_options, options_cache_size)
+        if intervention is None:
+            intervention = steering.cache.build({})
     window = context_window(lm)
     if max_prompt_tokens is None:
         max_prompt_tokens = window - 1 if window else 32768
@@ -578,14 +647,17 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
         max_new_tokens_limit=max_new_tokens_limit, default_max_tokens=default_max_tokens,
         context_window=window, default_strength=default_strength, created=int(time.time()),
         allow_unknown_fields=allow_unknown_fields, request_timeout_s=request_timeout_s,
+        max_latency_ms=max_latency_ms,
     )
     if drain_timeout_s is None:
         drain_timeout_s = shutdown_timeout_s
     metrics = ServeMetrics()
-    engine = BatchEngine(lm, intervention, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
-                         max_batch_wait_ms=max_batch_wait_ms, max_queue=max_queue, metrics=metrics, mix_steered=mix_steered,
-                         max_batch_tokens=max_batch_tokens, max_queue_wait_ms=max_queue_wait_ms)
-    server = _Server(lm, intervention, engine, settings)
+    engine = (engine_factory or BatchEngine)(
+        lm, intervention, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
+        max_batch_wait_ms=max_batch_wait_ms, max_queue=max_queue, metrics=metrics, mix_steered=mix_steered,
+        max_batch_tokens=max_batch_tokens, max_queue_wait_ms=max_queue_wait_ms,
+        **({} if max_latency_ms is None else {"max_latency_ms": max_latency_ms}))
+    server = _Server(lm, intervention, engine, settings, steering)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -653,9 +725,11 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         loop = asyncio.get_running_loop()
         deadline = None if request_timeout_s is None else loop.time() + request_timeout_s
-        server.admit()  # counted as waiting from now on: tokenisation included
+        arrived = time.perf_counter()
+        server.admit(body)  # counted as waiting from now on: tokenisation included
         try:
             job = await server.prepare(body)
+            job.arrived_at = arrived
             if deadline is not None and loop.time() >= deadline:
                 raise _timeout_error(request_timeout_s)
         except BaseException:

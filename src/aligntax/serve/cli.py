@@ -20,6 +20,27 @@ def _make_intervention(name: str, lm, options: dict):
     return None if iv is None or getattr(iv, "name", None) == "none" else iv
 
 
+def _serve_backend(backend: str, model: str, dtype: str, device: str | None, intervention: str | None,
+                   iv_args: dict | None, host: str, port: int, insecure: bool, model_name: str | None,
+                   max_batch_size: int, threads: int | None, **app_kwargs) -> None:
+    """``--backend vllm``: the same server answering from vLLM (aligntax.backends.vllm.serving)."""
+    from aligntax.backends import check_backend
+    from aligntax.errors import AligntaxError
+
+    try:
+        check_backend(backend)  # hf or vllm; anything else is refused
+        if device not in (None, "cpu"):
+            raise AligntaxError("--device is not used with --backend vllm (vLLM picks its own device).")
+        from aligntax.backends.vllm.serving import serve_vllm
+
+        serve_vllm(model, dtype=dtype, intervention=intervention, iv_args=iv_args, host=host, port=port,
+                   insecure=insecure, model_name=model_name, max_batch_size=max_batch_size, threads=threads,
+                   echo=typer.echo, **app_kwargs)
+    except (AligntaxError, RuntimeError) as exc:
+        typer.secho(f"Error: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from None
+
+
 @steering_options
 def serve_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Model spec: embedded:NAME, Hub id, model folder "
@@ -61,8 +82,15 @@ def serve_command(
                                                             "batch duration and the requests ahead) gets 503 "
                                                             "with Retry-After. Default: no target (only "
                                                             "--max-queue bounds the queue).")] = None,
+    max_latency_ms: Annotated[float | None, typer.Option(min=1, help="Target completion latency: a request "
+                                                         "predicted to finish later (the running batch, the "
+                                                         "batches ahead and its own, from measured step "
+                                                         "times) gets 503 with Retry-After. Default: no "
+                                                         "target.")] = None,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds a graceful shutdown waits for running "
                                                     "requests before failing them.")] = 30.0,
+    backend: Annotated[str, typer.Option(help="hf, or vllm (vLLM's continuous batching, steered per request; "
+                                         "./run setup-vllm; docs/vllm.md).")] = "hf",
 ) -> None:
     """Serve MODEL (and MODEL+<intervention> when steering) behind an OpenAI-compatible API. The steered
     variant takes the intervention's options like every steering command (--steer DIR alone means ELS
@@ -76,6 +104,14 @@ def serve_command(
     except AligntaxError as exc:
         typer.secho(f"Error: {exc}", fg="red", err=True)
         raise typer.Exit(2) from None
+    if backend.strip().lower() != "hf":  # another generation engine behind the same app (docs/vllm.md)
+        _serve_backend(backend, model, dtype, device, intervention, iv_args, host, port, insecure, model_name,
+                       max_batch_size, threads, api_key=api_key, max_new_tokens_limit=max_tokens_limit,
+                       default_max_tokens=min(default_max_tokens, max_tokens_limit), max_queue=max_queue,
+                       allow_unknown_fields=allow_unknown_fields, request_timeout_s=request_timeout,
+                       shutdown_timeout_s=shutdown_timeout, max_queue_wait_ms=max_queue_wait_ms,
+                       max_latency_ms=max_latency_ms)
+        return
     if threads is not None:
         import torch
 
@@ -98,7 +134,8 @@ def serve_command(
                      default_max_tokens=min(default_max_tokens, max_tokens_limit), max_queue=max_queue,
                      max_batch_tokens=max_batch_tokens, allow_unknown_fields=allow_unknown_fields,
                      request_timeout_s=request_timeout, shutdown_timeout_s=shutdown_timeout,
-                     max_queue_wait_ms=max_queue_wait_ms)
+                     max_queue_wait_ms=max_queue_wait_ms, steer_method=intervention if iv is not None else None,
+                     steer_options=iv_args, max_latency_ms=max_latency_ms)
     settings = app.state.settings
     names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
     typer.echo(f"Serving {names} at http://{host}:{port}/v1 (batch <= {max_batch_size}"

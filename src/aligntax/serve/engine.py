@@ -9,6 +9,8 @@ template's system turn) is computed once when the intervention is prefix-free. E
 differs between requests is handled per row, so any mix of requests shares a batch:
 
 - steering: ``SteerContext.rows`` / ``.strength`` are per-row tensors (unsteered rows get strength 0);
+  a request with its own steering options (``Job.intervention``, built by the server for that option
+  set) shares a batch only with unsteered requests and steered ones of the same intervention;
 - sampling: :class:`_RowSampler` picks each row's token (greedy, or temperature / top-p sampling,
   with a private generator for seeded rows); the model's own generation config plays no part;
 - length, eos, stop strings, streaming and cancellation: :class:`_BatchController`, called once per
@@ -35,6 +37,15 @@ uses, with the batch duration measured on recent batches (an exponential moving 
 request waiting is always admitted (it starts the next batch), so that an idle or lightly loaded
 engine never refuses work. With a target, a batch also stops gathering as soon as nothing is queued and
 no admitted request is being tokenised.
+
+With ``max_latency_ms`` a request is refused (503 ``overloaded``) when its predicted completion
+latency is over that target (:meth:`BatchEngine.predicted_latency`): the rest of the running batch,
+the full batches waiting ahead of it, then its own batch (the requests waiting in the group it joins,
+itself included, decoding up to the longest ``max_tokens`` among them). Batch durations come from a
+per-step time that grows linearly with the rows of a batch (:class:`StepTimeModel`, fitted on recent
+batches), so a request is refused when it would lengthen its batch past the target for the oldest
+request already waiting in it, not only when it would itself finish late. An idle engine admits
+every request.
 """
 
 from __future__ import annotations
@@ -116,7 +127,11 @@ class Job:
     params: SamplingParams
     steer: bool = False
     strength: float = 1.0
+    # steered with this instead of the engine's intervention (a request's own steering options); a batch
+    # holds steered rows of one intervention only
+    intervention: Intervention | None = None
     stream: bool = False
+    arrived_at: float | None = None  # perf_counter() at admission (before tokenisation), when the server knows it
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -339,6 +354,11 @@ class _BatchController:
                 if not self.finished[i]:
                     eos = i in eos_rows
                     self._finish(i, "stop" if eos else "length", t, out, eos=eos)
+        if all(self.finished):
+            # every request of the batch is answered: for admission the engine is free from now on (a
+            # client's next request must not count the batch's last bookkeeping as a running batch)
+            self.engine._batch_started = None
+            self.engine._batch_expected_end = None
         out.flush()
 
     def _fail_row(self, i: int, out: _Outbox) -> None:
@@ -395,6 +415,61 @@ class _BatchController:
         out.flush()
 
 
+class StepTimeModel:
+    """Seconds per decoding step of a batch as ``a + b * rows``, fitted by least squares on recent
+    batches (each weighted ``decay`` times the one after it). A batch's duration divided by its steps
+    includes its prefill. Before two batch sizes were seen the slope is 0 (every size is predicted at
+    the mean).
+
+    Predictions add ``margin`` times the mean absolute error of recent predictions (``dev``, a moving
+    average like TCP's round-trip variance), so that on a machine whose speed varies the prediction
+    is an upper estimate rather than the mean."""
+
+    def __init__(self, decay: float = 0.95, margin: float = 2.0, dev_alpha: float = 0.25):
+        self.decay = decay
+        self.margin = margin
+        self.dev_alpha = dev_alpha
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.dev = 0.0  # moving average of |observed - predicted| seconds per step
+
+    def observe(self, rows: int, seconds: float, steps: int) -> None:
+        if steps < 1 or seconds <= 0:
+            return
+        y = seconds / steps
+        if self.fitted:
+            a, b = self.coefficients()
+            self.dev += self.dev_alpha * (abs(y - (a + b * rows)) - self.dev)
+        d = self.decay
+        self.w = d * self.w + 1.0
+        self.x = d * self.x + rows
+        self.y = d * self.y + y
+        self.xx = d * self.xx + rows * rows
+        self.xy = d * self.xy + rows * y
+
+    @property
+    def fitted(self) -> bool:
+        return self.w > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b): seconds per step of a batch of ``rows`` is ``a + b * rows``; b >= 0."""
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        slope = max(0.0, (self.xy / self.w - mx * my) / var) if var > 1e-6 else 0.0
+        return my - slope * mx, slope
+
+    def step_seconds(self, rows: int, margin: float | None = None) -> float | None:
+        """Predicted seconds per step for ``rows`` rows, plus ``margin`` (default: the model's) x ``dev``."""
+        if not self.fitted:
+            return None
+        a, b = self.coefficients()
+        k = self.margin if margin is None else margin
+        return max(a + b * rows, 1e-6) + k * self.dev
+
+    def batch_seconds(self, rows: int, steps: int, margin: float | None = None) -> float | None:
+        per = self.step_seconds(rows, margin)
+        return None if per is None else per * max(1, steps)
+
+
 class BatchEngine:
     """Owns the model in one worker thread and generates queued :class:`Job` s in dynamic batches.
 
@@ -406,7 +481,7 @@ class BatchEngine:
                  batch_wait_ms: float = 10.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
                  max_batch_wait_ms: float = 100.0,
                  mix_steered: bool = True, max_batch_tokens: int | None = None,
-                 max_queue_wait_ms: float | None = None):
+                 max_queue_wait_ms: float | None = None, max_latency_ms: float | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_queue < 1:
@@ -429,6 +504,11 @@ class BatchEngine:
         if max_queue_wait_ms is not None and max_queue_wait_ms <= 0:
             raise ValueError("max_queue_wait_ms must be > 0")
         self.max_queue_wait = None if max_queue_wait_ms is None else max_queue_wait_ms / 1000.0
+        if max_latency_ms is not None and max_latency_ms <= 0:
+            raise ValueError("max_latency_ms must be > 0")
+        self.max_latency = None if max_latency_ms is None else max_latency_ms / 1000.0
+        self.step_model = StepTimeModel()
+        self._batch_expected_end: float | None = None  # predicted perf_counter() end of the running batch
         # admitted requests not submitted yet (their prompts are being tokenised); see admit()
         self._arriving = 0
         self._admit_lock = threading.Lock()
@@ -443,6 +523,7 @@ class BatchEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._current: list[Job] = []  # the batch being generated
+        self._last_steps = 0  # decoding steps of the running batch so far (for the step-time model)
         self._aborted = False
         self.in_flight = 0
 
@@ -468,10 +549,45 @@ class BatchEngine:
         remaining = max(0.0, d - (time.perf_counter() - started)) if started is not None else 0.0
         return remaining + (ahead // self.max_batch_size) * d
 
-    def admit(self) -> None:
+    def _waiting_jobs(self) -> list[Job]:
+        """The submitted jobs not yet taken by a batch, in the order the worker takes them."""
+        with self._q.mutex:
+            queued = [j for j in self._q.queue if j is not _STOP]
+        return [j for j in list(self._held) + queued if not j.cancelled]
+
+    def predicted_latency(self, max_tokens: int, ahead: int | None = None,
+                          now: float | None = None) -> float | None:
+        """Seconds from now until a new request asking for ``max_tokens`` would finish, or until the
+        oldest request of the batch it would join would finish counted from that request's arrival,
+        whichever is longer; None before any batch was measured. The running batch ends at its
+        predicted end; the ``ahead // max_batch_size`` full batches before the new request's take the
+        predicted duration of a full batch each; its own batch holds ``ahead % max_batch_size + 1`` rows
+        and decodes for the longest ``max_tokens`` among them."""
+        model = self.step_model
+        if not model.fitted:
+            return None
+        now = time.perf_counter() if now is None else now
+        ahead = self.waiting if ahead is None else ahead
+        end = self._batch_expected_end
+        remaining = max(0.0, end - now) if end is not None and self._batch_started is not None else 0.0
+        jobs = self._waiting_jobs()
+        full, rows = divmod(ahead, self.max_batch_size)
+        total = remaining
+        for k in range(full):
+            group = jobs[k * self.max_batch_size:(k + 1) * self.max_batch_size]
+            steps = max([j.params.max_tokens for j in group] + [max_tokens])
+            total += model.batch_seconds(self.max_batch_size, steps)
+        group = jobs[full * self.max_batch_size:]
+        steps = max([j.params.max_tokens for j in group] + [max_tokens])
+        total += self.batch_wait + model.batch_seconds(rows + 1, steps)
+        oldest = min((j.arrived_at if j.arrived_at is not None else j.enqueued_at for j in group), default=now)
+        return total + max(0.0, now - oldest)
+
+    def admit(self, max_tokens: int | None = None) -> None:
         """Count a new request as waiting from now on, or raise :class:`EngineOverloaded` (or
         :class:`EngineClosed`). Each admission ends with :meth:`submit` (``admitted=True``) or
-        :meth:`withdraw`."""
+        :meth:`withdraw`. ``max_tokens``: the request's completion limit, for the latency target
+        (``max_latency_ms``; without it the target is not checked)."""
         if self._closed:
             raise EngineClosed("The server is shutting down.")
         with self._admit_lock:
@@ -479,6 +595,14 @@ class BatchEngine:
             if ahead >= self.max_queue:
                 raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
                                        "retry later.", self._retry_after(ahead))
+            busy = ahead > 0 or self._batch_started is not None
+            if self.max_latency is not None and max_tokens is not None and busy:
+                latency = self.predicted_latency(max_tokens, ahead)
+                if latency is not None and latency > self.max_latency:
+                    raise EngineOverloaded(
+                        f"The server is overloaded: a new request would take about {latency:.2f} s to "
+                        f"complete (target {self.max_latency:.2f} s; {ahead} requests waiting); retry later.",
+                        self._retry_after(ahead), status=503, code="overloaded")
             if self.max_queue_wait is not None and ahead > 0:
                 wait = self.expected_wait(ahead)
                 if wait is not None and wait > self.max_queue_wait:
@@ -614,11 +738,13 @@ class BatchEngine:
         start = last = time.monotonic()
         longest = len(first.prompt_ids)
         budget = self.max_batch_tokens
+        steer_iv = self._steering_of(first) if first.steer else None
         while len(batch) < self.max_batch_size:
             if pool:
                 item = pool.pop(0)
             else:
-                if self.max_queue_wait is not None and self._arriving == 0 and self._q.empty():
+                if (self.max_queue_wait is not None or self.max_latency is not None) \
+                        and self._arriving == 0 and self._q.empty():
                     break  # latency target: wait only for requests known to be on their way
                 remaining = min(last + self.batch_wait, start + self.max_batch_wait) - time.monotonic()
                 try:
@@ -634,14 +760,23 @@ class BatchEngine:
             if not self.mix_steered and item.steer != first.steer:
                 leftovers.append(item)
                 continue
+            if item.steer and steer_iv is not None and self._steering_of(item) is not steer_iv:
+                leftovers.append(item)  # steered by another intervention (other options): next batch
+                continue
             grown = max(longest, len(item.prompt_ids))
             if budget is not None and grown * (len(batch) + 1) > budget:
                 leftovers.append(item)  # padded with this batch it would exceed the budget: next batch
                 continue
             longest = grown
             batch.append(item)
+            if item.steer and steer_iv is None:
+                steer_iv = self._steering_of(item)
         self._held = leftovers + pool
         return batch, stop
+
+    def _steering_of(self, job: Job) -> Intervention:
+        """The intervention that steers ``job`` (when it is steered)."""
+        return job.intervention if job.intervention is not None else self.intervention
 
     def _run(self) -> None:
         while True:
@@ -662,12 +797,19 @@ class BatchEngine:
             if batch:
                 self.in_flight = len(batch)
                 self._current = batch
+                steps = max(j.params.max_tokens for j in batch)
                 self._batch_started = t0 = time.perf_counter()
+                predicted = self.step_model.batch_seconds(len(batch), steps)
+                self._batch_expected_end = None if predicted is None else t0 + predicted
+                self._last_steps = 0
                 try:
                     self._process(batch)
                 finally:
                     self._batch_started = None
-                    self._record_batch_time(time.perf_counter() - t0)
+                    self._batch_expected_end = None
+                    seconds = time.perf_counter() - t0
+                    self._record_batch_time(seconds)
+                    self.step_model.observe(len(batch), seconds, self._last_steps)
                     self.in_flight = 0
                     self._current = []
             if stop:
@@ -715,16 +857,16 @@ class BatchEngine:
             k = len(job.prompt_ids)
             input_ids[i, prompt_len - k:] = torch.tensor(job.prompt_ids, dtype=torch.long)
             attention[i, prompt_len - k:] = 1
-        steered = any(j.steer for j in jobs)
         sampler = _RowSampler(jobs, device)
         controller = _BatchController(self, jobs, device, sampler)
         now = time.perf_counter()
         self.metrics.record_batch(n, steered=sum(j.steer for j in jobs),
                                   queue_wait_s=sum(now - j.enqueued_at for j in jobs))
-        intervention = self.intervention if steered else NoIntervention()
+        intervention = next((self._steering_of(j) for j in jobs if j.steer), NoIntervention())
         enc = {"input_ids": input_ids.to(device), "attention_mask": attention.to(device)}
         decode_batch(model, enc, intervention, max(j.params.max_tokens for j in jobs), set(self.eos_ids),
                      rows=torch.tensor([j.steer for j in jobs]),
                      strength=torch.tensor([float(j.strength) if j.steer else 0.0 for j in jobs]),
                      choose=sampler, ended=controller, out=controller.tokens)
+        self._last_steps = max(self._last_steps, max((len(t) for t in controller.tokens), default=0))
         controller.finish_rest()

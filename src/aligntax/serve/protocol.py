@@ -73,6 +73,9 @@ class AligntaxOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     strength: float | None = Field(None, ge=-1000, le=1000, allow_inf_nan=False,
                                    description="Steering strength for the steered model (default 1.0).")
+    options: dict[str, Any] | None = Field(
+        None, description="Options of the steered model's method for this request (e.g. {'eta': 0.2}); the "
+                          "allowed keys are listed by GET /v1/models (aligntax.serve.options).")
 
 
 class ChatCompletionRequest(BaseModel):

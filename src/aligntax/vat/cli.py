@@ -87,6 +87,13 @@ def run(
     no_cache: bool = typer.Option(False, help="do not read or write the judgment cache"),
     field: list[str] = typer.Option([], help="Hub field mapping OURS=COLUMN (repeatable)"),
     split: str = typer.Option("test", help="Hub dataset split"),
+    ray: str | None = typer.Option(
+        None, "--ray", help="judge the chunks of items on replicas of the model over Ray: 'local' (a new cluster "
+                            "on this machine), 'auto', HOST:6379 or ray://HOST:10001 (docs/ray.md)"),
+    workers: int | None = typer.Option(None, help="--ray: replicas of the model (default: as many as fit)"),
+    worker_cpus: float = typer.Option(1.0, help="--ray: CPUs per replica (also its torch threads)"),
+    worker_gpus: float | None = typer.Option(None, help="--ray: GPUs per replica (default 1 when the cluster has "
+                                                        "GPUs, else 0)"),
 ) -> None:
     """Judge the items before and after an intervention and write items.jsonl, results.json, report.md."""
     from aligntax.models import load_model
@@ -118,18 +125,29 @@ def run(
                    f"output {out_dir}", err=True)
         lm = load_model(model, dtype=dtype)
         post_lm = load_model(post_model, dtype=dtype) if post_model else None
-        iv = build_intervention(intervention, lm, t, train_items, jcfg, strength=strength, layer=layer,
-                                steps=steps, lr=lr, adapter_dir=adapter_dir or (out_dir / "adapter"),
-                                energy_dir=energy_dir, seed=seed,
-                                exclude_ids={it.id for it in eval_items}, progress=True, adapter=adapter,
-                                oracle_gain=oracle_gain, oracle_bias=oracle_bias)
+        options = dict(strength=strength, layer=layer, steps=steps, lr=lr,
+                       adapter_dir=adapter_dir or (out_dir / "adapter"), energy_dir=energy_dir, seed=seed,
+                       exclude_ids={it.id for it in eval_items}, adapter=adapter, oracle_gain=oracle_gain,
+                       oracle_bias=oracle_bias)
+        iv = build_intervention(intervention, lm, t, train_items, jcfg, progress=True, **options)
         cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
                         seed=seed,
                         extra={"data": data, "intervention": intervention, "limit_per_value": limit_per_value,
                                "scenes": scenes, "train_fraction": train_fraction, "split_by": split_by,
                                "sample_by": by, "strata": strata,
                                "post_model": post_model, "adapter": None if adapter is None else str(adapter)})
-        res = run_vat(lm, eval_items, t, iv, out_dir, cfg, post_lm=post_lm, control=control)
+        if ray is None:
+            if workers is not None or worker_gpus is not None:
+                raise AligntaxError("--workers and --worker-gpus go with --ray ADDRESS (e.g. --ray local).")
+            res = run_vat(lm, eval_items, t, iv, out_dir, cfg, post_lm=post_lm, control=control)
+        else:
+            from aligntax.runs.distributed import RayConfig, replicas_of
+
+            ray_cfg = RayConfig(address=ray, workers=workers, cpus=worker_cpus, gpus=worker_gpus)
+            build = {"name": intervention, "target": t, "train_items": train_items, "options": options}
+            with replicas_of(ray_cfg, model, dtype) as replicas:
+                res = run_vat(lm, eval_items, t, iv, out_dir, cfg, post_lm=post_lm, control=control,
+                              replicas=replicas, build=build)
     except AligntaxError as exc:
         _fail(exc)
         return
@@ -319,6 +337,19 @@ def persona_cmd(target: str = typer.Option(..., "--target", "-t", help="target v
         typer.echo(persona_text(target))
     except (AligntaxError, ValueError) as exc:
         _fail(exc)
+
+
+@app.command("methods")
+def methods_cmd() -> None:
+    """List the interventions vat run takes: the value-targeted methods with their options, then the
+    steering methods of the intervention registry (their options through the steering flags)."""
+    from aligntax.interventions.registry import describe
+    from aligntax.vat.interventions import describe_vat
+
+    typer.echo("value-targeted methods (fewshot-K / persona-fewshot-K name K):")
+    typer.echo(describe_vat())
+    typer.echo("\nsteering methods:")
+    typer.echo(describe())
 
 
 @app.command("values")

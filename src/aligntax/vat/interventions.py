@@ -23,6 +23,7 @@ examples), ``steer``, ``lora``, ``dpo``, and ``els`` (energy landscape steering 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -33,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +47,7 @@ from aligntax.interventions.base import (
     SteerContext,
     hooks_attached,
 )
+from aligntax.interventions.options import Method, option, register, spec_of
 from aligntax.interventions.prompting import FewShot, SystemPrompt
 from aligntax.interventions.vectors import ActivationAddition as VectorAddition
 from aligntax.vat.items import ValueItem
@@ -604,87 +607,218 @@ def train_dpo(lm, train_items: Sequence[ValueItem], target: str, out_dir: str | 
     return LoRAAdapter.load(out, lm)
 
 
-# ----------------------------------------------------------------- factory
-def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueItem] = (),
-                       judge_cfg: JudgeConfig | None = None, *, strength: float = 4.0,
-                       layer: int | None = None, steps: int | None = None, lr: float | None = None,
-                       adapter_dir: str | Path | None = None, energy_dir: str | Path | None = None,
-                       seed: int = 0, exclude_ids: set[str] | None = None,
-                       progress: bool = False, adapter: str | Path | None = None,
-                       oracle_gain: float = 0.5, oracle_bias: float | None = None,
-                       options: dict | None = None) -> Intervention:
-    """Make an intervention by name: none, persona, fewshot-K, persona-fewshot-K, steer, lora, dpo, els,
-    adapter (load the PEFT LoRA adapter at ``adapter``, read only), and the validation oracles ``oracle``
-    (target items only) and ``uniform`` (every item; ``OracleBias``).
-    Training-based ones use only ``train_items`` (never ``exclude_ids``, e.g. the evaluation ids).
-    ``adapter_dir`` is where a lora/dpo adapter is saved, or, if it already holds a matching adapter,
-    loaded from. ``els`` loads the energy bank in ``energy_dir`` (written by ``aligntax els train``)
-    with its tuned setting (``energy_dir/sweep/best.json``) through ``EnergySteering.from_dir``; it is not
-    aimed at any value, so ``target`` only names the value its gain is reported for. Any other method of
-    the intervention registry (:mod:`aligntax.interventions.registry`: refusal-ablation, cast,
-    system-prompt, ...) is built from it with ``options`` (its registered options, e.g. ``path``), so
-    the value tax of every steering method is measured the same way."""
-    key = name.strip().lower()
-    t = resolve_value(target)
-    judge_cfg = judge_cfg or JudgeConfig()
-    if key == "none":
-        return NoIntervention()
-    if key == "persona":
-        return ValuePersona.for_value(t)
-    if key.startswith(("fewshot", "persona-fewshot")):
-        try:
-            k = int(key.rsplit("-", 1)[1])
-        except (IndexError, ValueError):
-            raise AligntaxError("few-shot interventions are named fewshot-K or persona-fewshot-K, "
-                                "e.g. fewshot-4") from None
-        system = persona_text(t) if key.startswith("persona-") else None
-        return build_fewshot(train_items, t, k, judge_cfg, seed=seed, exclude_ids=exclude_ids, system=system)
-    if key == "els":
-        if energy_dir is None:
-            raise AligntaxError("The els intervention needs the energy bank folder (--energy-dir), "
-                                "e.g. the output of `aligntax els train`")
-        from aligntax.interventions.registry import make_intervention
+# ----------------------------------------------------------------- registry and factory
+VAT_METHODS: dict[str, Method] = {}  # the value-targeted methods, registered like the steering methods
 
-        iv = make_intervention("els", lm, path=str(energy_dir), **(options or {}))
-        iv.cacheable = False  # its config names the folder, not the bank's content, which can be retrained
-        return iv
-    if key == "steer":
-        return compute_steering_vector(lm, train_items, t, judge_cfg, layer=layer, strength=strength,
-                                       exclude_ids=exclude_ids)
-    if key in ("oracle", "uniform"):
-        return OracleBias(target=t, scope="target" if key == "oracle" else "all",
-                          gain=None if oracle_bias is not None else oracle_gain, bias=oracle_bias)
-    if key == "adapter":
-        if adapter is None:
-            raise AligntaxError("The adapter intervention needs --adapter PATH (a PEFT LoRA adapter folder)")
-        return LoRAAdapter.load(adapter, lm)
-    if key in ("lora", "sft", "dpo"):
-        method = "dpo" if key == "dpo" else "lora"
-        if adapter is not None:
-            raise AligntaxError("--adapter evaluates an existing adapter (use --intervention adapter); "
-                                "lora/dpo train a new one into --adapter-dir")
+
+@dataclass
+class VatContext:
+    """What a value-targeted method is built from besides its options: the model, the target value,
+    the held-out training items (never the evaluation ids ``exclude_ids``), the judge's settings."""
+
+    lm: Any
+    target: str
+    train_items: Sequence[ValueItem] = ()
+    judge_cfg: JudgeConfig = field(default_factory=JudgeConfig)
+    seed: int = 0
+    exclude_ids: set[str] | None = None
+    progress: bool = False
+    method_options: dict = field(default_factory=dict)  # els: the steering method's own options
+
+
+@dataclass
+class NoVatOptions:
+    """No options."""
+
+
+@dataclass
+class FewShotOptions:
+    k: int = option("example judgments (fewshot-K names it)", 4, parse="int")
+
+
+@dataclass
+class SteerOptions:
+    strength: float = option("steering strength (multiplies the mean-difference vector)", 4.0, parse="float")
+    layer: int | None = option("steering layer (default: middle)", parse="int")
+
+
+@dataclass
+class TrainOptions:
+    steps: int | None = option("training steps (default 30 for lora, 20 for dpo)", parse="int")
+    lr: float | None = option("learning rate", parse="float")
+    adapter_dir: str | Path | None = option("where to save the adapter, or load it from when it holds a matching one")
+
+
+@dataclass
+class AdapterOptions:
+    adapter: str | Path | None = option("a PEFT LoRA adapter folder (read only)")
+
+
+@dataclass
+class OracleOptions:
+    oracle_gain: float = option("Likert points the oracle moves each item in scope", 0.5, parse="float")
+    oracle_bias: float | None = option("a fixed logit bias instead of the gain", parse="float")
+
+
+@dataclass
+class EnergyOptions:
+    energy_dir: str | Path | None = option("the energy bank folder from `aligntax els train`")
+
+
+@register("none", NoVatOptions, "the unchanged model", VAT_METHODS)
+def _none(ctx: VatContext, o: NoVatOptions) -> Intervention:
+    return NoIntervention()
+
+
+@register("persona", NoVatOptions, "a system prompt describing a person who holds the target above all", VAT_METHODS)
+def _persona(ctx: VatContext, o: NoVatOptions) -> Intervention:
+    return ValuePersona.for_value(ctx.target)
+
+
+def _fewshot(persona: bool):
+    def build(ctx: VatContext, o: FewShotOptions) -> Intervention:
+        system = persona_text(ctx.target) if persona else None
+        return build_fewshot(ctx.train_items, ctx.target, o.k, ctx.judge_cfg, seed=ctx.seed,
+                             exclude_ids=ctx.exclude_ids, system=system)
+    return build
+
+
+register("fewshot", FewShotOptions, "K example judgments favouring the target (fewshot-K)", VAT_METHODS)(
+    _fewshot(False))
+register("persona-fewshot", FewShotOptions, "the persona, then K example judgments (persona-fewshot-K)",
+         VAT_METHODS)(_fewshot(True))
+
+
+@register("steer", SteerOptions, "the target's mean-difference vector added at one layer", VAT_METHODS)
+def _steer(ctx: VatContext, o: SteerOptions) -> Intervention:
+    return compute_steering_vector(ctx.lm, ctx.train_items, ctx.target, ctx.judge_cfg, layer=o.layer,
+                                   strength=o.strength, exclude_ids=ctx.exclude_ids)
+
+
+@register("oracle", OracleOptions, "validation: a known logit bias on the target's items only", VAT_METHODS)
+def _oracle(ctx: VatContext, o: OracleOptions) -> Intervention:
+    return OracleBias(target=ctx.target, scope="target", gain=None if o.oracle_bias is not None else o.oracle_gain,
+                      bias=o.oracle_bias)
+
+
+@register("uniform", OracleOptions, "validation: the same bias on every item (a uniform lift)", VAT_METHODS)
+def _uniform(ctx: VatContext, o: OracleOptions) -> Intervention:
+    return OracleBias(target=ctx.target, scope="all", gain=None if o.oracle_bias is not None else o.oracle_gain,
+                      bias=o.oracle_bias)
+
+
+@register("adapter", AdapterOptions, "an existing PEFT LoRA adapter, read only", VAT_METHODS)
+def _adapter(ctx: VatContext, o: AdapterOptions) -> Intervention:
+    if o.adapter is None:
+        raise AligntaxError("The adapter intervention needs --adapter PATH (a PEFT LoRA adapter folder)")
+    return LoRAAdapter.load(o.adapter, ctx.lm)
+
+
+@register("els", EnergyOptions, "energy landscape steering from a trained bank (its tuned setting)", VAT_METHODS)
+def _els(ctx: VatContext, o: EnergyOptions) -> Intervention:
+    if o.energy_dir is None:
+        raise AligntaxError("The els intervention needs the energy bank folder (--energy-dir), "
+                            "e.g. the output of `aligntax els train`")
+    from aligntax.interventions.registry import make_intervention
+
+    iv = make_intervention("els", ctx.lm, path=str(o.energy_dir), **ctx.method_options)
+    iv.cacheable = False  # its config names the folder, not the bank's content, which can be retrained
+    return iv
+
+
+def _trained(method: str):
+    def build(ctx: VatContext, o: TrainOptions) -> Intervention:
+        adapter_dir = o.adapter_dir
         if adapter_dir is not None:
             adapter_dir = Path(adapter_dir)
             guard_adapter_folder(adapter_dir)
             meta_file = adapter_dir / ADAPTER_META
             if meta_file.is_file():
                 meta = json.loads(meta_file.read_text())
-                if meta.get("target") == t and meta.get("method") == method:
-                    return LoRAAdapter.load(adapter_dir, lm)
+                if meta.get("target") == ctx.target and meta.get("method") == method:
+                    return LoRAAdapter.load(adapter_dir, ctx.lm)
                 raise AligntaxError(f"{adapter_dir} holds an aligntax {meta.get('method')} adapter for "
                                     f"{meta.get('target')}; it is not overwritten. Choose another --adapter-dir.")
         if adapter_dir is None:
             from aligntax.paths import cache_dir
 
-            adapter_dir = cache_dir() / "vat" / "adapters" / f"{method}-{t}-{int(time.time())}"
-        kwargs = {"seed": seed, "exclude_ids": exclude_ids}
-        if steps is not None:
-            kwargs["steps"] = steps
-        if lr is not None:
-            kwargs["lr"] = lr
+            adapter_dir = cache_dir() / "vat" / "adapters" / f"{method}-{ctx.target}-{int(time.time())}"
+        kwargs: dict = {"seed": ctx.seed, "exclude_ids": ctx.exclude_ids}
+        if o.steps is not None:
+            kwargs["steps"] = o.steps
+        if o.lr is not None:
+            kwargs["lr"] = o.lr
         if method == "dpo":
-            return train_dpo(lm, train_items, t, adapter_dir, judge_cfg, **kwargs)
-        return train_lora_sft(lm, train_items, t, adapter_dir, judge_cfg, progress=progress, **kwargs)
+            return train_dpo(ctx.lm, ctx.train_items, ctx.target, adapter_dir, ctx.judge_cfg, **kwargs)
+        return train_lora_sft(ctx.lm, ctx.train_items, ctx.target, adapter_dir, ctx.judge_cfg,
+                              progress=ctx.progress, **kwargs)
+    return build
+
+
+register("lora", TrainOptions, "a LoRA adapter trained by SFT on target-consistent labels", VAT_METHODS)(
+    _trained("lora"))
+register("dpo", TrainOptions, "a LoRA adapter trained by DPO (chosen: the target-consistent label)",
+         VAT_METHODS)(_trained("dpo"))
+_ALIASES = {"sft": "lora"}
+_FEWSHOT = re.compile(r"^(?P<base>(?:persona-)?fewshot)-(?P<k>\d+)$")
+
+
+def vat_method(name: str) -> tuple[Method, dict]:
+    """The registered value-targeted method a name stands for, with the options the name carries
+    (``fewshot-8`` is ``fewshot`` with ``k=8``); KeyError when it is none of them."""
+    key = _ALIASES.get(name, name)
+    m = _FEWSHOT.match(key)
+    if m:
+        return VAT_METHODS[m["base"]], {"k": int(m["k"])}
+    if key in ("fewshot", "persona-fewshot"):
+        raise AligntaxError("few-shot interventions are named fewshot-K or persona-fewshot-K, e.g. fewshot-4")
+    return VAT_METHODS[key], {}
+
+
+def describe_vat() -> str:
+    """The value-targeted methods and their options, one block each."""
+    lines = []
+    for m in VAT_METHODS.values():
+        lines.append(f"{m.name}: {m.help}")
+        for f in dataclasses.fields(m.options):
+            lines.append(f"    {f.name}: {spec_of(f).help}")
+    return "\n".join(lines)
+
+
+def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueItem] = (),
+                       judge_cfg: JudgeConfig | None = None, *, seed: int = 0, exclude_ids: set[str] | None = None,
+                       progress: bool = False, options: dict | None = None, **method_options) -> Intervention:
+    """Make an intervention by name. The value-targeted methods are registered in :data:`VAT_METHODS`
+    with a typed options dataclass each (:func:`describe_vat`): none, persona, fewshot-K,
+    persona-fewshot-K, steer (``strength``, ``layer``), lora / dpo (``steps``, ``lr``, ``adapter_dir``:
+    where the adapter is saved, or loaded from when it already holds a matching one), adapter
+    (``adapter``: a PEFT LoRA folder, read only), els (``energy_dir``: a bank from ``aligntax els
+    train`` with its tuned setting; not aimed at any value, so ``target`` only names the value its gain
+    is reported for), and the validation oracles ``oracle`` (target items only) and ``uniform`` (every
+    item) with ``oracle_gain`` / ``oracle_bias``. ``method_options`` may hold the options of several
+    methods (a command line offers them all); each method takes its own. Training-based methods use only
+    ``train_items`` (never ``exclude_ids``, e.g. the evaluation ids).
+
+    Any other method of the steering registry (:mod:`aligntax.interventions.registry`: refusal-ablation,
+    cast, system-prompt, ...) is built from it with ``options`` (its registered options, e.g. ``path``),
+    so the value tax of every steering method is measured the same way; ``options`` also reach ``els``."""
+    key = name.strip().lower()
+    t = resolve_value(target)
+    ctx = VatContext(lm, t, train_items, judge_cfg or JudgeConfig(), seed, exclude_ids, progress, dict(options or {}))
+    taken = {f.name for m in VAT_METHODS.values() for f in dataclasses.fields(m.options)}
+    unknown = sorted(set(method_options) - taken)
+    if unknown:
+        raise AligntaxError(f"Unknown options {', '.join(unknown)} (the value-targeted methods take "
+                            f"{', '.join(sorted(taken))}; a steering method's options go in options=).")
+    if key in ("lora", "sft", "dpo") and method_options.get("adapter") is not None:
+        raise AligntaxError("--adapter evaluates an existing adapter (use --intervention adapter); "
+                            "lora/dpo train a new one into --adapter-dir")
+    try:
+        method, implied = vat_method(key)
+    except KeyError:
+        method = None
+    if method is not None:
+        return method.make(ctx, only_known=True, **method_options, **implied)
     from aligntax.interventions.registry import METHODS, make_intervention
 
     if key in METHODS:

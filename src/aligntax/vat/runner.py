@@ -10,6 +10,10 @@
 - ``DIR/results.json``: gain, drifts, GND, VAT, coupling matrix, nVAT, hubs, circumplex test, per-value
   tests with Benjamini-Hochberg, bootstrap intervals and robustness checks (``compute_results``).
 - ``DIR/report.md`` with ``radar.png`` and ``coupling.png`` (``aligntax.vat.report``).
+
+With ``replicas`` (``aligntax vat run --ray``, :mod:`aligntax.runs.distributed`) each chunk of items is a
+work unit judged, before and after the intervention, on a replica of the model over Ray; this process
+appends the chunks in order and scores, so the files are those of one process.
 """
 
 from __future__ import annotations
@@ -331,7 +335,7 @@ def check_same_judge_inputs(lm_a, lm_b, cfg: JudgeConfig) -> None:
 
 def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervention | None,
             out_dir: str | Path, cfg: VATConfig | None = None, post_lm=None,
-            control: str | Path | None = None) -> dict:
+            control: str | Path | None = None, replicas=None, build: dict | None = None) -> dict:
     """Judge each item before and after ``intervention`` (targeting ``target``), append the pairs to
     ``out_dir/items.jsonl`` (resumable), and write ``results.json`` (and the report). Returns the
     results dict.
@@ -339,7 +343,14 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
     ``post_lm``: judge "post" with this model instead (an audit of a fine-tuned checkpoint against its
     base ``lm``); its tokenizer, chat rendering and scale tokens must match ``lm``'s. ``control``: a
     finished run folder on the same items whose shifts are subtracted item by item (lift-adjusted
-    drifts, ``results["control"]``)."""
+    drifts, ``results["control"]``).
+
+    ``replicas`` (:class:`~aligntax.runs.distributed.Replicas` of ``lm``'s model): judge the chunks of
+    items on them over Ray, one chunk a unit, each replica building the intervention once from
+    ``build`` (``name``, ``target``, ``train_items``, ``options``: the arguments of
+    :func:`~aligntax.vat.interventions.build_intervention` that made ``intervention`` here; a
+    trained adapter is read back from its ``adapter_dir``). Replicas do not read or write the judgment
+    cache."""
     cfg = cfg or VATConfig()
     target = resolve_value(target)
     intervention = intervention or NoIntervention()
@@ -350,6 +361,8 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
         raise DataError("Item ids must be unique")
     if post_lm is not None:
         check_same_judge_inputs(lm, post_lm, cfg.judge)
+    if replicas is not None:
+        _check_replicas(replicas, lm, post_lm, build)
     control_rows = load_control(control) if control is not None else None
     out = Path(out_dir)
     from aligntax.vat.interventions import guard_adapter_folder
@@ -378,10 +391,8 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
 
     bar = tqdm(total=len(todo), disable=not cfg.progress, desc=f"vat {target}", unit="item")
     try:
-        for start in range(0, len(todo), cfg.chunk_size):
-            chunk = todo[start:start + cfg.chunk_size]
-            pre = judge.judge(chunk, NoIntervention())
-            post = post_judge.judge(chunk, intervention)
+        for chunk, pre, post in _judged_chunks(todo, cfg.chunk_size, judge, post_judge, intervention, replicas,
+                                               build):
             append_rows(path, [{
                 "id": it.id, "value": it.value, "svs_item": it.svs_item, "polarity": it.polarity,
                 "desirability": it.desirability, "group": it.group, "pre": _clean(a.score), "post": _clean(b.score),
@@ -414,6 +425,62 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
 
         write_report(results, out)
     return results
+
+
+def _judged_chunks(todo: Sequence[ValueItem], size: int, judge: LikertJudge, post_judge: LikertJudge,
+                   intervention: Intervention, replicas=None, build: dict | None = None):
+    """``(chunk, pre judgments, post judgments)`` for each chunk of ``size`` items of ``todo``, in order:
+    judged here, or on ``replicas`` (one chunk a unit; yielded in order as they finish)."""
+    chunks = [list(todo[start:start + size]) for start in range(0, len(todo), size)]
+    if replicas is None:
+        for chunk in chunks:
+            yield chunk, judge.judge(chunk, NoIntervention()), post_judge.judge(chunk, intervention)
+        return
+    import uuid
+
+    spec = replicas.put({"key": uuid.uuid4().hex, "judge": judge.cfg, "build": build})
+    units = replicas.imap(lambda a, i: a.call.remote(i, judge_unit, spec, chunks[i]), range(len(chunks)))
+    for i, (pre, post, capped) in units:
+        if capped:  # a label-bias oracle's count of capped items, made on the replica
+            intervention.capped = getattr(intervention, "capped", 0) + capped
+        yield chunks[i], pre, post
+
+
+_REPLICA_INTERVENTIONS: dict[str, Intervention] = {}  # on a replica: the interventions built, by run key
+
+
+def judge_unit(lm, spec: dict, chunk: Sequence[ValueItem]) -> tuple[list, list, int]:
+    """One VAT work unit on a replica of the model (:mod:`aligntax.runs.distributed`): the chunk's
+    judgments before and after the intervention ``spec["build"]`` describes (built once per run and
+    replica), and how many items a label-bias oracle capped."""
+    from aligntax.vat.interventions import build_intervention
+
+    iv = _REPLICA_INTERVENTIONS.get(spec["key"])
+    if iv is None:
+        b = spec["build"]
+        iv = build_intervention(b["name"], lm, b["target"], b.get("train_items", ()), spec["judge"],
+                                **b.get("options", {}))
+        _REPLICA_INTERVENTIONS.clear()  # one run at a time
+        _REPLICA_INTERVENTIONS[spec["key"]] = iv
+    judge = LikertJudge(lm, spec["judge"], cache=False)
+    before = getattr(iv, "capped", 0)
+    pre, post = judge.judge(chunk, NoIntervention()), judge.judge(chunk, iv)
+    return pre, post, getattr(iv, "capped", 0) - before
+
+
+def _check_replicas(replicas, lm, post_lm, build: dict | None) -> None:
+    if post_lm is not None:
+        raise AligntaxError("--post-model judges with a second model: not on Ray (leave --ray out).")
+    if not build or "name" not in build or "target" not in build:
+        raise AligntaxError("A VAT run on Ray needs the intervention's build arguments (name, target, options).")
+    if build.get("name", "").strip().lower() in ("lora", "sft", "dpo") and not (build.get("options") or {}).get(
+            "adapter_dir"):
+        raise AligntaxError("A trained intervention on Ray needs its adapter_dir: the replicas read the adapter "
+                            "trained here from it.")
+    fp = replicas.start().identity.get("fingerprint")
+    if fp != lm.fingerprint:
+        raise AligntaxError("The replicas loaded another model than this process (fingerprints differ); give "
+                            "every node the same model files.")
 
 
 def load_control(path: str | Path) -> list[dict]:

@@ -127,6 +127,21 @@ def model_facts(spec: str, dtype: str | None = None) -> ModelFacts:
                       int(max_pos) if max_pos else None)
 
 
+def engine_kwargs(source: str, dtype: str, options: VllmOptions, max_model_len: int) -> dict:
+    """The engine arguments of both engines (``vllm.LLM`` and ``AsyncLLM``): eager mode (the steering
+    hooks are Python), the steering worker extension, the model's own generation config left out
+    (sampling settings come with each request). Sets ``VLLM_CPU_KVCACHE_SPACE`` unless it is set."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(options.kv_cache_gib)))
+    extra = {}
+    if options.max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = options.max_num_batched_tokens
+        extra["enable_chunked_prefill"] = True
+    return dict(model=source, tokenizer=source, dtype=_DTYPES[dtype], enforce_eager=True,
+                worker_extension_cls=EXTENSION, max_model_len=max_model_len, max_num_seqs=options.max_num_seqs,
+                enable_prefix_caching=options.enable_prefix_caching, seed=options.seed,
+                generation_config="vllm", **extra)
+
+
 def _greedy_extras(source: str) -> dict:
     """Sampling settings of the model's generation config that the Hugging Face backend's greedy
     decoding applies (``model.generate`` honours them): the repetition penalty."""
@@ -166,15 +181,7 @@ class VllmModel:
         self.fingerprint = self.facts.fingerprint
         self.dtype = dtype
         self.max_model_len = min(options.max_model_len, self.facts.max_positions or options.max_model_len)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(options.kv_cache_gib)))
-        extra = {}
-        if options.max_num_batched_tokens is not None:
-            extra["max_num_batched_tokens"] = options.max_num_batched_tokens
-            extra["enable_chunked_prefill"] = True
-        self.llm = LLM(model=self.source, tokenizer=self.source, dtype=_DTYPES[dtype], enforce_eager=True,
-                       worker_extension_cls=EXTENSION, max_model_len=self.max_model_len,
-                       max_num_seqs=options.max_num_seqs, enable_prefix_caching=options.enable_prefix_caching,
-                       seed=options.seed, generation_config="vllm", **extra)
+        self.llm = LLM(**engine_kwargs(self.source, dtype, options, self.max_model_len))
         self.eos_ids = _eos_ids(self.source, self.tokenizer)
         self.greedy_extras = _greedy_extras(self.source)
         self.presets: dict[str, dict] = {}

@@ -5,9 +5,9 @@ intervention registered as a steering preset (or, for a method that rewrites the
 to the messages), and generates the run's prompts in chunks, so that samples are appended as chunks
 finish and a killed run resumes as the Hugging Face backend's does.
 
-Row decisions recorded before generating (``row_info``: the harm probability, the row energy, whether
-the row is steered) and the rows ``--reuse-unsteered`` copies are decided on a Hugging Face copy of the
-model, loaded only for an intervention that decides per row: the engine decides inside generation
+Row decisions recorded before generating (:mod:`aligntax.activations.decisions`: the harm probability,
+the row energy, whether the row is steered) and the rows ``--reuse-unsteered`` copies are decided on a
+Hugging Face copy of the model, loaded only for an intervention that decides per row: the engine decides inside generation
 (too late to skip a copied row), and its decision records hold the decision's parts (gate strength,
 row energy pass) but not the harm probability or the row energy. The strength the engine itself
 applied to each generated row is kept next to those records (``engine_strength``).
@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 
 from aligntax.backends.vllm.engine import VllmModel, VllmOptions, prepare
 from aligntax.generation.generate import Generation, GenerationConfig
-from aligntax.interventions.base import Intervention
 
 PRESET = "eval"
 CHUNK_SLOTS = 4  # prompts per engine call: this many times the engine's sequence slots
@@ -48,22 +47,20 @@ class VllmEvalSource:
     def fingerprint(self) -> dict | None:
         return self.vm.fingerprint
 
-    def decision_model(self, reuse_unsteered: bool = False):
-        """The model the intervention's per-row decisions run on before generating: a Hugging Face copy,
+    def decider(self):
+        """Where the intervention's per-row decisions are made before generating: a
+        :class:`~aligntax.activations.decisions.PrefillDecider` on a Hugging Face copy of the model,
         loaded on first need (None when the intervention decides nothing per row)."""
-        iv = self.intervention
-        if iv is None:
-            return None
-        cls = type(iv)
-        needed = cls.row_info is not Intervention.row_info or (
-            reuse_unsteered and cls.unsteered_rows is not Intervention.unsteered_rows)
-        if not needed:
+        from aligntax.activations.decisions import PrefillDecider, decides_per_row
+
+        facts = self.vm.facts
+        if not decides_per_row(self.intervention, facts.num_layers, facts.hidden_size):
             return None
         if self._hf is None:
             from aligntax.models import load_model
 
             self._hf = load_model(self.vm.spec, dtype=self.vm.dtype)
-        return self._hf
+        return PrefillDecider(self._hf, self.intervention)
 
     def iter_generate(self, prompts: Sequence, cfg: GenerationConfig, progress: bool = True,
                       desc: str = "generate") -> Iterator[tuple[list[int], list[Generation]]]:

@@ -143,6 +143,7 @@ class BatchSteering:
         self.live: dict[str, _Live] = {}
         self.groups: list[_Group] = []
         self.records: dict[str, dict] = {}  # req id -> {"preset", "strength", "parts"} once decided
+        self.keep_records = True  # off for a server, which never reads them (they would grow without bound)
         self.errors: list[str] = []
         self.trace: list[tuple] | None = None  # (req_id, position, layer, where) of every edited token
         self.steps = 0
@@ -180,7 +181,8 @@ class BatchSteering:
                 kernel = self.presets[ask.preset].kernel
                 if ask.strength == 0 or not kernel.decision_layers:
                     live.strength = ask.strength
-                    self.records[rid] = {"preset": ask.preset, "strength": ask.strength, "parts": {}}
+                    if self.keep_records:
+                        self.records[rid] = {"preset": ask.preset, "strength": ask.strength, "parts": {}}
             if live.strength == 0:
                 continue
             by_preset.setdefault(ask.preset, []).append(i)
@@ -261,7 +263,8 @@ class BatchSteering:
             live = self.live[rid]
             live.strength = float(decision[k]) * live.multiplier
             live.parts = {name: round(float(p[k]), 6) for name, p in parts.items()}
-            self.records[rid] = {"preset": live.preset, "strength": live.strength, "parts": live.parts}
+            if self.keep_records:
+                self.records[rid] = {"preset": live.preset, "strength": live.strength, "parts": live.parts}
         g.read.clear()
 
     def _edit(self, g: _Group, site: Site, hidden: torch.Tensor, residual: torch.Tensor | None):

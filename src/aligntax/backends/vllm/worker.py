@@ -127,6 +127,14 @@ class SteeringExtension:
         """Per request id decided since the last call: preset, strength, decision parts."""
         return self.aligntax_state().take_records()
 
+    def aligntax_keep_records(self, on: bool = True) -> None:
+        """Keep per-request decision records for :meth:`aligntax_records` (the default) or not (a server,
+        which never reads them: they would grow with every request). Turning them off drops those kept."""
+        state = self.aligntax_state()
+        state.keep_records = bool(on)
+        if not on:
+            state.records = {}
+
     def aligntax_summary(self) -> dict:
         return self.aligntax_state().summary()
 

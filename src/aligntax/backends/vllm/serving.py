@@ -1,0 +1,606 @@
+"""Serving through vLLM (``aligntax serve --backend vllm``): the OpenAI-compatible server of
+:mod:`aligntax.serve.app` answering from vLLM's ``AsyncLLM`` with continuous batching.
+
+The routes, request checks, errors, admission answers (429 / 503) and the answers themselves are the
+server's own (:func:`aligntax.serve.app.create_app`); only the generation engine differs.
+:class:`VllmServeEngine` offers the interface the app uses of
+:class:`aligntax.serve.engine.BatchEngine` (``admit`` / ``withdraw`` / ``submit`` / ``cancel`` /
+``start`` / ``shutdown``, and ``Delta`` / ``Finished`` / ``Failed`` events on each :class:`Job`'s
+queue) and is handed to ``create_app(..., engine_factory=...)`` by :func:`create_vllm_app`.
+
+- **Continuous batching.** A request goes to the engine as soon as it is submitted (nothing is
+  gathered): vLLM schedules it into the running batch at its next step, and a request that ends leaves
+  the batch at once. ``max_batch_size`` is the engine's sequence slots (``max_num_seqs``).
+- **Steering.** The steered model ``NAME+SUFFIX`` is a steering preset registered in every worker at
+  start-up (:meth:`AsyncVllm.register`); each steered request carries it and its strength (the request's
+  ``aligntax.strength``, default 1) in ``SamplingParams.extra_args`` and salts its prefix-cache entries
+  per (preset, strength), as :class:`~aligntax.backends.vllm.engine.VllmModel` does. The strength is
+  checked before submitting (400 outside ``[0, 10]``); strength 0 is plain generation. A method that
+  rewrites the chat messages (a system prompt) is applied by the app to the steered model's prompts.
+- **Tokens to text.** The engine returns token ids only (``detokenize=False``, ``output_kind=DELTA``);
+  text, stop strings and streamed deltas are made here with the server's own
+  :class:`~aligntax.serve.engine.IncrementalDetokenizer` and :class:`~aligntax.serve.engine.StopMatcher`,
+  and end tokens, ``max_tokens`` and ``completion_tokens`` (the end token counted) follow
+  :class:`BatchEngine`, so both backends answer the same text for the same tokens. A request hit by a
+  stop string is aborted in the engine.
+- **Sampling** as the server's: temperature 0 is the argmax, otherwise temperature, top-p and an
+  optional seed; the model's own generation config plays no part (no repetition penalty).
+- **Admission.** vLLM queues internally, so the bounds count requests *waiting*: admitted and not yet
+  submitted (being tokenised), or submitted without a first token yet. ``max_queue`` of them waiting
+  gives 429; with ``max_queue_wait_ms``, a request whose expected wait (the moving average of recent
+  requests' wait for their first token, times ``1 + waiting // max_batch_size``) is over the target
+  gives 503. The first request waiting is always admitted.
+- **Cancellation** (the client left, ``request_timeout_s``, shutdown) aborts the request in the engine.
+- **Threads.** The ``AsyncLLM`` runs on its own thread and event loop (:class:`AsyncVllm`), as the
+  HF engine's model runs on its worker thread; events reach each request's loop with
+  ``call_soon_threadsafe``. vLLM's engine core runs in a child process of its own.
+
+Not covered: per-request steering options (``aligntax.options``: a request with them gets 400, as the HF
+server without ``steer_method``), failing a request whose logits turn non-finite alone, and
+``pause`` / ``resume``. The batch statistics of ``/metrics`` stay 0 (there are no batches to count);
+its token counts, latency and queue depth are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aligntax.backends.vllm.engine import (
+    ModelFacts,
+    VllmOptions,
+    _eos_ids,
+    engine_kwargs,
+    model_facts,
+    require_vllm,
+)
+from aligntax.backends.vllm.steering import EXTRA_STEER, EXTRA_STRENGTH, MAX_STRENGTH
+from aligntax.errors import AligntaxError
+from aligntax.serve.engine import (
+    Delta,
+    EngineClosed,
+    EngineOverloaded,
+    Failed,
+    Finished,
+    IncrementalDetokenizer,
+    Job,
+    StopMatcher,
+)
+from aligntax.serve.metrics import ServeMetrics
+
+log = logging.getLogger("aligntax.serve")
+
+PRESET = "serve"
+
+
+class AsyncVllm:
+    """vLLM's ``AsyncLLM`` on an aligntax model spec, on its own thread and event loop, with steering
+    presets registered in every worker (the same engine settings as
+    :class:`~aligntax.backends.vllm.engine.VllmModel`). ``call(coro)`` runs a coroutine on that loop."""
+
+    def __init__(self, spec: str, dtype: str = "bf16", options: VllmOptions | None = None) -> None:
+        require_vllm()
+        from aligntax.backends.vllm.engine import _DTYPES
+
+        if dtype not in _DTYPES:
+            raise AligntaxError(f"Unknown dtype '{dtype}'; use bf16, fp16 or fp32.")
+        self.options = options = options or VllmOptions()
+        self.facts: ModelFacts = model_facts(spec, dtype)
+        self.spec, self.source, self.tokenizer = self.facts.spec, self.facts.source, self.facts.tokenizer
+        self.fingerprint = self.facts.fingerprint
+        self.dtype = dtype
+        self.max_model_len = min(options.max_model_len, self.facts.max_positions or options.max_model_len)
+        self.eos_ids = _eos_ids(self.source, self.tokenizer)
+        self.presets: dict[str, dict] = {}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="aligntax-vllm", daemon=True)
+        self._thread.start()
+        self.engine = None
+        try:
+            self.engine = self.call(self._start())
+            # a server never reads the per-request decision records: keep none
+            self.call(self.engine.collective_rpc("aligntax_keep_records", args=(False,)))
+        except BaseException:
+            self.close()
+            raise
+
+    async def _start(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**engine_kwargs(self.source, self.dtype, self.options, self.max_model_len),
+                               disable_log_stats=True)
+        return AsyncLLM.from_engine_args(args)
+
+    def call(self, coro, timeout: float | None = None):
+        """Run ``coro`` on the engine's loop and return its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.engine is not None and not self.engine.errored
+
+    # ---- LoadedModel-like facts (for intervention loaders) ------------------------------------------
+    @property
+    def hidden_size(self) -> int | None:
+        return self.facts.hidden_size
+
+    @property
+    def num_layers(self) -> int | None:
+        return self.facts.num_layers
+
+    def register(self, preset: str, source: str, /, **options) -> dict:
+        """As :meth:`VllmModel.register <aligntax.backends.vllm.engine.VllmModel.register>`: load the
+        intervention ``source`` in every worker as ``preset`` (first built here against this model's
+        fingerprint and sizes). Returns its resolved config."""
+        from aligntax.api import load_intervention
+
+        local = load_intervention(source, self.facts, **dict(options))
+        if local.rewrites_messages():
+            raise AligntaxError(f"Intervention '{local.name}' rewrites the chat messages: it is applied to the "
+                                "messages, not registered as a steering preset.")
+        configs = self.call(self.engine.collective_rpc("aligntax_register",
+                                                       args=(preset, str(source), dict(options))))
+        self.presets[preset] = configs[0]
+        return configs[0]
+
+    def summary(self) -> dict:
+        """The workers' steering statistics per preset and any errors."""
+        return self.call(self.engine.collective_rpc("aligntax_summary"))[0]
+
+    def close(self) -> None:
+        """Shut the engine (and its child process) down and stop the loop."""
+        if self.engine is not None and self._thread.is_alive():
+            async def stop():
+                self.engine.shutdown()
+
+            with contextlib.suppress(Exception):
+                self.call(stop(), timeout=60)
+            self.engine = None
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+@dataclass
+class _ConfigOnly:
+    """What the server reads of ``lm.model``: its config (the context window) and generation config."""
+
+    config: Any
+    generation_config: Any
+
+
+def served_model(vm: AsyncVllm):
+    """The model as :func:`aligntax.serve.app.create_app` reads it: tokenizer, spec, fingerprint and
+    config, no weights (those live in the engine). Its context window is the engine's
+    ``max_model_len``, so the server's prompt and ``max_tokens`` checks use the engine's limit."""
+    from transformers import AutoConfig
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    from aligntax.models.loader import LoadedModel
+
+    cfg = AutoConfig.from_pretrained(vm.source)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text.max_position_embeddings = vm.max_model_len
+    try:
+        gc = HFGenerationConfig.from_pretrained(vm.source)
+    except OSError:
+        gc = HFGenerationConfig()
+    return LoadedModel(model=_ConfigOnly(cfg, gc), tokenizer=vm.tokenizer, spec=vm.spec, source=vm.source,
+                       fingerprint=dict(vm.fingerprint or {}))
+
+
+@dataclass(eq=False)
+class _Request:
+    """A submitted job as the engine tracks it."""
+
+    job: Job
+    rid: str
+    task: asyncio.Task | None = None
+    started: bool = False  # its first tokens came
+
+
+@dataclass(eq=False)
+class _Answer:
+    """One request's tokens to events, with :class:`~aligntax.serve.engine.BatchEngine`'s rules: an end
+    token finishes with "stop" (counted in ``completion_tokens``, not in the text), a stop string with
+    "stop" (text cut before it), ``max_tokens`` with "length"."""
+
+    job: Job
+    tokenizer: Any
+    eos: set
+    tokens: list = field(default_factory=list)
+    detok: IncrementalDetokenizer | None = None
+    stop: StopMatcher | None = None
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        if self.job.stream or self.job.params.stop:
+            self.detok = IncrementalDetokenizer(self.tokenizer)
+            self.stop = StopMatcher(self.job.params.stop)
+
+    def feed(self, ids, events: list) -> None:
+        """Take new token ids (appending events); sets ``done`` when the answer is complete."""
+        job = self.job
+        for tok in ids:
+            if self.done:
+                return
+            self.tokens.append(int(tok))
+            n = len(self.tokens)
+            if tok in self.eos:
+                self._finish("stop", events, eos=True)
+                continue
+            if self.stop is not None:
+                emit, stopped = self.stop.feed(self.detok.push(int(tok)))
+                if emit and job.stream:
+                    job.emitted = True
+                    events.append(Delta(emit))
+                if stopped:
+                    self._finish("stop", events)
+                    continue
+            if n >= job.params.max_tokens:
+                self._finish("length", events)
+
+    def _finish(self, reason: str, events: list, eos: bool = False) -> None:
+        job, n = self.job, len(self.tokens)
+        if self.stop is not None:
+            if reason != "stop" or eos:
+                emit, stopped = self.stop.feed(self.detok.flush())
+                if stopped:
+                    reason = "stop"
+                else:
+                    emit += self.stop.flush()
+                if emit and job.stream:
+                    job.emitted = True
+                    events.append(Delta(emit))
+            text = self.stop.text
+        else:
+            ids = self.tokens[:n - (1 if eos else 0)]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        self.done = True
+        events.append(Finished(text=text, finish_reason=reason, prompt_tokens=len(job.prompt_ids),
+                               completion_tokens=n))
+
+    def finish_rest(self, events: list) -> None:
+        """The engine ended the request first (it should not): complete it with what came."""
+        if not self.done:
+            eos = bool(self.tokens) and self.tokens[-1] in self.eos
+            self._finish("stop" if eos else "length", events, eos=eos)
+
+
+def _deliver(job: Job, events: list) -> None:
+    for ev in events:
+        job.events.put_nowait(ev)
+
+
+class VllmServeEngine:
+    """The server's generation engine on an :class:`AsyncVllm` (see the module docstring). Built by
+    ``create_app`` through ``engine_factory`` with the arguments it gives
+    :class:`~aligntax.serve.engine.BatchEngine`; the batch-gathering ones (``batch_wait_ms``,
+    ``max_batch_wait_ms``, ``mix_steered``, ``max_batch_tokens``) have no meaning here: vLLM's scheduler
+    forms every step's batch."""
+
+    def __init__(self, lm, intervention=None, *, vm: AsyncVllm, preset: str | None = None,
+                 max_batch_size: int = 32, max_queue: int = 1024, metrics: ServeMetrics | None = None,
+                 max_queue_wait_ms: float | None = None, batch_wait_ms: float = 0.0,
+                 max_batch_wait_ms: float = 0.0, mix_steered: bool = True,
+                 max_batch_tokens: int | None = None, max_latency_ms: float | None = None) -> None:
+        if max_latency_ms is not None:
+            raise AligntaxError("A completion-latency target (max_latency_ms) is not served by the vLLM backend.")
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        if max_queue_wait_ms is not None and max_queue_wait_ms <= 0:
+            raise ValueError("max_queue_wait_ms must be > 0")
+        if preset is not None and preset not in vm.presets:
+            raise AligntaxError(f"Steering preset {preset!r} is not registered in the engine.")
+        self.vm = vm
+        self.lm = lm
+        self.tokenizer = vm.tokenizer  # used on the engine's loop only
+        self.tokenizer_lock = threading.Lock()
+        self.intervention = intervention
+        self.preset = preset
+        self.max_batch_size = vm.options.max_num_seqs  # the engine's sequence slots (set when it started)
+        self.max_queue = max_queue
+        self.max_queue_wait = None if max_queue_wait_ms is None else max_queue_wait_ms / 1000.0
+        self.metrics = metrics or ServeMetrics()
+        self.eos_ids = set(vm.eos_ids)
+        self.first_token_wait: float | None = None  # moving average: submit -> first tokens
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._arriving = 0  # admitted, not submitted yet
+        self._queued = 0  # submitted, no tokens yet
+        self._requests: dict[Job, _Request] = {}
+        self._closed = False
+        self._started = False
+        self._idle = threading.Event()
+        self._idle.set()
+
+    # -- the interface the app uses -------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Requests admitted and without a first token yet (being tokenised, or queued in the engine)."""
+        return self._arriving + self._queued
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests) - self._queued
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def alive(self) -> bool:
+        return self.vm.alive
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def expected_wait(self, ahead: int | None = None) -> float | None:
+        """Seconds until a request with ``ahead`` requests waiting before it gets its first tokens, from
+        recent requests' waits; None before any was measured."""
+        d = self.first_token_wait
+        if d is None:
+            return None
+        ahead = self.waiting if ahead is None else ahead
+        return d * (1 + ahead // self.max_batch_size)
+
+    def _retry_after(self, ahead: int) -> int:
+        wait = self.expected_wait(ahead)
+        return 1 if wait is None else max(1, int(wait + 0.999))
+
+    def admit(self) -> None:
+        if self._closed:
+            raise EngineClosed("The server is shutting down.")
+        with self._lock:
+            ahead = self.waiting
+            if ahead >= self.max_queue:
+                raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
+                                       "retry later.", self._retry_after(ahead))
+            if self.max_queue_wait is not None and ahead > 0:
+                wait = self.expected_wait(ahead)
+                if wait is not None and wait > self.max_queue_wait:
+                    raise EngineOverloaded(
+                        f"The server is overloaded: a new request would wait about {wait:.2f} s for its first "
+                        f"tokens (target {self.max_queue_wait:.2f} s; {ahead} requests waiting); retry later.",
+                        self._retry_after(ahead), status=503, code="overloaded")
+            self._arriving += 1
+
+    def withdraw(self) -> None:
+        with self._lock:
+            self._arriving = max(0, self._arriving - 1)
+
+    def start(self) -> None:
+        self._started = True
+
+    def submit(self, job: Job, admitted: bool = False) -> Job:
+        if job.steer and self.preset is not None:
+            s = float(job.strength) if job.strength is not None else 1.0
+            if not 0.0 <= s <= MAX_STRENGTH:
+                if admitted:
+                    self.withdraw()
+                from aligntax.serve.protocol import invalid
+
+                raise invalid(f"With the vLLM backend 'aligntax.strength' must lie in [0, {MAX_STRENGTH:g}]; "
+                              f"got {s:g}.", "aligntax.strength")
+        self._started = True
+        job.enqueued_at = time.perf_counter()
+        with self._lock:
+            if admitted:
+                self._arriving = max(0, self._arriving - 1)
+            if self._closed:
+                raise EngineClosed("The server is shutting down.")
+            if not admitted and self.waiting >= self.max_queue:
+                raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
+                                       "retry later.", self._retry_after(self.waiting))
+            req = _Request(job, f"aligntax-{next(self._ids)}")
+            self._requests[job] = req
+            self._queued += 1
+            self._idle.clear()
+        self.vm.loop.call_soon_threadsafe(self._begin, req)
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop working on a job whose client went away (no further events are sent)."""
+        if job.done:
+            return
+        job.cancelled = True
+        req = self._requests.get(job)
+        if req is not None:
+            self.vm.loop.call_soon_threadsafe(self._cancel_task, req)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with ``drain`` let the running ones finish (for at most ``timeout``
+        seconds), then fail (503) and abort whatever is left. The engine itself stays up (its owner,
+        :class:`AsyncVllm`, is closed by whoever started it)."""
+        with self._lock:
+            self._closed = True
+        if drain:
+            self._idle.wait(timeout)
+        self.abort("The server shut down before this request finished.")
+        self._idle.wait(10.0)
+
+    def abort(self, message: str, status: int = 503) -> None:
+        """Fail every submitted request now."""
+        for req in list(self._requests.values()):
+            job = req.job
+            if not job.done:
+                job.done = job.cancelled = True
+                self._send(job, [Failed(message, status, "server_shutting_down")])
+            self.vm.loop.call_soon_threadsafe(self._cancel_task, req)
+
+    # -- on the engine's loop ----------------------------------------------------------------------------
+    def _send(self, job: Job, events: list) -> None:
+        if job.loop is None or job.events is None or not events:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            job.loop.call_soon_threadsafe(_deliver, job, events)
+
+    def _begin(self, req: _Request) -> None:
+        if req.job.cancelled or req.job.done:
+            self._forget(req)
+            return
+        req.task = self.vm.loop.create_task(self._generate(req))
+
+    def _cancel_task(self, req: _Request) -> None:
+        if req.task is None:
+            self._forget(req)
+        elif not req.task.done():
+            req.task.cancel()
+
+    def _params(self, job: Job):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p = job.params
+        sp = dict(max_tokens=p.max_tokens, stop_token_ids=sorted(self.eos_ids), detokenize=False,
+                  output_kind=RequestOutputKind.DELTA)
+        if p.greedy:
+            sp["temperature"] = 0.0
+        else:
+            sp.update(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
+        if job.steer and self.preset is not None and float(job.strength) > 0:
+            sp["extra_args"] = {EXTRA_STEER: self.preset, EXTRA_STRENGTH: float(job.strength)}
+        return SamplingParams(**sp)
+
+    async def _generate(self, req: _Request) -> None:
+        job = req.job
+        answer = _Answer(job, self.tokenizer, self.eos_ids)
+        try:
+            params = self._params(job)
+            prompt: dict = {"prompt_token_ids": list(job.prompt_ids)}
+            if params.extra_args:
+                prompt["cache_salt"] = f"aligntax:{self.preset}:{float(job.strength)!r}"
+            stream = self.vm.engine.generate(prompt, params, req.rid)
+            async with contextlib.aclosing(stream):  # leaving early aborts the request in the engine
+                async for out in stream:
+                    if not req.started:
+                        self._first_tokens(req)
+                    if job.cancelled:
+                        break
+                    events: list = []
+                    answer.feed(out.outputs[0].token_ids, events)
+                    if answer.done:
+                        job.done = True
+                        self.metrics.record_tokens(len(job.prompt_ids), len(answer.tokens))
+                    self._send(job, events)
+                    if answer.done:
+                        break
+            if not answer.done and not job.cancelled:
+                events = []
+                answer.finish_rest(events)
+                job.done = True
+                self.metrics.record_tokens(len(job.prompt_ids), len(answer.tokens))
+                self._send(job, events)
+        except asyncio.CancelledError:
+            pass  # cancelled: the client is gone, or shutdown failed it already
+        except Exception as exc:  # reported to this request only
+            log.exception("generation failed for a request")
+            if not job.done:
+                job.done = True
+                self._send(job, [Failed(f"Generation failed: {type(exc).__name__}: {exc}", 500)])
+        finally:
+            self._forget(req)
+
+    def _first_tokens(self, req: _Request, alpha: float = 0.3) -> None:
+        req.started = True
+        wait = time.perf_counter() - req.job.enqueued_at
+        with self._lock:
+            self._queued -= 1
+            d = self.first_token_wait
+            self.first_token_wait = wait if d is None else (1 - alpha) * d + alpha * wait
+
+    def _forget(self, req: _Request) -> None:
+        with self._lock:
+            if self._requests.pop(req.job, None) is None:
+                return
+            if not req.started:
+                self._queued -= 1
+            if not self._requests:
+                self._idle.set()
+
+
+def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None, model_name: str | None = None,
+                    **app_kwargs):
+    """The OpenAI-compatible app (:func:`aligntax.serve.app.create_app`, same keywords) answering from
+    ``vm``. ``preset``: the registered steering preset of the steered model (``intervention``, built
+    against ``vm.facts``, gives its name and, for a method that rewrites messages, its prompts)."""
+    from aligntax.serve.app import create_app
+
+    if app_kwargs.get("steer_method") is not None:
+        raise AligntaxError("Per-request steering options are not served by the vLLM backend.")
+    lm = served_model(vm)
+    app_kwargs.setdefault("max_batch_size", vm.options.max_num_seqs)
+    factory: Callable = lambda lm_, iv_, **kw: VllmServeEngine(lm_, iv_, vm=vm, preset=preset, **kw)  # noqa: E731
+    return create_app(lm, intervention, model_name, engine_factory=factory, **app_kwargs)
+
+
+def serve_vllm(model: str, *, dtype: str = "bf16", intervention: str | None = None, iv_args: dict | None = None,
+               host: str = "127.0.0.1", port: int = 8000, insecure: bool = False, model_name: str | None = None,
+               max_batch_size: int = 32, threads: int | None = None, echo: Callable[[str], Any] = print,
+               **app_kwargs) -> None:
+    """``aligntax serve --backend vllm``: start the engine (``max_batch_size`` sequence slots), register the
+    intervention as the steered model's preset (or, for one that rewrites messages, apply it to the
+    steered model's prompts), serve until interrupted, then shut the engine down. ``threads`` sets
+    ``OMP_NUM_THREADS`` of the engine's process (unbound: ``VLLM_CPU_OMP_THREADS_BIND=nobind``)."""
+    import os
+
+    from aligntax.backends.vllm.engine import prepare
+    from aligntax.interventions.registry import make_intervention
+    from aligntax.serve.app import serve
+
+    if app_kwargs.get("max_latency_ms") is not None:  # refused before the engine starts
+        raise AligntaxError("A completion-latency target (--max-latency-ms) is not served by the vLLM backend.")
+    app_kwargs.pop("max_latency_ms", None)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    vm = AsyncVllm(model, dtype, VllmOptions(max_num_seqs=max_batch_size))
+    try:
+        preset, iv = prepare(vm, intervention, iv_args, preset=PRESET)
+        if iv is None and preset is not None:
+            iv = make_intervention(intervention, vm.facts, **dict(iv_args or {}))
+        app = create_vllm_app(vm, iv, preset, model_name, max_batch_size=max_batch_size, **app_kwargs)
+        settings = app.state.settings
+        names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
+        echo(f"Serving {names} at http://{host}:{port}/v1 from vLLM (sequence slots {max_batch_size}"
+             f"{', API key required' if settings.api_key else ''})")
+        with _exit_on_sigterm():
+            serve(None, host=host, port=port, log_level="info", insecure=insecure, app=app)
+    finally:
+        vm.close()
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm():
+    """SIGTERM raises SystemExit here, so that the engine (and its process) is shut down on the way out:
+    uvicorn stops gracefully on SIGTERM and then raises the signal again, whose default action would
+    end this process at once and leave the engine's process behind."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -1,0 +1,199 @@
+"""Per-request steering options, read from the intervention registry.
+
+A request to the steered model may set options of the served method with
+``{"aligntax": {"options": {"eta": 0.2, "horizon": 8}}}``. The allowed keys are the fields of the
+method's options dataclass declared ``request=True`` (:mod:`aligntax.interventions.registry`: numbers,
+layer lists and the ELS gate; never folders or text), each checked against its ``parse`` kind:
+
+========================  =========================================  ==========================
+parse                     JSON value                                  type (``/v1/models``)
+========================  =========================================  ==========================
+``float``                 a finite number                             ``number``
+``int``                   an integer in [0, :data:`MAX_INT`]          ``integer``
+``float_or_none``         a finite number or ``"none"``               ``number | "none"``
+``int_or_none``           an integer or ``"none"``                    ``integer | "none"``
+``gate``                  a probability in (0, 1), ``"saved"``,       ``number | "saved" | "none"``
+                          ``"none"``
+``layers``                a list of layer numbers                     ``array<integer>``
+========================  =========================================  ==========================
+
+A request with options is steered by an intervention built for the server's own options updated with
+the request's (:class:`InterventionCache`: built once per distinct option set, the
+``maxsize`` most recently used kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aligntax.errors import AligntaxError
+from aligntax.interventions.options import spec_of
+from aligntax.interventions.registry import METHODS, make_intervention
+from aligntax.serve.protocol import invalid
+
+MAX_INT = 1024  # the largest integer a request may give (steps, horizon, top_k, layer numbers)
+MAX_LAYERS = 256  # the longest layer list
+_TYPES = {"float": "number", "int": "integer", "float_or_none": 'number | "none"',
+          "int_or_none": 'integer | "none"', "gate": 'number | "saved" | "none"', "layers": "array<integer>"}
+_EXPECTED = {"float": "a finite number", "int": f"an integer from 0 to {MAX_INT}",
+             "float_or_none": "a finite number or 'none'",
+             "int_or_none": f"an integer from 0 to {MAX_INT} or 'none'",
+             "gate": "a probability between 0 and 1 (exclusive), 'saved' or 'none'",
+             "layers": f"a list of at most {MAX_LAYERS} layer numbers (integers from 0 to {MAX_INT})"}
+
+
+@dataclass(frozen=True)
+class RequestField:
+    """One per-request option of a method: the key, its JSON type, how it is checked, its help."""
+
+    name: str
+    parse: str
+    help: str
+
+    @property
+    def type(self) -> str:
+        return _TYPES[self.parse]
+
+    def card(self) -> dict:
+        return {"name": self.name, "type": self.type, "help": self.help}
+
+    def check(self, value: Any) -> Any:
+        """The value as the builder takes it, or None when it is not of this field's type."""
+        p = self.parse
+        if isinstance(value, str) and (p in ("float_or_none", "int_or_none", "gate") and value == "none"
+                                       or p == "gate" and value == "saved"):
+            return True if value == "saved" else value
+        if p in ("float", "float_or_none", "gate"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                return None
+            if p == "gate" and not 0.0 < value < 1.0:
+                return None
+            return float(value)
+        if p in ("int", "int_or_none"):
+            return value if _small_int(value) else None
+        if p == "layers":
+            ok = isinstance(value, list) and 0 < len(value) <= MAX_LAYERS and all(_small_int(x) for x in value)
+            return list(value) if ok else None
+        return None
+
+
+def _small_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
+
+
+def request_fields(method: str | None) -> list[RequestField]:
+    """The per-request options of registered method ``method`` (none for an unknown method or None)."""
+    if method not in METHODS:
+        return []
+    out = []
+    for f in dataclasses.fields(METHODS[method].options):
+        spec = spec_of(f)
+        if spec.request:
+            if spec.parse not in _TYPES:
+                raise AligntaxError(f"Option '{f.name}' of '{method}' is marked per request but is read as "
+                                    f"'{spec.parse}', which a request cannot send.")
+            out.append(RequestField(f.name, spec.parse, spec.help))
+    return out
+
+
+def parse_request_options(fields: list[RequestField], raw: dict[str, Any], model: str) -> dict[str, Any]:
+    """The request's ``aligntax.options`` checked against ``fields``; a 400 naming the first bad key."""
+    by_name = {f.name: f for f in fields}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        param = f"aligntax.options.{key}"
+        field = by_name.get(key)
+        if field is None:
+            takes = ", ".join(by_name) if by_name else "none"
+            raise invalid(f"Unrecognized steering option '{param}' for the model '{model}' (it takes: {takes}).",
+                          param, "unknown_parameter")
+        checked = field.check(value)
+        if checked is None:
+            got = repr(value) if isinstance(value, (int, float, str, bool)) or value is None else type(value).__name__
+            if len(got) > 60:
+                got = got[:57] + "..."
+            raise invalid(f"Invalid value for '{param}': expected {_EXPECTED[field.parse]} (got {got}).", param,
+                          "invalid_type")
+        out[key] = checked
+    return out
+
+
+def options_key(options: dict[str, Any]) -> tuple:
+    """A hashable key of an option set (lists become tuples)."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+
+
+class InterventionCache:
+    """Interventions built per distinct option set (LRU, ``maxsize`` kept).
+
+    ``build(options)`` makes one; concurrent requests with the same new options build it once."""
+
+    def __init__(self, build: Callable[[dict[str, Any]], Any], maxsize: int = 16):
+        if maxsize < 1:
+            raise ValueError("maxsize must be >= 1")
+        self.build = build
+        self.maxsize = maxsize
+        self._items: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()  # guards _items
+        self._build_lock = threading.Lock()  # one build at a time
+        self.builds = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, options: dict[str, Any]) -> Any:
+        key = options_key(options)
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        with self._build_lock:
+            with self._lock:
+                if key in self._items:
+                    self._items.move_to_end(key)
+                    return self._items[key]
+            iv = self.build(dict(options))
+            self.builds += 1
+            with self._lock:
+                self._items[key] = iv
+                while len(self._items) > self.maxsize:
+                    self._items.popitem(last=False)
+        return iv
+
+
+class RequestSteering:
+    """The served method's per-request options and the interventions built for them."""
+
+    def __init__(self, method: str, lm, base_options: dict[str, Any] | None = None, maxsize: int = 16):
+        if method not in METHODS:
+            raise AligntaxError(f"Unknown intervention '{method}'; known: {', '.join(METHODS)}.")
+        self.method = method
+        self.base = dict(base_options or {})
+        self.fields = request_fields(method)
+        self.cache = InterventionCache(lambda opts: make_intervention(method, lm, **{**self.base, **opts}),
+                                       maxsize)
+
+    def parse(self, raw: dict[str, Any], model: str) -> dict[str, Any]:
+        return parse_request_options(self.fields, raw, model)
+
+    def intervention(self, options: dict[str, Any]):
+        """The intervention for ``options`` (built on first use); a 400 when the builder refuses them."""
+        try:
+            return self.cache.get(options)
+        except AligntaxError as exc:
+            raise invalid(f"These steering options cannot be used: {exc}", "aligntax.options") from None
+        except (ValueError, TypeError) as exc:
+            raise invalid(f"These steering options cannot be used: {exc}", "aligntax.options") from None
+
+    def card(self) -> dict:
+        return {"method": self.method, "options": [f.card() for f in self.fields]}
+
+
+__all__ = ["MAX_INT", "InterventionCache", "RequestField", "RequestSteering", "options_key",
+           "parse_request_options", "request_fields"]
