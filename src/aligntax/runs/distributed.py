@@ -77,7 +77,8 @@ class ModelReplica:
     process remembers them."""
 
     def __init__(self, model: str, dtype: str, device_map: str | None = None, threads: int | None = None,
-                 intervention: str | None = None, intervention_args: dict | None = None) -> None:
+                 intervention: str | None = None, intervention_args: dict | None = None, backend: str = "hf",
+                 batch_size: int = 32) -> None:
         import torch
 
         from aligntax.activations.decisions import remembered_prefill_states
@@ -85,6 +86,16 @@ class ModelReplica:
 
         if threads:
             torch.set_num_threads(threads)
+        self.source = None  # the vLLM backend's engine (backend "vllm"), with the intervention as its preset
+        if backend == "vllm":
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine inside this actor
+            from aligntax.backends.vllm.evaluate import VllmEvalSource
+
+            self.source = VllmEvalSource(model, dtype, intervention, intervention_args, batch_size)
+            self.lm, self.iv = self.source.vm, self.source.intervention
+            self._memo = remembered_prefill_states()
+            self._memo.__enter__()
+            return
         self.lm = load_model(model, dtype=dtype, device_map=device_map)
         self.iv = None
         if intervention:
@@ -106,20 +117,25 @@ class ModelReplica:
         from aligntax.generation.chat import build_messages, render_chat
         from aligntax.interventions.base import NoIntervention
 
+        if self.source is not None:
+            return [len(ids) for ids in self.lm.encode(prompts, system, self.source.rewriting)[1]]
         self.lm.require_chat_template()
         iv = self.iv or NoIntervention()
         texts = [render_chat(self.lm.tokenizer, build_messages(p, system, iv)) for p in prompts]
         return [len(self.lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
-    def row_info(self, prompts: list, system: str | None, batch_size: int) -> list[dict] | None:
-        from aligntax.activations.decisions import row_info
+    def _decider(self):
+        from aligntax.activations.decisions import PrefillDecider
 
-        return row_info(self.iv, self.lm, prompts, system, batch_size)
+        return self.source.decider() if self.source is not None else PrefillDecider(self.lm, self.iv)
+
+    def row_info(self, prompts: list, system: str | None, batch_size: int) -> list[dict] | None:
+        decider = self._decider()
+        return decider.row_info(prompts, system, batch_size) if decider is not None else None
 
     def unsteered_rows(self, prompts: list, system: str | None, batch_size: int) -> list[bool] | None:
-        from aligntax.activations.decisions import unsteered_rows
-
-        return unsteered_rows(self.iv, self.lm, prompts, system, batch_size)
+        decider = self._decider()
+        return decider.unsteered_rows(prompts, system, batch_size) if decider is not None else None
 
     def generate(self, unit: int, prompts: list, gen: dict,
                  record: list[int] | None = None) -> tuple[int, list[dict], dict | None]:
@@ -131,6 +147,12 @@ class ModelReplica:
         states are half the bytes of float32 in the object store); else None."""
         from aligntax.generation import GenerationConfig, generate, iter_generate
 
+        if self.source is not None:
+            if record is not None:
+                raise AligntaxError("A vLLM replica does not record prompt states.")
+            gens, _ = self.lm.generate(prompts, GenerationConfig(**gen), steer=self.source.preset,
+                                       intervention=self.source.rewriting, progress=False)
+            return unit, [asdict(g) for g in gens], None
         if record is None:
             gens = generate(self.lm, prompts, GenerationConfig(**gen), self.iv, progress=False)
             return unit, [asdict(g) for g in gens], None
@@ -164,8 +186,10 @@ class Replicas:
     """The replicas of one run, started on first use (:meth:`start`) and killed on :meth:`close`."""
 
     def __init__(self, cfg: RayConfig, model: str, dtype: str, intervention: str | None = None,
-                 intervention_args: dict | None = None, device_map: str | None = None) -> None:
+                 intervention_args: dict | None = None, device_map: str | None = None, backend: str = "hf",
+                 batch_size: int = 32) -> None:
         self.cfg = cfg
+        self.backend, self.batch_size = backend, batch_size  # "vllm": each replica runs a vLLM engine
         self.device_map = device_map  # "auto": each replica's model split over its GPUs (accelerate)
         self.spec = (model, dtype, intervention, dict(intervention_args or {}))
         self.actors: list = []
@@ -195,9 +219,17 @@ class Replicas:
         remote = ray.remote(ModelReplica).options(num_cpus=self.cfg.cpus, num_gpus=gpus,
                                                   max_restarts=self.cfg.max_restarts, max_task_retries=-1)
         threads = max(1, int(self.cfg.cpus))
-        self.actors = [remote.remote(model, dtype, self.device_map, threads, intervention, args)
-                       for _ in range(workers)]
-        idents = ray.get([a.identity.remote() for a in self.actors])
+        self.actors = [remote.remote(model, dtype, self.device_map, threads, intervention, args, self.backend,
+                                     self.batch_size) for _ in range(workers)]
+        try:
+            idents = ray.get([a.identity.remote() for a in self.actors])
+        except ray.exceptions.RayActorError as exc:  # a replica could not load the model (or its backend)
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []
+            cause = getattr(exc, "error_msg", None) or str(exc)
+            last = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+            raise AligntaxError("A model replica could not start: " + (last[-1] if last else "unknown error")) from None
         fps = {repr(sorted(i["fingerprint"].items())) for i in idents}
         if len(fps) != 1:
             raise AligntaxError("The replicas loaded different models (fingerprints differ); give every node "
@@ -319,14 +351,18 @@ class RemoteIntervention:
 
 @contextmanager
 def replicas_of(ray_cfg: RayConfig | None, model: str, dtype: str, intervention: str | None = None,
-                intervention_args: dict | None = None, device_map: str | None = None) -> Iterator[Replicas | None]:
+                intervention_args: dict | None = None, device_map: str | None = None, backend: str = "hf",
+                batch_size: int = 32) -> Iterator[Replicas | None]:
     """The replicas of one run, started when first needed and killed on exit; None without
-    ``ray_cfg``."""
+    ``ray_cfg``. ``backend="vllm"``: each replica generates with a vLLM engine (sequence slots
+    ``batch_size``)."""
     if ray_cfg is None:
         yield None
         return
     import_ray()
-    reps = Replicas(ray_cfg, model, dtype, intervention, intervention_args, device_map)
+    if backend == "vllm" and device_map:
+        raise AligntaxError("--device-map is for the Hugging Face backend; a vLLM replica places its model itself.")
+    reps = Replicas(ray_cfg, model, dtype, intervention, intervention_args, device_map, backend, batch_size)
     try:
         yield reps
     finally:
@@ -343,7 +379,7 @@ def eval_replicas(ray_cfg: RayConfig | Replicas | None, cfg):
                                 f"run's {cfg.model} ({cfg.dtype}, intervention {cfg.intervention or None}).")
         return nullcontext(ray_cfg)
     return replicas_of(ray_cfg, cfg.model, cfg.dtype, cfg.intervention or None, cfg.intervention_args,
-                       cfg.device_map)
+                       cfg.device_map, backend=cfg.backend, batch_size=cfg.batch_size)
 
 
 def started(replicas: Replicas) -> tuple[RemoteModel, RemoteIntervention | None]:

@@ -168,9 +168,9 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
                             "settings, not loaded objects.")
     from aligntax.backends import check_backend
 
-    if check_backend(cfg.backend) == "vllm" and (ray is not None or recorder is not None or intervention is not None):
-        raise AligntaxError("The vLLM backend runs in this process and loads the intervention from its settings: "
-                            "no Ray replicas, prompt state recorder or loaded intervention.")
+    if check_backend(cfg.backend) == "vllm" and (recorder is not None or intervention is not None):
+        raise AligntaxError("The vLLM backend loads the intervention from its settings and records no prompt "
+                            "states: no prompt state recorder or loaded intervention.")
     out = Path(cfg.out)
     from aligntax.runs.distributed import eval_replicas
 
@@ -205,7 +205,7 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
     run_stats: dict = {}  # the hooks' statistics of every batch generated now (ELS: energy before/after per layer)
     engine = None  # the vLLM backend's generation source
     if todo:
-        if cfg.backend == "vllm":
+        if cfg.backend == "vllm" and replicas is None:  # else each replica runs its own engine
             from aligntax.backends.vllm.evaluate import VllmEvalSource
 
             engine = VllmEvalSource(cfg.model, cfg.dtype, cfg.intervention, cfg.intervention_args, cfg.batch_size,
