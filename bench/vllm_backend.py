@@ -16,6 +16,10 @@ Needs ``.venv-vllm`` (``./run setup-vllm``):
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/vllm_backend.py --steer runs/demo/els --threads 1
     .venv-vllm/bin/python bench/vllm_backend.py --steer runs/demo/els --quick   # smoke run
+
+``--arms vllm,vllm+els --fixed-length`` measures the steering's own cost inside vLLM: both arms generate
+exactly ``--max-new-tokens`` tokens per prompt, so a steered answer that runs longer than its unsteered
+one (a refusal turned into an answer) does not count as overhead.
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steer", required=True, help="an ELS folder written by `aligntax els train`")
     p.add_argument("--prefix-caching", action="store_true", help="keep vLLM's prefix cache on")
     p.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's CPU KV cache (default 2)")
+    p.add_argument("--arms", default="hf,hf+els,vllm,vllm+els",
+                   help="comma-separated arms to run (default all four; e.g. vllm,vllm+els)")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="vLLM arms generate exactly --max-new-tokens tokens per prompt (end tokens ignored), so "
+                        "the steered and unsteered arms do the same work: their time ratio is the steering's cost")
     return bl.parse_with_quick(p, argv, QUICK)
 
 
@@ -73,19 +82,26 @@ def main(argv=None) -> dict:
             return {"seconds": secs, "tokens": sum(g.n_tokens for g in gens)}
         return run
 
+    fixed = args.fixed_length
     arms = {
         "hf": arm("hf", lambda: generate(lm, prompts, cfg, None, progress=False)),
         "hf+els": arm("hf+els", lambda: generate(lm, prompts, cfg, iv, progress=False)),
-        "vllm": arm("vllm", lambda: vm.generate(prompts, cfg)[0]),
-        "vllm+els": arm("vllm+els", lambda: vm.generate(prompts, cfg, steer="els")[0]),
+        "vllm": arm("vllm", lambda: vm.generate(prompts, cfg, ignore_eos=fixed)[0]),
+        "vllm+els": arm("vllm+els", lambda: vm.generate(prompts, cfg, steer="els", ignore_eos=fixed)[0]),
     }
+    wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(wanted) - set(arms))
+    if unknown or not wanted:
+        raise SystemExit(f"unknown arms {unknown}; choose from {', '.join(arms)}")
+    arms = {k: v for k, v in arms.items() if k in wanted}
     env = {**bl.environment(lm), "vllm": __import__("vllm").__version__}
     runs = bl.interleaved(arms, args.repeats, args.warmup)
     summary = {name: bl.summarize(r) for name, r in runs.items()}
     ratios = {f"{b}/{a}": bl.paired_ratio(runs[a], runs[b])
-              for a, b in (("hf", "hf+els"), ("vllm", "vllm+els"), ("hf", "vllm"), ("hf+els", "vllm+els"))}
+              for a, b in (("hf", "hf+els"), ("vllm", "vllm+els"), ("hf", "vllm"), ("hf+els", "vllm+els"))
+              if a in runs and b in runs}
     same = {k: sum(x == y for x, y in zip(answers[k], answers[f"vllm{k[2:]}"], strict=True))
-            for k in ("hf", "hf+els")}
+            for k in ("hf", "hf+els") if k in answers and f"vllm{k[2:]}" in answers}
     rows = [[name, s["median_s"], s["median_tok_s"], s["tokens"] if not isinstance(s["tokens"], list) else "varies"]
             for name, s in summary.items()]
     ratio_rows = [[k, v["median_paired"], ", ".join(f"{x:.3f}" for x in v["per_repeat"])] for k, v in ratios.items()]
@@ -93,8 +109,9 @@ def main(argv=None) -> dict:
              f"sequence slots {args.batch_size}; vllm {env['vllm']}, prefix cache "
              f"{'on' if args.prefix_caching else 'off'}",
              f"ELS {args.steer}: {iv.config()}; steered rows {steered_rows}/{len(prompts)}",
-             f"identical responses, hf vs vllm: {same['hf']}/{len(prompts)} unsteered, "
-             f"{same['hf+els']}/{len(prompts)} steered", f"HF model load {load_s:.1f} s"]
+             *([f"vLLM arms: exactly {args.max_new_tokens} tokens per prompt (end tokens ignored)"] if fixed else []),
+             *[f"identical responses, {k} vs vllm{k[2:]}: {v}/{len(prompts)}" for k, v in same.items()],
+             f"HF model load {load_s:.1f} s"]
     md = "\n".join([*bl.header("vLLM backend vs Hugging Face backend", env, notes), "",
                     bl.md_table(["arm", "median s", "tok/s", "tokens"], rows), "",
                     bl.md_table(["ratio (time)", "median of per-repeat", "per repeat"], ratio_rows)])

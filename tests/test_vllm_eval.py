@@ -11,7 +11,6 @@ The steered check needs a trained ELS folder (the one ``./run demo`` trains):
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -22,6 +21,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from aligntax.errors import AligntaxError  # noqa: E402
+from aligntax.metrics.rates import paired_interval  # noqa: E402
 from aligntax.runs import EvalConfig, run_eval  # noqa: E402
 from aligntax.runs.jsonl import read_jsonl  # noqa: E402
 
@@ -57,13 +57,6 @@ def setup(data_dir, qwen_tokenizer):
 def _cfg(out: Path, backend: str, judge: str, **kw) -> EvalConfig:
     return EvalConfig(data=[DATA], out=str(out), model=MODEL, judge=judge, max_new_tokens=TOKENS, limit=N,
                       batch_size=16, dtype="bf16", backend=backend, progress=False, **kw)
-
-
-def paired_interval(gained: int, lost: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wald interval of a paired difference of proportions, (gained - lost) / n."""
-    d = (gained - lost) / n
-    se = math.sqrt(max(gained + lost - (gained - lost) ** 2 / n, 0.0)) / n
-    return d - z * se, d + z * se
 
 
 def _compare(tmp: Path, setup, tag: str, **iv) -> dict:

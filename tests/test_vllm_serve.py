@@ -9,6 +9,11 @@ together (continuous batching) get their own answers; stop strings, ``max_tokens
 are handled as the HF server handles them; the command itself (``aligntax serve --backend vllm``) serves
 and, on SIGTERM, stops together with its engine's process.
 
+Per-request steering options (``aligntax.options``): each option set's answers equal the HF backend's
+with the intervention built for those options; several sets in flight together get their one-at-a-time
+answers; bad keys and types get 400; more sets than the bound (3 here) are evicted and registered
+again; a registration the workers refuse fails only its request.
+
 Runs in ``.venv-vllm`` (``./run setup-vllm``); skipped where vLLM is not installed."""
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ ELS = {"eta": 2.0, "steps": 2, "horizon": 3, "layers": [1, 2], "gate": "none", "
 ELS_FLAGS = ["--eta", "2.0", "--steps", "2", "--horizon", "3", "--layers", "1,2", "--gate", "none",
              "--row-threshold", "none"]
 MAX_NEW = 8
+OPTIONS_BOUND = 3
+# option sets that change the steered answers of this tiny model (checked in the tests)
+OPTION_SETS = [{"eta": 0.5}, {"horizon": 1}, {"steps": 1, "layers": [2]}, {"eta": 1.0, "horizon": 5},
+               {"horizon": 6}]
 BIN = Path(sys.executable).parent
 
 
@@ -85,7 +94,8 @@ def live(vm, tiny_dir):
     preset, rewriting = prepare(vm, "els", args, preset=PRESET)
     assert preset == PRESET and rewriting is None
     iv = make_intervention("els", vm.facts, **args)
-    app = create_vllm_app(vm, iv, preset, NAME, max_batch_size=4, max_new_tokens_limit=64, default_max_tokens=16)
+    app = create_vllm_app(vm, iv, preset, NAME, max_batch_size=4, max_new_tokens_limit=64, default_max_tokens=16,
+                          steer_method="els", steer_options=args, options_cache_size=OPTIONS_BOUND)
     srv = BackgroundServer(app).start()
     yield srv
     srv.stop()
@@ -116,9 +126,25 @@ def _stream_text(client, prompt: str, model: str, **kw) -> tuple[str, str]:
     return text, finish
 
 
-def _hf(lm, iv=None):
+def _hf(lm, iv=None, prompts=PROMPTS):
     cfg = GenerationConfig(max_new_tokens=MAX_NEW, batch_size=8, drop_finished=False)
-    return [(g.response, g.finish_reason) for g in generate(lm, PROMPTS, cfg, iv, progress=False)]
+    return [(g.response, g.finish_reason) for g in generate(lm, prompts, cfg, iv, progress=False)]
+
+
+def _hf_options(lm, tiny_dir, options: dict, prompts=PROMPTS):
+    """The HF backend's greedy answers with the intervention built for the server's options updated with
+    ``options`` (what the HF server's per-request options steer with)."""
+    from aligntax.api import load_intervention
+
+    return _hf(lm, load_intervention(str(tiny_dir / "els"), lm, **{**ELS, **options}), prompts)
+
+
+def _opt(options: dict) -> dict:
+    return {"extra_body": {"aligntax": {"options": options}}}
+
+
+def _answer(r) -> tuple[str, str]:
+    return r.choices[0].message.content.strip(), r.choices[0].finish_reason
 
 
 def test_models_listed(client):
@@ -212,8 +238,9 @@ def test_sampling_is_seeded(client):
     assert a == b
 
 
-def test_serve_command(tiny_dir):
-    """`aligntax serve --backend vllm` itself: it starts, lists NAME and NAME+els and answers both."""
+def test_serve_command(tiny_dir, lm):
+    """`aligntax serve --backend vllm` itself: it starts, lists NAME and NAME+els and answers both, and the
+    steered model takes per-request steering options."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -241,6 +268,10 @@ def test_serve_command(tiny_dir):
         plain = _chat(c, PROMPTS[0]).choices[0].message.content
         steered = _chat(c, PROMPTS[0], STEERED).choices[0].message.content
         assert plain != steered
+        card = httpx.get(url + "/v1/models").json()["data"][1]
+        assert card["id"] == STEERED and "eta" in [o["name"] for o in card["aligntax"]["options"]]
+        options = _answer(_chat(c, PROMPTS[0], STEERED, **_opt(OPTION_SETS[0])))
+        assert [options] == _hf_options(lm, tiny_dir, OPTION_SETS[0], PROMPTS[:1])
         engine_procs = psutil.Process(proc.pid).children(recursive=True)
         assert engine_procs  # vLLM's engine core runs in a process of its own
     finally:
@@ -252,3 +283,176 @@ def test_serve_command(tiny_dir):
             proc.wait()
     _, alive = psutil.wait_procs(engine_procs, timeout=30)
     assert not alive, [p.name() for p in alive]
+
+
+# ---- per-request steering options -------------------------------------------------------------------
+
+
+def test_models_list_options(live):
+    from aligntax.serve.options import request_fields
+
+    cards = {m["id"]: m for m in httpx.get(live.url + "/v1/models").json()["data"]}
+    listed = cards[STEERED]["aligntax"]
+    assert listed["method"] == "els"
+    assert listed["options"] == [f.card() for f in request_fields("els")]
+    assert [o["name"] for o in listed["options"]][:3] == ["eta", "steps", "layers"]
+    assert "aligntax" not in cards[NAME]
+
+
+def test_options_equal_hf(client, lm, tiny_dir):
+    """Each option set's greedy answers are the HF backend's with the intervention built for those options,
+    and differ from the server's own steering (so the options reach the engine)."""
+    base = [_answer(_chat(client, p, STEERED)) for p in PROMPTS]
+    for options in OPTION_SETS[:3]:
+        got = [_chat(client, p, STEERED, **_opt(options)) for p in PROMPTS]
+        assert [_answer(r) for r in got] == _hf_options(lm, tiny_dir, options), options
+        assert [_answer(r) for r in got] != base, options
+        assert all(r.model_extra["aligntax"]["options"] == options for r in got)
+    # strength multiplies the option set's steering as it does the server's; 0 is plain
+    zero = _chat(client, PROMPTS[0], STEERED, extra_body={"aligntax": {"strength": 0.0, "options": OPTION_SETS[0]}})
+    assert zero.choices[0].message.content == _chat(client, PROMPTS[0]).choices[0].message.content
+
+
+def test_options_streaming_equals_non_streaming(client):
+    for p in PROMPTS[:2]:
+        whole = _chat(client, p, STEERED, **_opt(OPTION_SETS[1])).choices[0]
+        assert _stream_text(client, p, STEERED, **_opt(OPTION_SETS[1])) == \
+            (whole.message.content, whole.finish_reason)
+
+
+def test_concurrent_option_sets(live, client):
+    """Requests of several option sets (and plain and the server's steering) in flight together get their
+    one-at-a-time answers; concurrent requests with one new set register it once."""
+    engine = live.app.state.engine
+    sets = [None, {}, *OPTION_SETS[:3]]
+    want = {}
+    for p in PROMPTS:
+        for k, options in enumerate(sets):
+            model = NAME if options is None else STEERED
+            want[(p, k)] = _chat(client, p, model, **(_opt(options) if options else {})).choices[0].message.content
+
+    async def go(keys):
+        aclient = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        outs = await asyncio.gather(*[aclient.chat.completions.create(
+            model=NAME if sets[k] is None else STEERED, messages=_msgs(p), temperature=0, max_tokens=MAX_NEW,
+            **(_opt(sets[k]) if sets[k] else {})) for p, k in keys])
+        return [o.choices[0].message.content for o in outs]
+
+    keys = list(want) * 2
+    assert asyncio.run(go(keys)) == [want[k] for k in keys]
+    # a set not seen before, sent by several requests at once, is registered once
+    fresh = {"eta": 0.75}
+    before = engine.option_registrations
+    sets.append(fresh)
+    outs = asyncio.run(go([(p, len(sets) - 1) for p in PROMPTS]))
+    assert engine.option_registrations == before + 1
+    assert outs == [_chat(client, p, STEERED, **_opt(fresh)).choices[0].message.content for p in PROMPTS]
+    metrics = httpx.get(live.url + "/metrics").json()
+    assert metrics["in_flight"] == 0 and metrics["queue_depth"] == 0
+
+
+@pytest.mark.parametrize(("options", "param", "code"), [
+    ({"etaa": 0.2}, "aligntax.options.etaa", "unknown_parameter"),
+    ({"path": "/etc"}, "aligntax.options.path", "unknown_parameter"),  # folders never per request
+    ({"horizon": "soon"}, "aligntax.options.horizon", "invalid_type"),
+    ({"layers": [1, True]}, "aligntax.options.layers", "invalid_type"),
+    ({"eta": 0.5}, "aligntax.options", None),  # on the plain model
+    ({"layers": [9]}, "aligntax.options", None),  # refused by the builder: the model has 3 layers
+])
+def test_bad_options_refused(live, options, param, code):
+    engine = live.app.state.engine
+    n = engine.option_registrations
+    model = NAME if param == "aligntax.options" and "eta" in options else STEERED
+    r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": _msgs(PROMPTS[0]), "temperature": 0, "max_tokens": MAX_NEW,
+        "aligntax": {"options": options}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    if code is not None:
+        assert err["code"] == code and param in err["message"]
+    assert engine.option_registrations == n  # refused before reaching the engine
+
+
+def _settled(engine, timeout: float = 30.0) -> None:
+    """Wait until the finished requests released their presets and the evicted ones are unregistered."""
+    deadline = time.monotonic() + timeout
+    while (engine._unregistering or len(engine.option_presets) > OPTIONS_BOUND) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine._unregistering and len(engine.option_presets) <= OPTIONS_BOUND
+
+
+def test_option_presets_evicted_and_registered_again(live, client, vm, lm, tiny_dir):
+    """More option sets than the bound: the least recently used presets are unregistered from the workers,
+    every set still gets its own answers, and an evicted set is registered again when asked for again."""
+    engine = live.app.state.engine
+    prompts = PROMPTS[:2]
+    want = {i: _hf_options(lm, tiny_dir, options, prompts) for i, options in enumerate(OPTION_SETS)}
+    regs, unregs = engine.option_registrations, engine.option_unregistrations
+    for i, options in enumerate(OPTION_SETS):
+        got = [_answer(_chat(client, p, STEERED, **_opt(options))) for p in prompts]
+        assert got == want[i], options
+    _settled(engine)
+    assert engine.option_unregistrations > unregs
+    names = [engine.option_preset_name(o) for o in OPTION_SETS[-OPTIONS_BOUND:]]
+    assert engine.option_presets == names  # the most recent ones, least recently used first
+    registered = set(vm.summary()["presets"])
+    assert set(names) <= registered
+    assert engine.option_preset_name(OPTION_SETS[0]) not in registered  # evicted from the workers too
+    # asked for again: registered again, same answers
+    n = engine.option_registrations
+    assert [_answer(_chat(client, p, STEERED, **_opt(OPTION_SETS[0]))) for p in prompts] == want[0]
+    assert engine.option_registrations == n + 1 > regs
+    _settled(engine)
+    assert len([p for p in vm.summary()["presets"] if p.startswith("req-")]) <= OPTIONS_BOUND
+
+
+def test_option_registration_failure_fails_that_request_only(live, client, tiny_dir):
+    """A preset the workers refuse to build (here: its folder is gone) fails that request with a 500 naming
+    the options; other requests, and the same options once they can be built, are answered."""
+    import dataclasses
+
+    engine = live.app.state.engine
+    good = engine.option_steering
+    options = {"eta": 0.3}
+    try:
+        engine.option_steering = dataclasses.replace(good, source=str(tiny_dir / "missing"))
+        with pytest.raises(openai.InternalServerError, match=r"could not be set up.*\"eta\": 0.3"):
+            _chat(client, PROMPTS[0], STEERED, **_opt(options))
+        assert engine.option_preset_name(options) not in engine.option_presets
+    finally:
+        engine.option_steering = good
+    assert _chat(client, PROMPTS[0]).choices[0].finish_reason in ("stop", "length")
+    steered = _chat(client, PROMPTS[0], STEERED, **_opt(options)).choices[0].message.content
+    assert steered != _chat(client, PROMPTS[0]).choices[0].message.content
+
+
+def test_app_registers_its_method_and_drops_its_presets(vm, live, lm, tiny_dir):
+    """``create_vllm_app`` with ``steer_method`` and no preset registers the method itself; a server that
+    stops unregisters its option presets from the engine it shares (the other server's stay)."""
+    from aligntax.backends.vllm.serving import create_vllm_app
+    from aligntax.serve.background import BackgroundServer
+
+    args = {"path": str(tiny_dir / "els"), **ELS}
+    app = create_vllm_app(vm, None, None, NAME, max_new_tokens_limit=64, steer_method="els", steer_options=args,
+                          options_cache_size=1)
+    srv = BackgroundServer(app).start()
+    engine = app.state.engine
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        assert [_answer(_chat(c, PROMPTS[0], STEERED))] == _hf_options(lm, tiny_dir, {}, PROMPTS[:1])
+        for options in OPTION_SETS[:2]:
+            assert [_answer(_chat(c, PROMPTS[0], STEERED, **_opt(options)))] == \
+                _hf_options(lm, tiny_dir, options, PROMPTS[:1])
+        deadline = time.monotonic() + 30
+        while (engine._unregistering or len(engine.option_presets) > 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mine = engine.option_presets
+        assert mine == [engine.option_preset_name(OPTION_SETS[1])]
+        assert set(mine) <= set(vm.summary()["presets"])
+    finally:
+        srv.stop()
+    others = live.app.state.engine.option_presets
+    registered = set(vm.summary()["presets"])
+    assert not set(mine) & registered
+    assert set(others) <= registered

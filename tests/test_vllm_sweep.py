@@ -20,19 +20,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from aligntax.judges.base import RefusalJudge, Verdict  # noqa: E402
 from aligntax.runs.jsonl import read_jsonl  # noqa: E402
-from tiny import save_tiny_bank, save_tiny_vectors, tiny_model, tiny_tokenizer  # noqa: E402
-
-
-class ParityJudge(RefusalJudge):
-    """Refusal when the answer's code points sum to an even number: a function of the exact text."""
-
-    name = "parity"
-
-    def judge(self, prompts, responses):
-        return [Verdict(refused=sum(map(ord, r)) % 2 == 0, refusal_score=float(sum(map(ord, r)) % 2 == 0))
-                for r in responses]
+from tiny import ParityJudge, save_tiny_bank, save_tiny_vectors, tiny_model, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture()

@@ -229,3 +229,22 @@ def save_tiny_bank(lm, directory, n: int = 24, epochs: int = 3):
     bank = train_layers(acts, labels, EnergyConfig.preset("small", widths=[16], epochs=epochs), fingerprint=lm.fingerprint)
     bank.save(directory)
     return directory
+
+
+def _parity_judge_class():
+    from aligntax.judges.base import RefusalJudge, Verdict
+
+    class ParityJudge(RefusalJudge):
+        """A refusal when the answer's code points sum to an even number: a function of the exact text,
+        so equal scores across backends or runs mean equal answers."""
+
+        name = "parity"
+
+        def judge(self, prompts, responses):
+            return [Verdict(refused=sum(map(ord, r)) % 2 == 0, refusal_score=float(sum(map(ord, r)) % 2 == 0))
+                    for r in responses]
+
+    return ParityJudge
+
+
+ParityJudge = _parity_judge_class()

@@ -512,20 +512,23 @@ def els_sweep(
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("runs/demo"), help="run folder"),
+    out: Path | None = typer.Option(None, help="run folder (default runs/demo, with --backend vllm runs/demo-vllm)"),
     model: str = typer.Option(DEFAULT_MODEL),
     limit: int | None = typer.Option(None, help="first N items of each test set"),
     max_new_tokens: int = typer.Option(48),
     judge_name: str = typer.Option("classifier", "--judge"),
     dtype: str = typer.Option("bf16"),
-    batch_size: int = typer.Option(96, help="prompts per batch"),
+    batch_size: int = typer.Option(96, help="prompts per batch (vLLM: the engine's sequence slots)"),
+    backend: str = typer.Option("hf", help="hf, or vllm: every generation of the evaluations, sweep and "
+                                           "known-answer check on one vLLM engine (./run setup-vllm)"),
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
     from aligntax.runs.demo import DemoConfig, run_demo
 
+    out = out or Path("runs/demo" if backend == "hf" else f"runs/demo-{backend}")
     try:
         run_demo(DemoConfig(out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
-                            judge=judge_name, dtype=dtype, batch_size=batch_size))
+                            judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend))
     except AligntaxError as exc:
         _fail(exc)
     Console().print((out / "report.md").read_text())

@@ -31,6 +31,7 @@ import time
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from aligntax.errors import AligntaxError, DataError
@@ -221,6 +222,8 @@ class KnownsConfig:
     # Another knowns run folder: results get the paired change against it over the ids both hold.
     compare_to: str | None = None
     progress: bool = True
+    # "hf" (aligntax's own batched loop) or "vllm" (aligntax.backends.vllm; lm may be a started VllmModel)
+    backend: str = "hf"
 
     def generation(self):
         from aligntax.generation import GenerationConfig
@@ -229,7 +232,8 @@ class KnownsConfig:
 
 
 # Fields that change what a sample is; a resumed run must agree on all of them.
-_RESULT_FIELDS = ("model", "data", "system", "max_new_tokens", "dtype", "intervention", "intervention_args")
+_RESULT_FIELDS = ("model", "data", "system", "max_new_tokens", "dtype", "intervention", "intervention_args",
+                  "backend")
 
 
 def _check_resume(out: Path, cfg: KnownsConfig) -> None:
@@ -251,7 +255,8 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
     response is scored again against the items' current accepted answers, so a corrected answer list
     applies to a finished run on the next invocation (``samples.jsonl`` is rewritten when a verdict changes).
     """
-    from aligntax.activations.decisions import row_info
+    from aligntax.activations.decisions import PrefillDecider
+    from aligntax.backends import check_backend
     from aligntax.generation import iter_generate
     from aligntax.runs.eval import _previous, _read_intervention, _record_intervention
     from aligntax.runs.jsonl import append_jsonl, read_jsonl
@@ -270,6 +275,16 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
     t0 = time.perf_counter()
     gen_seconds, n_tokens = 0.0, 0
     if todo:
+        engine = None  # the vLLM backend's generation source
+        if check_backend(cfg.backend) == "vllm":
+            if intervention is not None:
+                raise AligntaxError("The vLLM backend loads the intervention from its settings: no loaded "
+                                    "intervention.")
+            from aligntax.backends.vllm.evaluate import VllmEvalSource
+
+            iv_name = cfg.intervention if cfg.intervention != "none" else None
+            engine = VllmEvalSource(cfg.model, cfg.dtype, iv_name, cfg.intervention_args, cfg.batch_size, vm=lm)
+            lm, intervention = engine.vm, engine.intervention
         if lm is None:
             from aligntax.models import load_model
 
@@ -279,12 +294,15 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
 
             intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
         _record_intervention(out, intervention)
-        info = row_info(intervention, lm, [it.prompt for it in todo], cfg.system, cfg.batch_size) \
-            if intervention is not None else None
+        decider = engine.decider() if engine is not None else PrefillDecider(lm, intervention)
+        info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
+            if intervention is not None and decider is not None else None
         steering = {it.id: r for it, r in zip(todo, info, strict=True)} if info is not None else {}
+        gen_over = engine.iter_generate if engine is not None else partial(iter_generate, lm,
+                                                                           intervention=intervention)
         tb = time.perf_counter()
-        for idx, gens in iter_generate(lm, [it.prompt for it in todo], cfg.generation(), intervention,
-                                       progress=cfg.progress, desc="knowns"):
+        for idx, gens in gen_over([it.prompt for it in todo], cfg.generation(), progress=cfg.progress,
+                                  desc="knowns"):
             gen_seconds += time.perf_counter() - tb
             n_tokens += sum(g.n_tokens for g in gens)
             append_jsonl(samples_path, [

@@ -84,6 +84,16 @@ def mcnemar_exact(gained: int, lost: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def paired_interval(gained: int, lost: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wald 95% interval of a paired difference of proportions, ``(gained - lost) / n`` (the variance of
+    the per-item differences; 0 wide when no item changed)."""
+    if n <= 0:
+        return (float("nan"), float("nan"))
+    d = (gained - lost) / n
+    se = math.sqrt(max(gained + lost - (gained - lost) ** 2 / n, 0.0)) / n
+    return d - z * se, d + z * se
+
+
 def paired_change(before: Iterable[bool], after: Iterable[bool]) -> dict:
     """The change of a rate measured twice on the same items (e.g. refusal without and with an
     intervention): both rates, the difference, how many items turned true (``gained``) and false

@@ -55,9 +55,33 @@ class DemoConfig:
     # folder is the ELS folder's)
     test_baselines: list[str] = field(default_factory=lambda: ["system-prompt", "refusal-ablation", "cast"])
     progress: bool = True
+    # "hf" (aligntax's own batched loop) or "vllm": every generation of the evaluations, the sweep and
+    # the known-answer check on one vLLM engine (aligntax.backends.vllm; ./run setup-vllm). ELS training,
+    # the per-row decisions made before generating and judging run on the Hugging Face model either way.
+    backend: str = "hf"
 
 
-def run_demo(cfg: DemoConfig, lm=None) -> dict:
+def run_demo(cfg: DemoConfig, lm=None, vm=None) -> dict:
+    """The main job (module docstring). ``lm``: the loaded Hugging Face model (loaded here when None);
+    with ``cfg.backend == "vllm"``, ``vm``: a started
+    :class:`~aligntax.backends.vllm.engine.VllmModel` (started here when None, and closed at the end)."""
+    from aligntax.backends import check_backend
+
+    cfg.backend = check_backend(cfg.backend)
+    if cfg.backend != "vllm":
+        return _run_demo(cfg, lm, None)
+    from aligntax.backends.vllm.engine import VllmModel, VllmOptions
+
+    own = vm is None
+    vm = vm or VllmModel(cfg.model, dtype=cfg.dtype, options=VllmOptions(max_num_seqs=max(1, cfg.batch_size)))
+    try:
+        return _run_demo(cfg, lm, vm)
+    finally:
+        if own:
+            vm.close()
+
+
+def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
     from aligntax.models import load_model
 
     out = Path(cfg.out)
@@ -68,25 +92,32 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
     stages += ["baselines on the test sets"] if cfg.test_baselines else []
     clock = _Clock(stages, cfg.progress)
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
+    if vm is not None and vm.hf is None:
+        vm.hf = lm  # the per-row decisions made before generating use the model loaded here
+    gen_lm = vm if vm is not None else lm  # what the evaluations and the known-answer check generate on
     clock.lap("model load")
     common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                   dtype=cfg.dtype, progress=cfg.progress)
-    clock.begin(0, f"the unsteered model on {len(cfg.test_sets)} test sets ({', '.join(cfg.test_sets)})")
-    base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common), lm=lm)
+    train_common = dict(common)
+    common["backend"] = cfg.backend
+    clock.begin(0, f"the unsteered model on {len(cfg.test_sets)} test sets ({', '.join(cfg.test_sets)})"
+                   + (" (vLLM)" if vm is not None else ""))
+    base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common),
+                    lm=gen_lm)
     clock.lap()
     clock.begin(1, "label the model's own answers on train prompts, capture states, train energy models and the "
                    "harm gate")
     train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train,
                              limit_harmful=cfg.limit_harmful_train,
                              limit_gate_harmful=cfg.limit_gate_harmful, limit_gate_benign=cfg.limit_gate_benign,
-                             **common), lm=lm)
+                             **train_common), lm=lm)
     clock.lap()
     sweep_cfg = demo_sweep_config(cfg, out / "els")
     n_settings = (len(sweep_cfg.top_k) + len(sweep_cfg.layers)) * len(sweep_cfg.row_threshold) + len(sweep_cfg.extra)
     clock.begin(2, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''} on "
                    f"validation prompts ({', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
                    "pick the best eligible one")
-    sweep = run_sweep(sweep_cfg, lm=lm)
+    sweep = run_sweep(sweep_cfg, lm=lm, vm=vm)
     clock.lap()
     best = sweep["best"]
     steered = knowns = None
@@ -97,17 +128,17 @@ def run_demo(cfg: DemoConfig, lm=None) -> dict:
         # rows the harm gate holds back are answered exactly as unsteered: take them from the baseline
         steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
                                       intervention="els", intervention_args=args,
-                                      reuse_unsteered=str(out / "baseline"), **common), lm=lm)
+                                      reuse_unsteered=str(out / "baseline"), **common), lm=gen_lm)
         clock.lap()
         if cfg.knowns:
             clock.begin(4, "everyday questions with known answers, unsteered and steered (test split)")
-            knowns = _knowns(cfg, out, lm, args)
+            knowns = _knowns(cfg, out, gen_lm, args)
             clock.lap()
     tests = None
     if cfg.test_baselines:
         clock.begin(len(stages) - 1, f"{len(cfg.test_baselines)} baselines ({', '.join(cfg.test_baselines)}) on "
                                      f"the {len(cfg.test_sets)} test sets, for the test-set Pareto plot")
-        tests = _test_pareto(cfg, out, lm, base, steered, common)
+        tests = _test_pareto(cfg, out, gen_lm, base, steered, common)
         clock.lap()
     summary = {"baseline": base, "steered": steered, "best": best, "knowns": knowns, "test_pareto": tests,
                "sweep": sweep, "minutes": clock.minutes()}
@@ -131,7 +162,7 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
                        # known-answer constraint says it costs correct answers
                        threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0, -2.0],
                        extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
-                       max_new_tokens=cfg.sweep_max_new_tokens, knowns=cfg.knowns,
+                       max_new_tokens=cfg.sweep_max_new_tokens, knowns=cfg.knowns, backend=cfg.backend,
                        baselines=cfg.sweep_baselines, baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak, progress=cfg.progress)
 
 
@@ -140,7 +171,7 @@ def _knowns(cfg: DemoConfig, out: Path, lm, args: dict) -> dict:
     from aligntax.metrics.knowns import KnownsConfig, run_knowns
 
     common = dict(model=cfg.model, data=cfg.knowns, split="test", limit=cfg.limit, max_new_tokens=cfg.max_new_tokens,
-                  batch_size=cfg.batch_size, dtype=cfg.dtype, progress=cfg.progress)
+                  batch_size=cfg.batch_size, dtype=cfg.dtype, progress=cfg.progress, backend=cfg.backend)
     before = run_knowns(KnownsConfig(out=str(out / "knowns-baseline"), **common), lm=lm)
     _set_aside_if_changed(out / "knowns-steered", args)
     after = run_knowns(KnownsConfig(out=str(out / "knowns-steered"), intervention="els", intervention_args=args,
@@ -285,8 +316,10 @@ def write_demo_report(out: Path, summary: dict) -> None:
     base, steered, best = summary["baseline"], summary["steered"], summary["best"]
     lines = ["# aligntax demo: energy landscape steering against over-refusal", "",
              f"Model `{base['config']['model']}`, judge `{base['config']['judge']}`, greedy, "
-             f"{base['config']['max_new_tokens']} new tokens. Trained on train splits, tuned on validation "
-             "splits, reported on test sets. Wilson 95% intervals.", ""]
+             f"{base['config']['max_new_tokens']} new tokens"
+             + (", generated with vLLM" if base["config"].get("backend", "hf") == "vllm" else "")
+             + ". Trained on train splits, tuned on validation splits, reported on test sets. Wilson 95% "
+             "intervals.", ""]
     if best:
         lines += [f"Selected ELS setting (validation, {best['method']}): `{json.dumps(best['args'])}` "
                   f"(val compliance {best['benign_compliance']:.3f}, val harmful refusal "

@@ -635,11 +635,12 @@ def sweep_unit(lm, name: str, args: dict, method: str, fresh: bool, leak_due: bo
     return out
 
 
-def run_sweep(cfg: SweepConfig, lm=None, ray=None) -> dict:
+def run_sweep(cfg: SweepConfig, lm=None, ray=None, vm=None) -> dict:
     """Score every setting on validation data (appending to ``sweep.jsonl``), pick the best ELS setting
     under the safety constraint, and draw the compliance-versus-safety Pareto plot. With ``ray`` (a
     :class:`~aligntax.runs.distributed.RayConfig`) the settings are scored on replicas of the model
-    over Ray, one setting a work unit (the unsteered one first), and judged here."""
+    over Ray, one setting a work unit (the unsteered one first), and judged here. With the vLLM backend
+    ``vm`` may be a started :class:`~aligntax.backends.vllm.engine.VllmModel` to generate on."""
     from aligntax.backends import check_backend
     from aligntax.runs.distributed import replicas_of
 
@@ -649,10 +650,10 @@ def run_sweep(cfg: SweepConfig, lm=None, ray=None) -> dict:
     if cfg.backend == "vllm" and ray is not None:
         raise AligntaxError("The vLLM backend runs the sweep's engine in this process: not with --ray.")
     with replicas_of(ray, cfg.model, cfg.dtype, device_map=cfg.device_map) as replicas:
-        return _run_sweep(cfg, lm, replicas)
+        return _run_sweep(cfg, lm, replicas, vm)
 
 
-def _run_sweep(cfg: SweepConfig, lm, replicas) -> dict:
+def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
     from aligntax.activations.decisions import remembered_prefill_states
     from aligntax.interventions.registry import make_intervention
     from aligntax.judges import get_judge
@@ -685,7 +686,7 @@ def _run_sweep(cfg: SweepConfig, lm, replicas) -> dict:
         if not engines:
             from aligntax.backends.vllm.sweep import VllmSweepSource
 
-            engines.append(VllmSweepSource(cfg.model, cfg.dtype, cfg.batch_size))
+            engines.append(VllmSweepSource(cfg.model, cfg.dtype, cfg.batch_size, vm=vm))
         return engines[0].setting(name, _sweep_iv_args(name, args))
     if cfg.leak_constraint and not cfg.leak:
         raise AligntaxError("The leak constraint needs held-out harmful sets (leak / --leak).")

@@ -435,7 +435,8 @@ class _Server:
         if body.aligntax is not None and body.aligntax.strength is not None:
             strength = float(body.aligntax.strength)
         return Job(prompt_ids=prompt_ids, params=params, steer=steer, strength=strength, intervention=iv,
-                   stream=bool(body.stream), loop=asyncio.get_running_loop(), events=asyncio.Queue())
+                   options=dict(plan.options) if plan.options else None, stream=bool(body.stream),
+                   loop=asyncio.get_running_loop(), events=asyncio.Queue())
 
     def admit(self, body: ChatCompletionRequest | None = None) -> None:
         """Count the request against the engine's bounds from its arrival (before tokenisation), or

@@ -130,6 +130,9 @@ class Job:
     # steered with this instead of the engine's intervention (a request's own steering options); a batch
     # holds steered rows of one intervention only
     intervention: Intervention | None = None
+    # the request's checked steering options (``aligntax.options``) that built ``intervention``; an engine
+    # that steers elsewhere (the vLLM backend's) sets up its own steering from them
+    options: dict | None = None
     stream: bool = False
     arrived_at: float | None = None  # perf_counter() at admission (before tokenisation), when the server knows it
     loop: asyncio.AbstractEventLoop | None = None

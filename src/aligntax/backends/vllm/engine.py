@@ -185,6 +185,18 @@ class VllmModel:
         self.eos_ids = _eos_ids(self.source, self.tokenizer)
         self.greedy_extras = _greedy_extras(self.source)
         self.presets: dict[str, dict] = {}
+        # a Hugging Face copy of the model for the per-row decisions made before generating (loaded on
+        # first need by aligntax.backends.vllm.evaluate, or set by a caller that holds one)
+        self.hf = None
+
+    def close(self) -> None:
+        """Shut the engine's core (and its child process) down; the object is unusable afterwards."""
+        import contextlib
+
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
 
     # ---- LoadedModel-like facts (for intervention loaders and run folders) ----------------------------
     @property
@@ -229,10 +241,12 @@ class VllmModel:
     def generate(self, prompts: Sequence[str | list[dict]], cfg: GenerationConfig | None = None,
                  steer: str | None = None, strengths: Sequence[float] | None = None,
                  steer_rows: Sequence[bool] | None = None, intervention=None,
-                 progress: bool = False) -> tuple[list[Generation], list[dict | None]]:
+                 progress: bool = False, ignore_eos: bool = False) -> tuple[list[Generation], list[dict | None]]:
         """Generate for every prompt in one vLLM call (continuous batching). ``steer`` names a registered
         preset; ``strengths`` / ``steer_rows`` set each prompt's strength (0 / False: plain). An
-        ``intervention`` that rewrites messages (a system prompt) is applied to them here. Returns the
+        ``intervention`` that rewrites messages (a system prompt) is applied to them here. ``ignore_eos``
+        generates exactly ``max_new_tokens`` tokens per prompt (benchmarks: the same work steered and
+        not; the response still ends at the first end token, ``n_tokens`` counts every token). Returns the
         generations in input order and, per prompt, what the steering decided (None: not steered)."""
         from vllm import SamplingParams
 
@@ -255,8 +269,11 @@ class VllmModel:
             prompt = {"prompt_token_ids": list(x)}
             if extra is not None:
                 prompt["cache_salt"] = f"aligntax:{steer}:{s!r}"
-            sp = dict(max_tokens=cfg.max_new_tokens, stop_token_ids=sorted(self.eos_ids), detokenize=False,
-                      extra_args=extra)
+            sp = dict(max_tokens=cfg.max_new_tokens, detokenize=False, extra_args=extra)
+            if ignore_eos:
+                sp["ignore_eos"] = True
+            else:
+                sp["stop_token_ids"] = sorted(self.eos_ids)
             if cfg.do_sample:
                 sp.update(temperature=cfg.temperature, top_p=cfg.top_p,
                           seed=None if cfg.seed is None else cfg.seed + i)
@@ -283,7 +300,7 @@ class VllmModel:
             resp = self.tokenizer.decode(row[:n], skip_special_tokens=True)
             resp, stopped = _truncate_at_stop(resp, cfg.stop)
             gens.append(Generation(prompt=p if isinstance(p, str) else text, response=resp.strip(),
-                                   n_prompt_tokens=len(x), n_tokens=n,
+                                   n_prompt_tokens=len(x), n_tokens=len(row) if ignore_eos else n,
                                    finish_reason="stop" if stopped else finish))
             decided.append(by_external.get(out.request_id))
         return gens, decided

@@ -7,7 +7,9 @@ finish and a killed run resumes as the Hugging Face backend's does.
 
 Row decisions recorded before generating (:mod:`aligntax.activations.decisions`: the harm probability,
 the row energy, whether the row is steered) and the rows ``--reuse-unsteered`` copies are decided on a
-Hugging Face copy of the model, loaded only for an intervention that decides per row: the engine decides inside generation
+Hugging Face copy of the model (``VllmModel.hf``: loaded on first need and kept on the engine, or given
+by the caller, as ``aligntax demo --backend vllm`` gives its own), used only for an intervention that
+decides per row: the engine decides inside generation
 (too late to skip a copied row), and its decision records hold the decision's parts (gate strength,
 row energy pass) but not the harm probability or the row energy. The strength the engine itself
 applied to each generated row is kept next to those records (``engine_strength``).
@@ -41,7 +43,6 @@ class VllmEvalSource:
         if self.intervention is None and self.preset is not None:
             self.intervention = make_intervention(intervention, self.vm.facts, **dict(intervention_args or {}))
         self.decided: dict[int, dict] = {}  # prompt index -> the engine's decision record
-        self._hf = None
 
     @property
     def fingerprint(self) -> dict | None:
@@ -56,11 +57,11 @@ class VllmEvalSource:
         facts = self.vm.facts
         if not decides_per_row(self.intervention, facts.num_layers, facts.hidden_size):
             return None
-        if self._hf is None:
+        if self.vm.hf is None:  # kept on the engine: later runs on it share the copy
             from aligntax.models import load_model
 
-            self._hf = load_model(self.vm.spec, dtype=self.vm.dtype)
-        return PrefillDecider(self._hf, self.intervention)
+            self.vm.hf = load_model(self.vm.spec, dtype=self.vm.dtype)
+        return PrefillDecider(self.vm.hf, self.intervention)
 
     def iter_generate(self, prompts: Sequence, cfg: GenerationConfig, progress: bool = True,
                       desc: str = "generate") -> Iterator[tuple[list[int], list[Generation]]]:

@@ -17,6 +17,17 @@ queue) and is handed to ``create_app(..., engine_factory=...)`` by :func:`create
   per (preset, strength), as :class:`~aligntax.backends.vllm.engine.VllmModel` does. The strength is
   checked before submitting (400 outside ``[0, 10]``); strength 0 is plain generation. A method that
   rewrites the chat messages (a system prompt) is applied by the app to the steered model's prompts.
+- **Per-request steering options** (``{"aligntax": {"options": {"eta": 0.2, "horizon": 8}}}``; the keys,
+  types and checks of the HF server, :mod:`aligntax.serve.options`, listed in ``GET /v1/models``). The
+  app checks a request's options and builds their intervention as the HF server does (a bad key, type or
+  value gets 400 before the engine sees the request); the engine steers each distinct option set with a
+  steering preset of its own, ``req-<digest of its options>``, built in the workers from the served
+  method's folder and the server's options updated with the request's (:class:`OptionSteering`). A new
+  set is registered on the engine's loop before its first request is submitted (once, however many
+  requests bring it together); at most ``options_cache_size`` (default 16) are kept: past that, the
+  least recently used one that no submitted request uses is unregistered (registered again when asked
+  for again). The prefix cache is salted per (preset, strength), as above. A registration the workers
+  refuse fails that request alone (500 naming the options); the engine keeps serving.
 - **Tokens to text.** The engine returns token ids only (``detokenize=False``, ``output_kind=DELTA``);
   text, stop strings and streamed deltas are made here with the server's own
   :class:`~aligntax.serve.engine.IncrementalDetokenizer` and :class:`~aligntax.serve.engine.StopMatcher`,
@@ -35,20 +46,22 @@ queue) and is handed to ``create_app(..., engine_factory=...)`` by :func:`create
   HF engine's model runs on its worker thread; events reach each request's loop with
   ``call_soon_threadsafe``. vLLM's engine core runs in a child process of its own.
 
-Not covered: per-request steering options (``aligntax.options``: a request with them gets 400, as the HF
-server without ``steer_method``), failing a request whose logits turn non-finite alone, and
-``pause`` / ``resume``. The batch statistics of ``/metrics`` stay 0 (there are no batches to count);
-its token counts, latency and queue depth are kept.
+Not covered: failing a request whose logits turn non-finite alone, and ``pause`` / ``resume``. The
+batch statistics of ``/metrics`` stay 0 (there are no batches to count); its token counts, latency and
+queue depth are kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
+import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +76,7 @@ from aligntax.backends.vllm.engine import (
 )
 from aligntax.backends.vllm.steering import EXTRA_STEER, EXTRA_STRENGTH, MAX_STRENGTH
 from aligntax.errors import AligntaxError
+from aligntax.models.loader import LoadedModel
 from aligntax.serve.engine import (
     Delta,
     EngineClosed,
@@ -78,6 +92,7 @@ from aligntax.serve.metrics import ServeMetrics
 log = logging.getLogger("aligntax.serve")
 
 PRESET = "serve"
+_SOURCE_KEYS = ("path", "dir", "directory")  # the intervention arguments naming its folder
 
 
 class AsyncVllm:
@@ -177,14 +192,28 @@ class _ConfigOnly:
     generation_config: Any
 
 
+@dataclass
+class _ServedModel(LoadedModel):
+    """:class:`LoadedModel` without weights: its sizes come from the engine's model facts (for the
+    intervention loaders that check a request's steering options against the model)."""
+
+    facts: ModelFacts | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.facts.num_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.facts.hidden_size)
+
+
 def served_model(vm: AsyncVllm):
     """The model as :func:`aligntax.serve.app.create_app` reads it: tokenizer, spec, fingerprint and
     config, no weights (those live in the engine). Its context window is the engine's
     ``max_model_len``, so the server's prompt and ``max_tokens`` checks use the engine's limit."""
     from transformers import AutoConfig
     from transformers import GenerationConfig as HFGenerationConfig
-
-    from aligntax.models.loader import LoadedModel
 
     cfg = AutoConfig.from_pretrained(vm.source)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -193,8 +222,8 @@ def served_model(vm: AsyncVllm):
         gc = HFGenerationConfig.from_pretrained(vm.source)
     except OSError:
         gc = HFGenerationConfig()
-    return LoadedModel(model=_ConfigOnly(cfg, gc), tokenizer=vm.tokenizer, spec=vm.spec, source=vm.source,
-                       fingerprint=dict(vm.fingerprint or {}))
+    return _ServedModel(model=_ConfigOnly(cfg, gc), tokenizer=vm.tokenizer, spec=vm.spec, source=vm.source,
+                        fingerprint=dict(vm.fingerprint or {}), facts=vm.facts)
 
 
 @dataclass(eq=False)
@@ -280,6 +309,38 @@ def _deliver(job: Job, events: list) -> None:
         job.events.put_nowait(ev)
 
 
+@dataclass(frozen=True)
+class OptionSteering:
+    """How the engine steers requests with steering options of their own: the served ``method``, its
+    folder (``source``) and the server's options (``base``); each distinct option set is a steering
+    preset of its own, registered on first use, the ``maxsize`` most recently used kept."""
+
+    method: str
+    source: str
+    base: dict = field(default_factory=dict)
+    maxsize: int = 16
+
+    def __post_init__(self) -> None:
+        if self.maxsize < 1:
+            raise ValueError("maxsize must be >= 1")
+
+    def config(self, options: dict) -> dict:
+        """The options the workers build the preset of ``options`` with."""
+        return {"name": self.method, **self.base, **options}
+
+
+@dataclass(eq=False)
+class _OptionPreset:
+    """A request option set's preset: its registration and the submitted requests using it."""
+
+    name: str
+    task: asyncio.Task | None = None
+    users: int = 0
+
+
+_ENGINES = itertools.count()  # distinguishes the option presets of engines sharing one AsyncVllm
+
+
 class VllmServeEngine:
     """The server's generation engine on an :class:`AsyncVllm` (see the module docstring). Built by
     ``create_app`` through ``engine_factory`` with the arguments it gives
@@ -291,7 +352,8 @@ class VllmServeEngine:
                  max_batch_size: int = 32, max_queue: int = 1024, metrics: ServeMetrics | None = None,
                  max_queue_wait_ms: float | None = None, batch_wait_ms: float = 0.0,
                  max_batch_wait_ms: float = 0.0, mix_steered: bool = True,
-                 max_batch_tokens: int | None = None, max_latency_ms: float | None = None) -> None:
+                 max_batch_tokens: int | None = None, max_latency_ms: float | None = None,
+                 option_steering: OptionSteering | None = None) -> None:
         if max_latency_ms is not None:
             raise AligntaxError("A completion-latency target (max_latency_ms) is not served by the vLLM backend.")
         if max_batch_size < 1:
@@ -308,6 +370,12 @@ class VllmServeEngine:
         self.tokenizer_lock = threading.Lock()
         self.intervention = intervention
         self.preset = preset
+        self.option_steering = option_steering if preset is not None else None
+        self._serial = next(_ENGINES)
+        self._option_presets: OrderedDict[str, _OptionPreset] = OrderedDict()  # least recently used first
+        self._unregistering: dict[str, asyncio.Task] = {}
+        self.option_registrations = 0  # option presets registered in the workers (re-registrations too)
+        self.option_unregistrations = 0
         self.max_batch_size = vm.options.max_num_seqs  # the engine's sequence slots (set when it started)
         self.max_queue = max_queue
         self.max_queue_wait = None if max_queue_wait_ms is None else max_queue_wait_ms / 1000.0
@@ -349,6 +417,19 @@ class VllmServeEngine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def option_presets(self) -> list[str]:
+        """The request option sets' presets registered (or being registered), least recently used first."""
+        return list(self._option_presets)
+
+    def option_preset_name(self, options: dict) -> str:
+        """The preset name of a request's option set: a digest of the options the workers build it with."""
+        spec = self.option_steering
+        if spec is None:
+            raise AligntaxError("This engine serves no per-request steering options.")
+        raw = json.dumps([self._serial, spec.source, spec.config(options)], sort_keys=True, default=str)
+        return "req-" + hashlib.sha1(raw.encode()).hexdigest()[:12]
 
     def expected_wait(self, ahead: int | None = None) -> float | None:
         """Seconds until a request with ``ahead`` requests waiting before it gets its first tokens, from
@@ -433,6 +514,9 @@ class VllmServeEngine:
             self._idle.wait(timeout)
         self.abort("The server shut down before this request finished.")
         self._idle.wait(10.0)
+        if self._option_presets and self.vm.alive:  # the engine outlives this server: drop its presets
+            with contextlib.suppress(Exception):
+                self.vm.call(self._drop_option_presets(), timeout=30)
 
     def abort(self, message: str, status: int = 503) -> None:
         """Fail every submitted request now."""
@@ -462,7 +546,7 @@ class VllmServeEngine:
         elif not req.task.done():
             req.task.cancel()
 
-    def _params(self, job: Job):
+    def _params(self, job: Job, preset: str | None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -473,18 +557,99 @@ class VllmServeEngine:
             sp["temperature"] = 0.0
         else:
             sp.update(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
-        if job.steer and self.preset is not None and float(job.strength) > 0:
-            sp["extra_args"] = {EXTRA_STEER: self.preset, EXTRA_STRENGTH: float(job.strength)}
+        if preset is not None:
+            sp["extra_args"] = {EXTRA_STEER: preset, EXTRA_STRENGTH: float(job.strength)}
         return SamplingParams(**sp)
+
+    # -- the presets of request option sets (on the engine's loop) ---------------------------------------
+    async def _acquire(self, options: dict) -> _OptionPreset:
+        """The registered preset of a request's option set (registered first if new: concurrent requests
+        with the same new set register it once), held until :meth:`_release`."""
+        name = self.option_preset_name(options)
+        entry = self._option_presets.get(name)
+        if entry is None:
+            entry = self._option_presets[name] = _OptionPreset(name)
+            entry.task = self.vm.loop.create_task(self._register(entry, options))
+            entry.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by the requests
+        else:
+            self._option_presets.move_to_end(name)
+        entry.users += 1
+        try:
+            await asyncio.shield(entry.task)
+        except BaseException:
+            self._release(entry)
+            raise
+        return entry
+
+    def _release(self, entry: _OptionPreset) -> None:
+        entry.users -= 1
+        self._evict()
+
+    async def _register(self, entry: _OptionPreset, options: dict) -> None:
+        spec = self.option_steering
+        pending = self._unregistering.get(entry.name)
+        if pending is not None:  # the same set was evicted a moment ago: register it after that
+            await asyncio.wait([pending])
+        try:
+            await self.vm.engine.collective_rpc("aligntax_register",
+                                                args=(entry.name, spec.source, spec.config(options)))
+        except BaseException:
+            if self._option_presets.get(entry.name) is entry:  # a later request tries again
+                del self._option_presets[entry.name]
+            raise
+        self.option_registrations += 1
+        self._evict()
+
+    def _evict(self) -> None:
+        """Over the bound, unregister the least recently used presets no submitted request uses."""
+        spec = self.option_steering
+        while spec is not None and len(self._option_presets) > spec.maxsize:
+            victim = next((e for e in self._option_presets.values() if e.users == 0 and e.task.done()), None)
+            if victim is None:
+                return  # all in use: over the bound until one is released
+            del self._option_presets[victim.name]
+            self._unregistering[victim.name] = self.vm.loop.create_task(self._unregister(victim.name))
+
+    async def _unregister(self, name: str) -> None:
+        try:
+            await self.vm.engine.collective_rpc("aligntax_unregister", args=(name,))
+            self.option_unregistrations += 1
+        except Exception:
+            log.exception("unregistering the steering preset %s failed", name)
+        finally:
+            if self._unregistering.get(name) is asyncio.current_task():
+                del self._unregistering[name]
+
+    async def _drop_option_presets(self) -> None:
+        for name, entry in list(self._option_presets.items()):
+            if entry.task.done() and not entry.task.cancelled() and entry.task.exception() is None:
+                del self._option_presets[name]
+                await self._unregister(name)
 
     async def _generate(self, req: _Request) -> None:
         job = req.job
         answer = _Answer(job, self.tokenizer, self.eos_ids)
+        entry = None
         try:
-            params = self._params(job)
+            preset = self.preset if job.steer and float(job.strength) > 0 else None
+            if preset is not None and job.options and self.option_steering is not None:
+                try:
+                    entry = await self._acquire(job.options)
+                except Exception as exc:  # this request fails alone
+                    log.exception("registering a request's steering options failed")
+                    if not job.done:
+                        job.done = True
+                        self._send(job, [Failed("These steering options could not be set up in the engine "
+                                                f"({json.dumps(job.options)}): {type(exc).__name__}: {exc}",
+                                                500)])
+                    return
+                preset = entry.name
+                if job.cancelled:
+                    return
+            params = self._params(job, preset)
             prompt: dict = {"prompt_token_ids": list(job.prompt_ids)}
-            if params.extra_args:
-                prompt["cache_salt"] = f"aligntax:{self.preset}:{float(job.strength)!r}"
+            if preset is not None:
+                prompt["cache_salt"] = f"aligntax:{preset}:{float(job.strength)!r}"
             stream = self.vm.engine.generate(prompt, params, req.rid)
             async with contextlib.aclosing(stream):  # leaving early aborts the request in the engine
                 async for out in stream:
@@ -514,6 +679,8 @@ class VllmServeEngine:
                 job.done = True
                 self._send(job, [Failed(f"Generation failed: {type(exc).__name__}: {exc}", 500)])
         finally:
+            if entry is not None:
+                self._release(entry)
             self._forget(req)
 
     def _first_tokens(self, req: _Request, alpha: float = 0.3) -> None:
@@ -538,14 +705,35 @@ def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None,
                     **app_kwargs):
     """The OpenAI-compatible app (:func:`aligntax.serve.app.create_app`, same keywords) answering from
     ``vm``. ``preset``: the registered steering preset of the steered model (``intervention``, built
-    against ``vm.facts``, gives its name and, for a method that rewrites messages, its prompts)."""
+    against ``vm.facts``, gives its name and, for a method that rewrites messages, its prompts).
+
+    Per-request steering options as :func:`~aligntax.serve.app.create_app` takes them: ``steer_method``
+    (the registered method of the steered model) and ``steer_options`` (its ``intervention_args``, its
+    folder included). Each distinct option set a request sends is steered by a preset of its own
+    (:class:`OptionSteering`; the ``options_cache_size`` most recently used kept). With ``steer_method``
+    and no ``preset``, the method is registered here as preset :data:`PRESET` (unless it rewrites
+    messages)."""
+    from aligntax.backends.vllm.engine import prepare
     from aligntax.serve.app import create_app
 
-    if app_kwargs.get("steer_method") is not None:
-        raise AligntaxError("Per-request steering options are not served by the vLLM backend.")
+    method = app_kwargs.get("steer_method")
+    option_steering = None
+    if method is not None and method != "none":
+        args = dict(app_kwargs.get("steer_options") or {})
+        rewrites = intervention is not None and intervention.rewrites_messages()
+        if preset is None and not rewrites:
+            preset, _ = prepare(vm, method, args, preset=PRESET)
+        if preset is not None:
+            source = next((args[k] for k in _SOURCE_KEYS if args.get(k) is not None), None)
+            if source is None:
+                raise AligntaxError(f"Intervention '{method}' needs its folder (path=) in steer_options to serve "
+                                    "per-request steering options.")
+            base = {k: v for k, v in args.items() if k not in _SOURCE_KEYS and v is not None}
+            option_steering = OptionSteering(method, str(source), base, app_kwargs.get("options_cache_size", 16))
     lm = served_model(vm)
     app_kwargs.setdefault("max_batch_size", vm.options.max_num_seqs)
-    factory: Callable = lambda lm_, iv_, **kw: VllmServeEngine(lm_, iv_, vm=vm, preset=preset, **kw)  # noqa: E731
+    factory: Callable = lambda lm_, iv_, **kw: VllmServeEngine(  # noqa: E731
+        lm_, iv_, vm=vm, preset=preset, option_steering=option_steering, **kw)
     return create_app(lm, intervention, model_name, engine_factory=factory, **app_kwargs)
 
 
@@ -574,7 +762,9 @@ def serve_vllm(model: str, *, dtype: str = "bf16", intervention: str | None = No
         preset, iv = prepare(vm, intervention, iv_args, preset=PRESET)
         if iv is None and preset is not None:
             iv = make_intervention(intervention, vm.facts, **dict(iv_args or {}))
-        app = create_vllm_app(vm, iv, preset, model_name, max_batch_size=max_batch_size, **app_kwargs)
+        steer = intervention if (preset is not None or iv is not None) else None
+        app = create_vllm_app(vm, iv, preset, model_name, max_batch_size=max_batch_size, steer_method=steer,
+                              steer_options=iv_args, **app_kwargs)
         settings = app.state.settings
         names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
         echo(f"Serving {names} at http://{host}:{port}/v1 from vLLM (sequence slots {max_batch_size}"

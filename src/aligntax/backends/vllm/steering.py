@@ -154,6 +154,16 @@ class BatchSteering:
             raise AligntaxError(f"A steering preset needs a name (not {name!r}).")
         self.presets[name] = Preset(name, kernel, dict(config or {}))
 
+    def unregister(self, name: str) -> bool:
+        """Drop preset ``name`` and the live requests steered by it (a request still asking for it later
+        runs unsteered). Returns whether it was registered."""
+        if self.presets.pop(name, None) is None:
+            return False
+        for rid in [r for r, live in self.live.items() if live.preset == name]:
+            del self.live[rid]
+        self.groups = [g for g in self.groups if g.preset.name != name]
+        return True
+
     def blocks(self) -> tuple[list[int], list[int], list[int]]:
         """The blocks that need a pre-hook (decisions, "pre" sites), a forward hook ("post" sites) and a
         forward hook on their attention sub-layer ("attn" sites)."""

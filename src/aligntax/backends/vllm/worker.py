@@ -59,6 +59,14 @@ class SteeringExtension:
         self.aligntax_install()
         return config
 
+    def aligntax_unregister(self, name: str) -> bool:
+        """Drop preset ``name`` (and the live requests steered by it) and reinstall the hooks the other
+        presets need; a request the engine still holds that asks for it runs unsteered from then on.
+        Returns whether it was registered."""
+        found = self.aligntax_state().unregister(name)
+        self.aligntax_install()
+        return found
+
     def aligntax_install(self) -> None:
         """(Re)register the hooks the registered presets need."""
         from aligntax.interventions.kernels import attention_module
