@@ -51,3 +51,13 @@ def data_dir():
     if d is None:
         pytest.skip("benchmark data folder not found (set ALIGNTAX_DATA)")
     return d
+
+
+@pytest.fixture()
+def parity_judge(monkeypatch):
+    """The judge ``"parity"`` (:class:`tiny.ParityJudge`: a function of the answer's exact text) in the
+    judge registry for one test."""
+    from aligntax.judges import registry
+    from tiny import ParityJudge
+
+    monkeypatch.setitem(registry._JUDGES, "parity", (lambda **kw: ParityJudge(), "test"))

@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from aligntax.runs.jsonl import read_jsonl  # noqa: E402
-from tiny import ParityJudge, make_tiny_lm  # noqa: E402
+from tiny import make_tiny_lm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,13 +39,6 @@ def model_dir(tmp_path_factory, qwen_tokenizer):
     lm.model.save_pretrained(d)
     qwen_tokenizer.save_pretrained(d)
     return d
-
-
-@pytest.fixture()
-def parity_judge(monkeypatch):
-    from aligntax.judges import registry
-
-    monkeypatch.setitem(registry._JUDGES, "parity", (lambda **kw: ParityJudge(), "test"))
 
 
 def _cfg(model_dir: Path, out: Path, backend: str):

@@ -21,14 +21,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from aligntax.runs.jsonl import read_jsonl  # noqa: E402
-from tiny import ParityJudge, save_tiny_bank, save_tiny_vectors, tiny_model, tiny_tokenizer  # noqa: E402
-
-
-@pytest.fixture()
-def parity_judge(monkeypatch):
-    from aligntax.judges import registry
-
-    monkeypatch.setitem(registry._JUDGES, "parity", (lambda **kw: ParityJudge(), "test"))
+from tiny import save_tiny_bank, save_tiny_vectors, tiny_model, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

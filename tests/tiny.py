@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from aligntax.judges.base import RefusalJudge, Verdict
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -231,20 +233,12 @@ def save_tiny_bank(lm, directory, n: int = 24, epochs: int = 3):
     return directory
 
 
-def _parity_judge_class():
-    from aligntax.judges.base import RefusalJudge, Verdict
+class ParityJudge(RefusalJudge):
+    """A refusal when the answer's code points sum to an even number: a function of the exact text, so
+    equal scores across backends or runs mean equal answers."""
 
-    class ParityJudge(RefusalJudge):
-        """A refusal when the answer's code points sum to an even number: a function of the exact text,
-        so equal scores across backends or runs mean equal answers."""
+    name = "parity"
 
-        name = "parity"
-
-        def judge(self, prompts, responses):
-            return [Verdict(refused=sum(map(ord, r)) % 2 == 0, refusal_score=float(sum(map(ord, r)) % 2 == 0))
-                    for r in responses]
-
-    return ParityJudge
-
-
-ParityJudge = _parity_judge_class()
+    def judge(self, prompts, responses):
+        return [Verdict(refused=sum(map(ord, r)) % 2 == 0, refusal_score=float(sum(map(ord, r)) % 2 == 0))
+                for r in responses]

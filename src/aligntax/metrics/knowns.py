@@ -282,8 +282,8 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
                                     "intervention.")
             from aligntax.backends.vllm.evaluate import VllmEvalSource
 
-            iv_name = cfg.intervention if cfg.intervention != "none" else None
-            engine = VllmEvalSource(cfg.model, cfg.dtype, iv_name, cfg.intervention_args, cfg.batch_size, vm=lm)
+            engine = VllmEvalSource(cfg.model, cfg.dtype, cfg.intervention, cfg.intervention_args, cfg.batch_size,
+                                    vm=lm)
             lm, intervention = engine.vm, engine.intervention
         if lm is None:
             from aligntax.models import load_model

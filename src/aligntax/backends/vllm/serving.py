@@ -92,7 +92,6 @@ from aligntax.serve.metrics import ServeMetrics
 log = logging.getLogger("aligntax.serve")
 
 PRESET = "serve"
-_SOURCE_KEYS = ("path", "dir", "directory")  # the intervention arguments naming its folder
 
 
 class AsyncVllm:
@@ -713,7 +712,7 @@ def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None,
     (:class:`OptionSteering`; the ``options_cache_size`` most recently used kept). With ``steer_method``
     and no ``preset``, the method is registered here as preset :data:`PRESET` (unless it rewrites
     messages)."""
-    from aligntax.backends.vllm.engine import prepare
+    from aligntax.backends.vllm.engine import prepare, split_source
     from aligntax.serve.app import create_app
 
     method = app_kwargs.get("steer_method")
@@ -724,12 +723,11 @@ def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None,
         if preset is None and not rewrites:
             preset, _ = prepare(vm, method, args, preset=PRESET)
         if preset is not None:
-            source = next((args[k] for k in _SOURCE_KEYS if args.get(k) is not None), None)
+            source, base = split_source(args)
             if source is None:
                 raise AligntaxError(f"Intervention '{method}' needs its folder (path=) in steer_options to serve "
                                     "per-request steering options.")
-            base = {k: v for k, v in args.items() if k not in _SOURCE_KEYS and v is not None}
-            option_steering = OptionSteering(method, str(source), base, app_kwargs.get("options_cache_size", 16))
+            option_steering = OptionSteering(method, source, base, app_kwargs.get("options_cache_size", 16))
     lm = served_model(vm)
     app_kwargs.setdefault("max_batch_size", vm.options.max_num_seqs)
     factory: Callable = lambda lm_, iv_, **kw: VllmServeEngine(  # noqa: E731
