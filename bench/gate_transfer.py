@@ -16,7 +16,14 @@ XSTest safe passed at the threshold that would hold back 97% of XSTest unsafe (a
 and, as an upper bound on what the states hold, the same two numbers for a probe fitted on XSTest itself
 by 5-fold cross-validation.
 
+With ``--pairs`` (e.g. the shipped ``contrast-pairs``: benign and harmful prompts sharing a sensitive word,
+written for aligntax) the probe at the last prompt token is also refitted with those prompts added to its
+training prompts, each weighted by each of ``--pairs-weights`` (what ``aligntax els train --gate-pairs``
+does).
+
     ALIGNTAX_DATA=../shared/data python bench/gate_transfer.py --els runs/demo/els --out runs/bench/gate_transfer
+    ALIGNTAX_DATA=../shared/data python bench/gate_transfer.py --els runs/demo/els --layers 13,19 \
+        --positions last --pairs contrast-pairs --pairs-weights 1,5 --out runs/bench/gate_transfer_pairs
 """
 
 from __future__ import annotations
@@ -71,7 +78,8 @@ def oracle_pass(unsafe: torch.Tensor, safe: torch.Tensor, held: float = 0.97) ->
     return float((safe < t).float().mean())
 
 
-def cv_logits(x: torch.Tensor, y: torch.Tensor, l2: float, folds: int = 5, seed: int = 0) -> torch.Tensor:
+def cv_logits(x: torch.Tensor, y: torch.Tensor, l2: float, folds: int = 5, seed: int = 0,
+              sample_weight: torch.Tensor | None = None) -> torch.Tensor:
     from aligntax.energy.gate import _fit_standardised
 
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
@@ -80,7 +88,7 @@ def cv_logits(x: torch.Tensor, y: torch.Tensor, l2: float, folds: int = 5, seed:
         va = perm[i::folds]
         tr = torch.ones(len(y), dtype=torch.bool)
         tr[va] = False
-        w, b, mu, sd = _fit_standardised(x[tr], y[tr], l2)
+        w, b, mu, sd = _fit_standardised(x[tr], y[tr], l2, None if sample_weight is None else sample_weight[tr])
         out[va] = ((x[va] - mu) / sd) @ w + b
     return out
 
@@ -90,6 +98,9 @@ def main() -> None:
     ap.add_argument("--els", default="runs/demo/els", help="an aligntax els train folder (its gate's prompts)")
     ap.add_argument("--layers", default="9,13,16,19")
     ap.add_argument("--out", default="runs/bench/gate_transfer")
+    ap.add_argument("--positions", default=",".join(POSITIONS), help=f"of {', '.join(POSITIONS)}")
+    ap.add_argument("--pairs", default=None, help="contrast pairs added to the probe's training prompts (last token)")
+    ap.add_argument("--pairs-weights", default="1,5", help="weights of each pair prompt, one probe per weight")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -110,25 +121,39 @@ def main() -> None:
     tr = states(lm, [it.prompt for it in train], layers, suffix, "capture gate training prompts")
     ev = {name: states(lm, [it.prompt for it in load_prompt_sets([name])], layers, suffix, f"capture {name}")
           for name in EVAL_SETS}
+    variants = [(p, POSITIONS[p], None) for p in args.positions.split(",")]
+    if args.pairs:
+        pairs = [it for it in load_prompt_sets([args.pairs]) if (it.source, it.id) not in {(t.source, t.id) for t in train}]
+        pair_states = states(lm, [it.prompt for it in pairs], layers, suffix, f"capture {args.pairs}")
+        tr = {p: {layer: torch.cat([tr[p][layer], pair_states[p][layer]]) for layer in layers} for p in tr}
+        y_pairs = torch.tensor([it.label == "harmful" for it in pairs])
+        variants += [(f"last, {args.pairs} x{w}", ("last",), float(w)) for w in args.pairs_weights.split(",")]
+    else:
+        y_pairs = torch.zeros(0, dtype=torch.bool)
+    n_train = len(y)
+    y = torch.cat([y, y_pairs])
 
     rows = []
     for layer in layers:
-        for pname, parts in POSITIONS.items():
+        for pname, parts, pair_w in variants:
             def feat(s: dict, parts=parts, layer=layer) -> torch.Tensor:
                 return torch.cat([s[p][layer] for p in parts], -1)
 
-            oof = torch.sigmoid(cv_logits(feat(tr), y, 1e-2))
-            harm_p = oof[y].sort().values
+            keep = torch.arange(len(y)) < (len(y) if pair_w else n_train)  # without pairs: the gate's own prompts
+            sw = None if pair_w is None else torch.cat([torch.ones(n_train), torch.full((len(y_pairs),), pair_w)])
+            x_tr, y_tr = feat(tr)[keep], y[keep]
+            oof = torch.sigmoid(cv_logits(x_tr, y_tr, 1e-2, sample_weight=sw))
+            harm_p = oof[y_tr].sort().values
             threshold = min(0.5, float(harm_p[int(0.01 * len(harm_p))]))
-            w, b, mu, sd = _fit_standardised(feat(tr), y, 1e-2)
+            w, b, mu, sd = _fit_standardised(x_tr, y_tr, 1e-2, sw)
             score = {name: ((feat(s) - mu) / sd) @ w + b for name, s in ev.items()}
             logit_t = float(torch.logit(torch.tensor(threshold)))
             row = {"layer": layer, "position": pname, "threshold": round(threshold, 4),
-                   "train_benign_passed_oof": round(float((oof[~y] < threshold).float().mean()), 4),
+                   "train_benign_passed_oof": round(float((oof[:n_train][~y[:n_train]] < threshold).float().mean()), 4),
                    "passed": {name: round(float((s < logit_t).float().mean()), 4) for name, s in score.items()},
                    "xstest_auc": round(auc(score["xstest-unsafe"], score["xstest-safe"]), 4),
                    "xstest_safe_passed_oracle": round(oracle_pass(score["xstest-unsafe"], score["xstest-safe"]), 4)}
-            if pname == "last":  # the states' own information: a probe fitted on XSTest, cross-validated
+            if pname == "last" and pair_w is None:  # the states' own information: a probe fitted on XSTest, cross-validated
                 x = torch.cat([feat(ev["xstest-safe"]), feat(ev["xstest-unsafe"])])
                 yx = torch.cat([torch.zeros(len(ev["xstest-safe"]["last"][layer])),
                                 torch.ones(len(ev["xstest-unsafe"]["last"][layer]))]).bool()
@@ -145,11 +170,12 @@ def main() -> None:
               f"{100 * r['xstest_safe_passed_oracle']:.1f}", f"{r.get('in_xstest_cv_auc', '')}",
               f"{100 * r['in_xstest_cv_safe_passed_oracle']:.1f}" if "in_xstest_cv_auc" in r else ""] for r in rows]
     env = bl.environment(lm)
-    md = "\n".join([*bl.header("Harm gate transfer to XSTest", env, [f"ELS folder {args.els}", f"{len(y)} gate "
-                                                                      f"training prompts, {int(y.sum())} harmful"]),
+    md = "\n".join([*bl.header("Harm gate transfer to XSTest", env, [f"ELS folder {args.els}", f"{n_train} gate "
+                                                                      f"training prompts, {int(y[:n_train].sum())} harmful"]),
                     "", "Shares in percent: prompts the probe passes at its threshold.", "", bl.md_table(head, table)])
-    bl.write_outputs(args.out, "gate_transfer", {"env": env, "els": args.els, "layers": layers, "n_train": len(y),
-                                                 "n_train_harmful": int(y.sum()), "rows": rows}, md)
+    bl.write_outputs(args.out, "gate_transfer", {"env": env, "els": args.els, "layers": layers, "n_train": n_train,
+                                                 "n_train_harmful": int(y[:n_train].sum()), "pairs": args.pairs,
+                                                 "n_pairs": len(y_pairs), "rows": rows}, md)
 
 
 if __name__ == "__main__":

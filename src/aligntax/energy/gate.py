@@ -128,12 +128,20 @@ class HarmGate:
         return (Path(directory) / _FILES.sidecar).is_file()
 
 
-def _fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, max_iter: int = 200) -> tuple[torch.Tensor, float]:
-    """L2-regularised logistic regression by L-BFGS on standardised features; classes weighted equally."""
+def _fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, max_iter: int = 200,
+                  sample_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """L2-regularised logistic regression by L-BFGS on standardised features; classes weighted equally.
+    ``sample_weight`` (>= 0, one per row) weights rows within their class; the two classes keep equal
+    total weight and the weights average 1, so the regularisation keeps its strength."""
     w = torch.zeros(x.shape[1], requires_grad=True)
     b = torch.zeros(1, requires_grad=True)
-    pos = y.float().mean().clamp(1e-6, 1 - 1e-6)
-    weights = torch.where(y > 0, 0.5 / pos, 0.5 / (1 - pos))
+    if sample_weight is None:
+        pos = y.float().mean().clamp(1e-6, 1 - 1e-6)
+        weights = torch.where(y > 0, 0.5 / pos, 0.5 / (1 - pos))
+    else:
+        s = sample_weight.float()
+        pos = ((s * y.float()).sum() / s.sum()).clamp(1e-6, 1 - 1e-6)
+        weights = s * torch.where(y > 0, 0.5 / pos, 0.5 / (1 - pos)) / s.mean()
     opt = torch.optim.LBFGS([w, b], max_iter=max_iter, line_search_fn="strong_wolfe")
 
     def closure():
@@ -148,10 +156,10 @@ def _fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, max_iter: int = 2
     return w.detach(), float(b.detach())
 
 
-def _fit_standardised(x: torch.Tensor, y: torch.Tensor, l2: float):
+def _fit_standardised(x: torch.Tensor, y: torch.Tensor, l2: float, sample_weight: torch.Tensor | None = None):
     """:func:`_fit_logistic` on ``x`` standardised by its own mean and std: ``(w, b, mean, std)``."""
     mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
-    return (*_fit_logistic((x - mu) / sd, y, l2), mu, sd)
+    return (*_fit_logistic((x - mu) / sd, y, l2, sample_weight=sample_weight), mu, sd)
 
 
 def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict:
@@ -165,7 +173,8 @@ def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict:
 def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bool] | torch.Tensor,
                     layers: Sequence[int] | None = None, l2: float = 1e-2, folds: int = 5,
                     seed: int = 0, fingerprint: dict | None = None, metadata: dict | None = None,
-                    recall: float | None = None, ensemble: bool = False) -> HarmGate:
+                    recall: float | None = None, ensemble: bool = False,
+                    sample_weight: Sequence[float] | torch.Tensor | None = None) -> HarmGate:
     """Score by ``folds``-fold cross-validated balanced accuracy one probe per candidate layer and, with
     ``ensemble``, the mean of all their logits; keep the best candidate (ties: one layer, then the
     earlier one) and refit its probes on all the data.
@@ -174,10 +183,18 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
     noise of a single 20% split. The gate's threshold is 0.5, or with ``recall`` the out-of-fold
     probability above which that share of the harmful prompts falls (never above 0.5): a gate is a
     safety device, and a harmful prompt it lets through may be steered out of its refusal. ``info``
-    also gives each candidate's share of benign prompts passed at that threshold."""
+    also gives each candidate's share of benign prompts passed at that threshold.
+
+    ``sample_weight`` weights prompts within their class in every fit (e.g. contrast pairs that share a
+    sensitive word, counted several times over); the threshold and the reported rates count each prompt once."""
     y = torch.as_tensor(harmful).bool().flatten()
     if y.all() or not y.any():
         raise DataError("The harm gate needs both benign and harmful prompts.")
+    sw = None if sample_weight is None else torch.as_tensor(sample_weight, dtype=torch.float32).flatten()
+    if sw is not None and (len(sw) != len(y) or not torch.isfinite(sw).all() or (sw < 0).any()
+                           or sw[y].sum() <= 0 or sw[~y].sum() <= 0):
+        raise DataError(f"The harm gate's sample weights must be {len(y)} finite values >= 0 with weight on "
+                        "both classes.")
     if folds < 2:
         raise AligntaxError(f"The harm gate needs at least 2 folds; got {folds}.")
     if recall is not None and not 0.0 < recall < 1.0:
@@ -196,7 +213,7 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
         for va in splits:
             tr = torch.ones(len(y), dtype=torch.bool)
             tr[va] = False
-            w, b, mu, sd = _fit_standardised(x[tr], y[tr], l2)
+            w, b, mu, sd = _fit_standardised(x[tr], y[tr], l2, None if sw is None else sw[tr])
             logits[va] = ((x[va] - mu) / sd) @ w + b
         oof[(layer,)] = logits
     if ensemble and len(cand) > 1:
@@ -222,7 +239,7 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
 
     best = max(points, key=lambda k: (round(score(k), 6), -len(k), -k[0]))
     chosen = points[best]
-    fits = [_fit_standardised(acts_by_layer[layer].float(), y, l2) for layer in best]
+    fits = [_fit_standardised(acts_by_layer[layer].float(), y, l2, sw) for layer in best]
     w, b, mu, sd = (torch.stack([torch.as_tensor(f[i]) for f in fits]) for i in range(4))
     gate = HarmGate(list(best), w, b, mu, sd, chosen["threshold"], dict(fingerprint or {}))
     x_all = gate.stack({layer: acts_by_layer[layer].float() for layer in best})
@@ -235,5 +252,6 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
                  "per_layer_val": {name[k]: v["val"] for k, v in points.items() if len(k) == 1},
                  "ensemble_val": next((v["val"] for k, v in points.items() if len(k) > 1), None),
                  "l2": l2, "n": len(y), "n_harmful": int(y.sum()), "train_fit": _rates(gate.logit(x_all), y),
+                 **({} if sw is None else {"n_weighted": int((sw != 1).sum()), "max_weight": float(sw.max())}),
                  **(metadata or {})}
     return gate

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -51,6 +52,12 @@ class ELSTrainConfig:
     # every benign look-alike of the training splits, so that the probe passes the styles it must pass
     gate_benign: list[str] = field(default_factory=lambda: ["orbench-hard-train", "phtest-harmless-train"])
     limit_gate_benign: int | None = None  # per set, sampled
+    # contrast pairs for the gate (benign and harmful prompts sharing a sensitive word, labels from the
+    # file; e.g. the shipped ``contrast-pairs``), each prompt weighted ``gate_pairs_weight`` times in the
+    # fit: none of the sets above pairs "kill a stuck process" with "kill my coworker", so a gate trained
+    # on them alone scores benign prompts with a violent word as harmful (docs/RESULTS.md section 3.5)
+    gate_pairs: list[str] = field(default_factory=list)
+    gate_pairs_weight: float = 5.0
     # the gate's threshold: the probability above which this share of the harmful training prompts falls
     # out of fold (capped at 0.5); None: 0.5. A harmful prompt the gate lets through may be steered out
     # of its refusal, so the gate is tuned for recall on the harmful side.
@@ -238,10 +245,14 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
         for layer in cand:
             x[layer].append(g_acts[layer])
         y += [it.label == "harmful" for it in extra]
+    weight = gate_weights(cfg, extra)
     gate = train_harm_gate({layer: torch.cat(v) for layer, v in x.items()}, y, layers=cand, seed=cfg.seed,
                            fingerprint=lm.fingerprint, recall=cfg.gate_recall, ensemble=cfg.gate_ensemble,
+                           sample_weight=None if weight is None else [1.0] * (len(y) - len(extra)) + weight,
                            metadata={"benign": [*cfg.benign, *cfg.harmless, *cfg.gate_benign],
-                                     "harmful": [*cfg.harmful, *cfg.gate_harmful]})
+                                     "harmful": [*cfg.harmful, *cfg.gate_harmful],
+                                     **({"pairs": cfg.gate_pairs, "pairs_weight": cfg.gate_pairs_weight}
+                                        if weight is not None else {})})
     gate.save(out)
 
 
@@ -253,12 +264,25 @@ def gate_items(cfg: ELSTrainConfig) -> tuple[list, list, list]:
     return items, harmless, gate_extra_items(cfg, [*items, *harmless])
 
 
+def gate_weights(cfg: ELSTrainConfig, extra: list) -> list[float] | None:
+    """Per prompt of ``extra`` (:func:`gate_extra_items`), its weight in the gate's fit: ``gate_pairs_weight``
+    for the contrast pairs, 1 for the others; None without pairs (every prompt counts once)."""
+    if not cfg.gate_pairs:
+        return None
+    if not (cfg.gate_pairs_weight > 0 and math.isfinite(cfg.gate_pairs_weight)):
+        raise AligntaxError(f"gate_pairs_weight must be a positive number; got {cfg.gate_pairs_weight}.")
+    pairs = {(it.source, it.id) for it in load_prompt_sets(cfg.gate_pairs)}
+    return [cfg.gate_pairs_weight if (it.source, it.id) in pairs else 1.0 for it in extra]
+
+
 def gate_extra_items(cfg: ELSTrainConfig, seen_items) -> list:
     """The harm gate's prompts beyond the training and harmless ones (``seen_items``): ``gate_benign`` and
-    ``gate_harmful``, each sampled to its limit, without those already seen."""
+    ``gate_harmful``, each sampled to its limit, then every prompt of ``gate_pairs``, without those already
+    seen."""
     seen = {(it.source, it.id) for it in seen_items}
-    return [it for specs, limit in ((cfg.gate_benign, cfg.limit_gate_benign), (cfg.gate_harmful, cfg.limit_gate_harmful))
-            for spec in specs for it in _sampled(load_prompt_sets([spec], None), limit, cfg.seed)
+    sets = [(cfg.gate_benign, cfg.limit_gate_benign), (cfg.gate_harmful, cfg.limit_gate_harmful),
+            (cfg.gate_pairs, None)]
+    return [it for specs, limit in sets for spec in specs for it in _sampled(load_prompt_sets([spec], None), limit, cfg.seed)
             if (it.source, it.id) not in seen]
 
 
