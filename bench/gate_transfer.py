@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -109,7 +110,7 @@ def main() -> None:
     from aligntax.data.api import load_prompt_sets
     from aligntax.energy.gate import _fit_standardised
     from aligntax.models import load_model
-    from aligntax.runs.els import ELSTrainConfig, gate_items
+    from aligntax.runs.els import ELSTrainConfig, gate_extra_items, gate_items
 
     cfg = load_config(ELSTrainConfig, Path(args.els) / "train_config.json")
     items, harmless, extra = gate_items(cfg)
@@ -123,7 +124,8 @@ def main() -> None:
           for name in EVAL_SETS}
     variants = [(p, POSITIONS[p], None) for p in args.positions.split(",")]
     if args.pairs:
-        pairs = [it for it in load_prompt_sets([args.pairs]) if (it.source, it.id) not in {(t.source, t.id) for t in train}]
+        # the pairs as els train --gate-pairs adds them: without prompts the gate already has
+        pairs = gate_extra_items(replace(cfg, gate_benign=[], gate_harmful=[], gate_pairs=[args.pairs]), train)
         pair_states = states(lm, [it.prompt for it in pairs], layers, suffix, f"capture {args.pairs}")
         tr = {p: {layer: torch.cat([tr[p][layer], pair_states[p][layer]]) for layer in layers} for p in tr}
         y_pairs = torch.tensor([it.label == "harmful" for it in pairs])
