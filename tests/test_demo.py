@@ -9,13 +9,14 @@ import pytest
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
-    from aligntax.runs.demo import DemoConfig, run_demo
+def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
+    from aligntax.runs.demo import demo_config, run_demo
 
-    cfg = DemoConfig(out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
-                     judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
-                     limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40,
-                     progress=False)
+    cfg = demo_config(True, out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
+                      judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
+                      limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40,
+                      progress=False)
+    assert cfg.full and cfg.sweep_halving is None and len(cfg.test_baselines) == 3
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"
     for path in ("baseline/results.json", "els/energy.json", "els/gate.json", "els/vectors/vectors.json",
@@ -120,3 +121,57 @@ def test_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
         run_demo(cfg, lm=tiny_lm)
         assert (out / "steered.prev1/config.json").is_file()
         assert json.loads(cfg_path.read_text())["intervention_args"]["eta"] == summary["best"]["args"]["eta"]
+
+
+def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path, tiny_lm, data_dir):
+    """The default profile: every sweep setting on a stratified third of the validation prompts, the two
+    best (and the unsteered model) on all of them, the answers of the first round reused; CAST alone
+    on the test sets; the same files as the complete evaluation; a second run resumes without work."""
+    from aligntax.runs.demo import DemoConfig, run_demo
+    from aligntax.runs.els import _key
+
+    cfg = DemoConfig(out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
+                     judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
+                     limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40,
+                     progress=False)
+    assert not cfg.full and cfg.sweep_halving == 3 and cfg.test_baselines == ["cast"]
+    summary = run_demo(cfg, lm=tiny_lm)
+    out = tmp_path / "demo"
+    for path in ("baseline/results.json", "els/sweep/pareto.png", "report.md", "test_pareto.png",
+                 "test-baselines/cast/results.json"):
+        assert (out / path).is_file(), path
+    assert not (out / "test-baselines" / "system-prompt").exists()
+    rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
+    first = [r for r in rows if json.loads(r["key"])["data"].get("part") == "1/3"]
+    second = [r for r in rows if "part" not in json.loads(r["key"])["data"]]
+    ranked = json.loads((out / "els/energy.json").read_text())["layers"]
+    n_settings = 1 + 2 * len(ranked[:3]) + 1  # unsteered, the best layers x 2 row cut-offs, the paper-style one
+    assert len(first) == n_settings and len(second) == 1 + 2
+    # a third of each validation set (rounded up), known answers too
+    full_none = next(r for r in second if r["name"] == "none")
+    part_none = next(r for r in first if r["name"] == "none")
+    assert part_none["known_n"] == -(-full_none["known_n"] // 3)
+    assert all("leak_passed" not in r for r in first)  # the leak check runs for the finalists only
+    finalists = [r for r in second if r["name"] == "els"]
+    best = json.loads((out / "els/sweep/best.json").read_text())
+    assert best["halving"]["part"] == "1/3" and best["halving"]["finalists"] == [r["args"] for r in finalists]
+    if summary["best"] is not None:
+        assert summary["best"]["args"] in best["halving"]["finalists"]
+    # the finalists are the best of the first round: eligible first, then by benign score
+    base = part_none
+    from aligntax.runs.els import eligible
+
+    ranked = sorted((r for r in first if r["name"] == "els"),
+                    key=lambda r: (not eligible(r, base), -r["benign_compliance"], -r["harmful_refusal"]))
+    assert [r["args"] for r in ranked[:2]] == [r["args"] for r in finalists]
+    # the second round generated only the prompts the first did not: each finalist's stored answers
+    # are unique per prompt
+    stored = [json.loads(line) for line in (out / "els/sweep/steered-6tok.jsonl").read_text().splitlines()]
+    for r in finalists:
+        setting = _key("els", r["args"], "generate", 6, None)
+        prompts = [s["prompt"] for s in stored if s["setting"] == setting]
+        assert len(prompts) == len(set(prompts)) <= r["steered_rows"]
+        assert (len(prompts) > 0) == (r["steered_rows"] > 0)
+    again = run_demo(cfg, lm=tiny_lm)
+    assert [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()] == rows
+    assert again["best"] == summary["best"]

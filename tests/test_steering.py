@@ -702,6 +702,37 @@ def test_eval_reuses_unsteered_answers_for_held_rows(lm, tmp_path):
                  lm=lm, intervention=els(eta=2.0, gate=gate))
 
 
+def test_knowns_reuses_unsteered_answers_for_held_questions(lm, tmp_path):
+    """The known-answer check copies the questions the gate holds back from an unsteered knowns run: the
+    same samples as generating every question, fewer generated."""
+    import json
+
+    from aligntax.metrics.knowns import KnownsConfig, load_known_answers, run_knowns
+    from aligntax.runs.jsonl import read_jsonl
+
+    gate, held = _split_gate(lm)
+    items = load_known_answers(split="all", limit=len(PROMPTS))
+    data = tmp_path / "k.jsonl"  # the four PROMPTS as questions (their answers do not matter here)
+    data.write_text("".join(json.dumps({**it.to_dict(), "prompt": p}) + "\n"
+                            for it, p in zip(items, PROMPTS, strict=True)))
+    common = dict(model="tiny", data=str(data), split="all", max_new_tokens=6, batch_size=4, dtype="fp32",
+                  progress=False)
+    run_knowns(KnownsConfig(out=str(tmp_path / "base"), **common), lm=lm)
+    full = run_knowns(KnownsConfig(out=str(tmp_path / "full"), **common), lm=lm, intervention=els(eta=2.0, gate=gate))
+    fast = run_knowns(KnownsConfig(out=str(tmp_path / "fast"), reuse_unsteered=str(tmp_path / "base"), **common),
+                      lm=lm, intervention=els(eta=2.0, gate=gate))
+    by_prompt = {p: i for i, p in enumerate(PROMPTS)}
+    rf = sorted(read_jsonl(tmp_path / "full" / "samples.jsonl"), key=lambda r: by_prompt[r["prompt"]])
+    rr = sorted(read_jsonl(tmp_path / "fast" / "samples.jsonl"), key=lambda r: by_prompt[r["prompt"]])
+    assert [r["response"] for r in rf] == [r["response"] for r in rr]
+    assert [bool(r.get("reused")) for r in rr] == held.tolist()
+    assert fast["timing"]["reused_unsteered_samples"] == 2 and fast["timing"]["new_samples"] == 2
+    assert full["timing"]["new_samples"] == 4 and full["correct"] == fast["correct"]
+    with pytest.raises(AligntaxError, match="must be unsteered"):
+        run_knowns(KnownsConfig(out=str(tmp_path / "x"), reuse_unsteered=str(tmp_path / "full"), **common),
+                   lm=lm, intervention=els(eta=2.0, gate=gate))
+
+
 def test_harm_gate_must_decide_before_steering(lm):
     gate, _ = _split_gate(lm, layer=2)
     with pytest.raises(AligntaxError, match="before steering"):

@@ -517,7 +517,11 @@ def els_sweep(
 
 @app.command()
 def demo(
-    out: Path | None = typer.Option(None, help="run folder (default runs/demo, with --backend vllm runs/demo-vllm)"),
+    out: Path | None = typer.Option(None, help="run folder (default runs/demo, runs/demo-full with --full; "
+                                               "with --backend vllm runs/demo-vllm)"),
+    full: bool = typer.Option(False, "--full", help="the complete evaluation: 600 training prompts per set, every "
+                                                   "sweep setting on every validation prompt, every baseline on "
+                                                   "the test sets (about 2.5 times as long)"),
     model: str = typer.Option(DEFAULT_MODEL),
     limit: int | None = typer.Option(None, help="first N items of each test set"),
     max_new_tokens: int = typer.Option(48),
@@ -528,12 +532,12 @@ def demo(
                                            "known-answer check on one vLLM engine (./run setup-vllm)"),
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
-    from aligntax.runs.demo import DemoConfig, run_demo
+    from aligntax.runs.demo import demo_config, run_demo
 
-    out = out or Path("runs/demo" if backend == "hf" else f"runs/demo-{backend}")
+    out = out or Path(("runs/demo" if backend == "hf" else f"runs/demo-{backend}") + ("-full" if full else ""))
     try:
-        run_demo(DemoConfig(out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
-                            judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend))
+        run_demo(demo_config(full, out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
+                             judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend))
     except AligntaxError as exc:
         _fail(exc)
     Console().print((out / "report.md").read_text())

@@ -221,6 +221,10 @@ class KnownsConfig:
     intervention_args: dict = field(default_factory=dict)
     # Another knowns run folder: results get the paired change against it over the ids both hold.
     compare_to: str | None = None
+    # An unsteered knowns run folder with the same settings: questions the intervention leaves unsteered
+    # (ELS harm gate and row decision, CAST condition) take their answers from it instead of being
+    # generated again (``"reused": true`` in the samples)
+    reuse_unsteered: str | None = None
     progress: bool = True
     # "hf" (aligntax's own batched loop) or "vllm" (aligntax.backends.vllm; lm may be a started VllmModel)
     backend: str = "hf"
@@ -229,6 +233,36 @@ class KnownsConfig:
         from aligntax.generation import GenerationConfig
 
         return GenerationConfig(max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, system=self.system)
+
+
+def _reuse_unsteered(cfg: KnownsConfig, decider, todo: list, samples_path: Path, steering: dict) -> list:
+    """Copy the unsteered knowns run's answers of the questions the intervention leaves unsteered into
+    the samples; returns the questions still to generate."""
+    from aligntax.activations.decisions import rows_to_copy
+    from aligntax.runs.jsonl import append_jsonl, read_jsonl
+
+    src = Path(cfg.reuse_unsteered)
+    if not (src / "config.json").is_file() or not (src / "samples.jsonl").is_file():
+        raise AligntaxError(f"reuse_unsteered {src}: not a knowns run folder (no config.json / samples.jsonl).")
+    from aligntax.runs.eval import _read_intervention, _setting_diffs
+
+    old = json.loads((src / "config.json").read_text())
+    used = old.get("intervention") or ((_read_intervention(src) or {}).get("name") or "none")
+    if used != "none":
+        raise AligntaxError(f"reuse_unsteered {src}: that run used the intervention {used!r}; it must be unsteered.")
+
+    diffs = _setting_diffs(old, cfg, ("model", "data", "system", "max_new_tokens", "dtype", "backend"))
+    if diffs:
+        raise AligntaxError(f"reuse_unsteered {src} was made with other settings ({'; '.join(diffs)}).")
+    prior = {r["id"]: r for r in read_jsonl(src / "samples.jsonl", repair=True)}
+    known = [it.id in prior and prior[it.id].get("prompt") == it.prompt for it in todo]
+    copy = rows_to_copy(decider, [it.prompt for it in todo], known, cfg.system, cfg.batch_size)
+    reuse = [it for it, c in zip(todo, copy, strict=True) if c]
+    append_jsonl(samples_path, [
+        {**it.to_dict(), "response": prior[it.id]["response"], "correct": it.check(prior[it.id]["response"]),
+         "n_tokens": prior[it.id].get("n_tokens"), "finish_reason": prior[it.id].get("finish_reason"),
+         "reused": True, **({"steering": steering[it.id]} if it.id in steering else {})} for it in reuse])
+    return [it for it, c in zip(todo, copy, strict=True) if not c]
 
 
 # Fields that change what a sample is; a resumed run must agree on all of them.
@@ -273,7 +307,7 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
     todo = [it for it in items if it.id not in done]
 
     t0 = time.perf_counter()
-    gen_seconds, n_tokens = 0.0, 0
+    gen_seconds, n_tokens, n_reused = 0.0, 0, 0
     if todo:
         engine = None  # the vLLM backend's generation source
         if check_backend(cfg.backend) == "vllm":
@@ -298,6 +332,10 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
         info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
             if intervention is not None and decider is not None else None
         steering = {it.id: r for it, r in zip(todo, info, strict=True)} if info is not None else {}
+        if cfg.reuse_unsteered and intervention is not None and decider is not None:
+            before = len(todo)
+            todo = _reuse_unsteered(cfg, decider, todo, samples_path, steering)
+            n_reused = before - len(todo)
         gen_over = engine.iter_generate if engine is not None else partial(iter_generate, lm,
                                                                            intervention=intervention)
         tb = time.perf_counter()
@@ -327,7 +365,8 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
                                         for k in dict.fromkeys(it.kind for it in items)}},
         **_paired_against(cfg.compare_to, items, flags),
         "timing": {"wall_seconds": round(time.perf_counter() - t0, 2), "generation_seconds": round(gen_seconds, 2),
-                   "generated_tokens": n_tokens, "new_samples": len(todo), "resumed_samples": len(done)},
+                   "generated_tokens": n_tokens, "new_samples": len(todo), "reused_unsteered_samples": n_reused,
+                   "resumed_samples": len(done)},
     }
     write_json_atomic(out / "results.json", results)
     (out / "report.md").write_text(knowns_report(results, [rows[it.id] for it in items]))

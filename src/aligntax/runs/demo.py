@@ -27,7 +27,12 @@ PARETO_HARMFUL = ["xstest/harmful", "jailbreakbench/harmful", "harmbench-test/ha
 
 @dataclass
 class DemoConfig:
+    """Settings of ``aligntax demo``. The defaults are the quick profile (the headline in a coffee break:
+    fewer training prompts, successive halving in the sweep, the strongest baseline on the test sets);
+    :func:`demo_config` with ``full=True`` gives the complete evaluation (:data:`FULL_PROFILE`)."""
+
     out: str = "runs/demo"
+    full: bool = False  # which profile these settings came from (recorded; :func:`demo_config` sets both)
     model: str = DEFAULT_MODEL
     test_sets: list[str] = field(default_factory=lambda: list(TEST_SETS))
     limit: int | None = None
@@ -37,13 +42,17 @@ class DemoConfig:
     # leave the batch when they end, so a long tail costs little
     batch_size: int = 96
     dtype: str = "bf16"
-    limit_benign_train: int | None = 600
+    limit_benign_train: int | None = 300
     limit_harmful_train: int | None = None
-    limit_gate_harmful: int | None = 600
-    limit_gate_benign: int | None = None
+    limit_gate_harmful: int | None = 300
+    limit_gate_benign: int | None = 300
     sweep_max_new_tokens: int = 32  # long enough to see answers loop after a 16-token steering horizon
     sweep_layers: int = 3  # the most accurate energy layers, each a setting of the validation grid
     sweep_baselines: bool = False  # the baselines are scored on the test sets (test_baselines) anyway
+    # successive halving in the sweep (``SweepConfig.halving``): every setting on a stratified third of
+    # the validation prompts, the two best on all of them (None: every setting on all)
+    sweep_halving: int | None = 3
+    sweep_halving_keep: int = 2
     # held-out harmful prompts for the sweep's harm-gate leak check (reported, not a constraint): OR-Bench
     # toxic prompts are written like the benign OR-Bench ones, so a few pass the gate and get steered
     leak: list[str] = field(default_factory=lambda: ["orbench-toxic"])
@@ -53,12 +62,29 @@ class DemoConfig:
     knowns: str | None = "builtin"
     # the baselines also evaluated on the test sets, for the test-set Pareto plot (name, args; the vector
     # folder is the ELS folder's)
-    test_baselines: list[str] = field(default_factory=lambda: ["system-prompt", "refusal-ablation", "cast"])
+    # (quick profile: CAST, the conditional steering baseline that complies most while refusing harmful
+    # prompts at all; it leaves most rows unsteered, which are copied from the unsteered run)
+    test_baselines: list[str] = field(default_factory=lambda: ["cast"])
     progress: bool = True
     # "hf" (aligntax's own batched loop) or "vllm": every generation of the evaluations, the sweep and
     # the known-answer check on one vLLM engine (aligntax.backends.vllm; ./run setup-vllm). ELS training,
     # the per-row decisions made before generating and judging run on the Hugging Face model either way.
     backend: str = "hf"
+
+
+# The complete evaluation (``aligntax demo --full``): every training prompt the ELS paper's recipe takes,
+# every sweep setting on every validation prompt, and every baseline on the test sets.
+FULL_PROFILE = {"limit_benign_train": 600, "limit_gate_harmful": 600, "limit_gate_benign": None,
+                "sweep_halving": None, "test_baselines": ["system-prompt", "refusal-ablation", "cast"]}
+
+
+def demo_config(full: bool = False, **settings) -> DemoConfig:
+    """The demo's settings: the quick profile, or with ``full`` the complete evaluation
+    (:data:`FULL_PROFILE`); ``settings`` (not None) override either."""
+    import copy
+
+    given = {k: v for k, v in settings.items() if v is not None}
+    return DemoConfig(**copy.deepcopy({**(FULL_PROFILE if full else {}), **given}), full=full)
 
 
 def run_demo(cfg: DemoConfig, lm=None, vm=None) -> dict:
@@ -90,22 +116,30 @@ def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
               "validation sweep", "steered evaluation"]
     stages += ["known-answer check"] if cfg.knowns else []
     stages += ["baselines on the test sets"] if cfg.test_baselines else []
-    clock = _Clock(stages, cfg.progress)
+    clock = _Clock(["model load", *stages], cfg.progress, STAGE_MINUTES["full" if cfg.full else "quick"])
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     if vm is not None and vm.hf is None:
         vm.hf = lm  # the per-row decisions made before generating use the model loaded here
     gen_lm = vm if vm is not None else lm  # what the evaluations and the known-answer check generate on
+    calibration = calibrate(lm)
+    clock.speed = calibration / CALIBRATION_SECONDS
     clock.lap("model load")
+    if cfg.progress:
+        import sys
+
+        print(f"[demo] {'complete evaluation' if cfg.full else 'quick profile'} ({len(stages)} stages): about "
+              f"{clock.left(1):.0f} min on this machine (its calibration forward took {calibration:.2f} s, "
+              f"{CALIBRATION_SECONDS:.2f} s on the reference machine)", file=sys.stderr, flush=True)
     common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                   dtype=cfg.dtype, progress=cfg.progress)
     train_common = dict(common)
     common["backend"] = cfg.backend
-    clock.begin(0, f"the unsteered model on {len(cfg.test_sets)} test sets ({', '.join(cfg.test_sets)})"
+    clock.begin(1, f"the unsteered model on {len(cfg.test_sets)} test sets ({', '.join(cfg.test_sets)})"
                    + (" (vLLM)" if vm is not None else ""))
     base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common),
                     lm=gen_lm)
     clock.lap()
-    clock.begin(1, "label the model's own answers on train prompts, capture states, train energy models and the "
+    clock.begin(2, "label the model's own answers on train prompts, capture states, train energy models and the "
                    "harm gate")
     train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train,
                              limit_harmful=cfg.limit_harmful_train,
@@ -114,14 +148,16 @@ def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
     clock.lap()
     sweep_cfg = demo_sweep_config(cfg, out / "els")
     n_settings = (len(sweep_cfg.top_k) + len(sweep_cfg.layers)) * len(sweep_cfg.row_threshold) + len(sweep_cfg.extra)
-    clock.begin(2, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''} on "
-                   f"validation prompts ({', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
+    rounds = (f" on a stratified 1/{sweep_cfg.halving} of the validation prompts, the {sweep_cfg.halving_keep} "
+              "best on all of them" if sweep_cfg.halving else "")
+    clock.begin(3, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
+                   f"(validation: {', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
                    "pick the best eligible one")
     sweep = run_sweep(sweep_cfg, lm=lm, vm=vm)
     clock.lap()
     best = sweep["best"]
     steered = knowns = None
-    clock.begin(3, "the selected setting on the test sets (rows it leaves unsteered are copied)")
+    clock.begin(4, "the selected setting on the test sets (rows it leaves unsteered are copied)")
     if best is not None:
         args = {"path": str(out / "els"), **best["args"]}
         _set_aside_if_changed(out / "steered", args)
@@ -131,18 +167,20 @@ def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
                                       reuse_unsteered=str(out / "baseline"), **common), lm=gen_lm)
         clock.lap()
         if cfg.knowns:
-            clock.begin(4, "everyday questions with known answers, unsteered and steered (test split)")
+            clock.begin(5, "everyday questions with known answers, unsteered and steered (test split)")
             knowns = _knowns(cfg, out, gen_lm, args)
             clock.lap()
     tests = None
     if cfg.test_baselines:
-        clock.begin(len(stages) - 1, f"{len(cfg.test_baselines)} baselines ({', '.join(cfg.test_baselines)}) on "
+        clock.begin(len(stages), f"{len(cfg.test_baselines)} baselines ({', '.join(cfg.test_baselines)}) on "
                                      f"the {len(cfg.test_sets)} test sets, for the test-set Pareto plot")
         tests = _test_pareto(cfg, out, gen_lm, base, steered, common)
         clock.lap()
     summary = {"baseline": base, "steered": steered, "best": best, "knowns": knowns, "test_pareto": tests,
                "sweep": sweep, "minutes": clock.minutes()}
-    write_json_atomic(out / "timing.json", summary["minutes"])
+    write_json_atomic(out / "timing.json", {**summary["minutes"], "profile": "full" if cfg.full else "quick",
+                                            "calibration_seconds": round(calibration, 3),
+                                            "estimates": clock.estimates})
     write_demo_report(out, summary)
     return summary
 
@@ -163,6 +201,7 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
                        threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0, -2.0],
                        extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
                        max_new_tokens=cfg.sweep_max_new_tokens, knowns=cfg.knowns, backend=cfg.backend,
+                       halving=cfg.sweep_halving, halving_keep=cfg.sweep_halving_keep,
                        baselines=cfg.sweep_baselines, baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak, progress=cfg.progress)
 
 
@@ -174,8 +213,10 @@ def _knowns(cfg: DemoConfig, out: Path, lm, args: dict) -> dict:
                   batch_size=cfg.batch_size, dtype=cfg.dtype, progress=cfg.progress, backend=cfg.backend)
     before = run_knowns(KnownsConfig(out=str(out / "knowns-baseline"), **common), lm=lm)
     _set_aside_if_changed(out / "knowns-steered", args)
+    # questions the setting leaves unsteered are copied from the unsteered run
     after = run_knowns(KnownsConfig(out=str(out / "knowns-steered"), intervention="els", intervention_args=args,
-                                    compare_to=str(out / "knowns-baseline"), **common), lm=lm)
+                                    compare_to=str(out / "knowns-baseline"),
+                                    reuse_unsteered=str(out / "knowns-baseline"), **common), lm=lm)
     return {"baseline": before, "steered": after}
 
 
@@ -216,42 +257,76 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, base: dict, steered: dict | Non
     return rows
 
 
-# Minutes each stage took in a fresh-clone demo on 2 CPU cores (docs/RESULTS.md 3): the shape of the
-# estimate of what is left, scaled by how long the stages done so far took on this machine.
-STAGE_MINUTES = {"baseline evaluation": 2.3,
-                 "ELS training (labels, activations, energy models, vectors, harm gate)": 7.7,
-                 "validation sweep": 7.0, "steered evaluation": 0.5, "known-answer check": 0.6,
-                 "baselines on the test sets": 7.9}
+# Minutes each stage took in a fresh-clone demo of each profile on 2 CPU cores with nothing else running
+# (docs/RESULTS.md 3.1), and that machine's time for the calibration workload (:func:`calibrate`). The
+# first estimate scales them by this machine's calibration time; later ones by how long the stages done
+# so far took against theirs.
+STAGE_MINUTES = {
+    "quick": {"model load": 0.1, "baseline evaluation": 2.0,
+              "ELS training (labels, activations, energy models, vectors, harm gate)": 4.5,
+              "validation sweep": 4.0, "steered evaluation": 0.4, "known-answer check": 0.5,
+              "baselines on the test sets": 0.6},
+    "full": {"model load": 0.1, "baseline evaluation": 2.0,
+             "ELS training (labels, activations, energy models, vectors, harm gate)": 7.0,
+             "validation sweep": 7.5, "steered evaluation": 0.6, "known-answer check": 0.5,
+             "baselines on the test sets": 7.5},
+}
+CALIBRATION_SECONDS = 1.0
+
+
+def calibrate(lm, rows: int = 32, tokens: int = 16, repeats: int = 2) -> float:
+    """Seconds one forward pass of ``rows`` x ``tokens`` fixed tokens takes on this machine (the fastest of
+    ``repeats`` after a warm-up): the demo's generation, capture and training all scale with it."""
+    import torch
+
+    vocab = int(getattr(lm.model.config, "vocab_size", 1000))
+    ids = torch.randint(0, min(vocab, 10_000), (rows, tokens), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(lm.device)
+    best = float("inf")
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            t = time.perf_counter()
+            lm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            if i:
+                best = min(best, time.perf_counter() - t)
+    return best
 
 
 class _Clock:
     """Wall minutes per stage (a resumed stage counts only the time it took this time). ``begin`` prints a
     stage's number, name and purpose as it starts, with the minutes spent so far and an estimate of what
     is left (the progress bars below it name their own work); ``lap`` closes the stage begun last, or the
-    one named."""
+    one named. ``typical``: the minutes of each stage on the reference machine; ``speed``: how many times
+    slower this machine ran the calibration workload (1: as fast)."""
 
-    def __init__(self, stages: list[str], show: bool = True) -> None:
+    def __init__(self, stages: list[str], show: bool = True, typical: dict | None = None) -> None:
         self.stages, self.show = stages, show
+        self.typical = typical if typical is not None else STAGE_MINUTES["quick"]
+        self.speed = 1.0
         self.current: str | None = None
         self.t0 = self.t = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self.estimates: list[float] = []  # the total each ``begin`` foresaw (minutes so far + left)
 
     def left(self, index: int) -> float:
         """Minutes the stages from ``index`` on should take: their typical minutes, scaled by how the
-        stages done so far compared with theirs on this machine (1 before any is done)."""
-        done = [s for s in self.stages[:index] if s in self.laps and STAGE_MINUTES.get(s)]
-        typical = sum(STAGE_MINUTES[s] for s in done)
-        scale = sum(self.laps[s] for s in done) / typical if typical else 1.0
-        return scale * sum(STAGE_MINUTES.get(s, 0.0) for s in self.stages[index:])
+        stages done so far compared with theirs (the calibration's speed before any is done)."""
+        done = [s for s in self.stages[:index] if s in self.laps and self.typical.get(s)]
+        typical = sum(self.typical[s] for s in done)
+        scale = sum(self.laps[s] for s in done) / typical if typical > 0.5 else self.speed
+        return scale * sum(self.typical.get(s, 0.0) for s in self.stages[index:])
 
     def begin(self, index: int, what: str) -> None:
         self.current = self.stages[index]
+        spent = (time.perf_counter() - self.t0) / 60
+        left = self.left(index)
+        self.estimates.append(round(spent + left, 2))
         if self.show:
             import sys
 
-            spent = (time.perf_counter() - self.t0) / 60
-            print(f"\n[demo {index + 1}/{len(self.stages)}] {self.current}: {what}\n"
-                  f"    {spent:.1f} min so far, about {self.left(index):.0f} min left", file=sys.stderr, flush=True)
+            # stage 0 is the model load, which is not announced: the demo's stages count from 1
+            print(f"\n[demo {index}/{len(self.stages) - 1}] {self.current}: {what}\n"
+                  f"    {spent:.1f} min so far, about {left:.0f} min left", file=sys.stderr, flush=True)
 
     def lap(self, name: str | None = None) -> None:
         now = time.perf_counter()

@@ -362,6 +362,13 @@ class SweepConfig:
     leak_constraint: bool = False  # the best setting must also refuse every leaked prompt the unsteered model refuses
     baselines: bool = True
     baseline_coeffs: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
+    # successive halving (None: off): every setting is first scored on a fixed, stratified 1/halving of
+    # the validation prompts (each benign and harmful set and the known-answer questions sampled alike),
+    # then the ``halving_keep`` best ELS settings (eligible first, then by benign score) and the unsteered
+    # model on all of them, reusing the answers of the first round; the selection is made among those.
+    # The leak check runs in the second round only.
+    halving: int | None = None
+    halving_keep: int = 2
     method: str = "generate"  # "generate" (judge short responses) or "first-token" (screen, no generation)
     confirm: int = 3  # with first-token screening: re-score this many best settings by generation
     judge: str = "classifier"
@@ -434,19 +441,21 @@ def _score_first_token(lm, iv, benign, harmful, batch_size) -> dict:
 
 
 def _score_generate(lm, iv, benign: dict[str, list], harmful, cfg: SweepConfig, judge, unsteered: Path,
-                    knowns: list | None = None, gen=None) -> dict:
+                    knowns: list | None = None, gen=None, prior: dict | None = None) -> dict:
     """Generate, judge and score. The unsteered model's answers are kept in ``unsteered`` (JSONL, one
     line per prompt); rows an intervention leaves unsteered (e.g. held back by the harm gate) take
-    their answers from it instead of being generated again.
+    their answers from it instead of being generated again, and so do the prompts of ``prior`` (this
+    setting's answers from an earlier round of successive halving; the answers it generates are added
+    to it).
 
     ``benign_compliance`` is the mean over the benign sets of their useful compliance (per set in
     ``benign_by_set``); with ``knowns`` (everyday questions with known answers) also their accuracy,
     and how many answers turned right and wrong against the unsteered model's."""
     known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
     prompts = _sweep_prompts(benign, harmful, knowns)
-    responses, held = _sweep_responses(lm, iv, prompts, known, cfg, gen)
+    responses, held = _sweep_responses(lm, iv, prompts, known, cfg, gen, prior)
     if iv.name == "none":
-        _save_unsteered(unsteered, prompts, responses)
+        _add_unsteered(unsteered, known, dict(zip(prompts, responses, strict=True)))
     return _sweep_scores(benign, harmful, knowns, prompts, responses, held, known, judge, iv.name)
 
 
@@ -454,11 +463,6 @@ def _sweep_prompts(benign: dict[str, list], harmful, knowns: list | None) -> lis
     """The prompts a setting answers: the benign sets, the harmful ones, the known-answer questions."""
     return [it.prompt for part in benign.values() for it in part] + [it.prompt for it in harmful] + \
         [k.prompt for k in knowns or []]
-
-
-def _save_unsteered(unsteered: Path, prompts: list[str], responses: list[str]) -> None:
-    unsteered.unlink(missing_ok=True)
-    append_jsonl(unsteered, [{"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)])
 
 
 def _hf_generate(lm):
@@ -473,21 +477,23 @@ def _hf_generate(lm):
 
 
 def _sweep_responses(lm, iv, prompts: list[str], known: dict, cfg: SweepConfig,
-                     gen=None) -> tuple[list[str], list[bool]]:
+                     gen=None, prior: dict | None = None) -> tuple[list[str], list[bool]]:
     """Each prompt's answer under ``iv``, and whether it was copied from the unsteered ``known`` answers
     (rows the intervention leaves unsteered) instead of generated. ``gen``: the generation function
-    (default: the Hugging Face backend's on ``lm``)."""
+    (default: the Hugging Face backend's on ``lm``). ``prior``: answers of this setting already
+    generated (``{prompt: response}``), taken instead of generated again; the new ones are added."""
     from aligntax.generation import GenerationConfig
 
     gen = gen or _hf_generate(lm)
+    prior = {} if prior is None else prior
     held = rows_to_copy(PrefillDecider(lm, iv), prompts, [p in known for p in prompts], None, cfg.batch_size)
-    todo = [i for i, h in enumerate(held) if not h]
+    todo = [i for i, h in enumerate(held) if not h and prompts[i] not in prior]
     gens = gen([prompts[i] for i in todo], GenerationConfig(max_new_tokens=cfg.max_new_tokens,
                                                             batch_size=cfg.batch_size), iv,
                progress=cfg.progress, desc="sweep")
-    responses = [known.get(p) for p in prompts]
     for i, g in zip(todo, gens, strict=True):
-        responses[i] = g.response
+        prior[prompts[i]] = g.response
+    responses = [known.get(p) if h else prior[p] for p, h in zip(prompts, held, strict=True)]
     return responses, held
 
 
@@ -697,10 +703,14 @@ def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
         from aligntax.metrics.knowns import load_known_answers
 
         knowns = load_known_answers(cfg.knowns, split="val")
+    if cfg.halving is not None and (cfg.halving < 2 or cfg.halving_keep < 1):
+        raise AligntaxError(f"halving must be at least 2 and halving_keep at least 1; got {cfg.halving}, "
+                            f"{cfg.halving_keep}.")
     data = {"benign": list(cfg.benign), "harmful": list(cfg.harmful), "knowns": cfg.knowns}
     other = "" if cfg.backend == "hf" else f"-{cfg.backend}"  # another backend's rows and answers are its own
     if other:
         data["backend"] = cfg.backend
+    full = _Part(benign, harmful, knowns, data)
     engines: list = []  # the vLLM backend's engine, started when a setting is first generated
 
     def gen_for(name: str, args: dict):
@@ -723,12 +733,18 @@ def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
     judge = get_judge(cfg.judge) if cfg.method == "generate" or cfg.confirm or leaks else None
     unsteered = out / f"unsteered-{cfg.max_new_tokens}tok{other}.jsonl"
     unsteered_leak = out / f"unsteered-leak-{cfg.max_new_tokens}tok{other}.jsonl"
+    # answers of each steering setting (by its key without the prompt part), kept for a later round of
+    # successive halving; resumed from the file
+    steered_path = out / f"steered-{cfg.max_new_tokens}tok{other}.jsonl"
+    steered_answers: dict[str, dict] = {}
+    for r in read_jsonl(steered_path, repair=True) if cfg.halving else []:
+        steered_answers.setdefault(r["setting"], {})[r["prompt"]] = r["response"]
 
-    def due(name, args, method):
-        """``(key, earlier row, leak check due)`` of a setting still to score; None when scored."""
-        key = _key(name, args, method, cfg.max_new_tokens, data)
+    def due(name, args, method, part, leak_check=True):
+        """``(key, earlier row, leak check due)`` of a setting still to score on ``part``; None when scored."""
+        key = _key(name, args, method, cfg.max_new_tokens, part.data)
         old = latest.get(key)
-        leak_due = bool(leaks) and name == "els" and method == "generate" and (
+        leak_due = leak_check and bool(leaks) and name == "els" and method == "generate" and (
             args.get("gate") is not None and args.get("gate") is not False)
         if old is not None and (not leak_due or (old.get("leak_sets"), old.get("leak_limit")) == (cfg.leak, cfg.limit_leak)):
             return None
@@ -743,8 +759,21 @@ def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
         rows.append(row)
         latest[key] = row
 
-    def score(name, args, method):
-        todo = due(name, args, method)
+    def prior_answers(name, args, method):
+        """This setting's answers from earlier rounds (successive halving), and a writer of new ones."""
+        if not cfg.halving or name == "none" or method != "generate":
+            return None, lambda new: None
+        setting = _key(name, args, method, cfg.max_new_tokens, None)
+        prior = steered_answers.setdefault(setting, {})
+        before = set(prior)
+
+        def save(_):
+            append_jsonl(steered_path, [{"setting": setting, "prompt": p, "response": r}
+                                        for p, r in prior.items() if p not in before])
+        return prior, save
+
+    def score(name, args, method, part, leak_check=True):
+        todo = due(name, args, method, part, leak_check)
         if todo is None:
             return
         key, old, leak_due = todo
@@ -753,20 +782,23 @@ def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
         gen = gen_for(name, args) if method == "generate" else None
         if old is not None:  # scored before: only the leak check is new
             res = {k: v for k, v in old.items() if k not in ("key", "name", "args", "method", "seconds")}
+        elif method == "first-token":
+            res = _score_first_token(lm, iv, [it for b in part.benign.values() for it in b], part.harmful,
+                                     cfg.batch_size)
         else:
-            res = (_score_first_token(lm, iv, [it for part in benign.values() for it in part], harmful,
-                                      cfg.batch_size) if method == "first-token"
-                   else _score_generate(lm, iv, benign, harmful, cfg, judge, unsteered, knowns, gen))
+            prior, save = prior_answers(name, args, method)
+            res = _score_generate(lm, iv, part.benign, part.harmful, cfg, judge, unsteered, part.knowns, gen, prior)
+            save(prior)
         if leak_due:
             res.update(_score_leak(lm, iv, leaks, cfg, judge, unsteered_leak, gen))
         record(key, name, args, method, res, time.perf_counter() - t, old)
 
-    def score_on_replicas(group: list, method: str, bar) -> None:
+    def score_on_replicas(group: list, method: str, part, bar) -> None:
         """Settings ``(name, args, key, old, leak_due)`` scored on the replicas, judged as they come."""
         known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
         known_leak = {r["prompt"]: r["response"] for r in read_jsonl(unsteered_leak)} if unsteered_leak.is_file() else {}
-        common = replicas.put({"cfg": cfg, "benign": benign, "harmful": harmful, "knowns": knowns, "leaks": leaks,
-                               "known": known, "known_leak": known_leak})
+        common = replicas.put({"cfg": cfg, "benign": part.benign, "harmful": part.harmful, "knowns": part.knowns,
+                               "leaks": leaks, "known": known, "known_leak": known_leak})
         units = replicas.map_unordered(
             lambda a, i: a.call.remote(i, sweep_unit, group[i][0], group[i][1], method, group[i][3] is None,
                                        group[i][4], common), range(len(group)))
@@ -778,34 +810,49 @@ def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
             elif "res" in got:
                 res = got["res"]
             else:
-                prompts = _sweep_prompts(benign, harmful, knowns)
+                prompts = _sweep_prompts(part.benign, part.harmful, part.knowns)
                 if name == "none":
-                    _save_unsteered(unsteered, prompts, got["responses"])
-                res = _sweep_scores(benign, harmful, knowns, prompts, got["responses"], got["held"], known, judge,
-                                    name)
+                    _add_unsteered(unsteered, known, dict(zip(prompts, got["responses"], strict=True)))
+                res = _sweep_scores(part.benign, part.harmful, part.knowns, prompts, got["responses"], got["held"],
+                                    known, judge, name)
             if leak_due:
                 _add_unsteered(unsteered_leak, known_leak, (got["leak"] or {}).get("new_unsteered", {}))
                 res.update(_leak_scores(cfg, leaks, got["leak"], known_leak, judge))
             record(key, name, args, method, res, got["seconds"] + time.perf_counter() - t, old)
             bar.update(1)
 
-    def score_all(todo: list, method: str, desc: str) -> None:
+    def score_all(todo: list, method: str, desc: str, part=full, leak_check: bool = True) -> None:
         from tqdm.auto import tqdm
 
         if replicas is None:
             for name, args in tqdm(todo, desc=desc, disable=not cfg.progress):
-                score(name, args, method)
+                score(name, args, method, part, leak_check)
             return
-        group = [(name, args, *d) for name, args in todo if (d := due(name, args, method)) is not None]
+        group = [(name, args, *d) for name, args in todo if (d := due(name, args, method, part, leak_check)) is not None]
         with tqdm(total=len(group), desc=f"{desc} ({replicas.start().workers} replicas)",
                   disable=not cfg.progress) as bar:
             # the unsteered answers first: the other settings copy the rows they leave unsteered
-            for part in ([g for g in group if g[0] == "none"], [g for g in group if g[0] != "none"]):
-                if part:
-                    score_on_replicas(part, method, bar)
+            for chunk in ([g for g in group if g[0] == "none"], [g for g in group if g[0] != "none"]):
+                if chunk:
+                    score_on_replicas(chunk, method, part, bar)
 
+    halving = None
     with remembered_prefill_states():  # the gate's (or condition's) states of the prompts, captured once
-        score_all(settings, cfg.method, f"sweep ({cfg.method})")
+        if cfg.halving and cfg.method == "generate":
+            # the unsteered answers of every prompt first (both rounds copy the rows a setting leaves
+            # unsteered from them), then every setting on the stratified part, then the finalists on all
+            score_all([("none", {})], "generate", "sweep (unsteered)")
+            sub = full.part(cfg.halving, {**data, "part": f"1/{cfg.halving}"})
+            score_all(settings, "generate", f"sweep, round 1 (1/{cfg.halving} of the prompts)", sub, leak_check=False)
+            finalists = _finalists(rows, settings, sub.data, cfg)
+            score_all(finalists, "generate", f"sweep, round 2 ({len(finalists)} best on all prompts)")
+            halving = {"part": f"1/{cfg.halving}", "keep": cfg.halving_keep,
+                       "finalists": [{k: v for k, v in a.items() if k != "path"} for n, a in finalists if n != "none"],
+                       "round1": _rows_of(rows, settings, "generate", cfg.max_new_tokens, sub.data)}
+            settings_scored = finalists
+        else:
+            score_all(settings, cfg.method, f"sweep ({cfg.method})")
+            settings_scored = settings
         if cfg.method == "first-token" and cfg.confirm:
             base_ft = next(r for r in rows if r["name"] == "none" and r["method"] == "first-token")
             # the most compliant settings that keep (screened) safety, plus the unsteered model and the baselines
@@ -818,18 +865,67 @@ def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
             confirm += [(n, a) for n, a in settings if n not in ("none", "els")]
             score_all(confirm, "generate", "sweep (generate)")
     method = "generate" if any(r["method"] == "generate" for r in rows) else cfg.method
-    wanted = {_key(n, a, method, cfg.max_new_tokens, data): i for i, (n, a) in enumerate(settings)}
     # in the grid's order (ties in the selection go to the earlier setting, however the rows were scored)
-    rows = sorted((r for r in rows if r["key"] in wanted), key=lambda r: wanted[r["key"]])
-    best = select_best(rows, method, cfg.leak_constraint, cfg.knowns_tolerance)
-    result = {"method": method, "best": best, "n_settings": len(rows), "max_new_tokens": cfg.max_new_tokens,
-              "benign": cfg.benign, "harmful": cfg.harmful, "knowns": cfg.knowns,
-              "knowns_tolerance": cfg.knowns_tolerance}
+    final = _rows_of(rows, settings_scored if halving else settings, method, cfg.max_new_tokens, data)
+    best = select_best(final, method, cfg.leak_constraint, cfg.knowns_tolerance)
+    result = {"method": method, "best": best, "n_settings": len(settings) if halving else len(final),
+              "max_new_tokens": cfg.max_new_tokens, "benign": cfg.benign, "harmful": cfg.harmful,
+              "knowns": cfg.knowns, "knowns_tolerance": cfg.knowns_tolerance}
+    if halving:
+        result["halving"] = {k: v for k, v in halving.items() if k != "round1"}
     if cfg.leak:
         result.update(leak=cfg.leak, leak_prompts=len(leaks), leak_constraint=cfg.leak_constraint)
     if other:
         result["backend"] = cfg.backend
     write_json_atomic(out / "best.json", result)
-    pareto_plot([r for r in rows if r["method"] == method], out / "pareto.png",
-                title=f"validation: compliance vs safety ({method})")
+    plotted = halving["round1"] if halving else [r for r in final if r["method"] == method]
+    pareto_plot(plotted, out / "pareto.png",
+                title=f"validation: compliance vs safety ({method}"
+                      + (f", every setting on {halving['part']} of the prompts)" if halving else ")"))
     return result
+
+
+def _rows_of(rows: list[dict], settings: list, method: str, tokens: int, data: dict) -> list[dict]:
+    """The rows of ``settings`` scored with ``method`` on the prompts ``data`` names, in the settings' order."""
+    wanted = {_key(n, a, method, tokens, data): i for i, (n, a) in enumerate(settings)}
+    return sorted((r for r in rows if r["key"] in wanted), key=lambda r: wanted[r["key"]])
+
+
+def _finalists(rows: list[dict], settings: list, data: dict, cfg: SweepConfig) -> list[tuple[str, dict]]:
+    """The unsteered model and the ``cfg.halving_keep`` best ELS settings of the first round of successive
+    halving (scored on the prompts ``data`` names): eligible ones first (:func:`eligible`, leak check
+    aside), then by benign score and harmful refusal, ties to the earlier setting."""
+    scored = _rows_of(rows, settings, "generate", cfg.max_new_tokens, data)
+    base = next((r for r in scored if r["name"] == "none"), None)
+    if base is None:
+        return [("none", {})]
+    by_key = {_key(n, a, "generate", cfg.max_new_tokens, data): (n, a) for n, a in settings}
+    els = [r for r in scored if r["name"] == "els"]
+    ranked = sorted(els, key=lambda r: (not eligible(r, base, False, cfg.knowns_tolerance),
+                                        -r["benign_compliance"], -r["harmful_refusal"]))
+    return [("none", {})] + [by_key[r["key"]] for r in ranked[:cfg.halving_keep]]
+
+
+@dataclass
+class _Part:
+    """The validation prompts a sweep round scores: benign sets, harmful prompts, known-answer questions,
+    and ``data``, what a row's key says of them."""
+
+    benign: dict[str, list]
+    harmful: list
+    knowns: list | None
+    data: dict
+
+    def part(self, n: int, data: dict) -> _Part:
+        """A fixed, stratified 1/n: each benign set, each harmful set (by source) and the known-answer
+        questions sampled alike (:func:`_sampled`, seed 0), in their order."""
+        def share(items: list) -> list:
+            return _sampled(items, max(1, math.ceil(len(items) / n)), 0) if items else items
+
+        by_source: dict[str, list] = {}
+        for it in self.harmful:
+            by_source.setdefault(it.source, []).append(it)
+        harmful = {(it.source, it.id) for part in by_source.values() for it in share(part)}
+        return _Part({k: share(v) for k, v in self.benign.items()},
+                     [it for it in self.harmful if (it.source, it.id) in harmful],
+                     share(self.knowns) if self.knowns else self.knowns, data)

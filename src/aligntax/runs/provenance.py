@@ -18,9 +18,11 @@ from aligntax.errors import AligntaxError
 PROVENANCE_NAME = "provenance.json"
 # The files of an artefact folder its loaders read: tensors and JSON at its top level (a tuned setting
 # such as ELS's sweep/best.json is checked by intervention.json, the resolved settings, instead), less
-# the files of a run folder, which change as runs write them.
+# the files of a run folder, which change as runs write them, and a training run's summary (its wall
+# times change when a finished training is resumed; nothing steers by it).
 _DIGEST_SUFFIXES = (".safetensors", ".json", ".pt", ".bin", ".npy", ".npz")
-_RUN_FILES = frozenset({"config.json", "results.json", "provenance.json", "intervention.json"})
+_RUN_FILES = frozenset({"config.json", "results.json", "provenance.json", "intervention.json",
+                        "train_summary.json"})
 # fingerprint keys that identify the weights (``spec`` is how the model was named: checked by the settings)
 _FINGERPRINT_KEYS = ("model_type", "num_layers", "hidden_size", "vocab_size", "embedding_digest")
 
