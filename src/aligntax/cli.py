@@ -489,6 +489,10 @@ def els_sweep(
                                               "harm gate passes, steered and unsteered (e.g. orbench-toxic)"),
     limit_leak: int | None = typer.Option(None, help="at most N prompts of each leak set (sampled)"),
     leak_constraint: bool | None = typer.Option(None, help="the selected setting must keep every leaked refusal"),
+    halving: int | None = typer.Option(None, help="successive halving: every setting on a stratified 1/N of the "
+                                                  "validation prompts, the --halving-keep best on all of them"),
+    halving_keep: int | None = typer.Option(None, help="settings scored on every prompt after the first round "
+                                                       "(default 2)"),
     judge_name: str | None = typer.Option(None, "--judge"), dtype: str | None = typer.Option(None),
     ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None, device_map: DeviceMapOpt = None,
@@ -506,7 +510,7 @@ def els_sweep(
                           **(grid or {}), knowns_tolerance=knowns_tolerance,
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
                           leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint,
-                          device_map=device_map, backend=backend)
+                          halving=halving, halving_keep=halving_keep, device_map=device_map, backend=backend)
         if knowns is not None:
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
         res = run_sweep(cfg, ray=_ray_config(ray, workers, worker_cpus, worker_gpus))
