@@ -156,6 +156,12 @@ def test_option_ranges_are_declared_once_for_every_face():
         "steps": 0, "gate": True, "horizon": "none"}
 
 
+def test_yaml_intervention_args_meet_the_same_ranges(no_load, tmp_path, data_file, bank_dir):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"data: [{data_file}]\nintervention: els\nintervention_args: {{path: {bank_dir}, eta: -1}}\n")
+    one_error(invoke("eval", "--config", cfg, "--out", tmp_path / "run"), 2, "els option eta", "> 0")
+
+
 def test_unknown_dataset(no_load, tmp_path):
     out = tmp_path / "run"
     one_error(invoke("eval", "--data", "xstset", "--out", out), 2, "unknown dataset 'xstset'", "Did you mean xstest")

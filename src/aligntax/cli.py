@@ -468,6 +468,8 @@ def fluency(
     from aligntax.runs.jsonl import read_jsonl
 
     try:
+        if not (run / "config.json").is_file() or not (run / "samples.jsonl").is_file():
+            raise UsageError(f"{run}: not an evaluation run folder (no config.json / samples.jsonl).")
         cfg = json.loads((run / "config.json").read_text())
         rows = [r for r in read_jsonl(run / "samples.jsonl") if (not source or r["source"] in source)
                 and (not label or r["label"] == label) and r["response"].strip()]

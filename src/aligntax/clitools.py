@@ -235,6 +235,7 @@ def check_intervention(name: str | None, iv_args: dict | None, model: str | None
     if name not in METHODS:
         raise UsageError(f"Unknown intervention '{name}'; known: {', '.join(METHODS)}.")
     args = iv_args or {}
+    METHODS[name].check({k: v for k, v in args.items() if v is not None})  # YAML intervention_args too
     kind = _folder_kind(name)
     if kind is not None:
         marker, flag, how = _FOLDER_MARKERS[kind]

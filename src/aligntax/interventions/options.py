@@ -107,14 +107,19 @@ class Method:
                 if "path" in kwargs:
                     raise AligntaxError(f"Intervention '{self.name}': give the folder once (path= or {alias}=).")
                 kwargs["path"] = kwargs.pop(alias)
+        self.check(kwargs)
+        return self.build(lm, self.options(**kwargs))
+
+    def check(self, kwargs: dict) -> None:
+        """Refuse an option the method does not take, or a value outside its option's range rule."""
         fields = {f.name: f for f in dataclasses.fields(self.options)}
-        unknown = sorted(set(kwargs) - set(fields))
+        unknown = sorted(set(kwargs) - set(fields) - {"dir", "directory"})
         if unknown:
             raise AligntaxError(f"Unknown options for intervention '{self.name}': {', '.join(unknown)} "
                                 f"(it takes {', '.join(sorted(fields)) or 'none'}).")
         for name, value in kwargs.items():
-            check_value(value, spec_of(fields[name]).check, f"{self.name} option {name}")
-        return self.build(lm, self.options(**kwargs))
+            if name in fields:
+                check_value(value, spec_of(fields[name]).check, f"{self.name} option {name}")
 
 
 METHODS: dict[str, Method] = {}
