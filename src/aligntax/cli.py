@@ -461,6 +461,7 @@ def fluency(
     model: str | None = typer.Option(None, help="reference model (default: the run's model, unsteered)"),
     source: list[str] = typer.Option(None, help="only these datasets"),
     label: str | None = typer.Option("benign", help="only items with this label ('' for all)"),
+    progress: ProgressOpt = True,
 ) -> None:
     """Perplexity of a run's responses under the unsteered reference model; writes RUN/fluency.json."""
     from aligntax.metrics.fluency import perplexity
@@ -477,7 +478,7 @@ def fluency(
             raise AligntaxError(f"No responses to score in {run}")
         lm = load_model(model or cfg["model"], dtype=cfg.get("dtype", "bf16"))
         res = {"reference_model": model or cfg["model"], "label": label or None, "sources": source or None,
-               **perplexity(lm, [r["prompt"] for r in rows], [r["response"] for r in rows], progress=True)}
+               **perplexity(lm, [r["prompt"] for r in rows], [r["response"] for r in rows], progress=progress)}
     except (AligntaxError, FileNotFoundError) as exc:
         _fail(exc)
     write_json_atomic(run / "fluency.json", res)
@@ -594,8 +595,10 @@ def els_train(
                                                           "disjoint folds (default 5; 1: one 80/20 split)"),
     epochs: int | None = typer.Option(None), lr: float | None = typer.Option(None),
     judge_name: str | None = typer.Option(None, "--judge"),
-    max_new_tokens: int | None = typer.Option(None), batch_size: int | None = typer.Option(None),
-    dtype: str | None = typer.Option(None),
+    max_new_tokens: int | None = typer.Option(None, help="tokens generated per prompt for the labels",
+                                              show_default=str(DEFAULT_MAX_NEW_TOKENS)),
+    batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
+    dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
     train_gate: bool | None = typer.Option(None, "--train-gate/--no-train-gate",
                                            help="also train the harm gate", show_default="train-gate"),
     gate: bool | None = typer.Option(None, "--gate/--no-gate", hidden=True),
@@ -671,7 +674,8 @@ def els_sweep(
     knowns: str | None = typer.Option(None, help="everyday questions with known answers whose val split a setting "
                                                  "must keep within --knowns-tolerance ('builtin', a file, or 'none')"),
     knowns_tolerance: float | None = typer.Option(None, help="largest accuracy loss allowed (default 0.02)"),
-    max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (default 24)"),
+    max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (short: the "
+                                                         "sweep screens many settings)", show_default="24"),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
     leak: list[str] = typer.Option(None, help="held-out harmful sets: refusal on the prompts each gated setting's "
                                               "harm gate passes, steered and unsteered (e.g. orbench-toxic)"),

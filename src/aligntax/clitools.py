@@ -224,9 +224,11 @@ def _folder_kind(name: str) -> str | None:
     return None
 
 
-def check_intervention(name: str | None, iv_args: dict | None, model: str | None = None) -> None:
-    """The intervention is registered, its folder exists and holds its marker file (``energy.json``
-    for ELS, ``vectors.json`` for the vector methods), and ``--layers`` fits the model and the bank."""
+def check_intervention(name: str | None, iv_args: dict | None, model: str | None = None,
+                       layers: bool = True) -> None:
+    """The intervention is registered, its options meet their range rules, its folder exists and holds
+    its marker file (``energy.json`` for ELS, ``vectors.json`` for the vector methods), and (with
+    ``layers``) ``--layers`` fits the model and the bank."""
     from aligntax.interventions.options import METHODS
     from aligntax.runs.provenance import intervention_folder
 
@@ -247,7 +249,7 @@ def check_intervention(name: str | None, iv_args: dict | None, model: str | None
             raise UsageError(f"{flag} {folder}: no such folder.")
         if not (path / marker).is_file():
             raise UsageError(f"{flag} {folder} holds no {marker}: not a folder made by {how}.")
-    layers = args.get("layers")
+    layers = args.get("layers") if layers else None
     if isinstance(layers, list):
         check_layers(model, layers)
         if kind == "els":
@@ -299,7 +301,8 @@ def steering_options(fn):
         name = _iv_name(kwargs.get("intervention"), given.get("iv_steer"))
         try:
             iv_args = intervention_args(name, given)
-            check_intervention(name, iv_args, kwargs.get("model"))
+            # a command reading a YAML config checks --layers against its merged settings itself
+            check_intervention(name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None)
         except AligntaxError as exc:
             fail(exc)
         kwargs.update(intervention=name, iv_args=iv_args)
