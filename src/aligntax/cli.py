@@ -703,6 +703,9 @@ def els_sweep(
                           device_map=device_map, backend=backend, progress=progress)
         if knowns is not None:
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
+        from aligntax.backends import check_backend
+
+        check_backend(cfg.backend)
         check_intervention("els", {"path": cfg.steer})
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
