@@ -110,7 +110,7 @@ def test_every_registered_option_is_on_the_steering_commands_once():
             assert o.flag in res.output, (cmd, o.flag)
         assert "--threshold" in res.output
     res = runner.invoke(app, ["els", "sweep", "--help"], env=env)
-    for flag in ("--eta", "--row-threshold", "--energy-threshold", "--gate-ramp", "--layers", "--horizon"):
+    for flag in ("--eta", "--row-threshold", "--energy-threshold", "--gate-ramp", "--layers-grid", "--horizon"):
         assert flag in res.output, flag
 
 

@@ -6,18 +6,16 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from aligntax.clitools import fail
 from aligntax.errors import AligntaxError
 
 bundle_app = typer.Typer(help="Steering bundles: pack a trained steering folder with a model card; share it on "
                               "the Hugging Face Hub.", no_args_is_help=True)
-console = Console(stderr=True)
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-    raise typer.Exit(2)
+    fail(exc)
 
 
 def _options(pairs: list[str] | None) -> dict:
@@ -93,7 +91,8 @@ def bundle_pull(
 
 
 def export_command(
-    intervention: str = typer.Option(..., help="refusal-ablation, false-refusal-ablation or refusal-addition"),
+    intervention: str = typer.Option(..., help="refusal-ablation, false-refusal-ablation or refusal-add "
+                                                 "(refusal-addition: the same)"),
     vectors: Path = typer.Option(..., help="vector folder (aligntax els train writes DIR/vectors)"),
     out: Path = typer.Option(..., help="new Hugging Face model folder"),
     layer: int | None = typer.Option(None, help="the vector's layer (default: the folder's); addition: also the "
@@ -107,7 +106,13 @@ def export_command(
     from aligntax.models import load_model
 
     try:
+        from aligntax.clitools import check_out_folder
+
         canonical_method(intervention)
+        check_out_folder(out)
+        if not (vectors / "vectors.json").is_file():
+            raise AligntaxError(f"--vectors {vectors} holds no vectors.json: not a vector folder "
+                                "(aligntax els train writes DIR/vectors).")
         spec = model or (json.loads((vectors / "vectors.json").read_text()).get("fingerprint") or {}).get("spec") \
             if (vectors / "vectors.json").is_file() else model
         if not spec:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, train_els
@@ -37,7 +38,7 @@ class DemoConfig:
     test_sets: list[str] = field(default_factory=lambda: list(TEST_SETS))
     limit: int | None = None
     judge: str = "classifier"
-    max_new_tokens: int = 48
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     # prompts per batch: on CPU, 96 rows run about 1.3x faster than 32 (bench/batch_size.py); rows
     # leave the batch when they end, so a long tail costs little
     batch_size: int = 96

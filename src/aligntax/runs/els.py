@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from aligntax.activations.decisions import PrefillDecider, rows_to_copy
+from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
 from aligntax.interventions.els import TUNED_KEYS
 from aligntax.models.spec import DEFAULT_MODEL
@@ -75,7 +76,7 @@ class ELSTrainConfig:
     epochs: int = 60
     lr: float = 1e-3
     judge: str = "classifier"
-    max_new_tokens: int = 48
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     batch_size: int = 32
     dtype: str = "bf16"
     seed: int = 0
