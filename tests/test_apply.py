@@ -286,3 +286,11 @@ def test_readme_library_example_runs(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "runs" / "vectors").is_dir()
     printed = capsys.readouterr().out
     assert printed.startswith("[") and printed.count("'") + printed.count('"') >= 4
+
+
+def test_load_intervention_keeps_model_facts(bank_dir, lm):
+    """An object that carries a fingerprint and sizes (the vLLM backend's model facts) is used as is."""
+    from types import SimpleNamespace
+
+    facts = SimpleNamespace(fingerprint=dict(lm.fingerprint), hidden_size=H, num_layers=3, tokenizer=None)
+    assert aligntax.load_intervention(bank_dir, facts, eta=0.1, top_k=1).config()["eta"] == 0.1

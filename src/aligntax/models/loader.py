@@ -101,8 +101,10 @@ def model_fingerprint(model, tokenizer, spec: str) -> dict:
 def as_loaded_model(model, tokenizer=None) -> LoadedModel:
     """``model`` as a :class:`LoadedModel`: a LoadedModel is returned as is; a plain transformers
     ``PreTrainedModel`` (with its tokenizer, optional) is wrapped, with its fingerprint computed, so
-    that artefacts are checked against it the same way. The tokenizer is not modified."""
-    if isinstance(model, LoadedModel):
+    that artefacts are checked against it the same way. The tokenizer is not modified. Anything else
+    that carries ``fingerprint`` and ``hidden_size`` (the vLLM backend's model facts) is returned as is."""
+    if isinstance(model, LoadedModel) or (not isinstance(model, torch.nn.Module) and hasattr(model, "fingerprint")
+                                          and hasattr(model, "hidden_size")):
         return model
     if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")
             and hasattr(model, "get_input_embeddings")):
