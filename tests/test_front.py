@@ -366,3 +366,41 @@ def test_training_computes_the_harm_basis_with_the_contrast_pairs(lm, tmp_path):
     no_pairs = _harm_basis(ELSTrainConfig(harm_k=2, harm_pairs=[], progress=False), lm, tmp_path, items, acts,
                            harmless, h_acts)
     assert no_pairs.info["layers"]["1"]["n_pairs"] == 0
+
+
+def test_train_then_fit_the_row_strength(lm, tmp_path, parity_judge):
+    """End to end on a tiny model: ``els train`` writes the harm basis; ``els row-strength`` steers the
+    over-refused benign and the harmful training prompts, fits, saves and records per prompt; the
+    fitted model steers through ``--row-strength on``."""
+    import json
+
+    from aligntax.runs.els import ELSTrainConfig, train_els
+    from aligntax.runs.strength import StrengthConfig, fit_strength
+
+    def data(name, label, n):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"{name}{i}", "prompt": f"{name} request {i} {'x' * (i % 5)}",
+                                            "label": label}) + "\n" for i in range(n)))
+        return str(path)
+
+    cfg = ELSTrainConfig(out=str(tmp_path / "els"), benign=[data("b", "benign", 24)],
+                         harmful=[data("h", "harmful", 24)], harmless=[data("n", "benign", 8)], gate_harmful=[],
+                         gate_benign=[], judge="parity", max_new_tokens=4, batch_size=16, dtype="fp32",
+                         epochs=2, energy_folds=2, harm_k=3, progress=False)
+    train_els(cfg, lm=lm)
+    folder = tmp_path / "els"
+    assert HarmBasis.load(folder, expect_fingerprint=lm.fingerprint).k_max == 3
+    from aligntax.energy.gate import HarmGate
+
+    layer = max(HarmGate.load(folder).layer, 1)  # the gate decides at or before the steered block
+    res = fit_strength(StrengthConfig(steer=str(folder), layers=[layer], eta=0.5, horizon=2, judge="parity",
+                                      max_new_tokens=4, batch_size=16, dtype="fp32", progress=False), lm=lm)
+    assert res["layer"] == layer and res["outcome"]["harmful"] == 24
+    rows = [json.loads(line) for line in (folder / "row_strength" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == res["outcome"]["benign_over_refused"] + 24
+    assert all(0.0 <= r["strength"] <= 1.0 and len(r["features"]) == len(STRENGTH_FEATURES) for r in rows)
+    iv = EnergySteering.from_dir(folder, lm, layers=[layer], eta=0.5, row_strength=True, harm_orth=2)
+    assert iv.row_strength.layer == layer and iv.harm_orth == 2
+    info = row_info(iv, lm, PROMPTS)
+    assert all(0.0 <= r["strength"] <= 1.0 for r in info)
+
