@@ -639,6 +639,8 @@ def els_train(
     gate_ensemble: bool | None = typer.Option(
         None, help="also try the mean of one probe per candidate layer, kept when its cross-validated "
                    "balanced accuracy is higher (default off)"),
+    harm_pairs: list[str] = typer.Option(None, help="contrast pairs for the harm basis (default contrast-pairs; "
+                                                    "'none': per-prompt differences)"),
     ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress bars",
@@ -662,7 +664,8 @@ def els_train(
                           gate_harmful=_split_list(gate_harmful),
                           limit_gate_harmful=limit_gate_harmful, gate_benign=_split_list(gate_benign),
                           limit_gate_benign=limit_gate_benign, gate_pairs=_split_list(gate_pairs),
-                          gate_pairs_weight=gate_pairs_weight, gate_ensemble=gate_ensemble, progress=progress)
+                          gate_pairs_weight=gate_pairs_weight, gate_ensemble=gate_ensemble, progress=progress,
+                          harm_pairs=_split_list(harm_pairs))
         if gate_recall is not None:
             value = parse_value(gate_recall, "float_or_none", "--gate-recall")
             cfg.gate_recall = None if value == "none" else value
@@ -684,6 +687,57 @@ def els_train(
     console.print(f"energy models and report: {out}")
 
 
+@els_app.command("harm-basis")
+def els_harm_basis(
+    steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
+    pairs: list[str] = typer.Option(None, help="contrast pairs whose differences give the directions after the "
+                                               "first (default contrast-pairs; 'none': per-prompt differences)"),
+    k: int | None = typer.Option(None, help="directions saved per layer (default 8)"),
+    batch_size: int | None = typer.Option(None),
+) -> None:
+    """Compute the harm basis (harm_basis.safetensors) of a folder trained before it was part of training:
+    what ELS steps are projected off with --harm-orth K."""
+    from aligntax.runs.els import harm_basis_for_folder
+
+    try:
+        basis = harm_basis_for_folder(steer, pairs=_split_list(pairs), k=k, batch_size=batch_size)
+    except AligntaxError as exc:
+        _fail(exc)
+    console.print(f"harm basis: {len(basis.directions)} layers x {basis.k_max} directions in {steer}")
+
+
+@els_app.command("row-strength")
+def els_row_strength(
+    steer: Path = typer.Option(..., help="folder written by `aligntax els train` (with its harm basis)"),
+    model: str | None = typer.Option(None),
+    layers: str | None = typer.Option(None, help="steered layers (default: the folder's tuned setting)"),
+    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
+    horizon: int | None = typer.Option(None), harm_orth: int | None = typer.Option(None),
+    limit_benign: int | None = typer.Option(None, help="over-refused benign training prompts (default 200)"),
+    limit_harmful: int | None = typer.Option(None, help="harmful training prompts (default 200)"),
+    max_new_tokens: int | None = typer.Option(None, help="default 32"),
+    flip_weight: float | None = typer.Option(None, help="weight of the rows steering decides (default 3)"),
+    floor: float | None = typer.Option(None, help="strengths below this are 0: the row is held back (default 0.1)"),
+    judge_name: str | None = typer.Option(None, "--judge"), batch_size: int | None = typer.Option(None),
+    dtype: str | None = typer.Option(None),
+) -> None:
+    """Fit the learned per-row ELS strength (row_strength.safetensors) to the outcome of steering the
+    folder's over-refused benign and harmful training prompts; used with --row-strength on."""
+    from aligntax.config import load_config
+    from aligntax.runs.strength import StrengthConfig, fit_strength
+
+    try:
+        cfg = load_config(StrengthConfig, None, steer=str(steer), model=model,
+                          layers=[int(x) for x in layers.split(",")] if layers else None, eta=eta, steps=steps,
+                          horizon=horizon, harm_orth=harm_orth, limit_benign=limit_benign,
+                          limit_harmful=limit_harmful, max_new_tokens=max_new_tokens, flip_weight=flip_weight,
+                          floor=floor, judge=judge_name, batch_size=batch_size, dtype=dtype)
+        res = fit_strength(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(json.dumps(res, indent=2, default=str))
+
+
 @els_app.command("sweep")
 @grid_options
 def els_sweep(
@@ -696,6 +750,8 @@ def els_sweep(
     knowns: str | None = typer.Option(None, help="everyday questions with known answers whose val split a setting "
                                                  "must keep within --knowns-tolerance ('builtin', a file, or 'none')"),
     knowns_tolerance: float | None = typer.Option(None, help="largest accuracy loss allowed (default 0.02)"),
+    limit: int | None = typer.Option(None, help="at most N prompts of each validation set and known-answer "
+                                                "questions (sampled; default all)"),
     max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (short: the "
                                                          "sweep screens many settings)", show_default="24"),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
@@ -723,7 +779,7 @@ def els_sweep(
     try:
         cfg = load_config(SweepConfig, config, steer=str(steer), out=str(out) if out else None, model=model,
                           benign=_split_list(benign), harmful=_split_list(harmful), method=method,
-                          **(grid or {}), knowns_tolerance=knowns_tolerance,
+                          **(grid or {}), knowns_tolerance=knowns_tolerance, limit=limit,
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
                           leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint,
                           halving=halving, halving_keep=halving_keep, device_map=device_map, backend=backend,

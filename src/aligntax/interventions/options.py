@@ -31,7 +31,8 @@ class OptionSpec:
 
     ``parse``: ``float``, ``int``, ``str``, ``float_or_none`` / ``int_or_none`` (a number, or ``none``
     to turn a tuned setting off), ``gate`` (a probability, ``saved`` or ``none``), ``layers``
-    (comma-separated ints). ``check``: the range rule a value must meet (a key of :data:`CHECKS`,
+    (comma-separated ints), ``switch`` (``on``/``saved`` or ``off``/``none``). ``check``: the range rule
+    a value must meet (a key of :data:`CHECKS`,
     applied on every face: command line, sweep grids, YAML ``intervention_args``, the library's keyword
     options); ``none`` / ``saved`` pass. ``cli``: offered on the command line; ``grid``: an axis of the
     ELS sweep (comma-separated values); ``request``: a server client may set it per request."""
@@ -153,6 +154,12 @@ def parse_value(text: Any, parse: str, flag: str) -> Any:
     try:
         if parse in ("float_or_none", "int_or_none", "gate") and t.lower() == "none":
             return "none"
+        if parse == "switch":
+            if t.lower() in ("on", "saved", "true", "yes", "1"):
+                return True
+            if t.lower() in ("off", "none", "false", "no", "0"):
+                return "none"
+            raise ValueError(t)
         if parse == "gate":
             return True if t.lower() == "saved" else float(t)
         if parse in ("float", "float_or_none"):
@@ -162,7 +169,8 @@ def parse_value(text: Any, parse: str, flag: str) -> Any:
         if parse == "layers":
             return [int(x) for x in t.split(",") if x.strip()]
     except ValueError:
-        kind = {"gate": "a probability, 'saved' or 'none'", "layers": "comma-separated layer numbers"}.get(
+        kind = {"gate": "a probability, 'saved' or 'none'", "layers": "comma-separated layer numbers",
+                "switch": "'on' or 'off'"}.get(
             parse, "a number" + (" or 'none'" if parse.endswith("_or_none") else ""))
         raise AligntaxError(f"{flag} takes {kind}, not {text!r}.") from None
     return t

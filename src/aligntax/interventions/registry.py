@@ -73,6 +73,12 @@ class ElsOptions:
     gate_ramp: float | str | None = option(
         "ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)",
         parse="float_or_none", check="probability", grid=True, request=True)
+    harm_orth: int | str | None = option(
+        "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
+        parse="int_or_none", check="count", grid=True)
+    row_strength: bool | str | None = option(
+        "ELS: the folder's learned per-row strength instead of the gate's and the row energy's cut-offs "
+        "('on' or 'off')", parse="switch", grid=True)
     positions: str | None = option("last_and_generated, generated or all", cli=False)
     scale_by_norm: bool | None = option("step size in units of the layer's median residual norm", cli=False)
     grad_method: str | None = option("closed (the energy model's own backward) or autograd", cli=False)
