@@ -261,3 +261,41 @@ def test_leak_items_are_sampled_after_the_gate_prompts_are_left_out(tmp_path, mo
         got = leak_items(SweepConfig(steer=str(tmp_path), leak=["toxic"], limit_leak=limit))
         assert len(got) == limit and not {it.id for it in got} & used
     assert len(leak_items(SweepConfig(steer=str(tmp_path), leak=["toxic"]))) == 40
+
+
+def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
+    """``aligntax els distill``: the prompts from the ELS folder's train_config.json (benign and harmful
+    sets, harmful answers from its label run where there, else generated), --els-set read as the ELS
+    options are."""
+    import shutil
+    from dataclasses import asdict
+
+    from typer.testing import CliRunner
+
+    from aligntax import cli
+    from aligntax.runs.els import ELSTrainConfig
+    from aligntax.runs.fsio import write_json_atomic
+
+    lm, els, _, _ = distilled
+    folder = tmp_path / "els"
+    shutil.copytree(els, folder)
+    for name, prompts, label in (("b", BENIGN, "benign"), ("h", HARMFUL, "harmful")):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"id": f"{name}{i}", "prompt": p, "label": label}) + "\n" for i, p in enumerate(prompts)))
+    write_json_atomic(folder / "train_config.json", asdict(ELSTrainConfig(
+        model="tiny", benign=[str(tmp_path / "b.jsonl")], harmful=[str(tmp_path / "h.jsonl")], gate=False)))
+    (folder / "labels").mkdir()
+    (folder / "labels" / "samples.jsonl").write_text(json.dumps(
+        {"source": "h", "id": "h0", "response": "I cannot help with that."}) + "\n")
+    monkeypatch.setattr("aligntax.models.load_model", lambda spec, **kw: lm)
+    out = tmp_path / "lora"
+    res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(out), "--epochs", "1",
+                                       "--rank", "2", "--limit-harmful", "4", "--pairs", "none", "--els-set", "layers=1",
+                                       "--els-set", "eta=0.5", "--els-set", "horizon=2", "--els-set", "gate=none"])
+    assert res.exit_code == 0, res.output
+    side = json.loads((out / "els_lora.json").read_text())
+    assert side["data"]["benign"] == len(BENIGN) and side["data"]["harmful"] == 4
+    assert side["data"]["harmful_answers_generated"] == 3  # one came from the label run
+    assert side["horizon"] == 2 and side["source"]["els"]["eta"] == 0.5 and side["layers"] == [0, 1]
+    res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(out)])
+    assert res.exit_code == 2 and "not empty" in res.output

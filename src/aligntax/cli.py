@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -502,12 +503,17 @@ def els_distill(
     from aligntax.runs.els_lora import DistillConfig, distill_els_lora
 
     try:
+        from aligntax.interventions.options import spec_of
+        from aligntax.interventions.registry import ElsOptions
+
+        specs = {f.name: spec_of(f) for f in dataclasses.fields(ElsOptions) if f.name != "path"}
         els = {}
         for pair in els_set or []:
             key, sep, value = pair.partition("=")
-            if not sep:
-                raise AligntaxError(f"--els-set takes KEY=VALUE, got {pair!r}.")
-            els[key.strip().replace("-", "_")] = json.loads(value) if value.strip()[:1] in "0123456789-[" else value
+            key = key.strip().replace("-", "_")
+            if not sep or key not in specs:
+                raise AligntaxError(f"--els-set takes KEY=VALUE with KEY one of {', '.join(specs)}; got {pair!r}.")
+            els[key] = parse_value(value, specs[key].parse, f"--els-set {key}")
         cfg = load_config(DistillConfig, config, steer=str(steer), out=str(out), model=model,
                           layers=[int(x) for x in layers.split(",")] if layers else None, before=before, rank=rank,
                           alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size, limit_benign=limit_benign,

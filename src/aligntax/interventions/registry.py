@@ -83,7 +83,7 @@ class ElsLoraOptions:
     path: str | None = option("energy model folder (implies --intervention els), or an els-lora adapter folder "
                               "(aligntax els distill)", flag="--steer")
     scale: float | None = option("els-lora: multiplier of the adapter's update (0: the unsteered model; default 1)",
-                                 flag="--lora-scale", parse="float", request=True)
+                                 flag="--lora-scale", parse="float")
 
 
 @dataclass
