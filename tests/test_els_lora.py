@@ -299,3 +299,24 @@ def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
     assert side["horizon"] == 2 and side["source"]["els"]["eta"] == 0.5 and side["layers"] == [0, 1]
     res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(out)])
     assert res.exit_code == 2 and "not empty" in res.output
+
+
+def test_eval_run_with_els_lora(distilled, tmp_path, parity_judge):
+    """An evaluation run steered by the adapter: ``--intervention els-lora --steer DIR --lora-scale S``; at
+    scale 0 its answers are the unsteered run's."""
+    from aligntax.runs import EvalConfig, run_eval
+
+    lm, _, lora, _ = distilled
+    items = _items(BENIGN, "benign") + _items(HARMFUL, "harmful")
+
+    def run(name, **args):
+        cfg = EvalConfig(data=["x"], out=str(tmp_path / name), judge="parity", max_new_tokens=4, progress=False,
+                         **({"intervention": "els-lora", "intervention_args": {"path": str(lora), **args}}
+                            if args else {}))
+        run_eval(cfg, lm=lm, items=items)
+        return [json.loads(x)["response"] for x in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+
+    base, zero, one = run("base"), run("zero", scale=0.0), run("one", scale=1.0)
+    assert zero == base and one != base
+    saved = json.loads((tmp_path / "one" / "intervention.json").read_text())
+    assert saved["name"] == "els-lora" and saved["lora_scale"] == 1.0 and saved["adapter_sha256"]
