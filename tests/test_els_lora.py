@@ -167,6 +167,10 @@ def test_cli_steer_folder_means_els_lora_and_export(distilled, tmp_path, monkeyp
 
     lm, els, lora, _ = distilled
     assert _iv_name(None, str(lora)) == "els-lora" and _iv_name(None, str(els)) == "els"
+    from aligntax import load_intervention
+
+    iv = load_intervention(str(lora), lm, scale=0.25)
+    assert iv.name == "els-lora" and iv.scale == 0.25
     monkeypatch.setattr("aligntax.models.load_model", lambda spec, **kw: lm)
     res = CliRunner().invoke(cli.app, ["export", "--intervention", "els-lora", "--steer", str(lora),
                                        "--out", str(tmp_path / "m"), "--model", "tiny", "--lora-scale", "0.5"])
