@@ -197,13 +197,23 @@ def load_prompt_texts(dataset: str, n: int | None) -> list[str]:
 def els_settings(args, steer: str | None) -> tuple[dict, str]:
     """ELS settings: explicit flags win, then DIR/sweep/best.json, then the library defaults
     (:func:`aligntax.interventions.els.resolve_settings`)."""
-    from aligntax.interventions.els import resolve_settings
+    from aligntax.interventions.els import resolve_settings, tuned_settings
 
     given = {"top_k": args.top_k, "eta": args.eta, "steps": args.steps}
     for key in ("threshold", "gate"):  # set on the command line: None there means "off"
         if hasattr(args, key):
             given[key] = "none" if getattr(args, key) is None else getattr(args, key)
-    return resolve_settings(steer if steer and steer != "synthetic" else None, **given)
+    folder = steer if steer and steer != "synthetic" else None
+    if folder is None or tuned_settings(folder) is None:
+        # untuned: the setting these benchmarks have always timed (two layers, every row and token), not
+        # the library's safe defaults for steering an untuned folder
+        for key, value in BENCH_UNTUNED.items():
+            if given.get(key) is None:
+                given[key] = value
+    return resolve_settings(folder, **given)
+
+
+BENCH_UNTUNED = {"top_k": 2, "eta": 0.3, "gate": "none", "horizon": "none", "row_threshold": "none"}
 
 
 def synthetic_layers(lm, top_k: int, layers: Sequence[int] | None) -> list[int]:
@@ -253,7 +263,8 @@ def build_els(lm, args, grad_methods: Sequence[str] = ("closed",)) -> tuple[dict
                   "itself is meaningless)")
     else:
         # from a folder, None would mean "take the tuned value": say "none" to keep the gates off
-        kw.update({k: "none" if settings[k] is None else settings[k] for k in ("threshold", "gate")})
+        kw.update({k: "none" if settings[k] is None else settings[k]
+                   for k in ("threshold", "gate", "horizon", "row_threshold")})
         kw["layers"] = settings["layers"]  # a sweep may select a layer list instead of a top_k
         ivs = {gm: EnergySteering.from_dir(args.steer, lm, grad_method=gm, **kw) for gm in grad_methods}
         source = f"energy bank {args.steer}"

@@ -220,6 +220,48 @@ def test_load_intervention_names_and_folders(lm, bank_dir, vector_dir, tmp_path)
     assert {"load_model", "load_intervention"} <= set(dir(aligntax))
 
 
+def test_load_intervention_takes_a_plain_transformers_model(lm, bank_dir, vector_dir):
+    """A PreTrainedModel (and its tokenizer) works where a LoadedModel does, fingerprint checked the same."""
+    from aligntax.errors import CompatibilityError
+
+    iv = aligntax.load_intervention(bank_dir, lm.model, lm.tokenizer, eta=0.1, top_k=1)
+    assert iv.config() == aligntax.load_intervention(bank_dir, lm, eta=0.1, top_k=1).config()
+    abl = aligntax.load_intervention(vector_dir, lm.model, name="refusal-ablation")  # no tokenizer
+    assert abl.config() == make_intervention("refusal-ablation", lm, dir=vector_dir).config()
+    with iv.apply(lm.model):
+        hf_generate(lm, hf_batch(lm))
+    other = tiny_lm("qwen2", hidden=H, layers=3, seed=5).model  # same shape, other weights
+    with pytest.raises(CompatibilityError, match="made for another model.*embedding_digest"):
+        aligntax.load_intervention(bank_dir, other, lm.tokenizer)
+    with pytest.raises(AligntaxError, match="PreTrainedModel, got str"):
+        aligntax.load_intervention(bank_dir, "tiny")
+
+
+def test_an_fp32_artefact_fits_the_model_in_bf16(lm, bank_dir, vector_dir, caplog):
+    """The fingerprint's digest is the same in float32 and bfloat16: a bank or vectors made in fp32 load for
+    the same weights in bf16 (noted as converted, not refused), and steer."""
+    import copy
+    import logging
+
+    from aligntax.activations.compat import check_fingerprint
+    from aligntax.models.loader import as_loaded_model
+
+    bf16 = as_loaded_model(copy.deepcopy(lm.model).to(torch.bfloat16), lm.tokenizer)
+    assert bf16.fingerprint["dtype"] == "bfloat16" and lm.fingerprint["dtype"] == "float32"
+    assert bf16.fingerprint["embedding_digest"] == lm.fingerprint["embedding_digest"]
+    assert bf16.fingerprint["embedding_digest_dtype"] != lm.fingerprint["embedding_digest_dtype"]  # as before
+    with caplog.at_level(logging.INFO, logger="aligntax"):
+        iv = aligntax.load_intervention(bank_dir, bf16, eta=0.1, top_k=1)
+    assert "dtype differs (made in float32, the model runs in bfloat16): converted" in caplog.text
+    aligntax.load_intervention(vector_dir, bf16, name="refusal-ablation")
+    out = generate(bf16, P3, GenerationConfig(max_new_tokens=3, batch_size=4), intervention=iv)
+    assert len(out) == 3
+    # an artefact of an earlier version recorded the float32 digest of the rows: it still fits in float32
+    legacy = dict(lm.fingerprint, embedding_digest=lm.fingerprint["embedding_digest_dtype"])
+    legacy.pop("embedding_digest_dtype")
+    check_fingerprint(legacy, lm.fingerprint)
+
+
 def test_import_aligntax_is_light():
     import subprocess
     import sys
@@ -244,3 +286,11 @@ def test_readme_library_example_runs(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "runs" / "vectors").is_dir()
     printed = capsys.readouterr().out
     assert printed.startswith("[") and printed.count("'") + printed.count('"') >= 4
+
+
+def test_load_intervention_keeps_model_facts(bank_dir, lm):
+    """An object that carries a fingerprint and sizes (the vLLM backend's model facts) is used as is."""
+    from types import SimpleNamespace
+
+    facts = SimpleNamespace(fingerprint=dict(lm.fingerprint), hidden_size=H, num_layers=3, tokenizer=None)
+    assert aligntax.load_intervention(bank_dir, facts, eta=0.1, top_k=1).config()["eta"] == 0.1

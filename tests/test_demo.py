@@ -175,3 +175,25 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
     again = run_demo(cfg, lm=tiny_lm)
     assert [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()] == rows
     assert again["best"] == summary["best"]
+
+
+def test_demo_clock_scales_by_calibration_then_by_measured_stages():
+    from aligntax.runs.demo import STAGE_MINUTES, _Clock
+
+    typical = STAGE_MINUTES["quick"]
+    stages = list(typical)
+    clock = _Clock(stages, show=False, typical=typical)
+    clock.speed = 2.0  # the calibration forward took twice the reference machine's time
+    assert clock.left(1) == pytest.approx(2.0 * sum(typical[s] for s in stages[1:]))
+    # once stages worth over half a minute are done, their measured minutes set the scale
+    clock.laps = {stages[0]: typical[stages[0]] * 3, stages[1]: typical[stages[1]] * 3}
+    assert clock.left(2) == pytest.approx(3.0 * sum(typical[s] for s in stages[2:]))
+    clock.begin(2, "a stage")
+    assert len(clock.estimates) == 1 and clock.estimates[0] > 0
+
+
+def test_calibration_forward_runs_on_a_tiny_model(tiny_lm):
+    from aligntax.runs.demo import calibrate
+
+    seconds = calibrate(tiny_lm, rows=2, tokens=4, repeats=1)
+    assert 0 < seconds < 30

@@ -326,7 +326,7 @@ def test_eval_run_with_els_lora(distilled, tmp_path, parity_judge):
     assert saved["name"] == "els-lora" and saved["lora_scale"] == 1.0 and saved["adapter_sha256"]
 
 
-def test_cli_sweep_takes_lora_options(tmp_path, monkeypatch):
+def test_cli_sweep_takes_lora_options(distilled, monkeypatch):
     from typer.testing import CliRunner
 
     import aligntax.runs.els as els_run
@@ -334,7 +334,8 @@ def test_cli_sweep_takes_lora_options(tmp_path, monkeypatch):
 
     seen = {}
     monkeypatch.setattr(els_run, "run_sweep", lambda cfg, ray=None: seen.setdefault("cfg", cfg) and {})
-    res = CliRunner().invoke(cli.app, ["els", "sweep", "--steer", str(tmp_path), "--lora", "A", "--lora", "B",
+    _, els, _, _ = distilled
+    res = CliRunner().invoke(cli.app, ["els", "sweep", "--steer", str(els), "--lora", "A", "--lora", "B",
                                        "--lora-scales", "0.5,1", "--limit", "60", "--eta", "0.35"])
     assert res.exit_code == 0, res.output
     cfg = seen["cfg"]

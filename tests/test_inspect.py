@@ -57,7 +57,8 @@ def served(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ALIGNTAX_API_KEY": KEY}
     cmd = [sys.executable, "-m", "aligntax", "serve", "--model", str(root / "model"), "--steer", str(bank),
            "--model-name", "tiny", "--dtype", "fp32", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
-           "--threads", "1", "--max-tokens-limit", "64"]
+           "--threads", "1", "--max-tokens-limit", "64",
+           "--top-k", "2", "--eta", "0.3", "--horizon", "none", "--row-threshold", "none"]  # every row steered
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -236,10 +236,11 @@ def test_cli_mc_unsteered_zero_and_steered(tmp_path, model_dir, monkeypatch):
     assert base["intervention"] is None and base["config"]["data"] == str(data)
     help_text = runner.invoke(app, ["mc", "--help"]).output
     assert all(flag in help_text for flag in ("--steer", "--intervention", "--top-k", "--eta", "--data"))
-    zero, zero_rows = run("zero", "--steer", str(tmp_path / "bank"), "--eta", "0", "--top-k", "1")
-    assert zero["intervention"]["name"] == "els" and zero["intervention"]["eta"] == 0
+    zero, zero_rows = run("zero", "--steer", str(tmp_path / "bank"), "--steps", "0", "--top-k", "1")
+    assert zero["intervention"]["name"] == "els" and zero["intervention"]["steps"] == 0
     assert [r["probs"] for r in zero_rows] == [r["probs"] for r in base_rows]
-    steered, steered_rows = run("steered", "--steer", str(tmp_path / "bank"), "--eta", "3", "--top-k", "2")
+    steered, steered_rows = run("steered", "--steer", str(tmp_path / "bank"), "--eta", "3", "--top-k", "2",
+                                  "--row-threshold", "none")  # every row (the default row decision holds some)
     assert steered["config"]["intervention_args"]["top_k"] == 2 and len(steered["intervention"]["layers"]) == 2
     assert [r["probs"] for r in steered_rows] != [r["probs"] for r in base_rows]
     bad = runner.invoke(app, ["mc", "--model", str(model_dir), "--data", str(tmp_path / "missing.jsonl"),

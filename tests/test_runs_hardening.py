@@ -137,6 +137,7 @@ def test_run_eval_uses_the_lock(tmp_path):
             run_eval(cfg)
     # an error inside the run releases the lock
     write_json_atomic(out / "config.json", {**asdict(cfg), "max_new_tokens": 5})
+    (out / "samples.jsonl").write_text('{"source": "p", "id": "b"}\n')
     with pytest.raises(AligntaxError, match="different settings"):
         run_eval(cfg)
     assert not (out / LOCK_NAME).exists()
@@ -296,6 +297,7 @@ def test_resume_refuses_a_changed_intervention_folder(tmp_path, monkeypatch):
     assert ev._check_resume(out, cfg)["intervention"]["path"] == str(art)  # a new run: nothing to compare
     out.mkdir()
     write_json_atomic(out / "config.json", asdict(cfg))
+    (out / "samples.jsonl").write_text('{"source": "p", "id": "a"}\n')  # a run from its first sample on
     ev._save_provenance(out, {}, ev._check_resume(out, cfg))
     saved = read_provenance(out)["intervention"]
     assert set(saved["files"]) == {"energy.json", "energy.safetensors"}

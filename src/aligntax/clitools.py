@@ -1,31 +1,275 @@
 """Command-line building blocks shared by :mod:`aligntax.cli` and the optional sub-commands (lm-eval,
-bundles): the clear-error exit, and the steering options every steering command gets from the
-intervention registry (:mod:`aligntax.interventions.options`), declared once."""
+bundles, serve, vat): the one error path, the checks every command runs before it loads a model or
+writes to ``--out``, and the steering options every steering command gets from the intervention
+registry (:mod:`aligntax.interventions.options`), declared once.
+
+The error path: every failure ends with one line on stderr (``error: ...``, rich markup escaped so
+install hints such as ``pip install 'aligntax[lmeval]'`` keep their brackets) and exit status 2 for a
+usage error (a bad option value, an unknown name, a bad path; :class:`~aligntax.errors.AligntaxError`)
+or 1 for a runtime failure (any other exception). ``--debug`` or ``ALIGNTAX_DEBUG=1`` also prints the
+traceback."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
+import sys
+import traceback
 import typing
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
-from aligntax.errors import AligntaxError
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover - older typer on click
+    from click import exceptions as click_exc
+
+from aligntax.errors import AligntaxError, UsageError
+from aligntax.interventions.options import check_value
 from aligntax.interventions.registry import INTERVENTIONS, cli_options, grid_values, intervention_args
 
-__all__ = ["InterventionOpt", "fail", "grid_options", "steering_options"]
+__all__ = ["AligntaxGroup", "InterventionOpt", "check_datasets", "check_intervention", "check_judge",
+           "check_layers", "check_out_file", "check_out_folder", "check_port", "check_range", "deprecated",
+           "fail", "grid_options", "model_num_layers", "steering_options"]
 
 console = Console(stderr=True)
+_DEBUG = {"on": False}
 
 
-def fail(exc: Exception) -> typing.NoReturn:
-    """Print a clear error (no traceback) and exit with status 2."""
-    console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)  # no line breaks inside paths
-    raise typer.Exit(2)
+def debug_enabled() -> bool:
+    return _DEBUG["on"] or os.environ.get("ALIGNTAX_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def set_debug(on: bool) -> None:
+    _DEBUG["on"] = bool(on)
+
+
+def exit_code(exc: BaseException) -> int:
+    """2 for a usage error (an :class:`AligntaxError` unless its class says otherwise), 1 for the rest."""
+    if isinstance(exc, AligntaxError):
+        return int(getattr(exc, "exit_code", 2))
+    if isinstance(exc, click_exc.UsageError):
+        return 2
+    return 1
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def fail(exc: BaseException, code: int | None = None) -> typing.NoReturn:
+    """Print one line on stderr (``error: ...``; the traceback too under ``--debug``) and exit with
+    ``code`` (default: 2 for a usage error, 1 for a runtime failure)."""
+    if debug_enabled() and exc.__traceback__ is not None:
+        traceback.print_exception(exc, file=sys.stderr)
+    message = _one_line(str(exc)) or type(exc).__name__
+    if not isinstance(exc, (AligntaxError, click_exc.UsageError)):
+        message = f"{type(exc).__name__}: {message}"
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
+    raise typer.Exit(exit_code(exc) if code is None else code)
+
+
+def deprecated(old: str, new: str) -> None:
+    """One line on stderr: ``old`` still works, ``new`` is its name now."""
+    console.print(f"note: {escape(old)} is deprecated; use {escape(new)}", soft_wrap=True, highlight=False)
+
+
+class AligntaxGroup(TyperGroup):
+    """The root command group: whatever a command raises (or click's own usage errors) ends in
+    :func:`fail`, so every failure looks the same."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt, click_exc.NoArgsIsHelpError):
+            raise
+        except click_exc.UsageError as exc:
+            fail(UsageError(exc.format_message()))
+        except Exception as exc:  # noqa: BLE001 - the one error path of the command line
+            fail(exc)
+
+
+# ---------------------------------------------------------------- checks before loading or writing
+def check_range(value: Any, check: str, flag: str) -> Any:
+    """A command's own option (``--max-new-tokens``, ``--batch-size``, ...) against a range rule of
+    :data:`aligntax.interventions.options.CHECKS`."""
+    return check_value(value, check, flag)
+
+
+def check_port(port: int | None, flag: str = "--port") -> None:
+    if port is not None and not 1 <= int(port) <= 65535:
+        raise UsageError(f"{flag} takes a TCP port from 1 to 65535, not {port}.")
+
+
+def check_out_folder(out: str | Path | None, flag: str = "--out") -> None:
+    """``--out`` names a run folder: refused when it is an existing file (or inside one)."""
+    if out is None:
+        return
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {out} is an existing file; give a folder (new, or a run folder to resume).")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{flag} {out}: {parent} is a file, not a folder.")
+            break
+
+
+def check_out_file(out: str | Path | None, flag: str = "--out") -> None:
+    """``--out`` names an output file: refused when it is a folder or its folder does not exist."""
+    if out is None:
+        return
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise UsageError(f"{flag} {out} is a folder; give a file name (e.g. {Path(out) / 'out.jsonl'}).")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {out}: the folder {path.parent} does not exist.")
+
+
+def check_judge(name: str | None) -> None:
+    if name is None:
+        return
+    from aligntax.judges.registry import available_judges
+
+    known = available_judges()
+    if name.strip().lower() not in known:
+        raise UsageError(f"Unknown judge '{name}'; choose one of: {', '.join(known)}.")
+
+
+def check_datasets(specs: list[str] | None, flag: str = "--data") -> None:
+    """Each spec is a named dataset, an existing file or a Hub id (read the same way
+    :func:`aligntax.data.load_prompts` reads it); nothing is loaded."""
+    from aligntax.data.api import _not_found_message
+    from aligntax.data.hub import HUB_PREFIX, looks_like_hub_id
+    from aligntax.data.registry import find_dataset
+
+    for spec in specs or []:
+        text = str(spec).strip()
+        if not text:
+            raise UsageError(f"{flag}: empty dataset spec; give a file path, a named dataset or a Hub id.")
+        if text.startswith(HUB_PREFIX) or find_dataset(text) is not None or Path(text).expanduser().exists() \
+                or looks_like_hub_id(text):
+            continue
+        raise UsageError(f"{flag}: {_not_found_message(text)}")
+
+
+def _config_layers(cfg: dict) -> int | None:
+    for block in (cfg, cfg.get("text_config") or {}):
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if isinstance(block.get(key), int):
+                return block[key]
+    return None
+
+
+def model_num_layers(spec: str | None) -> int | None:
+    """The number of decoder blocks of model ``spec`` from its ``config.json``, without loading weights:
+    a model folder's, the embedded model's cached one, or a Hub model's cached one; None when no config
+    is at hand (a Hub model not downloaded yet, a .gguf file). A bad spec raises its usage error."""
+    from aligntax.models.embedded import converted_dir
+    from aligntax.models.spec import DEFAULT_MODEL, parse_spec
+
+    ms = parse_spec(spec or DEFAULT_MODEL)
+    path: Path | None = None
+    if ms.kind == "embedded":
+        path = converted_dir(ms.value) / "config.json"
+    elif ms.kind == "dir":
+        path = Path(ms.value) / "config.json"
+    elif ms.kind == "hub":
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(ms.value, "config.json")
+            path = Path(found) if isinstance(found, str) else None
+        except Exception:  # noqa: BLE001 - no cache, no check
+            path = None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return _config_layers(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def check_layers(model: str | None, layers: list | None, flag: str = "--layers") -> None:
+    """Every layer index in ``layers`` (ints, or lists of ints for a grid) exists in ``model``."""
+    flat = [int(x) for v in layers or [] if v is not None for x in (v if isinstance(v, (list, tuple)) else [v])]
+    if not flat:
+        return
+    n = model_num_layers(model)
+    if n is None:
+        return
+    bad = sorted({x for x in flat if x < 0 or x >= n})
+    if bad:
+        raise UsageError(f"{flag}: layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} not in the model "
+                         f"({model or 'the default model'} has {n} layers, 0 to {n - 1}).")
+
+
+# The file that marks each kind of intervention folder, and the option that names it.
+_FOLDER_MARKERS = {"els": ("energy.json", "--steer", "aligntax els train --out DIR"),
+                   "vectors": ("vectors.json", "--vectors", "aligntax els train (it writes DIR/vectors)")}
+
+
+def _folder_kind(name: str) -> str | None:
+    if name == "els":
+        return "els"
+    if name in ("refusal-add", "refusal-ablation", "false-refusal-ablation", "cast"):
+        return "vectors"
+    return None
+
+
+def check_intervention(name: str | None, iv_args: dict | None, model: str | None = None,
+                       layers: bool = True) -> None:
+    """The intervention is registered, its options meet their range rules, its folder exists and holds
+    its marker file (``energy.json`` for ELS, ``vectors.json`` for the vector methods), and (with
+    ``layers``) ``--layers`` fits the model and the bank."""
+    from aligntax.interventions.options import METHODS
+    from aligntax.runs.provenance import intervention_folder
+
+    if not name:
+        return
+    if name not in METHODS:
+        raise UsageError(f"Unknown intervention '{name}'; known: {', '.join(METHODS)}.")
+    args = iv_args or {}
+    METHODS[name].check({k: v for k, v in args.items() if v is not None})  # YAML intervention_args too
+    kind = _folder_kind(name)
+    if kind is not None:
+        marker, flag, how = _FOLDER_MARKERS[kind]
+        folder = intervention_folder(args)
+        if not folder:
+            raise UsageError(f"--intervention {name} needs {flag} DIR (made by {how}).")
+        path = Path(folder).expanduser()
+        if not path.is_dir():
+            raise UsageError(f"{flag} {folder}: no such folder.")
+        if not (path / marker).is_file():
+            raise UsageError(f"{flag} {folder} holds no {marker}: not a folder made by {how}.")
+    layers = args.get("layers") if layers else None
+    if isinstance(layers, list):
+        check_layers(model, layers)
+        if kind == "els":
+            _check_bank_layers(intervention_folder(args), layers)
+
+
+def _check_bank_layers(folder: str | None, layers: list) -> None:
+    try:
+        arch = json.loads((Path(folder) / "energy.json").read_text()).get("arch") or {}
+        have = sorted(int(k) for k in arch)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return
+    missing = sorted({int(x) for v in layers for x in (v if isinstance(v, list) else [v])} - set(have))
+    if have and missing:
+        raise UsageError(f"--layers: the energy bank {folder} has no model for layer"
+                         f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                         f"(it has {', '.join(map(str, have))}).")
+
+
+# ---------------------------------------------------------------- steering options
 InterventionOpt = Annotated[str | None, typer.Option(help="the intervention: " + ", ".join(INTERVENTIONS))]
 
 
@@ -41,8 +285,9 @@ def _iv_name(intervention: str | None, steer: str | None) -> str | None:
 def steering_options(fn):
     """Add ``--intervention`` and every registered intervention option to a command. The command
     declares ``intervention`` and ``iv_args`` parameters and receives the method's name (``--steer DIR``
-    alone means els) and its ``intervention_args`` (each value read as its option says; an option the
-    method does not take is refused)."""
+    alone means els) and its ``intervention_args`` (each value read and range-checked as its option
+    says; an option the method does not take is refused). An unknown method, a missing or wrong
+    folder and ``--layers`` beyond the model are refused here, before the command loads anything."""
 
     opts = cli_options()
     hints = typing.get_type_hints(fn, include_extras=True)
@@ -60,6 +305,8 @@ def steering_options(fn):
         name = _iv_name(kwargs.get("intervention"), given.get("iv_steer"))
         try:
             iv_args = intervention_args(name, given)
+            # a command reading a YAML config checks --layers against its merged settings itself
+            check_intervention(name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None)
         except AligntaxError as exc:
             fail(exc)
         kwargs.update(intervention=name, iv_args=iv_args)
@@ -71,20 +318,35 @@ def steering_options(fn):
 
 def grid_options(fn):
     """Add every ELS option that is a sweep grid axis to a command, as a comma-separated grid
-    (``--eta 0.2,0.35``; ``none`` turns an option off; ``--layers 17;19,20`` gives layer sets). The
-    command receives ``grid``: ``{field: [values]}`` for the axes given."""
+    (``--eta 0.2,0.35``; ``none`` turns an option off). Layer sets are ``--layers-grid "17;19,20"``
+    (sets separated by ``;``, each set written like ``--layers 17,19``; the old spelling ``--layers``
+    still works, with a note). The command receives ``grid``: ``{field: [values]}`` for the axes given."""
 
     opts = [o for o in cli_options() if o.grid and "els" in o.methods]
     hints = typing.get_type_hints(fn, include_extras=True)
     sig = inspect.signature(fn)
     keep = [p.replace(annotation=hints.get(n, p.annotation)) for n, p in sig.parameters.items() if n != "grid"]
-    extra = [inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=None,
-                               annotation=Annotated[str | None, typer.Option(
-                                   o.flag, *o.aliases, help="comma-separated grid: " + o.help)])
-             for o in opts]
+    extra = []
+    for o in opts:
+        if o.parse == "layers":
+            extra.append(inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+                str | None, typer.Option("--layers-grid", help="layer sets to try, separated by ';', each like "
+                                                                "--layers (e.g. \"17;19,20\")")]))
+            extra.append(inspect.Parameter(o.param + "_old", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                           annotation=Annotated[str | None, typer.Option(o.flag, hidden=True)]))
+        else:
+            extra.append(inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                           annotation=Annotated[str | None, typer.Option(
+                                               o.flag, *o.aliases, help="comma-separated grid: " + o.help)]))
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        for o in opts:
+            old = kwargs.pop(o.param + "_old", None) if o.parse == "layers" else None
+            if old is not None:
+                deprecated(f"{o.flag} in a sweep", "--layers-grid")
+                if kwargs.get(o.param) is None:
+                    kwargs[o.param] = old
         try:
             grid = {o.name: v for o in opts if (v := grid_values(kwargs.pop(o.param, None), o)) is not None}
         except AligntaxError as exc:
@@ -93,5 +355,3 @@ def grid_options(fn):
 
     wrapper.__signature__ = sig.replace(parameters=keep + extra)
     return wrapper
-
-

@@ -26,3 +26,10 @@ def shared_data_dir() -> Path | None:
             return cand
     cand = Path.cwd().parent / "shared" / "data"
     return cand if cand.is_dir() else None
+
+
+def fetched_data_dir() -> Path:
+    """Where ``aligntax data fetch`` stores benchmark files: ``data/`` under the cache directory, laid out
+    like the shared data folder (``refusal/...``). Not created here."""
+    root = os.environ.get("ALIGNTAX_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "aligntax") / "data"

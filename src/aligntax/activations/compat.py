@@ -7,6 +7,7 @@ records the model fingerprint (``LoadedModel.fingerprint``) and refuses to load 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -18,9 +19,22 @@ from aligntax.errors import CompatibilityError, DataError
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("aligntax")
+
 # The fingerprint keys that decide whether an artefact fits a model (the spec string may differ:
 # the same weights can be loaded from the Hub, a folder or the embedded cache).
 FINGERPRINT_KEYS = ("model_type", "hidden_size", "num_layers", "embedding_digest")
+
+
+def fingerprint_diffs(saved: dict, expected: dict, keys: tuple[str, ...] = FINGERPRINT_KEYS) -> list[str]:
+    """The ``keys`` in which two fingerprints differ (keys absent from either side are not compared).
+
+    The model's dtype is never compared: ``embedding_digest`` is the same in every dtype, and a saved
+    digest equal to the model's ``embedding_digest_dtype`` (the dtype-specific digest of earlier
+    versions) is a match too."""
+    same_digest = {expected.get("embedding_digest"), expected.get("embedding_digest_dtype")} - {None}
+    return [k for k in keys if k in saved and k in expected and saved[k] != expected[k]
+            and not (k == "embedding_digest" and saved[k] in same_digest)]
 
 
 def _describe(fp: dict) -> str:
@@ -41,12 +55,15 @@ def check_fingerprint(saved: dict | None, expected: dict | None, what: str = "ar
             f"This {what} has no model fingerprint, so it cannot be checked against the model "
             f"({_describe(expected)}); re-create it with this version of aligntax."
         )
-    diffs = [k for k in FINGERPRINT_KEYS if k in saved and k in expected and saved[k] != expected[k]]
+    diffs = fingerprint_diffs(saved, expected)
     if diffs:
         raise CompatibilityError(
             f"This {what} was made for another model: it has {_describe(saved)}, but the model has "
             f"{_describe(expected)} (differs in {', '.join(diffs)})."
         )
+    if saved.get("dtype") and expected.get("dtype") and saved["dtype"] != expected["dtype"]:
+        log.info("%s: dtype differs (made in %s, the model runs in %s): converted", what, saved["dtype"],
+                 expected["dtype"])
 
 
 def check_hidden_size(saved_dim: int, expected_dim: int | None, what: str, saved_fp: dict | None = None,

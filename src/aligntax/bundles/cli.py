@@ -6,18 +6,16 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from aligntax.clitools import fail
 from aligntax.errors import AligntaxError
 
 bundle_app = typer.Typer(help="Steering bundles: pack a trained steering folder with a model card; share it on "
                               "the Hugging Face Hub.", no_args_is_help=True)
-console = Console(stderr=True)
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-    raise typer.Exit(2)
+    fail(exc)
 
 
 def _options(pairs: list[str] | None) -> dict:
@@ -93,8 +91,8 @@ def bundle_pull(
 
 
 def export_command(
-    intervention: str = typer.Option(..., help="refusal-ablation, false-refusal-ablation, refusal-addition or "
-                                               "els-lora"),
+    intervention: str = typer.Option(..., help="refusal-ablation, false-refusal-ablation, refusal-add "
+                                               "(refusal-addition: the same) or els-lora"),
     vectors: Path | None = typer.Option(None, help="vector folder (aligntax els train writes DIR/vectors)"),
     steer: Path | None = typer.Option(None, help="els-lora: the adapter folder (aligntax els distill)"),
     lora_scale: float | None = typer.Option(None, help="els-lora: the adapter's scale (default 1)"),
@@ -111,9 +109,12 @@ def export_command(
     from aligntax.models import load_model
 
     try:
+        from aligntax.clitools import check_out_folder
+
         if canonical_method(intervention) == "els-lora":
             if steer is None or vectors is not None:
                 raise AligntaxError("els-lora is exported from its adapter folder: give --steer DIR (not --vectors).")
+            check_out_folder(out)
             side = steer / "els_lora.json"
             spec = model or ((json.loads(side.read_text()).get("fingerprint") or {}).get("spec")
                              if side.is_file() else None)
@@ -125,6 +126,10 @@ def export_command(
         if vectors is None or steer is not None or lora_scale is not None:
             raise AligntaxError(f"{intervention} is exported from a vector folder: give --vectors DIR "
                                 "(--steer and --lora-scale are for els-lora).")
+        check_out_folder(out)
+        if not (vectors / "vectors.json").is_file():
+            raise AligntaxError(f"--vectors {vectors} holds no vectors.json: not a vector folder "
+                                "(aligntax els train writes DIR/vectors).")
         spec = model or (json.loads((vectors / "vectors.json").read_text()).get("fingerprint") or {}).get("spec") \
             if (vectors / "vectors.json").is_file() else model
         if not spec:

@@ -10,7 +10,7 @@ generation config) that any ``AutoModelForCausalLM.from_pretrained`` loads and r
   so the stream never holds one: the edit is exactly ablating ``r`` from the residual stream at every
   position of every block's input, between its attention and its MLP, and at the last block's output.
   A model with tied input and output embeddings is untied (the LM head keeps the original matrix).
-- **Activation addition** (``refusal-addition``): ``coeff * v`` added to the states entering block
+- **Activation addition** (``refusal-add``; ``refusal-addition`` is accepted too): ``coeff * v`` added to the states entering block
   ``L`` at every position is a bias on the last write of block ``L - 1``, its MLP down projection
   (Llama configs have ``mlp_bias``; Qwen2 and Mistral without a sliding window are Llama models with
   other fixed biases and are written as ``LlamaForCausalLM``), or, for ``L = 0``, an offset on every
@@ -43,9 +43,9 @@ INFO_FILE = "aligntax_export.json"
 BAKEABLE = {
     "refusal-ablation": ("refusal-ablation", "refusal", "ablate"),
     "false-refusal-ablation": ("false-refusal-ablation", "false_refusal", "ablate"),
-    "refusal-addition": ("refusal-add", "refusal", "add"),
+    "refusal-add": ("refusal-add", "refusal", "add"),
 }
-_ALIASES = {"refusal-add": "refusal-addition"}
+_ALIASES = {"refusal-addition": "refusal-add"}  # the name exports had before: still accepted
 _STATEFUL = {
     "els": "ELS moves each state along the gradient of an energy model of that state, and decides per row "
            "(harm gate, row energy) at generation time",

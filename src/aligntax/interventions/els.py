@@ -16,7 +16,13 @@ well (an everyday question, a harmful request it will refuse) untouched. The har
 p(harmful) read before steering) holds back rows with ``p >= gate_threshold``; with ``gate_ramp`` the
 strength also falls linearly from 1 at ``p = gate_ramp`` to 0 at the threshold. With a ``horizon`` H only the first H generated tokens
 are steered after the last prompt token: refusal is decided in the first few tokens, and steering
-every later token of a long answer pushes the model off its manifold (loops). The energy and its
+every later token of a long answer pushes the model off its manifold (loops). With ``harm_orth`` k
+each step's direction ``g / ||g||`` is projected off the first k directions of the folder's harm basis
+at the steered block (:class:`aligntax.energy.front.HarmBasis`) before it is applied, so a harmful row
+the gate leaks is not moved along what makes it harmful. With a ``row_strength`` model
+(:class:`aligntax.energy.front.RowStrength`) the per-row strength is its calibrated probability over
+the decision features (gate logit, row energy, projections on the refusal and harm directions) instead
+of the gate's and the row energy's hard cut-offs. The energy and its
 gradient come from the energy model's closed-form backward in float32, so no autograd graph is built
 and nothing flows through the LLM.
 
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 
 from aligntax.energy.bank import EnergyBank
+from aligntax.energy.front import STRENGTH_FEATURES, HarmBasis, RowStrength
 from aligntax.energy.gate import HarmGate
 from aligntax.energy.model import EnergyModel
 from aligntax.errors import AligntaxError
@@ -42,11 +49,18 @@ from aligntax.interventions.kernels import POSITION_MODES, RowKernel, Site, chec
 
 __all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "EnergySteering", "ElsKernel", "check_positions",
            "resolve_settings", "tuned_settings"]
-# Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one.
-# ``layers`` (a list) names the steered layers; None steers the bank's ``top_k`` best.
-DEFAULT_SETTINGS = {"top_k": 2, "layers": None, "eta": 0.3, "steps": 3, "threshold": None, "gate": None,
-                    "horizon": None, "row_threshold": None, "gate_ramp": None}
+# Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one: the
+# demo's safe rule (the validation grid of ``aligntax demo`` is built around it): the bank's best
+# validated layer, eta 0.35, the harm gate at its saved threshold (when the folder has one), the row energy
+# decision at 0 (steer a row only when its last prompt token's energy says the model is about to end
+# badly) and only the first 16 generated tokens. Steering every token of every row, as a bare energy
+# bank would, pushes answers off the model's manifold. ``layers`` (a list) names the steered layers;
+# None steers the bank's ``top_k`` best.
+DEFAULT_SETTINGS = {"top_k": 1, "layers": None, "eta": 0.35, "steps": 3, "threshold": None, "gate": True,
+                    "horizon": 16, "row_threshold": 0.0, "gate_ramp": None, "harm_orth": None,
+                    "row_strength": None}
 TUNED_KEYS = tuple(DEFAULT_SETTINGS)
+_UNTUNED_NOTED: set[str] = set()
 
 
 def tuned_settings(directory: str | Path) -> dict | None:
@@ -63,7 +77,8 @@ def tuned_settings(directory: str | Path) -> dict | None:
 def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
     """ELS settings: values given (not None) win, then the folder's tuned setting, then the defaults.
 
-    Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. A sweep selects either a
+    The defaults (:data:`DEFAULT_SETTINGS`, the demo's safe rule) hold the harm gate only where the folder
+    has one. Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. A sweep selects either a
     ``top_k`` or a ``layers`` list; ``top_k`` given (and no ``layers``) replaces tuned ``layers``.
     Returns the settings and a note saying where they came from.
     """
@@ -72,6 +87,8 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
     if tuned:
         settings.update({"threshold": None, "gate": None, **tuned})
         origin = str(Path(directory) / "sweep" / "best.json")
+    elif directory is None or not HarmGate.exists(directory):
+        settings["gate"] = None  # the default harm gate, where the folder has none (els train --no-gate)
     explicit = {k: v for k, v in given.items() if v is not None}
     if "top_k" in explicit and "layers" not in explicit:
         settings["layers"] = None
@@ -79,6 +96,23 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
         settings.update({k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in explicit.items()})
         origin += " + " + ",".join(sorted(explicit))
     return settings, origin
+
+
+def _note_untuned(directory: str | Path, settings: dict) -> None:
+    """One line, once per folder and process: the settings are the untuned defaults."""
+    import logging
+
+    key = str(Path(directory).resolve())
+    if key in _UNTUNED_NOTED:
+        return
+    _UNTUNED_NOTED.add(key)
+    gate = {True: "harm gate at its saved threshold", None: "no harm gate (the folder has none)"}.get(
+        settings["gate"], f"harm gate at {settings['gate']}")
+    logging.getLogger("aligntax").warning(
+        "%s is untuned (no sweep/best.json): ELS steers by the safe defaults where not given (%s, row energy "
+        "decision %s, first %s generated tokens, eta %s, the best validated layer); `aligntax els sweep "
+        "--steer %s` picks tuned settings", directory, gate, DEFAULT_SETTINGS["row_threshold"],
+        DEFAULT_SETTINGS["horizon"], DEFAULT_SETTINGS["eta"], directory)
 
 
 class EnergySteering(Intervention):
@@ -92,7 +126,8 @@ class EnergySteering(Intervention):
                  layer_eta: dict[int, float] | None = None, source: str | None = None,
                  grad_method: str = "closed", gate: HarmGate | None = None,
                  gate_threshold: float | None = None, horizon: int | None = None,
-                 row_threshold: float | None = None, gate_ramp: float | None = None):
+                 row_threshold: float | None = None, gate_ramp: float | None = None,
+                 harm_dirs: dict[int, torch.Tensor] | None = None, row_strength: RowStrength | None = None):
         if not models:
             raise AligntaxError("Energy steering needs at least one layer's energy model.")
         if steps < 0:
@@ -131,8 +166,31 @@ class EnergySteering(Intervention):
         if self.gate_ramp is not None and (gate is None or not 0.0 <= self.gate_ramp < self.gate_threshold):
             raise AligntaxError("gate_ramp needs a harm gate and must lie in [0, gate threshold); got "
                                 f"{self.gate_ramp} (gate threshold {self.gate_threshold}).")
+        self.harm_dirs = {int(k): torch.as_tensor(v).detach().float() for k, v in (harm_dirs or {}).items()}
+        missing = sorted(set(self.models) - set(self.harm_dirs)) if self.harm_dirs else []
+        if missing:
+            raise AligntaxError(f"harm_dirs has no directions for the steered layers {missing}.")
+        if len({int(v.shape[0]) for v in self.harm_dirs.values()}) > 1:
+            raise AligntaxError("harm_dirs must give the same number of directions at every steered layer.")
+        self.row_strength = row_strength
+        if row_strength is not None:
+            if gate is None:
+                raise AligntaxError("A row strength model reads the harm gate's logit: it needs the folder's gate.")
+            if row_strength.layer != self.first_layer:
+                raise AligntaxError(f"The row strength model was fitted on features of layer {row_strength.layer}, "
+                                    f"but steering starts at layer {self.first_layer}; fit one for this layer "
+                                    "(aligntax els row-strength --layers ...).")
+            if self.gate_ramp is not None or self.row_threshold is not None:
+                raise AligntaxError("A row strength model replaces the gate's and the row energy's cut-offs: "
+                                    "not with gate_ramp or row_threshold.")
         self._device_models: dict[tuple[int, str], EnergyModel] = {}
+        self._device_dirs: dict[tuple[int, str], torch.Tensor] = {}
         self.settings_from: str | None = None
+
+    @property
+    def harm_orth(self) -> int:
+        """How many harm directions each step is projected off (0: none)."""
+        return int(next(iter(self.harm_dirs.values())).shape[0]) if self.harm_dirs else 0
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -153,7 +211,8 @@ class EnergySteering(Intervention):
                  eta: float | None = None, steps: int | None = None, top_k: int | None = None,
                  threshold: float | str | None = None, gate: bool | float | str | None = None,
                  horizon: int | str | None = None, row_threshold: float | str | None = None,
-                 gate_ramp: float | str | None = None, **kwargs) -> EnergySteering:
+                 gate_ramp: float | str | None = None, harm_orth: int | str | None = None,
+                 row_strength: bool | str | None = None, **kwargs) -> EnergySteering:
         """Load a saved :class:`EnergyBank` (checked against ``lm.fingerprint``) and steer its best layers.
 
         Settings not given (None) come from the setting tuned by ``aligntax els sweep`` in
@@ -164,11 +223,18 @@ class EnergySteering(Intervention):
         uses that threshold. ``horizon``: steer only the first N generated tokens (``"none"``: all).
         ``row_threshold``: steer a row only when its last prompt token's energy is above it;
         ``gate_ramp``: graded strength below the gate's threshold (see the module docstring).
-        ``layers`` (given, else the tuned setting's) wins over ``top_k``.
+        ``layers`` (given, else the tuned setting's) wins over ``top_k``. ``harm_orth`` k > 0: project
+        each step off the first k directions of the folder's harm basis (``harm_basis.json``);
+        ``row_strength`` True: the folder's learned per-row strength (``row_strength.json``) instead of
+        the gate's and the row energy's cut-offs (the gate is loaded for its logit).
         """
-        settings, origin = resolve_settings(directory, eta=eta, steps=steps, threshold=threshold, gate=gate,
-                                            top_k=top_k, horizon=horizon, layers=layers,
-                                            row_threshold=row_threshold, gate_ramp=gate_ramp)
+        given = dict(eta=eta, steps=steps, threshold=threshold, gate=gate, top_k=top_k, horizon=horizon,
+                     layers=layers, row_threshold=row_threshold, gate_ramp=gate_ramp, harm_orth=harm_orth,
+                     row_strength=row_strength)
+        settings, origin = resolve_settings(directory, **given)
+        untuned = tuned_settings(directory) is None
+        if untuned and any(given[k] is None for k in ("gate", "horizon", "row_threshold")):
+            _note_untuned(directory, settings)
         layers = settings["layers"]
         top_k = settings["top_k"] if layers is None else top_k
         eta, steps, threshold, gate = settings["eta"], settings["steps"], settings["threshold"], settings["gate"]
@@ -179,6 +245,14 @@ class EnergySteering(Intervention):
         fp = dict(lm.fingerprint) if lm is not None and getattr(lm, "fingerprint", None) else None
         hs = lm.hidden_size if lm is not None else None
         bank = EnergyBank.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
+        strength = settings["row_strength"] not in (None, False, 0)
+        if strength:
+            if not RowStrength.exists(directory):
+                raise AligntaxError(f"{directory} has no row strength model (row_strength.json); fit one with "
+                                    f"`aligntax els row-strength --steer {directory}`.")
+            kwargs["row_strength"] = RowStrength.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
+            kwargs["row_threshold"] = kwargs["gate_ramp"] = None  # the learned strength replaces both cut-offs
+            gate = True if gate in (None, False) else gate
         if gate is not None and gate is not False:
             if not HarmGate.exists(directory):
                 raise AligntaxError(f"{directory} has no harm gate (gate.json); train one with "
@@ -191,6 +265,18 @@ class EnergySteering(Intervention):
             bad = [layer for layer in bank.models if layer >= n]
             if bad:
                 raise AligntaxError(f"Energy bank {directory} has layers {bad} but the model has {n} layers.")
+        k = int(settings["harm_orth"] or 0)
+        if k < 0:
+            raise AligntaxError(f"harm_orth must be >= 0 directions; got {k}.")
+        if k:
+            if not HarmBasis.exists(directory):
+                raise AligntaxError(f"{directory} has no harm basis (harm_basis.json); compute it with "
+                                    f"`aligntax els harm-basis --steer {directory}`.")
+            basis = HarmBasis.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
+            chosen = [int(x) for x in layers] if layers is not None else bank.layers
+            if top_k is not None:
+                chosen = [layer for layer in bank.layers if layer in chosen][:top_k]
+            kwargs["harm_dirs"] = {layer: basis.get(layer, k) for layer in chosen}
         iv = cls.from_bank(bank, layers=layers, top_k=top_k, eta=eta, steps=steps, source=str(directory), **kwargs)
         iv.settings_from = origin
         return iv
@@ -202,7 +288,10 @@ class EnergySteering(Intervention):
                 "grad_method": self.grad_method, "source": self.source, "settings_from": self.settings_from,
                 "gate": None if self.gate is None else self._gate_config(),
                 # only when set: a run folder made before these options existed resumes unchanged
-                **({"row_threshold": self.row_threshold} if self.row_threshold is not None else {})}
+                **({"row_threshold": self.row_threshold} if self.row_threshold is not None else {}),
+                **({"harm_orth": self.harm_orth} if self.harm_orth else {}),
+                **({"row_strength": {"layer": self.row_strength.layer, "floor": self.row_strength.floor}}
+                   if self.row_strength is not None else {})}
 
     def _gate_config(self) -> dict:
         # "layers" only for a gate of several: a one-layer gate's settings read as they always did, so a
@@ -229,6 +318,26 @@ class EnergySteering(Intervention):
         """The harm gate's p(harmful) ``[N]`` from ``{block: [N, d]}`` at the last prompt token."""
         dev = states[self.gate.layer].device
         return self.gate.prob(self.gate.stack({b: states[b].to(dev) for b in self.gate.layers}))
+
+    def row_features(self, states: dict[int, torch.Tensor], directions: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+        """The row strength model's features ``[N, F]`` (:data:`~aligntax.energy.front.STRENGTH_FEATURES`)
+        from ``{block: [N, d]}`` at the last prompt token (the gate's blocks and the first steered one).
+        ``directions``: the unit refusal and harm directions at the first steered block (default: the
+        row strength model's)."""
+        if self.gate is None:
+            raise AligntaxError("The row strength features read the harm gate's logit: no gate.")
+        last = states[self.first_layer]
+        dev = last.device
+        gate_logit = self.gate.logit(self.gate.stack({b: states[b].to(dev) for b in self.gate.layers}))
+        if directions is None:
+            if self.row_strength is None:
+                raise AligntaxError("row_features needs the refusal and harm directions (no row strength model).")
+            refusal, harm = self.row_strength.projections(last)
+        else:
+            refusal, harm = (last.float() @ d.to(dev).float() for d in directions)
+        cols = {"gate_logit": gate_logit, "energy": self.row_energy(last), "refusal_proj": refusal, "harm_proj": harm}
+        return torch.stack([cols[f].float().to(dev) for f in STRENGTH_FEATURES], dim=-1)
 
     def row_energy(self, last: torch.Tensor) -> torch.Tensor:
         """Energy of the last prompt token's state entering the first steered block, ``[N, d] -> [N]``."""
@@ -262,6 +371,7 @@ class EnergySteering(Intervention):
         """K energy-descent steps on ``x`` ``[B, T, d]`` (float32); ``row_scale`` ``[B, 1, 1]``."""
         model = self._model_on(layer, x.device)
         eta = self.step_size(layer)
+        q = self._dirs_on(layer, x.device)  # [k, d] orthonormal, or None
         scale = row_scale.to(x.device, torch.float32).view(-1, 1)  # [B, 1]
         rows_on = scale != 0  # [B, 1]
         bad = torch.zeros((), dtype=torch.bool, device=x.device)
@@ -277,7 +387,10 @@ class EnergySteering(Intervention):
             if e0 is None:
                 e0, first_active = e, active
             norm = g.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            step = (eta * scale)[..., None] * (g / norm)
+            u = g / norm
+            if q is not None:  # off the harm subspace: no move along what makes a prompt harmful
+                u = u - (u @ q.T) @ q
+            step = (eta * scale)[..., None] * u
             x = torch.where(active[..., None], x - step, x)
         if acc is not None and self.steps > 0:
             with torch.no_grad():
@@ -290,6 +403,16 @@ class EnergySteering(Intervention):
             acc["energy_after"] = acc.get("energy_after", 0) + torch.where(counted, e1, 0).sum()
             acc["nonfinite"] = acc.get("nonfinite", torch.zeros((), dtype=torch.bool, device=x.device)) | bad
         return x
+
+    def _dirs_on(self, layer: int, device: torch.device) -> torch.Tensor | None:
+        """The layer's harm directions ``[k, d]`` on ``device`` (float32), or None without ``harm_orth``."""
+        if not self.harm_dirs:
+            return None
+        key = (layer, str(device))
+        q = self._device_dirs.get(key)
+        if q is None:
+            q = self._device_dirs[key] = self.harm_dirs[layer].to(device=device, dtype=torch.float32)
+        return q
 
     def _energy_grad(self, model: EnergyModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.grad_method == "closed":
@@ -316,7 +439,7 @@ class ElsKernel(RowKernel):
         self.iv = iv
         self.sites = [Site(layer) for layer in sorted(iv.models)] if iv.steps > 0 else []
         decision = list(iv.gate.layers) if iv.gate is not None else []
-        if iv.row_threshold is not None:
+        if iv.row_threshold is not None or iv.row_strength is not None:
             decision.append(iv.first_layer)
         self.decision_layers = sorted(set(decision))
         self.positions = iv.positions
@@ -324,6 +447,9 @@ class ElsKernel(RowKernel):
 
     def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         iv, parts = self.iv, {}
+        if iv.row_strength is not None:  # the learned strength replaces the gate's and the energy's cut-offs
+            parts["els_strength"] = iv.row_strength.strength(iv.row_features(states))
+            return parts
         if iv.gate is not None:  # the strength the harm gate allows (0: held back)
             parts["els_gate"] = iv.gate_scale(iv.harm_p(states))
         if iv.row_threshold is not None:  # 1 for rows whose last prompt token predicts a bad end
@@ -343,6 +469,9 @@ class ElsKernel(RowKernel):
         if iv.gate is not None:
             for r, p in zip(rows, iv.harm_p(states).cpu(), strict=True):
                 r["harm_p"] = round(float(p), 4)
+        if iv.row_strength is not None:  # the model's probability, before the floor
+            for r, p in zip(rows, iv.row_strength.prob(iv.row_features(states)).cpu(), strict=True):
+                r["strength_p"] = round(float(p), 4)
         scale = self.decide(states).cpu() if self.decision_layers else torch.ones(len(rows))
         for r, sc in zip(rows, scale, strict=True):
             r.update(steered=bool(sc > 0 and iv.steps > 0), strength=round(float(sc), 4))

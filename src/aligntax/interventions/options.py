@@ -14,13 +14,15 @@ This module imports nothing of aligntax but the errors: every layer may read it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aligntax.errors import AligntaxError
 
-__all__ = ["METHODS", "Method", "OptionSpec", "cli_options", "option", "options_of", "parse_value", "register"]
+__all__ = ["CHECKS", "METHODS", "Method", "OptionSpec", "check_value", "cli_options", "option", "options_of",
+           "parse_value", "register"]
 
 
 @dataclass(frozen=True)
@@ -29,16 +31,46 @@ class OptionSpec:
 
     ``parse``: ``float``, ``int``, ``str``, ``float_or_none`` / ``int_or_none`` (a number, or ``none``
     to turn a tuned setting off), ``gate`` (a probability, ``saved`` or ``none``), ``layers``
-    (comma-separated ints). ``cli``: offered on the command line; ``grid``: an axis of the ELS sweep
-    (comma-separated values); ``request``: a server client may set it per request."""
+    (comma-separated ints), ``switch`` (``on``/``saved`` or ``off``/``none``). ``check``: the range rule
+    a value must meet (a key of :data:`CHECKS`,
+    applied on every face: command line, sweep grids, YAML ``intervention_args``, the library's keyword
+    options); ``none`` / ``saved`` pass. ``cli``: offered on the command line; ``grid``: an axis of the
+    ELS sweep (comma-separated values); ``request``: a server client may set it per request."""
 
     help: str
     flag: str | None = None
     aliases: tuple[str, ...] = ()
     parse: str = "str"
+    check: str | None = None
     cli: bool = True
     grid: bool = False
     request: bool = False
+
+
+# Range rules: name -> (test of one finite number, what the message says the option takes). Every
+# rule also refuses nan and infinities.
+CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "finite": (lambda v: True, "a finite number"),
+    "positive": (lambda v: v > 0, "a finite number > 0"),
+    "nonnegative": (lambda v: v >= 0, "a finite number >= 0"),
+    "count": (lambda v: v >= 0 and float(v).is_integer(), "a whole number >= 0"),
+    "positive_count": (lambda v: v >= 1 and float(v).is_integer(), "a whole number >= 1"),
+    "probability": (lambda v: 0 <= v <= 1, "a probability between 0 and 1"),
+}
+
+
+def check_value(value: Any, check: str | None, flag: str) -> Any:
+    """``value`` when it meets the range rule ``check`` (each entry of a list does); else a clear
+    error naming ``flag``. ``None``, ``"none"``, booleans (the gate's ``saved``) and text pass."""
+    if check is None or value is None:
+        return value
+    test, what = CHECKS[check]
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if not math.isfinite(v) or not test(v):
+            raise AligntaxError(f"{flag} takes {what}, not {v!r}.")
+    return value
 
 
 def option(help: str, default: Any = None, **spec) -> Any:
@@ -76,12 +108,19 @@ class Method:
                 if "path" in kwargs:
                     raise AligntaxError(f"Intervention '{self.name}': give the folder once (path= or {alias}=).")
                 kwargs["path"] = kwargs.pop(alias)
-        known = {f.name for f in dataclasses.fields(self.options)}
-        unknown = sorted(set(kwargs) - known)
+        self.check(kwargs)
+        return self.build(lm, self.options(**kwargs))
+
+    def check(self, kwargs: dict) -> None:
+        """Refuse an option the method does not take, or a value outside its option's range rule."""
+        fields = {f.name: f for f in dataclasses.fields(self.options)}
+        unknown = sorted(set(kwargs) - set(fields) - {"dir", "directory"})
         if unknown:
             raise AligntaxError(f"Unknown options for intervention '{self.name}': {', '.join(unknown)} "
-                                f"(it takes {', '.join(sorted(known)) or 'none'}).")
-        return self.build(lm, self.options(**kwargs))
+                                f"(it takes {', '.join(sorted(fields)) or 'none'}).")
+        for name, value in kwargs.items():
+            if name in fields:
+                check_value(value, spec_of(fields[name]).check, f"{self.name} option {name}")
 
 
 METHODS: dict[str, Method] = {}
@@ -115,6 +154,12 @@ def parse_value(text: Any, parse: str, flag: str) -> Any:
     try:
         if parse in ("float_or_none", "int_or_none", "gate") and t.lower() == "none":
             return "none"
+        if parse == "switch":
+            if t.lower() in ("on", "saved", "true", "yes", "1"):
+                return True
+            if t.lower() in ("off", "none", "false", "no", "0"):
+                return "none"
+            raise ValueError(t)
         if parse == "gate":
             return True if t.lower() == "saved" else float(t)
         if parse in ("float", "float_or_none"):
@@ -124,7 +169,8 @@ def parse_value(text: Any, parse: str, flag: str) -> Any:
         if parse == "layers":
             return [int(x) for x in t.split(",") if x.strip()]
     except ValueError:
-        kind = {"gate": "a probability, 'saved' or 'none'", "layers": "comma-separated layer numbers"}.get(
+        kind = {"gate": "a probability, 'saved' or 'none'", "layers": "comma-separated layer numbers",
+                "switch": "'on' or 'off'"}.get(
             parse, "a number" + (" or 'none'" if parse.endswith("_or_none") else ""))
         raise AligntaxError(f"{flag} takes {kind}, not {text!r}.") from None
     return t
@@ -141,6 +187,7 @@ class CliOption:
     parse: str
     methods: tuple[str, ...]
     grid: bool
+    check: str | None = None
 
     @property
     def param(self) -> str:
@@ -159,9 +206,10 @@ def cli_options() -> list[CliOption]:
             flag = flag_of(f)
             prev = out.get(flag)
             if prev is None:
-                out[flag] = CliOption(flag, spec.aliases, f.name, spec.help, spec.parse, (method.name,), spec.grid)
+                out[flag] = CliOption(flag, spec.aliases, f.name, spec.help, spec.parse, (method.name,), spec.grid,
+                                      spec.check)
             else:
-                if prev.name != f.name or prev.parse != spec.parse:
+                if prev.name != f.name or prev.parse != spec.parse or prev.check != spec.check:
                     raise AligntaxError(f"{flag} means different options in {prev.methods} and {method.name}.")
                 out[flag] = dataclasses.replace(prev, methods=(*prev.methods, method.name),
                                                 aliases=tuple(dict.fromkeys(prev.aliases + spec.aliases)))
@@ -178,7 +226,7 @@ def intervention_args(name: str | None, given: dict[str, Any]) -> dict:
             continue
         if name and name in METHODS and name not in opt.methods:
             raise AligntaxError(f"{opt.flag} is an option of {', '.join(opt.methods)}, not of '{name}'.")
-        args[opt.name] = parse_value(value, opt.parse, opt.flag)
+        args[opt.name] = check_value(parse_value(value, opt.parse, opt.flag), opt.check, opt.flag)
     return args
 
 
@@ -187,5 +235,5 @@ def grid_values(text: str | None, opt: CliOption) -> list | None:
     if not text:
         return None
     parts = text.split(";") if opt.parse == "layers" else text.split(",")
-    values = [parse_value(x, opt.parse, opt.flag) for x in parts if x.strip()]
+    values = [check_value(parse_value(x, opt.parse, opt.flag), opt.check, opt.flag) for x in parts if x.strip()]
     return [None if v == "none" else v for v in values]

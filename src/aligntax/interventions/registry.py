@@ -53,26 +53,34 @@ class PromptOptions:
 class ElsOptions:
     path: str | None = option("energy model folder (implies --intervention els; an `aligntax els distill` "
                               "folder implies els-lora)", flag="--steer")
-    eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", grid=True,
-                               request=True)
-    steps: int | None = option("ELS descent steps", parse="int", grid=True, request=True)
-    layers: list[int] | None = option("comma-separated layer indices", parse="layers", grid=True, request=True)
-    top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", grid=True,
-                                request=True)
+    eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", check="positive",
+                               grid=True, request=True)
+    steps: int | None = option("ELS descent steps", parse="int", check="count", grid=True, request=True)
+    layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
+                                      grid=True, request=True)
+    top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", check="positive_count",
+                                grid=True, request=True)
     threshold: float | str | None = option(
         "ELS: move a position only while its energy is above this ('none': off, even if tuned)",
-        flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", grid=True, request=True)
+        flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", check="finite", grid=True,
+        request=True)
     gate: float | bool | str | None = option(
         "ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
-        "threshold; 'none': off, even if tuned)", parse="gate", grid=True, request=True)
+        "threshold; 'none': off, even if tuned)", parse="gate", check="probability", grid=True, request=True)
     horizon: int | str | None = option("ELS: steer only the first N generated tokens ('none': all)",
-                                       parse="int_or_none", grid=True, request=True)
+                                       parse="int_or_none", check="count", grid=True, request=True)
     row_threshold: float | str | None = option(
         "ELS: steer a row only when its last prompt token's energy is above this ('none': off, even if tuned)",
-        parse="float_or_none", grid=True, request=True)
+        parse="float_or_none", check="finite", grid=True, request=True)
     gate_ramp: float | str | None = option(
         "ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)",
-        parse="float_or_none", grid=True, request=True)
+        parse="float_or_none", check="probability", grid=True, request=True)
+    harm_orth: int | str | None = option(
+        "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
+        parse="int_or_none", check="count", grid=True)
+    row_strength: bool | str | None = option(
+        "ELS: the folder's learned per-row strength instead of the gate's and the row energy's cut-offs "
+        "('on' or 'off')", parse="switch", grid=True)
     positions: str | None = option("last_and_generated, generated or all", cli=False)
     scale_by_norm: bool | None = option("step size in units of the layer's median residual norm", cli=False)
     grad_method: str | None = option("closed (the energy model's own backward) or autograd", cli=False)
@@ -83,7 +91,7 @@ class ElsLoraOptions:
     path: str | None = option("energy model folder (implies --intervention els), or an els-lora adapter folder "
                               "(aligntax els distill)", flag="--steer")
     scale: float | None = option("els-lora: multiplier of the adapter's update (0: the unsteered model; default 1)",
-                                 flag="--lora-scale", parse="float")
+                                 flag="--lora-scale", parse="float", check="finite")
 
 
 @dataclass
@@ -91,21 +99,23 @@ class _SavedVectorOptions:
     """What every method reading a vector folder takes."""
 
     path: str | None = option("vector folder for the vector baselines", flag="--vectors")
-    coeff: float | None = option("vector baselines: strength", parse="float", request=True)
+    coeff: float | None = option("vector baselines: strength", parse="float", check="finite", request=True)
     layer: int | None = option("vector baselines: the layer whose vector is used (default: the folder's)",
-                               parse="int", request=True)
+                               parse="int", check="count", request=True)
 
 
 @dataclass
 class VectorOptions(_SavedVectorOptions):
-    layers: list[int] | None = option("comma-separated layer indices", parse="layers", request=True)
+    layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
+                                      request=True)
     positions: str | None = option("last_and_generated, generated or all (default all)", cli=False)
 
 
 @dataclass
 class CastOptions(_SavedVectorOptions):
     threshold: float | None = option("CAST: the condition's cosine threshold (default: the fitted one)",
-                                      parse="float", cli=False, request=True)
+                                      parse="float", check="finite", cli=False,
+                                      request=True)
     mode: str | None = option("CAST: add or ablate the behaviour vector", cli=False)
     compare: str | None = option("CAST: steer when the similarity is greater or less than the threshold",
                                  cli=False)

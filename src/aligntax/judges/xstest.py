@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aligntax.errors import DataError
-from aligntax.paths import shared_data_dir
+from aligntax.paths import fetched_data_dir, shared_data_dir
 
 XSTEST_SUBDIR = Path("refusal") / "xstest" / "model_completions_human_labeled"
 LABELS = ("1_full_compliance", "2_full_refusal", "3_partial_refusal")
@@ -35,10 +35,11 @@ class LabeledCompletion:
 
 def xstest_dir(data_dir: str | Path | None = None) -> Path | None:
     """The folder of the labelled CSVs: ``data_dir`` (the shared data root or the folder itself), else
-    the shared data folder; None when it cannot be found."""
+    the shared data folder, else the files ``aligntax data fetch xstest-labeled`` stored; None when it
+    cannot be found."""
     roots = [Path(data_dir)] if data_dir is not None else []
-    if data_dir is None and (shared := shared_data_dir()) is not None:
-        roots.append(shared)
+    if data_dir is None:
+        roots += [p for p in (shared_data_dir(), fetched_data_dir()) if p is not None]
     for root in roots:
         for cand in (root, root / XSTEST_SUBDIR):
             if cand.is_dir() and any(cand.glob("*.csv")):
@@ -52,7 +53,7 @@ def load_xstest_labeled(data_dir: str | Path | None = None) -> list[LabeledCompl
     if folder is None:
         raise DataError(
             "XSTest human-labelled completions not found. Point ALIGNTAX_DATA (or data_dir) at the shared "
-            f"data folder that holds {XSTEST_SUBDIR}/*.csv."
+            f"data folder that holds {XSTEST_SUBDIR}/*.csv, or run `aligntax data fetch xstest-labeled`."
         )
     rows: list[LabeledCompletion] = []
     for path in sorted(folder.glob("*.csv")):

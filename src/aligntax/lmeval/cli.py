@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from aligntax.clitools import InterventionOpt, steering_options
+from aligntax.clitools import InterventionOpt, check_out_folder, fail, steering_options
 from aligntax.models.spec import DEFAULT_MODEL
 
 
@@ -30,8 +30,8 @@ def lm_eval_command(
     """Run lm-evaluation-harness on a model loaded by aligntax, optionally steered, into a run folder."""
     from rich.console import Console
 
-    from aligntax.errors import AligntaxError
-    from aligntax.lmeval.run import LmEvalConfig, run_lm_eval
+    from aligntax.errors import AligntaxError, UsageError
+    from aligntax.lmeval.run import LmEvalConfig, require_lm_eval, run_lm_eval
 
     console = Console(stderr=True)
     options = dict(iv_args or {})
@@ -40,13 +40,13 @@ def lm_eval_command(
                           steer=folder if intervention == "els" else None,
                           vectors=folder if intervention != "els" else None, options=options,
                           compare=compare, lm_eval_args=list(lm_eval_args or []))
-    if not config.lm_eval_args:
-        console.print("[bold red]error:[/] give lm-eval's arguments after '--', e.g. -- --tasks arc_easy")
-        raise typer.Exit(2)
     try:
+        if not config.lm_eval_args:
+            raise UsageError("give lm-eval's arguments after '--', e.g. -- --tasks arc_easy")
+        check_out_folder(out)
+        require_lm_eval()
         run_lm_eval(config, out)
     except AligntaxError as exc:
-        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-        raise typer.Exit(2) from None
+        fail(exc)
     print((out / "report.md").read_text(encoding="utf-8"))
     console.print(f"wrote {out}/results.json and report.md")

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
+from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError, DataError
 from aligntax.metrics.mc import _acc, format_accuracy
 from aligntax.metrics.rates import paired_change
@@ -213,7 +214,7 @@ class KnownsConfig:
     data: str = BUILTIN
     split: str = "test"
     limit: int | None = None
-    max_new_tokens: int = 48
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     batch_size: int = 32
     dtype: str = "bf16"
     system: str | None = None
@@ -271,10 +272,10 @@ _RESULT_FIELDS = ("model", "data", "system", "max_new_tokens", "dtype", "interve
 
 
 def _check_resume(out: Path, cfg: KnownsConfig) -> None:
-    from aligntax.runs.eval import _setting_diffs
+    from aligntax.runs.eval import _setting_diffs, has_samples
 
     path = out / "config.json"
-    if not path.exists():
+    if not path.exists() or not has_samples(out):  # no sample yet: a new run, whatever it records
         return
     diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
     if diffs:

@@ -67,12 +67,25 @@ def _offline() -> bool:
     ) not in ("0", "", "false")
 
 
+def embedding_digests(rows: torch.Tensor) -> tuple[str, str]:
+    """The digests of the first embedding rows: (``embedding_digest``, ``embedding_digest_dtype``).
+
+    ``embedding_digest`` reads the rows as bfloat16 holds them, so the same weights loaded in float32,
+    bfloat16 or float16 (from a bf16 checkpoint) give the same digest and an artefact made in one dtype
+    fits the model in another. ``embedding_digest_dtype`` reads them as the loaded dtype holds them (the
+    digest of earlier versions): artefacts that recorded it still load for the model in that dtype."""
+    rows = rows.detach().cpu()
+    exact = rows.float().contiguous()
+    shared = rows.to(torch.bfloat16).float().contiguous()
+    return tuple(hashlib.sha256(r.numpy().round(3).tobytes()).hexdigest()[:16] for r in (shared, exact))
+
+
 def model_fingerprint(model, tokenizer, spec: str) -> dict:
-    """Identity of a model for artefact compatibility: architecture, sizes and a weight digest."""
+    """Identity of a model for artefact compatibility: architecture, sizes and a weight digest (the same in
+    every dtype, :func:`embedding_digests`); ``dtype`` is informational, never compared."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     emb = model.get_input_embeddings().weight
-    rows = emb[: min(64, emb.shape[0])].detach().float().cpu().contiguous()
-    digest = hashlib.sha256(rows.numpy().round(3).tobytes()).hexdigest()[:16]
+    digest, exact = embedding_digests(emb[: min(64, emb.shape[0])])
     return {
         "spec": spec,
         "model_type": getattr(cfg, "model_type", None),
@@ -80,7 +93,26 @@ def model_fingerprint(model, tokenizer, spec: str) -> dict:
         "hidden_size": hidden_size(model),
         "vocab_size": int(emb.shape[0]),
         "embedding_digest": digest,
+        "embedding_digest_dtype": exact,
+        "dtype": str(emb.dtype).removeprefix("torch."),
     }
+
+
+def as_loaded_model(model, tokenizer=None) -> LoadedModel:
+    """``model`` as a :class:`LoadedModel`: a LoadedModel is returned as is; a plain transformers
+    ``PreTrainedModel`` (with its tokenizer, optional) is wrapped, with its fingerprint computed, so
+    that artefacts are checked against it the same way. The tokenizer is not modified. Anything else
+    that carries ``fingerprint`` and ``hidden_size`` (the vLLM backend's model facts) is returned as is."""
+    if isinstance(model, LoadedModel) or (not isinstance(model, torch.nn.Module) and hasattr(model, "fingerprint")
+                                          and hasattr(model, "hidden_size")):
+        return model
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")
+            and hasattr(model, "get_input_embeddings")):
+        raise AligntaxError(f"Expected a model loaded by aligntax.load_model or a transformers PreTrainedModel, "
+                            f"got {type(model).__name__}.")
+    spec = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec,
+                       fingerprint=model_fingerprint(model, tokenizer, spec))
 
 
 def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool, device_map: str | dict | None = None):

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, train_els
@@ -37,7 +38,7 @@ class DemoConfig:
     test_sets: list[str] = field(default_factory=lambda: list(TEST_SETS))
     limit: int | None = None
     judge: str = "classifier"
-    max_new_tokens: int = 48
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     # prompts per batch: on CPU, 96 rows run about 1.3x faster than 32 (bench/batch_size.py); rows
     # leave the batch when they end, so a long tail costs little
     batch_size: int = 96
@@ -262,16 +263,19 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, base: dict, steered: dict | Non
 # first estimate scales them by this machine's calibration time; later ones by how long the stages done
 # so far took against theirs.
 STAGE_MINUTES = {
-    "quick": {"model load": 0.1, "baseline evaluation": 2.0,
-              "ELS training (labels, activations, energy models, vectors, harm gate)": 4.5,
-              "validation sweep": 4.0, "steered evaluation": 0.4, "known-answer check": 0.5,
-              "baselines on the test sets": 0.6},
-    "full": {"model load": 0.1, "baseline evaluation": 2.0,
-             "ELS training (labels, activations, energy models, vectors, harm gate)": 7.0,
-             "validation sweep": 7.5, "steered evaluation": 0.6, "known-answer check": 0.5,
-             "baselines on the test sets": 7.5},
+    # fresh clone of 0e03b2f, nothing else running (its calibration forward: 0.225 s)
+    "quick": {"model load": 0.05, "baseline evaluation": 1.57,
+              "ELS training (labels, activations, energy models, vectors, harm gate)": 3.29,
+              "validation sweep": 3.45, "steered evaluation": 0.45, "known-answer check": 0.34,
+              "baselines on the test sets": 1.48},
+    # the quiet fresh-clone run of the complete evaluation at 731509c (docs/RESULTS.md 3.1), scaled by the
+    # ratio of its baseline stage to the quick run's (1.57 / 3.7 minutes)
+    "full": {"model load": 0.05, "baseline evaluation": 1.57,
+             "ELS training (labels, activations, energy models, vectors, harm gate)": 5.39,
+             "validation sweep": 5.77, "steered evaluation": 0.47, "known-answer check": 0.42,
+             "baselines on the test sets": 5.73},
 }
-CALIBRATION_SECONDS = 1.0
+CALIBRATION_SECONDS = 0.225
 
 
 def calibrate(lm, rows: int = 32, tokens: int = 16, repeats: int = 2) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from aligntax.activations.decisions import PrefillDecider, rows_to_copy
+from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
 from aligntax.interventions.els import TUNED_KEYS
 from aligntax.models.spec import DEFAULT_MODEL
@@ -66,6 +67,11 @@ class ELSTrainConfig:
     # is higher): off, since on the embedded model it passed more benign prompts but also more harmful
     # questions out of distribution (docs/RESULTS.md section 3.7)
     gate_ensemble: bool = False
+    # the harm basis (harm_basis.safetensors): per block, the harmful-minus-benign mean difference and the
+    # top directions of these contrast pairs' differences, up to harm_k directions (what ELS steps are
+    # projected off with harm_orth); [] : the per-prompt differences instead of pairs
+    harm_pairs: list[str] = field(default_factory=lambda: ["contrast-pairs"])
+    harm_k: int = 8
     layers: list[int] | None = None  # None: every layer
     objective: str = "logistic"
     preset: str = "small"  # "small" or "paper"
@@ -75,7 +81,7 @@ class ELSTrainConfig:
     epochs: int = 60
     lr: float = 1e-3
     judge: str = "classifier"
-    max_new_tokens: int = 48
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     batch_size: int = 32
     dtype: str = "bf16"
     seed: int = 0
@@ -161,6 +167,10 @@ def train_els(cfg: ELSTrainConfig, lm=None, ray=None) -> dict:
     if cfg.gate:
         _train_gate(cfg, lm, out, items, acts, harmless, h_acts, bank)
         lap("harm gate")
+
+    # 6. the harm basis that ELS steps may be projected off (harm_orth)
+    _harm_basis(cfg, lm, out, items, acts, harmless, h_acts).save(out)
+    lap("harm basis")
 
     summary = {"layers": bank.summary(), "n_states": int(len(y)), "n_bad": int(y.sum()),
                "seconds": round(time.perf_counter() - t0, 1), "step_seconds": steps, "config": asdict(cfg)}
@@ -256,6 +266,55 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
     gate.save(out)
 
 
+def _harm_basis(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless, h_acts: dict):
+    """The folder's :class:`~aligntax.energy.front.HarmBasis`: harmful training prompts against every
+    benign-labelled one (the over-refusal look-alikes and the harmless instructions, as the gate counts
+    them), and the differences of ``cfg.harm_pairs`` (captured into ``activations_pairs``)."""
+    from aligntax.energy.front import compute_harm_basis, pair_states
+
+    is_h = torch.tensor([it.label == "harmful" for it in items])
+    layers = sorted(acts)
+    harmful = {layer: acts[layer][is_h] for layer in layers}
+    benign = {layer: torch.cat([acts[layer][~is_h], h_acts[layer]]) for layer in layers if layer in h_acts}
+    pairs = None
+    pair_items = load_prompt_sets(cfg.harm_pairs, None) if cfg.harm_pairs else []
+    if pair_items:
+        p_acts = _captured(lm, pair_items, layers, out / "activations_pairs", cfg)
+        pairs = {layer: pair_states(pair_items, p_acts[layer]) for layer in layers}
+    return compute_harm_basis({k: v for k, v in harmful.items() if k in benign}, benign, pairs, cfg.harm_k,
+                              fingerprint=lm.fingerprint,
+                              metadata={"harmful": cfg.harmful, "benign": [*cfg.benign, *cfg.harmless],
+                                        "pairs": list(cfg.harm_pairs)})
+
+
+def harm_basis_for_folder(steer: str | Path, lm=None, pairs: list[str] | None = None, k: int | None = None,
+                          batch_size: int | None = None, progress: bool = True):
+    """Compute and save the harm basis of an existing ``aligntax els train`` folder (made before it was
+    part of training) from its recorded states; only the contrast pairs (and states a resumed folder
+    lacks) run through the model. Returns the basis."""
+    from aligntax.config import load_config
+    from aligntax.models import load_model
+
+    folder = Path(steer)
+    cfg = load_config(ELSTrainConfig, folder / "train_config.json")
+    cfg.progress = progress
+    if pairs is not None:
+        cfg.harm_pairs = list(pairs)
+    if k is not None:
+        cfg.harm_k = int(k)
+    if batch_size is not None:
+        cfg.batch_size = int(batch_size)
+    lm = lm or load_model(cfg.model, dtype=cfg.dtype)
+    items = [item for part in _training_items(cfg) for item in part]
+    layers = cfg.layers if cfg.layers is not None else "all"
+    acts = _captured(lm, items, layers, folder / "activations", cfg)
+    harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
+    h_acts = _captured(lm, harmless, layers, folder / "activations_harmless", cfg)
+    basis = _harm_basis(cfg, lm, folder, items, acts, harmless, h_acts)
+    basis.save(folder)
+    return basis
+
+
 def gate_items(cfg: ELSTrainConfig) -> tuple[list, list, list]:
     """The harm gate's prompts under ``cfg``, in the order training stacks their states: the training
     items (benign, then harmful), the harmless ones, and :func:`gate_extra_items`."""
@@ -341,6 +400,9 @@ class SweepConfig:
     # unsteered model's is not eligible
     knowns: str | None = "builtin"
     knowns_tolerance: float = 0.02
+    # at most this many prompts of each benign and harmful validation set and of the known-answer
+    # questions (sampled, fixed seed); None: all
+    limit: int | None = None
     # grid; the best setting maximises val compliance with val harmful refusal >= the unsteered model's
     top_k: list[int] = field(default_factory=lambda: [1, 2])
     eta: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.5])
@@ -350,6 +412,9 @@ class SweepConfig:
     horizon: list[int | None] = field(default_factory=lambda: [None])  # generated tokens steered (None: all)
     row_threshold: list[float | None] = field(default_factory=lambda: [None])  # row energy decision (None: off)
     gate_ramp: list[float | None] = field(default_factory=lambda: [None])  # graded harm-gate strength (None: off)
+    harm_orth: list[int | None] = field(default_factory=lambda: [None])  # harm directions steps avoid (None, 0: off)
+    # the folder's learned per-row strength (True) instead of the gate's and row energy's cut-offs (None: off)
+    row_strength: list[bool | None] = field(default_factory=lambda: [None])
     layers: list[list[int]] = field(default_factory=list)  # explicit layer sets, swept beside top_k
     extra: list[dict] = field(default_factory=list)  # more ELS settings outside the grid (top_k, eta, ...)
     # Held-out harmful prompts for the harm gate's leaks. The harmful validation sets above are mostly
@@ -365,7 +430,6 @@ class SweepConfig:
     # the one ``--steer DIR`` resolves to). An adapter has no gate: its leak check covers every leak prompt.
     lora: list[str] = field(default_factory=list)
     lora_scales: list[float] = field(default_factory=lambda: [1.0])
-    limit: int | None = None  # at most this many prompts of each benign and harmful validation set (sampled)
     baselines: bool = True
     baseline_coeffs: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
     # successive halving (None: off): every setting is first scored on a fixed, stratified 1/halving of
@@ -392,7 +456,7 @@ class SweepConfig:
 
 # ELS settings added after the first sweeps: left out of a setting's args (and so its key) when unset,
 # so that rows scored before they existed keep their keys. Unset means off, never "take the tuned value".
-_OPTIONAL_ELS_KEYS = ("gate", "horizon", "row_threshold", "gate_ramp")
+_OPTIONAL_ELS_KEYS = ("gate", "horizon", "row_threshold", "gate_ramp", "harm_orth", "row_strength")
 
 
 def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
@@ -403,12 +467,17 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
         for eta in cfg.eta:
             for steps in cfg.steps:
                 for thr, *optional in itertools.product(cfg.threshold, cfg.gate, cfg.horizon, cfg.row_threshold,
-                                                        cfg.gate_ramp):
+                                                        cfg.gate_ramp, cfg.harm_orth, cfg.row_strength):
                     args = {"path": cfg.steer, **choice, "eta": eta, "steps": steps, "threshold": thr}
-                    args.update({k: v for k, v in zip(_OPTIONAL_ELS_KEYS, optional, strict=True) if v is not None})
+                    args.update({k: v for k, v in zip(_OPTIONAL_ELS_KEYS, optional, strict=True)
+                                 if v is not None and v is not False and not (k == "harm_orth" and v == 0)})
                     if args.get("gate_ramp") is not None and args.get("gate") is None:
                         continue  # a graded gate needs a gate
-                    settings.append(("els", args))
+                    if args.get("row_strength"):  # the learned strength replaces both cut-offs
+                        args.pop("row_threshold", None)
+                        args.pop("gate_ramp", None)
+                    if ("els", args) not in settings:
+                        settings.append(("els", args))
     for extra in cfg.extra:
         unknown = set(extra) - {*TUNED_KEYS, "layers"}
         if unknown:
@@ -726,12 +795,12 @@ def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
     if cfg.knowns:
         from aligntax.metrics.knowns import load_known_answers
 
-        knowns = load_known_answers(cfg.knowns, split="val")
+        knowns = _sampled(load_known_answers(cfg.knowns, split="val"), cfg.limit, 0)
     if cfg.halving is not None and (cfg.halving < 2 or cfg.halving_keep < 1):
         raise AligntaxError(f"halving must be at least 2 and halving_keep at least 1; got {cfg.halving}, "
                             f"{cfg.halving_keep}.")
     data = {"benign": list(cfg.benign), "harmful": list(cfg.harmful), "knowns": cfg.knowns}
-    if cfg.limit is not None:  # rows scored on other samples of the sets are their own
+    if cfg.limit is not None:  # rows scored on all the prompts are not these
         data["limit"] = cfg.limit
     if cfg.lora and cfg.backend != "hf":
         raise AligntaxError("els-lora settings are generated on the Hugging Face backend only (hooks on the "

@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 from aligntax.activations.decisions import PrefillDecider, remembered_prefill_states, rows_to_copy
+from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
 from aligntax.generation import GenerationConfig, iter_generate
 from aligntax.metrics import summarize_refusals
@@ -46,7 +47,7 @@ class EvalConfig:
     model: str = DEFAULT_MODEL
     judge: str = "classifier"
     system: str | None = None
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     limit: int | None = None
     batch_size: int = 32
     dtype: str = "bf16"
@@ -97,18 +98,32 @@ def _sample(it, response: str, refused: bool, refusal_score: float, judge: str, 
             "judge": judge, "n_tokens": n_tokens, "finish_reason": finish_reason, **extra}
 
 
+def has_samples(out: Path) -> bool:
+    """A folder becomes a run when its first sample is written: before that (a run that failed while
+    loading, say), its ``config.json`` and ``provenance.json`` bind nothing and a new run may start there."""
+    path = Path(out) / "samples.jsonl"
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
 def _check_resume(out: Path, cfg: EvalConfig) -> dict:
     """Refuse to resume a run made with other settings, or with another intervention folder's content;
-    returns the folder's provenance (``provenance.json``, with the intervention folder's digest now)."""
-    path = out / "config.json"
-    if path.exists():
-        diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
-        if diffs:
-            raise AligntaxError(
-                f"{out} holds a run with different settings ({'; '.join(diffs)}). Use another --out, or delete "
-                "the folder to start again."
-            )
-    saved = read_provenance(out)
+    returns the folder's provenance (``provenance.json``, with the intervention folder's digest now).
+    A folder holding no samples yet is new, whatever settings it records."""
+    if not has_samples(out):
+        saved: dict = {}
+    else:
+        path = out / "config.json"
+        if path.exists():
+            diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
+            if diffs:
+                raise AligntaxError(
+                    f"{out} holds a run with different settings ({'; '.join(diffs)}). Use another --out, or "
+                    "delete the folder to start again."
+                )
+        saved = read_provenance(out)
     folder = intervention_folder(cfg.intervention_args) if cfg.intervention else None
     digest = folder_digest(folder, saved.get("intervention")) if folder else None
     if digest is None:
@@ -181,7 +196,7 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
 def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, recorder, replicas=None) -> dict:
     from aligntax.judges import get_judge
 
-    saved = read_provenance(out)
+    saved = read_provenance(out) if has_samples(out) else {}
     prov = _check_loaded(out, _check_resume(out, cfg), lm, judge)  # the model / judge given, if any
     write_json_atomic(out / "config.json", asdict(cfg))
     prov = _save_provenance(out, saved, prov)

@@ -110,8 +110,9 @@ def check_model(out: Path, saved: dict | None, current: dict | None) -> None:
     """Refuse when the loaded model's fingerprint differs from the one the samples were made with."""
     if not saved or not current:
         return
-    diffs = [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in _FINGERPRINT_KEYS
-             if k in saved and k in current and saved[k] != current[k]]
+    from aligntax.activations.compat import fingerprint_diffs
+
+    diffs = [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in fingerprint_diffs(saved, current, _FINGERPRINT_KEYS)]
     if diffs:
         raise ProvenanceMismatch(
             f"{out} was run with another model: its fingerprint changed ({'; '.join(diffs)}); the weights "

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from aligntax.clitools import InterventionOpt, steering_options
+from aligntax.clitools import InterventionOpt, check_port, fail, steering_options
 from aligntax.models.spec import DEFAULT_MODEL
 
 
@@ -37,8 +37,7 @@ def _serve_backend(backend: str, model: str, dtype: str, device: str | None, int
                    insecure=insecure, model_name=model_name, max_batch_size=max_batch_size, threads=threads,
                    echo=typer.echo, **app_kwargs)
     except (AligntaxError, RuntimeError) as exc:
-        typer.secho(f"Error: {exc}", fg="red", err=True)
-        raise typer.Exit(1) from None
+        fail(exc)
 
 
 @steering_options
@@ -99,11 +98,11 @@ def serve_command(
     from aligntax.models.loader import load_model
     from aligntax.serve.app import check_bind, create_app, default_model_name
 
-    try:
-        check_bind(host, api_key, insecure)  # before loading the model
+    try:  # everything that can be checked before loading the model
+        check_port(port)
+        check_bind(host, api_key, insecure)
     except AligntaxError as exc:
-        typer.secho(f"Error: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from None
+        fail(exc)
     if backend.strip().lower() != "hf":  # another generation engine behind the same app (docs/vllm.md)
         _serve_backend(backend, model, dtype, device, intervention, iv_args, host, port, insecure, model_name,
                        max_batch_size, threads, api_key=api_key, max_new_tokens_limit=max_tokens_limit,
@@ -122,8 +121,7 @@ def serve_command(
         if intervention is not None:  # --steer DIR alone means els; every method's options apply
             iv = _make_intervention(intervention, lm, iv_args or {})
     except (AligntaxError, RuntimeError) as exc:
-        typer.secho(f"Error: {exc}", fg="red", err=True)
-        raise typer.Exit(1) from None
+        fail(exc, 1)  # a model or intervention that fails to load: a runtime failure
 
     from aligntax.serve.app import serve
 

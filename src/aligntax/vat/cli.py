@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from aligntax.clitools import fail
 from aligntax.errors import AligntaxError
 from aligntax.models.spec import DEFAULT_MODEL
 
@@ -16,8 +17,7 @@ app = typer.Typer(
 
 
 def _fail(exc: Exception) -> None:
-    typer.echo(f"error: {exc}", err=True)
-    raise typer.Exit(2)
+    fail(exc)
 
 
 def _sample_by(sample_by: str, data: str) -> str:
@@ -73,7 +73,8 @@ def run(
     steps: int | None = typer.Option(None, help="training steps for lora/dpo (default 30/20)"),
     lr: float | None = typer.Option(None, help="learning rate for lora/dpo"),
     adapter_dir: Path | None = typer.Option(None, help="where to save (or load) the lora/dpo adapter"),
-    energy_dir: Path | None = typer.Option(None, help="els: energy bank folder from `aligntax els train`"),
+    steer: Path | None = typer.Option(None, "--steer", help="els: energy bank folder from `aligntax els train`"),
+    energy_dir: Path | None = typer.Option(None, "--energy-dir", hidden=True),
     train_fraction: float = typer.Option(0.2, help="share of scenes held out for few-shot/steer/lora/dpo data"),
     split_by: str = typer.Option("scene", help="scene | context | item"),
     templates: str = typer.Option("acceptable", help="comma-separated templates (names: acceptable, appropriate, rate)"),
@@ -94,8 +95,10 @@ def run(
     worker_cpus: float = typer.Option(1.0, help="--ray: CPUs per replica (also its torch threads)"),
     worker_gpus: float | None = typer.Option(None, help="--ray: GPUs per replica (default 1 when the cluster has "
                                                         "GPUs, else 0)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Judge the items before and after an intervention and write items.jsonl, results.json, report.md."""
+    from aligntax.clitools import check_intervention, check_out_folder, deprecated
     from aligntax.models import load_model
     from aligntax.vat.interventions import build_intervention
     from aligntax.vat.items import load_items, sample_items, split_items
@@ -103,9 +106,15 @@ def run(
     from aligntax.vat.runner import VATConfig, run_vat
     from aligntax.vat.schwartz import resolve_value
 
+    if energy_dir is not None:
+        deprecated("--energy-dir", "--steer")
+        steer = steer or energy_dir
     if intervention is None:
         intervention = "adapter" if adapter is not None else "none" if post_model else "persona"
     try:
+        check_out_folder(out)
+        if intervention == "els":
+            check_intervention("els", {"path": str(steer) if steer else None}, model)
         t = resolve_value(target)
         kwargs = {}
         if field:
@@ -126,12 +135,12 @@ def run(
         lm = load_model(model, dtype=dtype)
         post_lm = load_model(post_model, dtype=dtype) if post_model else None
         options = dict(strength=strength, layer=layer, steps=steps, lr=lr,
-                       adapter_dir=adapter_dir or (out_dir / "adapter"), energy_dir=energy_dir, seed=seed,
+                       adapter_dir=adapter_dir or (out_dir / "adapter"), energy_dir=steer, seed=seed,
                        exclude_ids={it.id for it in eval_items}, adapter=adapter, oracle_gain=oracle_gain,
                        oracle_bias=oracle_bias)
-        iv = build_intervention(intervention, lm, t, train_items, jcfg, progress=True, **options)
+        iv = build_intervention(intervention, lm, t, train_items, jcfg, progress=progress, **options)
         cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
-                        seed=seed,
+                        seed=seed, progress=progress,
                         extra={"data": data, "intervention": intervention, "limit_per_value": limit_per_value,
                                "scenes": scenes, "train_fraction": train_fraction, "split_by": split_by,
                                "sample_by": by, "strata": strata,
@@ -355,14 +364,23 @@ def methods_cmd() -> None:
 @app.command("values")
 def values_cmd(convention: str = typer.Option("wedge", help="circular distance convention: wedge | ten")) -> None:
     """Print the Schwartz value circle, groups, refined values and SVS items."""
-    from aligntax.vat.schwartz import circle_text, distance_matrix
+    from rich.console import Console
+    from rich.table import Table
+
+    from aligntax.vat.schwartz import CODES, VALUES, circle_text, distance_matrix
 
     try:
-        typer.echo(circle_text(convention))
-        typer.echo("Distance matrix (circle order):")
-        typer.echo(str(distance_matrix(convention).astype(int)))
+        text, matrix = circle_text(convention), distance_matrix(convention).astype(int)
     except ValueError as exc:
         _fail(exc)
+    typer.echo(text)
+    table = Table(title=f"Circular distance between values ({convention} convention, circle order)")
+    table.add_column("value", no_wrap=True)
+    for v in VALUES:
+        table.add_column(CODES[v], justify="right")
+    for v, row in zip(VALUES, matrix, strict=True):
+        table.add_row(f"{v} ({CODES[v]})", *(str(int(x)) for x in row))
+    Console().print(table)
 
 
 if __name__ == "__main__":  # pragma: no cover

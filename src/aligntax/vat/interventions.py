@@ -717,7 +717,7 @@ def _adapter(ctx: VatContext, o: AdapterOptions) -> Intervention:
 @register("els", EnergyOptions, "energy landscape steering from a trained bank (its tuned setting)", VAT_METHODS)
 def _els(ctx: VatContext, o: EnergyOptions) -> Intervention:
     if o.energy_dir is None:
-        raise AligntaxError("The els intervention needs the energy bank folder (--energy-dir), "
+        raise AligntaxError("The els intervention needs the energy bank folder (--steer), "
                             "e.g. the output of `aligntax els train`")
     from aligntax.interventions.registry import make_intervention
 

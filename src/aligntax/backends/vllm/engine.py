@@ -11,7 +11,6 @@ KV states are never shared with plain requests or other settings.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -86,6 +85,8 @@ def folder_fingerprint(folder: str | Path, spec: str, dtype: str | None = None) 
     import torch
     from safetensors import safe_open
 
+    from aligntax.models.loader import embedding_digests
+
     folder = Path(folder)
     cfg_path = folder / "config.json"
     files = sorted(folder.glob("*.safetensors"))
@@ -103,11 +104,11 @@ def folder_fingerprint(folder: str | Path, spec: str, dtype: str | None = None) 
             rows = emb[: min(64, vocab)]
             if dtype is not None:
                 rows = rows.to(getattr(torch, _DTYPES[dtype]))
-            rows = rows.float().contiguous()
-            digest = hashlib.sha256(rows.numpy().round(3).tobytes()).hexdigest()[:16]
+            digest, exact = embedding_digests(rows)
             return {"spec": spec, "model_type": text.get("model_type", cfg.get("model_type")),
                     "num_layers": int(text["num_hidden_layers"]), "hidden_size": int(text["hidden_size"]),
-                    "vocab_size": vocab, "embedding_digest": digest}
+                    "vocab_size": vocab, "embedding_digest": digest, "embedding_digest_dtype": exact,
+                    "dtype": str(rows.dtype).removeprefix("torch.")}
     return None
 
 
