@@ -69,9 +69,9 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     # the sweep keeps the unsteered answers, and gated settings take the rows the gate holds back from them
     assert (out / "els/sweep/unsteered-6tok.jsonl").is_file()
     assert all(0 <= r["reused_unsteered"] <= 132 + 300 + 39 + 41 + r["known_n"] for r in gated)
-    # the leak check: 40 OR-Bench toxic prompts sampled with the gate's seed hold the 16 it was trained on,
-    # which are left out; each gated setting's gate passes the same rows (one gate, one threshold)
-    assert all(r["leak_sets"] == ["orbench-toxic"] and r["leak_prompts"] == 40 - 16 for r in gated)
+    # the leak check: 40 OR-Bench toxic prompts sampled after the 16 the gate was trained on are left out;
+    # each gated setting's gate passes the same rows (one gate, one threshold)
+    assert all(r["leak_sets"] == ["orbench-toxic"] and r["leak_prompts"] == 40 for r in gated)
     assert not any("leak_passed" in r for r in rows if r not in gated)
     passed = {r["leak_passed"] for r in gated}
     assert len(passed) == 1
@@ -90,10 +90,10 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
                                 extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}], progress=False),
                     lm=tiny_lm)
     again = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
-    assert len(again) == len(rows) + len(gated) and res["n_settings"] == 2 + len(gated) and res["leak_prompts"] == 14
+    assert len(again) == len(rows) + len(gated) and res["n_settings"] == 2 + len(gated) and res["leak_prompts"] == 30
     for r in again[len(rows):]:
         old = before[r["key"]]
-        assert r["leak_prompts"] == 30 - 16
+        assert r["leak_prompts"] == 30
         assert {k: r[k] for k in ("benign_compliance", "harmful_refusal")} == {
             k: old[k] for k in ("benign_compliance", "harmful_refusal")}
     report = (out / "report.md").read_text()

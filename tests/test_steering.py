@@ -449,7 +449,7 @@ def test_vectors_round_trip_and_refusal(lm, vector_dir):
 
 def test_registry(lm, bank_dir, vector_dir):
     assert set(INTERVENTIONS) == {"none", "system-prompt", "helpful-prompt", "els", "refusal-add",
-                                  "refusal-ablation", "false-refusal-ablation", "cast"}
+                                  "refusal-ablation", "false-refusal-ablation", "cast", "els-lora"}
     assert isinstance(make_intervention("none", lm), NoIntervention)
     sp = make_intervention("system-prompt", lm)
     hp = make_intervention("helpful-prompt", lm)

@@ -17,7 +17,8 @@ def load_intervention(dir_or_name: str | Path, lm=None, tokenizer=None, **option
     - a name of :data:`aligntax.interventions.registry.INTERVENTIONS` (``"els"``, ``"refusal-ablation"``,
       ``"system-prompt"``, ...): built by :func:`~aligntax.interventions.registry.make_intervention`
       with ``options`` (``dir=`` for the ones that load a folder);
-    - a folder: an energy bank (it holds ``energy.json``) is ELS; a vector folder (``vectors.json``)
+    - a folder: an energy bank (it holds ``energy.json``) is ELS, an ``aligntax els distill`` adapter
+      (``els_lora.json``) is els-lora (``scale=``); a vector folder (``vectors.json``)
       needs ``name=`` the vector method (``refusal-add``, ``refusal-ablation``,
       ``false-refusal-ablation``, ``cast``). ``name=`` also overrides the ELS default.
 
@@ -50,6 +51,8 @@ def load_intervention(dir_or_name: str | Path, lm=None, tokenizer=None, **option
     if name is None:
         if (path / ENERGY_SIDECAR).is_file():
             name = "els"
+        elif (path / "els_lora.json").is_file():  # ELS distilled into a LoRA adapter (aligntax els distill)
+            name = "els-lora"
         elif (path / VECTORS_SIDECAR).is_file():
             raise AligntaxError(
                 f"{path} holds steering vectors: say which method with name= (refusal-add, refusal-ablation, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -687,6 +688,61 @@ def els_train(
     console.print(f"energy models and report: {out}")
 
 
+@els_app.command("distill")
+def els_distill(
+    steer: Path = typer.Option(..., help="folder written by `aligntax els train` (its tuned ELS setting is distilled)"),
+    out: Path = typer.Option(..., help="new adapter folder (peft adapter + els_lora.json)"),
+    model: str | None = typer.Option(None, help="model spec (default: the ELS folder's)"),
+    config: Path | None = typer.Option(None, help="YAML config"),
+    layers: str | None = typer.Option(None, help="comma-separated adapted blocks (default: each steered block and "
+                                                 "--before blocks before it)"),
+    before: int | None = typer.Option(None, help="blocks before each steered one that get the adapter (default 2)"),
+    rank: int | None = typer.Option(None, help="LoRA rank (default 8)"),
+    alpha: float | None = typer.Option(None, help="LoRA alpha (default 2 x rank)"),
+    epochs: int | None = typer.Option(None, help="passes over the training states (default 6)"),
+    lr: float | None = typer.Option(None, help="learning rate (default 1e-3)"),
+    batch_size: int | None = typer.Option(None),
+    limit_benign: int | None = typer.Option(None, help="benign training prompts, sampled (default 300), plus the "
+                                                       "benign contrast halves"),
+    limit_harmful: int | None = typer.Option(None, help="harmful prompts in all (default 600)"),
+    preserve_weight: float | None = typer.Option(None, help="weight of the harmful rows' unsteered targets (default 3)"),
+    pairs: list[str] = typer.Option(None, help="contrast pairs (default contrast-pairs; 'none': none)"),
+    answer_tokens: int | None = typer.Option(None, help="steered answer tokens when the ELS setting has no horizon "
+                                                        "(default 16)"),
+    dtype: str | None = typer.Option(None), seed: int | None = typer.Option(None),
+    els_set: list[str] | None = typer.Option(None, "--els-set", help="KEY=VALUE of the ELS setting distilled, "
+                                                                   "over the folder's tuned one (e.g. eta=0.3)"),
+) -> None:
+    """Distil the folder's ELS steering into a LoRA adapter (intervention els-lora): teacher-forced MSE on the
+    state leaving the last steered block, ELS-steered on benign prompts, unsteered on harmful ones."""
+    from aligntax.config import load_config
+    from aligntax.runs.els_lora import DistillConfig, distill_els_lora
+
+    try:
+        from aligntax.interventions.options import spec_of
+        from aligntax.interventions.registry import ElsOptions
+
+        specs = {f.name: spec_of(f) for f in dataclasses.fields(ElsOptions) if f.name != "path"}
+        els = {}
+        for pair in els_set or []:
+            key, sep, value = pair.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in specs:
+                raise AligntaxError(f"--els-set takes KEY=VALUE with KEY one of {', '.join(specs)}; got {pair!r}.")
+            els[key] = parse_value(value, specs[key].parse, f"--els-set {key}")
+        cfg = load_config(DistillConfig, config, steer=str(steer), out=str(out), model=model,
+                          layers=[int(x) for x in layers.split(",")] if layers else None, before=before, rank=rank,
+                          alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size, limit_benign=limit_benign,
+                          limit_harmful=limit_harmful, preserve_weight=preserve_weight, pairs=_split_list(pairs),
+                          answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None)
+        meta = distill_els_lora(cfg)
+    except AligntaxError as exc:
+        _fail(exc)
+    print(json.dumps({k: meta[k] for k in ("layers", "target_block", "steered_layers", "data", "loss", "seconds")},
+                     indent=2))
+    console.print(f"adapter: {out}")
+
+
 @els_app.command("harm-basis")
 def els_harm_basis(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
@@ -759,6 +815,9 @@ def els_sweep(
                                               "harm gate passes, steered and unsteered (e.g. orbench-toxic)"),
     limit_leak: int | None = typer.Option(None, help="at most N prompts of each leak set (sampled)"),
     leak_constraint: bool | None = typer.Option(None, help="the selected setting must keep every leaked refusal"),
+    lora: list[str] = typer.Option(None, help="an els-lora adapter folder (aligntax els distill) scored beside ELS "
+                                              "at each --lora-scales (repeatable); the best is best_lora"),
+    lora_scales: str | None = typer.Option(None, help="comma-separated adapter scales (default 1)"),
     halving: int | None = typer.Option(None, help="successive halving: every setting on a stratified 1/N of the "
                                                   "validation prompts, the --halving-keep best on all of them"),
     halving_keep: int | None = typer.Option(None, help="settings scored on every prompt after the first round "
@@ -783,7 +842,9 @@ def els_sweep(
                           max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
                           leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint,
                           halving=halving, halving_keep=halving_keep, device_map=device_map, backend=backend,
-                          progress=progress)
+                          progress=progress, lora=_split_list(lora),
+                          lora_scales=[float(parse_value(x, "float", "--lora-scales")) for x in lora_scales.split(",")
+                                       if x.strip()] if lora_scales else None)
         if knowns is not None:
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
         from aligntax.backends import check_backend

@@ -274,8 +274,12 @@ InterventionOpt = Annotated[str | None, typer.Option(help="the intervention: " +
 
 
 def _iv_name(intervention: str | None, steer: str | None) -> str | None:
-    """``--steer DIR`` alone means ELS."""
-    return "els" if steer and not intervention else intervention
+    """``--steer DIR`` alone means ELS, or els-lora for a folder ``aligntax els distill`` wrote."""
+    if steer and not intervention:
+        from pathlib import Path
+
+        return "els-lora" if (Path(steer) / "els_lora.json").is_file() else "els"
+    return intervention
 
 
 def steering_options(fn):

@@ -91,9 +91,11 @@ def bundle_pull(
 
 
 def export_command(
-    intervention: str = typer.Option(..., help="refusal-ablation, false-refusal-ablation or refusal-add "
-                                                 "(refusal-addition: the same)"),
-    vectors: Path = typer.Option(..., help="vector folder (aligntax els train writes DIR/vectors)"),
+    intervention: str = typer.Option(..., help="refusal-ablation, false-refusal-ablation, refusal-add "
+                                               "(refusal-addition: the same) or els-lora"),
+    vectors: Path | None = typer.Option(None, help="vector folder (aligntax els train writes DIR/vectors)"),
+    steer: Path | None = typer.Option(None, help="els-lora: the adapter folder (aligntax els distill)"),
+    lora_scale: float | None = typer.Option(None, help="els-lora: the adapter's scale (default 1)"),
     out: Path = typer.Option(..., help="new Hugging Face model folder"),
     layer: int | None = typer.Option(None, help="the vector's layer (default: the folder's); addition: also the "
                                                 "block whose input receives it"),
@@ -101,14 +103,29 @@ def export_command(
     model: str | None = typer.Option(None, help="model spec (default: the vector folder's model)"),
     dtype: str = typer.Option("bf16", help="dtype the model is loaded and written in"),
 ) -> None:
-    """Write a model with a vector intervention baked into its weights (a plain Hugging Face folder)."""
-    from aligntax.bundles.export import canonical_method, export_model
+    """Write a model with a vector intervention baked into its weights, or the els-lora adapter merged into
+    them (a plain Hugging Face folder)."""
+    from aligntax.bundles.export import canonical_method, export_lora_model, export_model
     from aligntax.models import load_model
 
     try:
         from aligntax.clitools import check_out_folder
 
-        canonical_method(intervention)
+        if canonical_method(intervention) == "els-lora":
+            if steer is None or vectors is not None:
+                raise AligntaxError("els-lora is exported from its adapter folder: give --steer DIR (not --vectors).")
+            check_out_folder(out)
+            side = steer / "els_lora.json"
+            spec = model or ((json.loads(side.read_text()).get("fingerprint") or {}).get("spec")
+                             if side.is_file() else None)
+            if not spec:
+                raise AligntaxError("Give --model: the adapter folder names no model.")
+            lm = load_model(spec, dtype=dtype, device="cpu")
+            print(export_lora_model(lm, steer, out, scale=lora_scale))
+            return
+        if vectors is None or steer is not None or lora_scale is not None:
+            raise AligntaxError(f"{intervention} is exported from a vector folder: give --vectors DIR "
+                                "(--steer and --lora-scale are for els-lora).")
         check_out_folder(out)
         if not (vectors / "vectors.json").is_file():
             raise AligntaxError(f"--vectors {vectors} holds no vectors.json: not a vector folder "

@@ -35,7 +35,7 @@ from torch import nn
 from aligntax.errors import AligntaxError
 from aligntax.models.layers import decoder_layers
 
-__all__ = ["BAKEABLE", "ExportInfo", "bake", "export_model", "hook_equivalent"]
+__all__ = ["BAKEABLE", "ExportInfo", "bake", "export_lora_model", "export_model", "hook_equivalent", "merge_lora"]
 
 FORMAT = "aligntax.export/1"
 INFO_FILE = "aligntax_export.json"
@@ -84,11 +84,13 @@ class ExportInfo:
 def canonical_method(method: str) -> str:
     """The export name of ``method``; a clear error for methods that cannot be baked into weights."""
     method = _ALIASES.get(method, method)
-    if method in BAKEABLE:
+    if method in BAKEABLE or method == "els-lora":  # els-lora: merged by export_lora_model
         return method
     if method in _STATEFUL:
         raise AligntaxError(f"'{method}' cannot be baked into weights: {_STATEFUL[method]}, which no fixed weight "
-                            "edit reproduces. Share it as a steering bundle instead (aligntax bundle save).")
+                            "edit reproduces. Share it as a steering bundle instead (aligntax bundle save)"
+                            + (", or distil it into a LoRA adapter (aligntax els distill) and export that as "
+                               "els-lora." if method == "els" else "."))
     raise AligntaxError(f"Cannot export '{method}'; exportable: {', '.join(BAKEABLE)}.")
 
 
@@ -100,8 +102,15 @@ def hook_equivalent(vectors_dir: str | Path, lm, method: str, layer: int | None 
     for an addition, :class:`~aligntax.interventions.vectors.ActivationAddition` at the block's input."""
     from aligntax.interventions.registry import make_intervention
 
-    name, _, _ = BAKEABLE[canonical_method(method)]
+    name, _, _ = BAKEABLE[_vector_method(method)]
     return make_intervention(name, lm, dir=str(vectors_dir), layer=layer, coeff=coeff, positions="all")
+
+
+def _vector_method(method: str) -> str:
+    method = canonical_method(method)
+    if method not in BAKEABLE:
+        raise AligntaxError(f"'{method}' is not a vector method: export it with export_lora_model.")
+    return method
 
 
 def _check_architecture(model: nn.Module, method: str, edit: str, block: int) -> str:
@@ -198,7 +207,7 @@ def bake(model: nn.Module, method: str, vector: torch.Tensor, layer: int, coeff:
 
     ``vector`` is the direction (ablation) or the added vector (addition, at the input of block
     ``layer``, scaled by ``coeff``). Returns the new model and what was changed."""
-    method = canonical_method(method)
+    method = _vector_method(method)
     _, kind, edit = BAKEABLE[method]
     n = len(decoder_layers(model))
     layer = int(layer) + n if int(layer) < 0 else int(layer)
@@ -259,7 +268,7 @@ def export_model(lm, vectors_dir: str | Path, method: str, out: str | Path, laye
     from aligntax.interventions.vectors import SteeringVectors
     from aligntax.models.loader import resolve_dtype
 
-    method = canonical_method(method)
+    method = _vector_method(method)
     _, kind, _ = BAKEABLE[method]
     vs = SteeringVectors.load(vectors_dir, expect_fingerprint=dict(lm.fingerprint) if lm.fingerprint else None,
                               expect_hidden_size=lm.hidden_size)
@@ -299,3 +308,63 @@ def _card(info: ExportInfo, spec: str) -> str:
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         "model = AutoModelForCausalLM.from_pretrained(PATH)\ntokenizer = AutoTokenizer.from_pretrained(PATH)\n```\n\n"
         f"Changed parameters: {', '.join(info.writers[:6])}{' ...' if len(info.writers) > 6 else ''}\n")
+
+
+# ---- els-lora: the distilled adapter merged into the weights -------------------------------------------------
+def merge_lora(model: nn.Module, iv) -> nn.Module:
+    """A float32 copy of ``model`` with the :class:`~aligntax.interventions.lora.ElsLora` adapter ``iv``
+    merged (``W + lora_scale * s * B @ A`` for every adapted Linear layer); ``model`` is not changed."""
+    from aligntax.interventions.lora import check_modules
+
+    check_modules(model, iv.weights, "the adapter")
+    new = copy.deepcopy(model).float().eval()
+    with torch.no_grad():
+        for name, delta in iv.merged_deltas().items():
+            new.get_submodule(name).weight.add_(delta.to(new.get_submodule(name).weight.device))
+    return new
+
+
+def export_lora_model(lm, adapter_dir: str | Path, out: str | Path, scale: float | None = None,
+                      dtype: str | torch.dtype | None = None) -> Path:
+    """Write ``lm`` with the els-lora adapter of ``adapter_dir`` (checked against the model) merged into its
+    weights, at ``scale`` (default 1), as a plain Hugging Face model folder ``out``; returns ``out``.
+    ``dtype``: of the written weights (default: the model's)."""
+    from aligntax.interventions.lora import ElsLora
+    from aligntax.models.loader import resolve_dtype
+
+    iv = ElsLora.load(adapter_dir, lm, scale=scale)
+    target = resolve_dtype(dtype) if dtype is not None else lm.dtype
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the exported model.")
+    new = merge_lora(lm.model, iv).to(target)
+    new.config.dtype = target
+    info = {"format": FORMAT, "method": "els-lora", "edit": "merge", "lora_scale": iv.scale,
+            "writers": sorted(f"{m}.weight" for m in iv.weights), "layers": iv.layers,
+            "architecture": (getattr(new.config, "architectures", None) or [type(new).__name__])[0],
+            "dtype": str(target).replace("torch.", ""), "base_model": dict(lm.fingerprint or {}),
+            "adapter": {"path": str(adapter_dir), "sha256": iv.config()["adapter_sha256"],
+                        "source": (iv.meta.get("source") or {}).get("path")}}
+    out.mkdir(parents=True, exist_ok=True)
+    new.save_pretrained(out)
+    lm.tokenizer.save_pretrained(out)
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    (out / "README.md").write_text(_lora_card(info, lm.spec))
+    return out
+
+
+def _lora_card(info: dict, spec: str) -> str:
+    from aligntax.bundles.card import front_matter, hub_base_model
+
+    meta = {"library_name": "transformers", "tags": ["aligntax", "steering", "els-lora"]}
+    base = hub_base_model(spec)
+    if base:
+        meta["base_model"] = base
+    meta["aligntax"] = {"export": info}
+    return front_matter(meta) + (
+        f"\n# {spec} with els-lora merged in\n\n"
+        f"Exported by aligntax from `{spec}`: the LoRA adapter distilled from energy landscape steering "
+        f"(`aligntax els distill`, adapter `{info['adapter']['path']}`) merged into blocks {info['layers']} at scale "
+        f"{info['lora_scale']:g}. Architecture `{info['architecture']}`, weights in {info['dtype']}.\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "model = AutoModelForCausalLM.from_pretrained(PATH)\ntokenizer = AutoTokenizer.from_pretrained(PATH)\n```\n")

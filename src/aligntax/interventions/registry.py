@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # the builders import what they build: reading the options st
 
 # cli_options, grid_values and intervention_args are re-exported: importing them from here guarantees
 # that every method above is registered first.
-__all__ = ["INTERVENTIONS", "CastOptions", "ElsOptions", "NoOptions", "PromptOptions", "VectorOptions",
+__all__ = ["INTERVENTIONS", "CastOptions", "ElsLoraOptions", "ElsOptions", "NoOptions", "PromptOptions",
+           "VectorOptions",
            "cli_options", "describe", "grid_values", "intervention_args", "make_intervention"]
 
 
@@ -50,7 +51,8 @@ class PromptOptions:
 
 @dataclass
 class ElsOptions:
-    path: str | None = option("energy model folder (implies --intervention els)", flag="--steer")
+    path: str | None = option("energy model folder (implies --intervention els; an `aligntax els distill` "
+                              "folder implies els-lora)", flag="--steer")
     eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", check="positive",
                                grid=True, request=True)
     steps: int | None = option("ELS descent steps", parse="int", check="count", grid=True, request=True)
@@ -82,6 +84,14 @@ class ElsOptions:
     positions: str | None = option("last_and_generated, generated or all", cli=False)
     scale_by_norm: bool | None = option("step size in units of the layer's median residual norm", cli=False)
     grad_method: str | None = option("closed (the energy model's own backward) or autograd", cli=False)
+
+
+@dataclass
+class ElsLoraOptions:
+    path: str | None = option("energy model folder (implies --intervention els), or an els-lora adapter folder "
+                              "(aligntax els distill)", flag="--steer")
+    scale: float | None = option("els-lora: multiplier of the adapter's update (0: the unsteered model; default 1)",
+                                 flag="--lora-scale", parse="float", check="finite")
 
 
 @dataclass
@@ -160,6 +170,13 @@ def _els(lm, o: ElsOptions) -> Intervention:
     path = _need_dir("els", o.path)
     kwargs = {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name != "path"}
     return EnergySteering.from_dir(path, lm, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+@register("els-lora", ElsLoraOptions, "ELS distilled into a LoRA adapter (aligntax els distill), applied by hooks")
+def _els_lora(lm, o: ElsLoraOptions) -> Intervention:
+    from aligntax.interventions.lora import ElsLora
+
+    return ElsLora.load(_need_dir("els-lora", o.path), lm, scale=o.scale)
 
 
 def _vector_method(name: str, lm, o: VectorOptions) -> Intervention:
