@@ -361,7 +361,7 @@ def test_training_computes_the_harm_basis_with_the_contrast_pairs(lm, tmp_path):
     cfg = ELSTrainConfig(harm_k=3, batch_size=64, progress=False)
     basis = _harm_basis(cfg, lm, tmp_path, items, acts, harmless, h_acts)
     assert sorted(basis.directions) == [0, 1, 2] and basis.k_max == 3
-    assert basis.info["layers"]["1"]["n_pairs"] == 104 and basis.info["pairs"] == ["contrast-pairs"]
+    assert basis.info["layers"]["1"]["n_pairs"] == 1030 and basis.info["pairs"] == ["contrast-pairs"]
     diff = acts[1][4:].mean(0) - torch.cat([acts[1][:4], h_acts[1]]).mean(0)
     torch.testing.assert_close(basis.directions[1][0], diff / diff.norm(), atol=1e-5, rtol=0)
     basis.save(tmp_path)
