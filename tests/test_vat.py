@@ -649,7 +649,9 @@ def test_els_intervention_from_energy_bank(tiny, builtin, tmp_path):
     bank = train_layers(acts, torch.tensor([i % 2 for i in range(16)]),
                         EnergyConfig.preset("small", widths=[16], epochs=2), fingerprint=tiny.fingerprint)
     bank.save(tmp_path / "bank")
-    iv = build_intervention("els", tiny, "Benevolence", energy_dir=tmp_path / "bank")
+    # an untuned bank's safe defaults hold these rows back (row energy decision): steer every row here
+    iv = build_intervention("els", tiny, "Benevolence", energy_dir=tmp_path / "bank",
+                            options={"row_threshold": "none", "horizon": "none"})
     assert isinstance(iv, EnergySteering) and iv.cacheable is False
     ref = _state(tiny.model)
     prompts = [judgment_prompt(it, Variant("acceptable"), LikertScale()) for it in builtin[:3]]
