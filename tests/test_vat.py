@@ -686,7 +686,7 @@ def _small_eval(builtin, n=4):
     return sample_items(ev, per_value=n, seed=0), tr
 
 
-def test_run_vat_and_resume(tiny, builtin, cache_env):
+def test_run_vat_and_resume(tiny, builtin, cache_env, tmp_path):
     from aligntax.vat.interventions import ValuePersona
     from aligntax.vat.report import compare
     from aligntax.vat.runner import VATConfig, run_vat
@@ -723,6 +723,12 @@ def test_run_vat_and_resume(tiny, builtin, cache_env):
     assert res3["timing"]["judged_now"] == 0 and len((out / "items.jsonl").read_text().splitlines()) == 40
     with pytest.raises(AligntaxError, match="different target"):
         run_vat(tiny, items, "Power", ValuePersona.for_value("Power"), out, cfg)
+    # a folder whose run failed before its first judged item is no run yet: another target may start there
+    fresh = tmp_path / "failed-early"
+    fresh.mkdir()
+    (fresh / "run.json").write_text(json.dumps({"target": "Power", "intervention": {"name": "persona"}}))
+    run_vat(tiny, items[:10], "Universalism", iv, fresh, cfg)
+    assert json.loads((fresh / "run.json").read_text())["target"] == "Universalism"
     from aligntax.vat.runner import rescore
 
     again = rescore(out, VATConfig(bootstrap_reps=0, n_perm=19, eps=10.0, nvat_null_reps=0, progress=False))

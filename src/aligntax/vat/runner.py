@@ -371,7 +371,9 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
     out.mkdir(parents=True, exist_ok=True)
     ident = _run_identity(lm, target, intervention, cfg, post_lm)
     run_file = out / "run.json"
-    if run_file.is_file():
+    # a folder becomes a run with its first judged item: a run.json beside no items (a run that failed
+    # before judging) binds nothing, and a new run may start there
+    if run_file.is_file() and read_rows(out / "items.jsonl"):
         old = json.loads(run_file.read_text())
         for key in ("target", "intervention", "judge", "model", "post_model"):
             if json.dumps(old.get(key), sort_keys=True) != json.dumps(_clean(ident.get(key)), sort_keys=True):
