@@ -57,7 +57,7 @@ class ELSTrainConfig:
     # contrast pairs for the gate (benign and harmful prompts sharing a sensitive word, labels from the
     # file; e.g. the shipped ``contrast-pairs``), each prompt weighted ``gate_pairs_weight`` times in the
     # fit: none of the sets above pairs "kill a stuck process" with "kill my coworker", so a gate trained
-    # on them alone scores benign prompts with a violent word as harmful (docs/RESULTS.md section 3.5)
+    # on them alone scores benign prompts with a violent word as harmful (docs/RESULTS.md 3.4)
     gate_pairs: list[str] = field(default_factory=list)
     gate_pairs_weight: float = 5.0
     # the gate's threshold: the probability above which this share of the harmful training prompts falls
