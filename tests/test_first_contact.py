@@ -126,8 +126,8 @@ def test_generate_out_naming_a_folder_fails_before_generating(no_load, tmp_path)
 
 
 def test_serve_port_out_of_range_fails_before_loading(no_load):
-    one_error(invoke("serve", "--port", "99999"), 2, "--port", "1 to 65535")
-    one_error(invoke("serve", "--port", "0"), 2, "--port")
+    one_error(invoke("serve", "--port", "99999"), 2, "--port", "0 (any free one) to 65535")
+    one_error(invoke("serve", "--port", "-1"), 2, "--port")
 
 
 @pytest.mark.parametrize("eta", ["-1", "nan", "0", "inf"])

@@ -104,8 +104,8 @@ def check_range(value: Any, check: str, flag: str) -> Any:
 
 
 def check_port(port: int | None, flag: str = "--port") -> None:
-    if port is not None and not 1 <= int(port) <= 65535:
-        raise UsageError(f"{flag} takes a TCP port from 1 to 65535, not {port}.")
+    if port is not None and not 0 <= int(port) <= 65535:  # 0: any free port (the OS chooses)
+        raise UsageError(f"{flag} takes a TCP port from 0 (any free one) to 65535, not {port}.")
 
 
 def check_out_folder(out: str | Path | None, flag: str = "--out") -> None:
