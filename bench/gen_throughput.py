@@ -142,19 +142,11 @@ def main(argv=None) -> dict:
     env = bl.environment(lm)
     env["torch_matmul_backend"] = torch.backends.mkldnn.is_available()
     result = {"rows": rows, "new_tokens": args.new_tokens, "dataset": args.dataset, "environment": env}
-    path, md = bl.out_paths(args.out, NAME)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    import json
-
-    path.write_text(json.dumps(result, indent=2))
-    lines = ["| setting | batch | tokens/s | GFLOP/s | matmul limit GFLOP/s | fraction | rows equal |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['setting']} | {r['batch']} | {r['tokens_per_s']} | {r.get('gflop_per_s', '')} | "
-                     f"{r.get('matmul_gflop_per_s', '')} | {r.get('fraction_of_limit', '')} | "
-                     f"{r.get('greedy_rows_equal', '')} |")
-    md.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    table = bl.md_table(["setting", "batch", "tokens/s", "GFLOP/s", "matmul limit GFLOP/s", "fraction", "rows equal"],
+                        [[r["setting"], r["batch"], str(r["tokens_per_s"]), str(r.get("gflop_per_s", "")),
+                          str(r.get("matmul_gflop_per_s", "")), str(r.get("fraction_of_limit", "")),
+                          str(r.get("greedy_rows_equal", ""))] for r in rows])
+    bl.write_outputs(args.out, NAME, result, table)
     return result
 
 

@@ -80,21 +80,19 @@ def main(argv=None) -> dict:
                 "tokens_saved": sum(max(0, rows[i].get("n_tokens", cap) - n) for i in idx),
                 "tokens_full": sum(rows[i].get("n_tokens", cap) for i in idx)}
         result["budgets"][n] = per
-    path, md = bl.out_paths(args.out, NAME)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    lines = [f"Answers of `{run}` ({cap} new tokens) cut to fewer tokens and re-judged; agreement of the "
-             "refusal verdicts, refusal rate at the cap and cut, generated tokens the budget saves.", "",
-             "| budget | set | n | at cap | agreement | refusal at cap | refusal cut | tokens saved |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    rows_md = []
     for n, per in result["budgets"].items():
         for key, r in per.items():
             flag = "" if r["agreement"] >= args.min_agreement else " (below)"
-            lines.append(f"| {n} | {key} | {r['n']} | {r['at_cap']} | {100 * r['agreement']:.1f}%{flag} | "
-                         f"{100 * r['refusal_full']:.1f}% | {100 * r['refusal_cut']:.1f}% | "
-                         f"{r['tokens_saved']} of {r['tokens_full']} |")
-    md.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            rows_md.append([str(n), key, str(r["n"]), str(r["at_cap"]), f"{100 * r['agreement']:.1f}%{flag}",
+                            f"{100 * r['refusal_full']:.1f}%", f"{100 * r['refusal_cut']:.1f}%",
+                            f"{r['tokens_saved']} of {r['tokens_full']}"])
+    table = bl.md_table(["budget", "set", "n", "at cap", "agreement", "refusal at cap", "refusal cut", "tokens saved"],
+                        rows_md, align="rlrrrrrr")
+    bl.write_outputs(args.out, NAME, result,
+                     f"Answers of `{run}` ({cap} new tokens) cut to fewer tokens and re-judged; agreement of the "
+                     "refusal verdicts, refusal rate at the cap and cut, generated tokens the budget saves.\n\n"
+                     + table)
     return result
 
 
