@@ -62,6 +62,29 @@ def _check_folder(path: Path) -> None:
                                 "(write one with `aligntax els distill`).")
 
 
+def lora_config_problems(cfg: dict) -> list[str]:
+    """The settings of a LoRA ``adapter_config.json`` that hooks adding ``s * B @ A`` to Linear outputs
+    cannot reproduce exactly (the peft type is checked by the caller)."""
+    problems = []
+    if cfg.get("use_dora"):
+        problems.append("use_dora (DoRA magnitude vectors)")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        problems.append("rank_pattern/alpha_pattern")
+    if cfg.get("fan_in_fan_out"):
+        problems.append("fan_in_fan_out (Conv1D layers)")
+    if cfg.get("bias", "none") not in (None, "none"):
+        problems.append(f"bias={cfg.get('bias')!r} (trained biases)")
+    if cfg.get("modules_to_save"):
+        problems.append(f"modules_to_save={cfg.get('modules_to_save')} (fully trained layers)")
+    return problems
+
+
+def lora_scale(cfg: dict) -> float:
+    """A LoRA adapter's scale: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    return alpha / r ** 0.5 if cfg.get("use_rslora") else alpha / r
+
+
 def read_lora_weights(path: str | Path, cfg: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """``{module name: (A [r, in], B [out, r], s)}`` of a peft LoRA folder (``s = alpha / r``, or
     ``alpha / sqrt(r)`` with rsLoRA), float32. Anything hooks cannot reproduce exactly (DoRA, rank or
@@ -72,18 +95,8 @@ def read_lora_weights(path: str | Path, cfg: dict) -> dict[str, tuple[torch.Tens
     problems = []
     if cfg.get("peft_type", "LORA") != "LORA":
         problems.append(f"peft_type {cfg.get('peft_type')!r}")
-    if cfg.get("use_dora"):
-        problems.append("use_dora")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        problems.append("rank_pattern/alpha_pattern")
-    if cfg.get("fan_in_fan_out"):
-        problems.append("fan_in_fan_out")
-    if cfg.get("bias", "none") not in (None, "none"):
-        problems.append(f"bias={cfg.get('bias')!r}")
-    if cfg.get("modules_to_save"):
-        problems.append("modules_to_save")
-    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    s = alpha / r ** 0.5 if cfg.get("use_rslora") else alpha / r
+    problems += lora_config_problems(cfg)
+    s = lora_scale(cfg)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(path / ADAPTER_WEIGHTS)).items():
         m = _LORA_KEY.match(key)

@@ -319,16 +319,9 @@ def _read_lora(path: Path, cfg: dict, lm=None) -> dict[str, tuple[torch.Tensor, 
     problems = []
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AligntaxError(f"{path}: only LoRA adapters are supported (got peft_type {cfg.get('peft_type')})")
-    if cfg.get("use_dora"):
-        problems.append("use_dora (DoRA magnitude vectors)")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        problems.append("rank_pattern/alpha_pattern")
-    if cfg.get("fan_in_fan_out"):
-        problems.append("fan_in_fan_out (Conv1D layers)")
-    if cfg.get("bias", "none") not in (None, "none"):
-        problems.append(f"bias={cfg.get('bias')!r} (trained biases)")
-    if cfg.get("modules_to_save"):
-        problems.append(f"modules_to_save={cfg.get('modules_to_save')} (fully trained layers)")
+    from aligntax.interventions.lora import lora_config_problems, lora_scale
+
+    problems += lora_config_problems(cfg)
     wfile = path / "adapter_model.safetensors"
     if wfile.is_file():
         state = load_file(str(wfile))
@@ -336,8 +329,7 @@ def _read_lora(path: Path, cfg: dict, lm=None) -> dict[str, tuple[torch.Tensor, 
         state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
     else:
         raise AligntaxError(f"{path} has no adapter_model.safetensors or adapter_model.bin")
-    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    scale = alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+    scale = lora_scale(cfg)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     unsupported = []
     for key, tensor in state.items():
