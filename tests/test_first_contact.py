@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -45,21 +46,21 @@ def data_file(tmp_path):
     return path
 
 
+def _marked(folder: Path, marker: str) -> Path:
+    """A folder holding only an intervention's marker file (its content is never read by the checks)."""
+    folder.mkdir()
+    (folder / marker).write_text("{}")
+    return folder
+
+
 @pytest.fixture()
 def bank_dir(tmp_path):
-    """A folder marked as an energy bank (its content is never read by the checks)."""
-    d = tmp_path / "bank"
-    d.mkdir()
-    (d / "energy.json").write_text("{}")
-    return d
+    return _marked(tmp_path / "bank", "energy.json")
 
 
 @pytest.fixture()
 def vectors_dir(tmp_path):
-    d = tmp_path / "vectors"
-    d.mkdir()
-    (d / "vectors.json").write_text("{}")
-    return d
+    return _marked(tmp_path / "vectors", "vectors.json")
 
 
 def invoke(*args, env=None):
