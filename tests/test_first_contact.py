@@ -113,6 +113,39 @@ def test_layers_beyond_the_model(no_load, model_dir, vectors_dir, bank_dir):
               "layer 7")
 
 
+def _tiny_gguf(path: Path, blocks: int) -> Path:
+    """A .gguf file whose metadata says ``blocks`` decoder blocks (one small tensor; not loadable)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "qwen2")
+    w.add_block_count(blocks)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_layers_beyond_a_gguf_or_hub_model(no_load, tmp_path, monkeypatch, vectors_dir):
+    """Layers are checked from a .gguf file's metadata and from a Hub model's config.json in the Hub
+    cache (laid out as huggingface_hub lays it out; nothing is downloaded), before any weight is read."""
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf", 4)
+    one_error(invoke("generate", "hi", "--model", gguf, "--intervention", "refusal-ablation",
+                     "--vectors", vectors_dir, "--layers", "2,4"), 2, "layer 4", "has 4 layers")
+    cache = tmp_path / "hub"
+    snap = cache / "models--someone--tiny-model" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 6}))
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    one_error(invoke("generate", "hi", "--model", "someone/tiny-model", "--intervention", "refusal-ablation",
+                     "--vectors", vectors_dir, "--layers", "9"), 2, "layer 9", "has 6 layers")
+
+
 def test_out_naming_an_existing_file(no_load, tmp_path, data_file):
     taken = tmp_path / "taken"
     taken.write_text("keep me")

@@ -47,7 +47,8 @@ def _cfg(model_dir: Path, out: Path, backend: str):
     return DemoConfig(out=str(out), model=str(model_dir), dtype="fp32", backend=backend,
                       test_sets=["orbench-hard-test", "jailbreakbench"], limit=6, judge="parity", max_new_tokens=6,
                       batch_size=8, limit_benign_train=24, limit_harmful_train=16, limit_gate_harmful=16,
-                      limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40, progress=False)
+                      limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40, progress=False,
+                      test_baselines=["system-prompt", "refusal-ablation", "cast"])
 
 
 def _answers(run: Path) -> dict:

@@ -168,10 +168,56 @@ def _config_layers(cfg: dict) -> int | None:
     return None
 
 
+def gguf_num_layers(path: str | Path) -> int | None:
+    """The decoder blocks of a .gguf file from its metadata (``{architecture}.block_count``); tensors are
+    memory-mapped, not read. None when the file does not say."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception:  # noqa: BLE001 - an unreadable file fails later with the loader's own message
+        return None
+
+    def value(key: str):
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    arch = value("general.architecture")
+    count = value(f"{arch}.block_count") if isinstance(arch, str) else None
+    return int(count) if isinstance(count, int) else None
+
+
+def _hub_config(repo: str) -> Path | None:
+    """A Hub model's config.json: from the cache, else downloaded alone (a few kB; the weights are not).
+    Offline (``HF_HUB_OFFLINE``) and not cached: None, and the loader says so. A Hub that cannot be
+    reached raises the loader's one-line error here, before anything else is done."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo, "config.json")
+    except Exception:  # noqa: BLE001 - no cache
+        found = None
+    if isinstance(found, str):
+        return Path(found)
+    from aligntax.models.loader import _offline
+
+    if _offline():
+        return None
+    try:
+        return Path(hf_hub_download(repo, "config.json"))
+    except Exception as exc:  # noqa: BLE001 - reported as the loader reports it
+        from aligntax.errors import ModelSpecError
+
+        raise ModelSpecError(f"Could not load Hub model '{repo}': its config.json could not be read "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}). Use an embedded model "
+                             f"or a local path, or check the id and the network.") from exc
+
+
 def model_num_layers(spec: str | None) -> int | None:
-    """The number of decoder blocks of model ``spec`` from its ``config.json``, without loading weights:
-    a model folder's, the embedded model's cached one, or a Hub model's cached one; None when no config
-    is at hand (a Hub model not downloaded yet, a .gguf file). A bad spec raises its usage error."""
+    """The number of decoder blocks of model ``spec`` without loading weights: from the ``config.json``
+    of a model folder, of the embedded model (cached), of a Hub model (cached, else that file alone is
+    downloaded), or from a .gguf file's metadata. None when no config is at hand (offline, not cached).
+    A bad spec raises its usage error."""
     from aligntax.models.embedded import converted_dir
     from aligntax.models.spec import DEFAULT_MODEL, parse_spec
 
@@ -181,14 +227,10 @@ def model_num_layers(spec: str | None) -> int | None:
         path = converted_dir(ms.value) / "config.json"
     elif ms.kind == "dir":
         path = Path(ms.value) / "config.json"
+    elif ms.kind == "gguf":
+        return gguf_num_layers(ms.value)
     elif ms.kind == "hub":
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            found = try_to_load_from_cache(ms.value, "config.json")
-            path = Path(found) if isinstance(found, str) else None
-        except Exception:  # noqa: BLE001 - no cache, no check
-            path = None
+        path = _hub_config(ms.value)
     if path is None or not path.is_file():
         return None
     try:
