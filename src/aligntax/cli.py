@@ -712,12 +712,14 @@ def els_distill(
     dtype: str | None = typer.Option(None), seed: int | None = typer.Option(None),
     els_set: list[str] | None = typer.Option(None, "--els-set", help="KEY=VALUE of the ELS setting distilled, "
                                                                    "over the folder's tuned one (e.g. eta=0.3)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Distil the folder's ELS steering into a LoRA adapter (intervention els-lora): teacher-forced MSE on the
     state leaving the last steered block, ELS-steered on benign prompts, unsteered on harmful ones."""
     from aligntax.config import load_config
     from aligntax.runs.els_lora import DistillConfig, distill_els_lora
 
+    check_intervention("els", {"path": str(steer)})
     try:
         from aligntax.interventions.options import spec_of
         from aligntax.interventions.registry import ElsOptions
@@ -734,7 +736,8 @@ def els_distill(
                           layers=[int(x) for x in layers.split(",")] if layers else None, before=before, rank=rank,
                           alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size, limit_benign=limit_benign,
                           limit_harmful=limit_harmful, preserve_weight=preserve_weight, pairs=_split_list(pairs),
-                          answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None)
+                          answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None,
+                          progress=progress)
         meta = distill_els_lora(cfg)
     except AligntaxError as exc:
         _fail(exc)
@@ -750,13 +753,16 @@ def els_harm_basis(
                                                "first (default contrast-pairs; 'none': per-prompt differences)"),
     k: int | None = typer.Option(None, help="directions saved per layer (default 8)"),
     batch_size: int | None = typer.Option(None),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Compute the harm basis (harm_basis.safetensors) of a folder trained before it was part of training:
     what ELS steps are projected off with --harm-orth K."""
     from aligntax.runs.els import harm_basis_for_folder
 
+    check_intervention("els", {"path": str(steer)})
     try:
-        basis = harm_basis_for_folder(steer, pairs=_split_list(pairs), k=k, batch_size=batch_size)
+        basis = harm_basis_for_folder(steer, pairs=_split_list(pairs), k=k, batch_size=batch_size,
+                                      progress=progress)
     except AligntaxError as exc:
         _fail(exc)
     console.print(f"harm basis: {len(basis.directions)} layers x {basis.k_max} directions in {steer}")
@@ -776,18 +782,21 @@ def els_row_strength(
     floor: float | None = typer.Option(None, help="strengths below this are 0: the row is held back (default 0.1)"),
     judge_name: str | None = typer.Option(None, "--judge"), batch_size: int | None = typer.Option(None),
     dtype: str | None = typer.Option(None),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Fit the learned per-row ELS strength (row_strength.safetensors) to the outcome of steering the
     folder's over-refused benign and harmful training prompts; used with --row-strength on."""
     from aligntax.config import load_config
     from aligntax.runs.strength import StrengthConfig, fit_strength
 
+    check_intervention("els", {"path": str(steer), "layers": [int(x) for x in layers.split(",")] if layers else None},
+                       model)
     try:
         cfg = load_config(StrengthConfig, None, steer=str(steer), model=model,
                           layers=[int(x) for x in layers.split(",")] if layers else None, eta=eta, steps=steps,
                           horizon=horizon, harm_orth=harm_orth, limit_benign=limit_benign,
                           limit_harmful=limit_harmful, max_new_tokens=max_new_tokens, flip_weight=flip_weight,
-                          floor=floor, judge=judge_name, batch_size=batch_size, dtype=dtype)
+                          floor=floor, judge=judge_name, batch_size=batch_size, dtype=dtype, progress=progress)
         res = fit_strength(cfg)
     except AligntaxError as exc:
         _fail(exc)
