@@ -887,11 +887,14 @@ def demo(
     batch_size: int = typer.Option(96, help="prompts per batch (vLLM: the engine's sequence slots)"),
     backend: str = typer.Option("hf", help="hf, or vllm: every generation of the evaluations, sweep and "
                                            "known-answer check on one vLLM engine (./run setup-vllm)"),
+    mechanisms: str | None = typer.Option(None, help="front mechanisms in the validation sweep beside ELS, "
+                                                     "comma-separated: harm-orth, row-strength, els-lora (default "
+                                                     "harm-orth; with --full all three); 'none': plain ELS"),
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
     from aligntax.backends import check_backend
-    from aligntax.runs.demo import demo_config, run_demo
+    from aligntax.runs.demo import MECHANISMS, demo_config, run_demo
 
     out = out or Path(("runs/demo" if backend == "hf" else f"runs/demo-{backend}") + ("-full" if full else ""))
     try:
@@ -900,8 +903,15 @@ def demo(
         check_judge(judge_name)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
+        picked = None if mechanisms is None else [m.strip() for m in mechanisms.split(",")
+                                                   if m.strip() and m.strip() != "none"]
+        unknown = sorted(set(picked or []) - set(MECHANISMS))
+        if unknown:
+            raise UsageError(f"--mechanisms: unknown {', '.join(unknown)}; choose from {', '.join(MECHANISMS)} "
+                             f"or 'none'.")
         cfg = demo_config(full, out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
-                          judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend, progress=progress)
+                          judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend, progress=progress,
+                          mechanisms=picked)
     except AligntaxError as exc:
         _fail(exc)
     run_demo(cfg)
