@@ -766,7 +766,7 @@ def test_cli(tiny, cache_env, monkeypatch):
     from typer.testing import CliRunner
 
     import aligntax.models
-    from aligntax.vat.cli import app
+    from aligntax.cli.vat import app
 
     runner = CliRunner()
     r = runner.invoke(app, ["values"])

@@ -340,7 +340,7 @@ def test_matrix_tests_on_synthetic_matrices():
 def test_matrix_of_oracle_runs(tiny, split, cache_env):
     from typer.testing import CliRunner
 
-    from aligntax.vat.cli import app
+    from aligntax.cli.vat import app
     from aligntax.vat.interventions import build_intervention
     from aligntax.vat.matrix import run_matrix
 
@@ -370,7 +370,7 @@ def test_cli_oracle_adapter_and_control(tiny, split, cache_env, monkeypatch):
     from typer.testing import CliRunner
 
     import aligntax.models
-    from aligntax.vat.cli import app
+    from aligntax.cli.vat import app
 
     monkeypatch.setattr(aligntax.models, "load_model", lambda spec, dtype="bf16": tiny)
     runner = CliRunner()

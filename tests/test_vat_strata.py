@@ -277,7 +277,7 @@ def test_paired_compare_checks(tmp_path):
 def test_compare_cli_writes_paired(tmp_path):
     from typer.testing import CliRunner
 
-    from aligntax.vat.cli import app
+    from aligntax.cli.vat import app
 
     a = _run_dir(tmp_path / "a", _shift_rows({}, seed=1))
     b = _run_dir(tmp_path / "b", _shift_rows({"Power": 0.5}, seed=2))
@@ -398,7 +398,7 @@ def test_strata_matrices_from_runs(tmp_path):
 def test_sample_by_auto_and_sweep_cli_errors(tmp_path):
     from typer.testing import CliRunner
 
-    from aligntax.vat.cli import _sample_by, app
+    from aligntax.cli.vat import _sample_by, app
 
     assert _sample_by("auto", "value-action-lens") == "scene" and _sample_by("auto", "builtin") == "item"
     f = tmp_path / "s.yaml"

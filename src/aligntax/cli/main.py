@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from aligntax import __version__
-from aligntax.clitools import (
+from aligntax.cli.options import (
     AligntaxGroup,
     InterventionOpt,
     check_datasets,
@@ -28,7 +28,7 @@ from aligntax.clitools import (
     set_debug,
     steering_options,
 )
-from aligntax.clitools import fail as _fail
+from aligntax.cli.options import fail as _fail
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 from aligntax.errors import AligntaxError, UsageError
 from aligntax.interventions.options import parse_value
@@ -918,29 +918,21 @@ def demo(
     Console().print((out / "report.md").read_text())
 
 
-def _mount_optional() -> None:
-    """Sub-apps of later pipeline stages, mounted when their modules are present."""
-    try:
-        from aligntax.vat.cli import app as vat_app
+def _mount_faces() -> None:
+    """The sub-commands whose faces live in their own modules of this package: ``vat``, ``serve``,
+    ``lm-eval`` (lm-eval itself is imported when the command runs), ``bundle`` and ``export``."""
+    from aligntax.cli.bundles import mount as mount_bundles
+    from aligntax.cli.lmeval import lm_eval_command
+    from aligntax.cli.serve import serve_command
+    from aligntax.cli.vat import app as vat_app
 
-        app.add_typer(vat_app, name="vat")
-    except ImportError:
-        pass
-    try:
-        from aligntax.serve.cli import serve_command
-
-        app.command("serve")(serve_command)
-    except ImportError:
-        pass
-    from aligntax.lmeval.cli import lm_eval_command  # lm-eval itself is imported when the command runs
-
+    app.add_typer(vat_app, name="vat")
+    app.command("serve")(serve_command)
     app.command("lm-eval")(lm_eval_command)
-    from aligntax.bundles.cli import mount as mount_bundles  # aligntax bundle save|push|pull, aligntax export
-
     mount_bundles(app)
 
 
-_mount_optional()
+_mount_faces()
 
 if __name__ == "__main__":
     app()

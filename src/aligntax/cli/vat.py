@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from aligntax.clitools import fail
+from aligntax.cli.options import fail
 from aligntax.errors import AligntaxError
 from aligntax.models.spec import DEFAULT_MODEL
 
@@ -98,7 +98,7 @@ def run(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Judge the items before and after an intervention and write items.jsonl, results.json, report.md."""
-    from aligntax.clitools import check_intervention, check_out_folder, deprecated
+    from aligntax.cli.options import check_intervention, check_out_folder, deprecated
     from aligntax.models import load_model
     from aligntax.vat.interventions import build_intervention
     from aligntax.vat.items import load_items, sample_items, split_items
