@@ -51,8 +51,8 @@ def _json(path: Path) -> dict:
 
 def evaluate(label: str, name: str, args: dict, demo: Path, out: Path, batch_size: int, lm) -> tuple[Path, Path]:
     """The point's test-set run and known-answer run (generated here, or resumed)."""
-    from aligntax.metrics.knowns import KnownsConfig, run_knowns
     from aligntax.runs.eval import EvalConfig, run_eval
+    from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     base = _json(demo / "baseline" / "config.json")
     run, kn = out / slug(label), out / f"{slug(label)}-knowns"

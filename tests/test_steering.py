@@ -707,8 +707,9 @@ def test_knowns_reuses_unsteered_answers_for_held_questions(lm, tmp_path):
     same samples as generating every question, fewer generated."""
     import json
 
-    from aligntax.metrics.knowns import KnownsConfig, load_known_answers, run_knowns
+    from aligntax.metrics.knowns import load_known_answers
     from aligntax.runs.jsonl import read_jsonl
+    from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     gate, held = _split_gate(lm)
     items = load_known_answers(split="all", limit=len(PROMPTS))

@@ -522,7 +522,8 @@ def mc_cmd(
     progress: ProgressOpt = True,
 ) -> None:
     """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
-    from aligntax.metrics.mc import MCConfig, format_accuracy, run_mc
+    from aligntax.metrics.mc import format_accuracy
+    from aligntax.runs.mc import MCConfig, run_mc
 
     try:
         check_out_folder(out)
@@ -560,8 +561,8 @@ def knowns_cmd(
     progress: ProgressOpt = True,
 ) -> None:
     """Known-answer accuracy of greedy answers to everyday questions, with or without an intervention."""
-    from aligntax.metrics.knowns import KnownsConfig, run_knowns
     from aligntax.metrics.mc import format_accuracy
+    from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     try:
         check_out_folder(out)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from aligntax.activations.compat import check_fingerprint
+from aligntax.artefacts import check_fingerprint
 from aligntax.errors import AligntaxError, CompatibilityError
 from aligntax.hooks import hooks_attached
 from aligntax.interventions.base import Intervention, SteerContext

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from aligntax.activations.compat import TensorArtefact
+from aligntax.artefacts import TensorArtefact
 from aligntax.errors import AligntaxError, DataError
 from aligntax.interventions.base import Intervention
 from aligntax.interventions.kernels import RowKernel, Site, check_positions

@@ -292,7 +292,7 @@ def _mechanism_settings(cfg: DemoConfig) -> list[dict]:
 
 def _knowns(cfg: DemoConfig, out: Path, lm, name: str, args: dict) -> dict:
     """Known-answer accuracy (test split) unsteered and with the selected setting, paired."""
-    from aligntax.metrics.knowns import KnownsConfig, run_knowns
+    from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     common = dict(model=cfg.model, data=cfg.knowns, split="test", limit=cfg.limit, max_new_tokens=cfg.max_new_tokens,
                   batch_size=cfg.batch_size, dtype=cfg.dtype, progress=cfg.progress, backend=cfg.backend)

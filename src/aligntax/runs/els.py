@@ -525,7 +525,7 @@ def _shown_args(name: str, args: dict) -> dict:
 
 
 def _score_first_token(lm, iv, benign, harmful, batch_size) -> dict:
-    from aligntax.judges import first_token_refusal_score
+    from aligntax.generation import first_token_refusal_score
 
     sb = first_token_refusal_score(lm, [it.prompt for it in benign], intervention=iv, batch_size=batch_size)
     sh = first_token_refusal_score(lm, [it.prompt for it in harmful], intervention=iv, batch_size=batch_size)
