@@ -21,6 +21,7 @@ from aligntax.errors import AligntaxError
 from aligntax.interventions.options import (
     METHODS,
     cli_options,
+    grid_fields,
     grid_values,
     intervention_args,
     option,
@@ -31,11 +32,11 @@ from aligntax.interventions.options import (
 if TYPE_CHECKING:  # the builders import what they build: reading the options stays free of torch
     from aligntax.interventions.base import Intervention
 
-# cli_options, grid_values and intervention_args are re-exported: importing them from here guarantees
+# cli_options, grid_fields, grid_values and intervention_args are re-exported: importing them from here guarantees
 # that every method above is registered first.
 __all__ = ["INTERVENTIONS", "CastOptions", "ElsLoraOptions", "ElsOptions", "NoOptions", "PromptOptions",
            "VectorOptions",
-           "cli_options", "describe", "grid_values", "intervention_args", "make_intervention"]
+           "cli_options", "describe", "grid_fields", "grid_values", "intervention_args", "make_intervention"]
 
 
 # ---- options, one dataclass per kind of method ----------------------------------------------------------
@@ -54,16 +55,17 @@ class ElsOptions:
     path: str | None = option("energy model folder (implies --intervention els; an `aligntax els distill` "
                               "folder implies els-lora)", flag="--steer")
     eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", check="positive",
-                               grid=True, request=True)
-    steps: int | None = option("ELS descent steps", parse="int", check="count", grid=True, request=True)
+                               grid=True, grid_default=(0.2, 0.3, 0.5), request=True)
+    steps: int | None = option("ELS descent steps", parse="int", check="count", grid=True, grid_default=(3,),
+                               request=True)
     layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
-                                      grid=True, request=True)
+                                      grid=True, grid_default=(), request=True)
     top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", check="positive_count",
-                                grid=True, request=True)
+                                grid=True, grid_default=(1, 2), request=True)
     threshold: float | str | None = option(
         "ELS: move a position only while its energy is above this ('none': off, even if tuned)",
         flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", check="finite", grid=True,
-        request=True)
+        grid_default=(None, 0.0), request=True)
     gate: float | bool | str | None = option(
         "ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
         "threshold; 'none': off, even if tuned)", parse="gate", check="probability", grid=True, request=True)
@@ -77,7 +79,7 @@ class ElsOptions:
         parse="float_or_none", check="probability", grid=True, request=True)
     harm_orth: int | str | None = option(
         "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
-        parse="int_or_none", check="count", grid=True)
+        parse="int_or_none", check="count", grid=True, off=0)
     row_strength: bool | str | None = option(
         "ELS: the folder's learned per-row strength instead of the gate's and the row energy's cut-offs "
         "('on' or 'off')", parse="switch", grid=True)
