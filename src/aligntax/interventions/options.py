@@ -22,7 +22,7 @@ from typing import Any
 from aligntax.errors import AligntaxError
 
 __all__ = ["CHECKS", "METHODS", "PATH_KEYS", "Method", "OptionSpec", "check_value", "cli_options", "grid_fields",
-           "option", "options_of", "parse_value", "register", "split_path"]
+           "need_path", "option", "options_of", "parse_value", "register", "split_path"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,13 @@ def split_path(options: dict[str, Any], name: str) -> tuple[Any, dict[str, Any]]
         raise AligntaxError(f"Intervention '{name}': give the folder once (path= or {given[1]}=).")
     rest = {k: v for k, v in options.items() if k not in PATH_KEYS and v is not None}
     return (options[given[0]] if given else None), rest
+
+
+def need_path(name: str, path: Any) -> str:
+    """The folder option of intervention ``name``, which loads a saved artefact from it: refused when missing."""
+    if not path:
+        raise AligntaxError(f"Intervention '{name}' needs dir= (the folder of its saved artefact).")
+    return path
 
 
 @dataclass(frozen=True)

@@ -399,7 +399,7 @@ def _write_train_report(out: Path, bank, summary: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ sweep
 _GRID = grid_fields("els")
-# The sweep's grid axes: one field per ELS option declared ``grid=True`` (aligntax.interventions.registry),
+# The sweep's grid axes: one field per ELS option declared ``grid=True`` (ElsOptions, interventions/els.py),
 # a list of its values, by default the option's ``grid_default``; ``layers`` holds explicit layer sets.
 _SweepGrid = make_dataclass("_SweepGrid", [
     (f.name, list[spec_of(f).value_type], field(default_factory=functools.partial(list, spec_of(f).grid_default)))
