@@ -861,6 +861,8 @@ def test_vat_run_cast_with_vectors_through_the_cli(tiny, cache_env, monkeypatch)
     assert r.exit_code == 2 and "--eta is an option of els" in r.output
     r = runner.invoke(cli_app, ["vat", "run", "--target", "Power", "--intervention", "persona", "--strength", "2"])
     assert r.exit_code == 2 and "--strength is an option of steer" in r.output
+    r = runner.invoke(cli_app, ["vat", "matrix", "--out", str(cache_env / "m"), "-i", "cast", "--coeff", "2"])
+    assert r.exit_code == 2 and "needs --vectors DIR" in r.output
 
 
 def test_vat_methods_are_registered_with_typed_options(builtin):

@@ -246,10 +246,12 @@ def rescore_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
 
 
 @app.command("matrix")
+@steering_options(methods=REGISTRY)
 def matrix_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="folder: one run per target in OUT/<code>/, matrix.json/md"),
     runs: list[Path] = typer.Option([], "--from", help="build the matrix from ten finished runs instead"),
     intervention: str = typer.Option("fewshot-8", "--intervention", "-i", help="as for `vat run`"),
+    iv_args: dict | None = None,
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
     post_model: str | None = typer.Option(None, help="judge 'post' with this model"),
     data: str = typer.Option("builtin", "--data", "-d"),
@@ -261,10 +263,6 @@ def matrix_cmd(
     dtype: str = typer.Option("bf16"),
     batch_size: int = typer.Option(16),
     train_fraction: float = typer.Option(0.2),
-    strength: float = typer.Option(4.0),
-    steps: int | None = typer.Option(None),
-    oracle_gain: float = typer.Option(0.5),
-    oracle_bias: float | None = typer.Option(None),
     bootstrap: int = typer.Option(500),
     permutations: int = typer.Option(999, help="Mantel permutations of each run"),
     matrix_permutations: int = typer.Option(9999, help="permutations of the matrix tests"),
@@ -273,7 +271,8 @@ def matrix_cmd(
     no_cache: bool = typer.Option(False),
 ) -> None:
     """The intervention aimed at each of the ten values: the 10 x 10 shift matrix, double-centred, with a
-    permutation test of its diagonal and a Mantel test against distance on the Schwartz circle."""
+    permutation test of its diagonal and a Mantel test against distance on the Schwartz circle. The
+    intervention's options are those of `vat run`."""
     from aligntax.vat.matrix import matrix_from_runs, run_matrix, write_matrix
 
     try:
@@ -300,9 +299,8 @@ def matrix_cmd(
                                               "limit_per_value": limit_per_value, "scenes": scenes,
                                               "sample_by": by, "strata": strata})
             res = run_matrix(lm, eval_items, lambda t: build_intervention(
-                intervention, lm, t, train_items, jcfg, strength=strength, steps=steps, seed=seed,
-                exclude_ids=ids, adapter_dir=out / "adapters" / t.lower(), oracle_gain=oracle_gain,
-                oracle_bias=oracle_bias), out, cfg, post_lm=post_lm, n_perm=matrix_permutations)
+                intervention, lm, t, train_items, jcfg, seed=seed, exclude_ids=ids, options=iv_args,
+                adapter_dir=out / "adapters" / t.lower()), out, cfg, post_lm=post_lm, n_perm=matrix_permutations)
     except AligntaxError as exc:
         _fail(exc)
         return
