@@ -889,7 +889,7 @@ def test_vat_methods_are_registered_with_typed_options(builtin):
             "uniform"} == set(VAT_METHODS)
     assert not set(VAT_METHODS) & set(METHODS) and set(REGISTRY) == set(VAT_METHODS) | set(METHODS)
     assert REGISTRY["none"] is METHODS["none"] and REGISTRY["els"] is METHODS["els"]
-    assert REGISTRY["cast"] is METHODS["cast"] and REGISTRY.is_value_targeted("fewshot-4")
+    assert REGISTRY["cast"] is METHODS["cast"] and REGISTRY.resolve("fewshot-4")[0] is VAT_METHODS["fewshot"]
     with pytest.raises(AligntaxError, match="intervention registry"):
         register_vat("cast", SteerOptions, "a second cast")
     with pytest.raises(AligntaxError, match="registered twice"):

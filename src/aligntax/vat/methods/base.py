@@ -60,7 +60,8 @@ _FEWSHOT = re.compile(r"^(?P<base>(?:persona-)?fewshot)-(?P<k>\d+)$")
 class VatRegistry(Mapping[str, Method]):
     """Every method ``vat run`` takes, by name: the value-targeted methods, then the intervention
     registry's. ``fewshot-K`` and ``persona-fewshot-K`` name ``fewshot`` / ``persona-fewshot`` (with
-    ``k`` = K, :meth:`resolve`), ``sft`` names ``lora``. Iterating gives each registered method once."""
+    ``k`` = K, :meth:`resolve`, which refuses the bare names), ``sft`` names ``lora``. Iterating gives
+    each registered method once, under its registered name."""
 
     def resolve(self, name: str) -> tuple[Method, dict]:
         """The method ``name`` stands for and the options the name carries (``fewshot-8``: ``k=8``);
@@ -74,9 +75,6 @@ class VatRegistry(Mapping[str, Method]):
         if key in METHODS:
             return METHODS[key], {}
         return VAT_METHODS[key], {}
-
-    def is_value_targeted(self, name: str) -> bool:
-        return self.resolve(name)[0].name in VAT_METHODS
 
     def __getitem__(self, name: str) -> Method:
         if name in VAT_METHODS:
