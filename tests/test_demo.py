@@ -162,8 +162,11 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
     first = [r for r in rows if json.loads(r["key"])["data"].get("part") == "1/3"]
     second = [r for r in rows if "part" not in json.loads(r["key"])["data"]]
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]
-    n_settings = 1 + 2 * len(ranked[:3]) + 1  # unsteered, the best layers x 2 row cut-offs, the paper-style one
+    # unsteered, the best layers x 2 row cut-offs, the paper-style one, and harm-orthogonal descent on the
+    # best layer (the quick profile's front mechanism)
+    n_settings = 1 + 2 * len(ranked[:3]) + 1 + 1
     assert len(first) == n_settings and len(second) == 1 + 2
+    assert [r["args"]["harm_orth"] for r in first if "harm_orth" in r["args"]] == [2]
     # a third of each validation set (rounded up), known answers too
     full_none = next(r for r in second if r["name"] == "none")
     part_none = next(r for r in first if r["name"] == "none")

@@ -179,7 +179,7 @@ def test_report_has_strata_table(tmp_path):
 
 
 def test_fewshot_and_oracle_ignore_incongruent_and_neutral(builtin, tiny, cache_env):
-    from aligntax.vat.interventions import OracleBias, build_fewshot
+    from aligntax.vat.methods import OracleBias, build_fewshot
 
     ev, tr = split_items(builtin, 0.2, seed=0)
     for t in VALUES:
@@ -357,8 +357,8 @@ def _val_csv(path: Path) -> Path:
 
 
 def test_matrix_on_value_action_lens_layout(tiny, cache_env, tmp_path):
-    from aligntax.vat.interventions import OracleBias
     from aligntax.vat.matrix import run_matrix
+    from aligntax.vat.methods import OracleBias
 
     items = load_items(_val_csv(tmp_path / "val.csv"))
     assert {it.source for it in items} == {"value-action-lens"} and len({it.group for it in items}) == 12

@@ -107,6 +107,12 @@ class Intervention:
     # True when the hooks neither read nor change any prompt position before the last prompt token,
     # so a prefix every prompt of a batch shares may be computed once, without them.
     prefix_free: bool = False
+    # True when config() pins down everything this intervention does (a prompt's text, an adapter's
+    # digest), so results computed with it may be cached under its config, e.g. the value alignment
+    # tax's judgment cache. False when config() names something whose content can change under the
+    # same config (a folder read when it was built, which may be retrained in place): such results
+    # are recomputed every time.
+    cacheable: bool = True
 
     def prepare_messages(self, messages: list[dict]) -> list[dict]:
         return messages

@@ -123,6 +123,7 @@ class EnergySteering(Intervention):
     """ELS on a set of layers, each with its own energy model."""
 
     name = "els"
+    cacheable = False  # config() names the bank's folder, not its content
 
     def __init__(self, models: dict[int, EnergyModel], eta: float = 0.3, steps: int = 3,
                  positions: str = "last_and_generated", scale_by_norm: bool = True,

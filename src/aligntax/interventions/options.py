@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,8 +159,8 @@ METHODS: dict[str, Method] = {}
 
 def register(name: str, options: type, help: str, registry: dict[str, Method] | None = None) -> Callable:
     """Decorator: register ``build(lm, options) -> Intervention`` as intervention ``name`` in ``registry``
-    (default :data:`METHODS`, the steering methods; the value alignment tax keeps its value-targeted
-    methods, built from a context instead of a model, in a registry of its own)."""
+    (default :data:`METHODS`, the steering methods; the value alignment tax layers its value-targeted
+    methods, built from a context instead of a model, on them: :mod:`aligntax.vat.methods`)."""
     if not dataclasses.is_dataclass(options):
         raise TypeError(f"{options!r} is not a dataclass")
     table = METHODS if registry is None else registry
@@ -260,10 +260,11 @@ class CliOption:
         return "iv_" + self.flag.lstrip("-").replace("-", "_")
 
 
-def cli_options() -> list[CliOption]:
-    """Every command-line option of the registered methods, one per flag, in declaration order."""
+def cli_options(methods: Mapping[str, Method] | None = None) -> list[CliOption]:
+    """Every command-line option of the registered methods (of ``methods``, default :data:`METHODS`),
+    one per flag, in declaration order."""
     out: dict[str, CliOption] = {}
-    for method in METHODS.values():
+    for method in (METHODS if methods is None else methods).values():
         for f in dataclasses.fields(method.options):
             spec = spec_of(f)
             if not spec.cli:
@@ -281,15 +282,18 @@ def cli_options() -> list[CliOption]:
     return list(out.values())
 
 
-def intervention_args(name: str | None, given: dict[str, Any]) -> dict:
-    """``intervention_args`` from command-line values ``{param: text or value}`` (None: not given):
-    each read as its option says; an option the chosen method does not take is refused."""
+def intervention_args(name: str | None, given: dict[str, Any], methods: Mapping[str, Method] | None = None) -> dict:
+    """``intervention_args`` from command-line values ``{param: text or value}`` (None: not given) of the
+    options of ``methods`` (default :data:`METHODS`): each read as its option says; an option the
+    chosen method does not take is refused."""
+    table = METHODS if methods is None else methods
+    method = table.get(name) if name else None
     args: dict = {}
-    for opt in cli_options():
+    for opt in cli_options(methods):
         value = given.get(opt.param)
         if value is None:
             continue
-        if name and name in METHODS and name not in opt.methods:
+        if method is not None and method.name not in opt.methods:
             raise AligntaxError(f"{opt.flag} is an option of {', '.join(opt.methods)}, not of '{name}'.")
         args[opt.name] = check_value(parse_value(value, opt.parse, opt.flag), opt.check, opt.flag)
     return args

@@ -134,6 +134,8 @@ class _VectorIntervention(Intervention):
     """What the vector interventions share: a coefficient, the steered positions (where they have
     them), an optional name over the class's own, and a per-device cache of their vectors."""
 
+    cacheable = False  # config() gives the vectors' layers and norms, not the vectors
+
     def __init__(self, coeff: float, name: str | None, positions: str | None = None):
         self.coeff = float(coeff)
         if positions is not None:
