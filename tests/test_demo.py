@@ -17,7 +17,7 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
     cfg = demo_config(True, out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
                       judge="parity", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
                       limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40,
-                      progress=False)
+                      progress=False, mechanisms=["harm-orth", "row-strength", "els-lora"])
     assert cfg.full and cfg.sweep_halving is None and len(cfg.test_baselines) == 3
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"

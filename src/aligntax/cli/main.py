@@ -890,7 +890,7 @@ def demo(
                                            "known-answer check on one vLLM engine (./run setup-vllm)"),
     mechanisms: str | None = typer.Option(None, help="front mechanisms in the validation sweep beside ELS, "
                                                      "comma-separated: harm-orth, row-strength, els-lora (default "
-                                                     "harm-orth; with --full all three); 'none': plain ELS"),
+                                                     "harm-orth; with --full also row-strength); 'none': plain ELS"),
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""

@@ -73,8 +73,9 @@ class DemoConfig:
     # basis that ELS training computes; no extra stage); "row-strength": the learned per-row strength in
     # place of the gate's and row energy's cut-offs, fitted first on training prompts; "els-lora": ELS
     # distilled into a LoRA adapter, at scales 0.5 and 1. The last two are a stage of their own
-    # ("front mechanisms"). The sweep's rules select among all of them; the adapter is chosen when it is
-    # eligible and complies more on validation than the best ELS setting.
+    # ("front mechanisms"); --full adds row-strength, els-lora is asked for by name (its distillation
+    # trains for longer than the rest of the demo on a CPU). The sweep's rules select among all of them;
+    # the adapter is chosen when it is eligible and complies more on validation than the best ELS setting.
     mechanisms: list[str] = field(default_factory=lambda: ["harm-orth"])
     progress: bool = True
     # "hf" (aligntax's own batched loop) or "vllm": every generation of the evaluations, the sweep and
@@ -87,7 +88,7 @@ class DemoConfig:
 # every sweep setting on every validation prompt, and every baseline on the test sets.
 FULL_PROFILE = {"limit_benign_train": 600, "limit_gate_harmful": 600, "limit_gate_benign": None,
                 "sweep_halving": None, "test_baselines": ["system-prompt", "refusal-ablation", "cast"],
-                "mechanisms": ["harm-orth", "row-strength", "els-lora"]}
+                "mechanisms": ["harm-orth", "row-strength"]}
 MECHANISMS = ("harm-orth", "row-strength", "els-lora")
 # the ELS setting the demo's grid is built around (and that els-lora distils): the best energy layer, three
 # steps of eta 0.35, the harm gate at its saved threshold, the row energy decision at -2, 16 tokens
@@ -358,7 +359,10 @@ STAGE_MINUTES = {
     "full": {"model load": 0.05, "baseline evaluation": 1.57,
              "ELS training (labels, activations, energy models, vectors, harm gate)": 5.39,
              "validation sweep": 5.77, "steered evaluation": 0.47, "known-answer check": 0.42,
-             "baselines on the test sets": 5.73},
+             "baselines on the test sets": 5.73,
+             # the row-strength fit on 300 training prompts at 32 new tokens (docs/RESULTS.md 3.5: 2.5 min
+             # of steered generation, then the fit)
+             "front mechanisms": 2.7},
 }
 CALIBRATION_SECONDS = 0.225
 
