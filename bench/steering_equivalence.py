@@ -51,7 +51,8 @@ def record(repo: Path, out: Path) -> None:
         mu, sc = h.mean(0), h.std(0)
         s = (((h - mu) / sc) * w).sum(-1).mean(-1).sort().values
         gate = HarmGate([1], w, torch.full((1,), -float(s[1] + s[2]) / 2), mu, sc, fingerprint=lm.fingerprint)
-        rthr = float(els().row_energy(states[1]).median())
+        with torch.no_grad():  # the row energy: the first steered block's energy at the last prompt token
+            rthr = float(els().models[1](states[1].float(), check=False).median())
         vec = Path(tempfile.mkdtemp())
         save_tiny_vectors(lm, vec)
         cases = {

@@ -152,14 +152,18 @@ class RefusalOrthogonalELS(EnergySteering):
         super().__init__(*args, **kwargs)
         self.refusal = {layer: r / r.norm() for layer, r in refusal.items()}
 
-    def steer(self, layer, x, row_scale, acc=None):
-        self._layer = layer
-        return super().steer(layer, x, row_scale, acc)
+    def kernel(self, n_layers, hidden_size=None):
+        kernel = super().kernel(n_layers, hidden_size)
+        if "energy_and_grad" not in vars(kernel):  # the kernel is made once: wrap its gradient once
+            plain = kernel.energy_and_grad
 
-    def _energy_grad(self, model, x):
-        e, g = super()._energy_grad(model, x)
-        r = self.refusal[self._layer].to(g.device, g.dtype)
-        return e, g - (g @ r)[..., None] * r
+            def energy_and_grad(layer, x):
+                e, g = plain(layer, x)
+                r = self.refusal[layer].to(g.device, g.dtype)
+                return e, g - (g @ r)[..., None] * r
+
+            kernel.energy_and_grad = energy_and_grad
+        return kernel
 
 
 def steer_part(demo: Path, lm) -> list[dict]:

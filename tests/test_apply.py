@@ -243,7 +243,7 @@ def test_an_fp32_artefact_fits_the_model_in_bf16(lm, bank_dir, vector_dir, caplo
     import copy
     import logging
 
-    from aligntax.activations.compat import check_fingerprint
+    from aligntax.artefacts import check_fingerprint
     from aligntax.models.loader import as_loaded_model
 
     bf16 = as_loaded_model(copy.deepcopy(lm.model).to(torch.bfloat16), lm.tokenizer)

@@ -37,7 +37,7 @@ def test_data_fetch_refuses_a_dataset_without_upstream():
 
 
 def test_repeated_list_options_take_none():
-    from aligntax.cli import _split_list
+    from aligntax.cli.main import _split_list
 
     assert _split_list(None) is None and _split_list([]) is None
     assert _split_list(["none"]) == [] and _split_list(["None "]) == []

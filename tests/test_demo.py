@@ -9,11 +9,13 @@ import pytest
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
+def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, parity_judge):
     from aligntax.runs.demo import demo_config, run_demo
 
+    # the parity judge (a function of the answer's text) refuses about half of the random model's answers,
+    # benign ones included, so that the learned per-row strength has over-refused prompts to learn from
     cfg = demo_config(True, out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
-                      judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
+                      judge="parity", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
                       limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40,
                       progress=False)
     assert cfg.full and cfg.sweep_halving is None and len(cfg.test_baselines) == 3
@@ -53,6 +55,18 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     threshold = json.loads((out / "els/gate.json").read_text())["threshold"]
     assert gate["recall_target"] == 0.99 and threshold <= 0.5 and gate["cv_at_threshold"]["harmful_caught"] >= 0.99
     rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
+    # the front mechanisms of the complete evaluation, each in the sweep: harm-orthogonal descent and the
+    # learned per-row strength on the best layer, the distilled adapter at two scales
+    front = [r for r in rows if {"harm_orth", "row_strength"} & set(r["args"])]
+    assert sorted(json.dumps({k: r["args"].get(k) for k in ("harm_orth", "row_strength", "row_threshold")})
+                  for r in front) == sorted([json.dumps({"harm_orth": 2, "row_strength": None, "row_threshold": -2.0}),
+                                             json.dumps({"harm_orth": None, "row_strength": True,
+                                                         "row_threshold": None})])
+    assert (out / "els/row_strength.json").is_file() and (out / "els-lora/els_lora.json").is_file()
+    lora = [r for r in rows if r["name"] == "els-lora"]
+    assert sorted(r["args"]["scale"] for r in lora) == [0.5, 1.0]
+    assert all(r["args"]["path"] == str(out / "els-lora") and r["leak_passed"] == r["leak_prompts"] for r in lora)
+    rows = [r for r in rows if r not in front and r not in lora]
     gated = [r for r in rows if r["name"] == "els" and r["args"].get("gate") is True]  # the saved threshold
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]
     runner_ups = [r for r in gated if "layers" in r["args"]]
@@ -78,7 +92,9 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     assert all(0 <= r["leak_refused"] <= r["leak_passed"] and 0 <= r["leak_refused_unsteered"] <= r["leak_passed"]
                for r in gated)
     store = out / "els/sweep/unsteered-leak-6tok.jsonl"  # unsteered answers, once, for the passed prompts only
-    assert len(store.read_text().splitlines() if store.is_file() else []) == passed.pop()
+    # (the adapter passes every leak prompt: it decides nothing per row)
+    assert len(store.read_text().splitlines() if store.is_file() else []) == max(passed.pop(),
+                                                                                  *(r["leak_passed"] for r in lora))
     # the leak check added to an earlier sweep (here: other leak prompts) scores only the leaks again
     from aligntax.runs.els import SweepConfig, run_sweep
 
@@ -90,8 +106,8 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
                                 extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}], progress=False),
                     lm=tiny_lm)
     again = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
-    assert len(again) == len(rows) + len(gated) and res["n_settings"] == 2 + len(gated) and res["leak_prompts"] == 30
-    for r in again[len(rows):]:
+    assert len(again) == len(rows) + len(front) + len(lora) + len(gated) and res["n_settings"] == 2 + len(gated) and res["leak_prompts"] == 30
+    for r in again[len(rows) + len(front) + len(lora):]:
         old = before[r["key"]]
         assert r["leak_prompts"] == 30
         assert {k: r[k] for k in ("benign_compliance", "harmful_refusal")} == {
@@ -104,7 +120,8 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
     assert minutes["total"] >= minutes["baseline evaluation"] >= 0 and "validation sweep" in minutes
     if summary["best"] is not None:  # a steered run of the selected setting, with the same test sets
         steered = json.loads((out / "steered/config.json").read_text())
-        assert steered["intervention"] == "els" and steered["intervention_args"]["eta"] == summary["best"]["args"]["eta"]
+        assert steered["intervention"] == summary["best"]["name"]
+        assert {k: steered["intervention_args"][k] for k in summary["best"]["args"]} == summary["best"]["args"]
         assert steered["reuse_unsteered"] == str(out / "baseline")
         timing = summary["steered"]["timing"]
         assert timing["new_samples"] + timing["reused_unsteered_samples"] == 12
@@ -120,7 +137,7 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir):
         cfg_path.write_text(json.dumps(old))
         run_demo(cfg, lm=tiny_lm)
         assert (out / "steered.prev1/config.json").is_file()
-        assert json.loads(cfg_path.read_text())["intervention_args"]["eta"] == summary["best"]["args"]["eta"]
+        assert json.loads(cfg_path.read_text())["intervention_args"] == steered["intervention_args"]
 
 
 def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path, tiny_lm, data_dir):
@@ -145,8 +162,11 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
     first = [r for r in rows if json.loads(r["key"])["data"].get("part") == "1/3"]
     second = [r for r in rows if "part" not in json.loads(r["key"])["data"]]
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]
-    n_settings = 1 + 2 * len(ranked[:3]) + 1  # unsteered, the best layers x 2 row cut-offs, the paper-style one
+    # unsteered, the best layers x 2 row cut-offs, the paper-style one, and harm-orthogonal descent on the
+    # best layer (the quick profile's front mechanism)
+    n_settings = 1 + 2 * len(ranked[:3]) + 1 + 1
     assert len(first) == n_settings and len(second) == 1 + 2
+    assert [r["args"]["harm_orth"] for r in first if "harm_orth" in r["args"]] == [2]
     # a third of each validation set (rounded up), known answers too
     full_none = next(r for r in second if r["name"] == "none")
     part_none = next(r for r in first if r["name"] == "none")

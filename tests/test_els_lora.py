@@ -163,7 +163,7 @@ def test_cli_steer_folder_means_els_lora_and_export(distilled, tmp_path, monkeyp
     from typer.testing import CliRunner
 
     from aligntax import cli
-    from aligntax.clitools import _iv_name
+    from aligntax.cli.options import _iv_name
 
     lm, els, lora, _ = distilled
     assert _iv_name(None, str(lora)) == "els-lora" and _iv_name(None, str(els)) == "els"

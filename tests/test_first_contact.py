@@ -319,3 +319,15 @@ def test_export_accepts_refusal_add_and_the_old_name():
     from aligntax.bundles.export import canonical_method
 
     assert canonical_method("refusal-add") == canonical_method("refusal-addition") == "refusal-add"
+
+
+def test_els_folder_commands_check_the_folder_first(no_load, tmp_path, bank_dir):
+    """distill, harm-basis and row-strength refuse a folder that is not an ELS folder before loading, and
+    take --no-progress like every long command."""
+    missing, plain = tmp_path / "missing", tmp_path / "plain"
+    plain.mkdir()
+    one_error(invoke("els", "distill", "--steer", missing, "--out", tmp_path / "lora", "--no-progress"), 2,
+              "no such folder")
+    assert not (tmp_path / "lora").exists()
+    one_error(invoke("els", "harm-basis", "--steer", plain, "--no-progress"), 2, "holds no energy.json")
+    one_error(invoke("els", "row-strength", "--steer", missing, "--no-progress"), 2, "no such folder")

@@ -205,7 +205,7 @@ def _split_strength(lm, folder):
     iv = els(lm, folder, gate=True)
     rs = _strength(lm)
     states = capture(lm, PROMPTS, [1], progress=False)
-    f = iv.row_features(states, (rs.refusal_dir, rs.harm_dir))
+    f = iv.kernel(3).row_features(states, (rs.refusal_dir, rs.harm_dir))
     rs.weight = rs.weight * 2.0 / float((f @ rs.weight).max() - (f @ rs.weight).min())  # strengths below 1
     z = f @ rs.weight
     cut = float(z.sort().values[1:3].mean())

@@ -18,7 +18,6 @@ from aligntax.judges import (
     RefusalJudge,
     Verdict,
     available_judges,
-    first_token_refusal_score,
     get_judge,
     judge_jsonl,
     refusal_mass,
@@ -512,7 +511,7 @@ def test_refusal_token_ids_first_tokens():
 def test_first_token_refusal_score_on_tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from aligntax.generation import build_messages, prompt_logits, render_chat
+    from aligntax.generation import build_messages, first_token_refusal_score, prompt_logits, render_chat
     from aligntax.models import LoadedModel
 
     tok = _byte_tokenizer()

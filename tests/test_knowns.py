@@ -15,14 +15,13 @@ from aligntax.interventions import SystemPrompt
 from aligntax.metrics.knowns import (
     KINDS,
     KnownItem,
-    KnownsConfig,
     is_correct,
     load_known_answers,
     normalize,
-    run_knowns,
     score_responses,
 )
 from aligntax.metrics.rates import wilson_interval
+from aligntax.runs.knowns import KnownsConfig, run_knowns
 from tiny import tiny_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")

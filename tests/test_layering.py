@@ -184,3 +184,68 @@ def test_no_intervention_runs_the_model():
             hit = reach(mod) & runners
             assert not hit, f"{mod} reaches {sorted(hit)}"
     assert "aligntax.interventions.base" in graph["aligntax.activations.decisions"]  # the decisions sit above
+
+
+# The packages (and top-level modules) of ``aligntax`` from the bottom up, named relative to ``aligntax``
+# ("" is ``aligntax/__init__.py``). A module belongs to the longest entry its name starts with. Every
+# command-line face is in the ``cli`` package at the top, above the packages it drives. A module may
+# import modules of its own entry and of the layers below its own, never of another entry of its own
+# layer or of a layer above.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "paths", "defaults", "hooks"),  # nothing of aligntax
+    ("artefacts", "pypi", "config"),  # errors only: saved tensors + sidecars, package lookups, YAML configs
+    ("models", "data", "judges", "energy", "reports"),  # judges only score (texts, logits), never run a model
+    ("interventions",),  # steering: messages, row kernels, hooks; ELS over the energy models
+    ("generation",),  # chat rendering, the decode loop, prompt logits (the first-token refusal score)
+    ("activations", "metrics"),  # capture + decisions before generating; pure scoring of answers
+    ("bundles", "serve", "vat"),  # sharing; the server's protocol, engine and app; value alignment tax
+    ("api",),  # load_model / load_intervention
+    ("",),  # ``aligntax.load_model`` etc., resolved lazily from api
+    ("backends",),  # vLLM: engine, evaluation source, server (reuses serve's app and engine)
+    ("runs",),  # run folders: eval, knowns, mc, ELS, demo, ...
+    ("lmeval",),  # lm-evaluation-harness model (api) writing run folders
+    ("cli",),  # every command-line face: main, options (the one error path and checks), serve, vat, ...
+    ("__main__",),
+)
+
+
+def _unit(module: str) -> str:
+    """The ``LAYERS`` entry a module belongs to (its longest matching prefix), or ``"?"``."""
+    rel = module.removeprefix(ROOT).removeprefix(".")
+    best = "?"
+    for layer in LAYERS:
+        for unit in layer:
+            if (rel == unit or (unit and rel.startswith(unit + "."))) and (best == "?" or len(unit) > len(best)):
+                best = unit
+    return best
+
+
+def test_every_module_has_a_layer():
+    units = [u for layer in LAYERS for u in layer]
+    assert len(units) == len(set(units))
+    missing = sorted(m for m in import_graph() if _unit(m) == "?")
+    assert not missing, f"modules of no package in LAYERS (add the package where its imports put it): {missing}"
+
+
+def test_packages_import_only_downwards():
+    """No module imports (anywhere in the file, inside functions too) a module of another package in its
+    own layer or in a layer above it."""
+    graph = import_graph()
+    level = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    bad = []
+    for mod, targets in sorted(graph.items()):
+        here = _unit(mod)
+        for target in sorted(targets):
+            there = _unit(target)
+            if there != here and level[there] >= level[here]:
+                bad.append(f"{mod} ({here or 'aligntax'}, layer {level[here]}) imports {target} "
+                           f"({there or 'aligntax'}, layer {level[there]})")
+    assert not bad, "imports against the package order:\n  " + "\n  ".join(bad)
+
+
+def test_layer_checks_see_function_level_imports():
+    graph = import_graph()
+    # a lazy import inside a function counts: the command line mounts its faces inside a function
+    assert "aligntax.cli.serve" in graph["aligntax.cli.main"]
+    assert _unit("aligntax.cli.serve") == "cli" and _unit("aligntax.serve.engine") == "serve"
+    assert _unit("aligntax.cli") == "cli" and _unit("aligntax.cli.options") == "cli" and _unit("aligntax") == ""

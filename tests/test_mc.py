@@ -21,13 +21,12 @@ from aligntax.metrics.mc import (
     LETTERS,
     MCItem,
     load_mc,
-    mc_accuracy,
     mc_prompt,
     mc_text,
     option_token_ids,
-    score_items,
 )
 from aligntax.metrics.rates import wilson_interval
+from aligntax.runs.mc import mc_accuracy, score_items
 from tiny import tiny_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -165,17 +165,17 @@ def test_each_step_moves_by_eta_and_norm_scaling():
         prev = x
         # one step at a time: every step moves each position by exactly eta
         for _ in range(steps):
-            nxt = EnergySteering(m, eta=0.7, steps=1, scale_by_norm=False).steer(1, prev, scale)
+            nxt = EnergySteering(m, eta=0.7, steps=1, scale_by_norm=False).kernel(3).steer(1, prev, scale)
             torch.testing.assert_close((nxt - prev).norm(dim=-1), torch.full((3, 4), 0.7), atol=1e-5, rtol=1e-5)
             prev = nxt
-        torch.testing.assert_close(st.steer(1, x, scale), prev)
+        torch.testing.assert_close(st.kernel(3).steer(1, x, scale), prev)
     scaled = EnergySteering(m, eta=0.5, steps=1, norms={1: 8.0})
     assert scaled.step_size(1) == 4.0
-    moved = scaled.steer(1, x, torch.tensor([1.0, 0.0, 2.0]).view(3, 1, 1))
+    moved = scaled.kernel(3).steer(1, x, torch.tensor([1.0, 0.0, 2.0]).view(3, 1, 1))
     torch.testing.assert_close((moved - x).norm(dim=-1), torch.tensor([[4.0] * 4, [0.0] * 4, [8.0] * 4]))
     # descending the energy lowers it
     e0 = m[1].energy(x)
-    e1 = m[1].energy(EnergySteering(m, eta=0.05, steps=3, scale_by_norm=False).steer(1, x, scale))
+    e1 = m[1].energy(EnergySteering(m, eta=0.05, steps=3, scale_by_norm=False).kernel(3).steer(1, x, scale))
     assert torch.all(e1 < e0)
     with pytest.raises(AligntaxError, match="scale_by_norm"):
         EnergySteering(m, eta=0.5)
@@ -186,8 +186,8 @@ def test_autograd_and_closed_form_steering_agree(lm):
     x = 5 * torch.randn(2, 3, H)
     scale = torch.ones(2, 1, 1)
     for layer in (1, 2):
-        a = EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False).steer(layer, x, scale)
-        b = EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False, grad_method="autograd").steer(layer, x, scale)
+        a = EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False).kernel(3).steer(layer, x, scale)
+        b = EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False, grad_method="autograd").kernel(3).steer(layer, x, scale)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     with torch.no_grad():  # generation runs under no_grad: the autograd path still works
         _, log_a, _, _ = run_steered(lm, PROMPTS[:2], EnergySteering(m, eta=1.0, scale_by_norm=False,
@@ -237,7 +237,7 @@ def test_threshold_gating(lm):
     e = m[1].energy(x).detach()
     srt = e.flatten().sort().values
     thr = float(srt[2] + srt[3]) / 2  # between two energies: half the positions above
-    out = EnergySteering(m, eta=0.5, steps=1, scale_by_norm=False, threshold=thr).steer(1, x, torch.ones(6, 1, 1))
+    out = EnergySteering(m, eta=0.5, steps=1, scale_by_norm=False, threshold=thr).kernel(3).steer(1, x, torch.ones(6, 1, 1))
     moved = (out - x).norm(dim=-1).squeeze(1) > 0
     assert torch.equal(moved, e.squeeze(1) > thr) and int(moved.sum()) == 3
 
@@ -707,8 +707,9 @@ def test_knowns_reuses_unsteered_answers_for_held_questions(lm, tmp_path):
     same samples as generating every question, fewer generated."""
     import json
 
-    from aligntax.metrics.knowns import KnownsConfig, load_known_answers, run_knowns
+    from aligntax.metrics.knowns import load_known_answers
     from aligntax.runs.jsonl import read_jsonl
+    from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     gate, held = _split_gate(lm)
     items = load_known_answers(split="all", limit=len(PROMPTS))
@@ -950,7 +951,7 @@ def test_gate_ramp_scales_strength_by_harm_probability(lm):
     p = gate.prob(gate.stack(capture(lm, PROMPTS, [1], progress=False)))
     t, ramp = float(p.max()) + 1e-3, float(p.min()) - 1e-3
     iv = els(eta=2.0, gate=gate, gate_threshold=min(t, 0.999), gate_ramp=max(ramp, 0.0))
-    strength = iv.gate_scale(p)
+    strength = iv.kernel(3).gate_scale(p)
     assert ((strength > 0) & (strength < 1)).any()
     info = row_info(iv, lm, PROMPTS)
     torch.testing.assert_close(torch.tensor([r["strength"] for r in info]), strength, rtol=0, atol=1e-4)

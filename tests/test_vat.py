@@ -564,7 +564,7 @@ def test_judge_generate_method(tiny, builtin):
 
 # ================================================================= interventions
 def test_persona_and_fewshot(builtin):
-    from aligntax.vat.interventions import ValuePersona, build_fewshot, build_intervention
+    from aligntax.vat.methods import ValuePersona, build_fewshot, build_intervention
 
     p = ValuePersona.for_value("tradition")
     msgs = p.prepare_messages([{"role": "system", "content": "x"}, {"role": "user", "content": "q"}])
@@ -588,7 +588,7 @@ def test_persona_and_fewshot(builtin):
 
 
 def test_fewshot_minimal_pairs_and_persona_system(builtin):
-    from aligntax.vat.interventions import build_fewshot, build_intervention, persona_text
+    from aligntax.vat.methods import build_fewshot, build_intervention, persona_text
 
     ev, tr = split_items(builtin, 0.2)
     by_id = {it.id: it for it in tr}
@@ -618,7 +618,7 @@ def test_shared_prefix_logits_equal_plain_path(tiny, builtin):
     from aligntax.generation import build_messages, prompt_logits, render_chat
     from aligntax.generation.generate import text_logits
     from aligntax.generation.prefix import common_prefix_len
-    from aligntax.vat.interventions import ValuePersona, build_fewshot, compute_steering_vector
+    from aligntax.vat.methods import ValuePersona, build_fewshot, compute_steering_vector
 
     ev, tr = split_items(builtin, 0.2)
     prompts = [judgment_prompt(it, Variant("acceptable"), LikertScale()) for it in ev[:7]]
@@ -640,9 +640,9 @@ def test_els_intervention_from_energy_bank(tiny, builtin, tmp_path):
     from aligntax.energy import EnergyConfig, train_layers
     from aligntax.generation import prompt_logits
     from aligntax.interventions.els import EnergySteering
-    from aligntax.vat.interventions import build_intervention
+    from aligntax.vat.methods import build_intervention
 
-    with pytest.raises(AligntaxError, match="energy"):
+    with pytest.raises(AligntaxError, match="'els' needs"):  # the registry's own els: its folder
         build_intervention("els", tiny, "Benevolence")
     prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(16)]
     acts = capture(tiny, prompts, "all", progress=False)
@@ -663,12 +663,15 @@ def test_els_intervention_from_energy_bank(tiny, builtin, tmp_path):
 
 def test_steering_changes_logits_only_while_attached(tiny, builtin):
     from aligntax.generation import prompt_logits
-    from aligntax.vat.interventions import compute_steering_vector
+    from aligntax.interventions.vectors import ActivationAddition
+    from aligntax.vat.methods import compute_steering_vector
 
     ev, tr = split_items(builtin, 0.2)
     ref = _state(tiny.model)
     iv = compute_steering_vector(tiny, tr, "Power", layer=1, strength=8.0)
-    assert iv.vector.shape == (tiny.hidden_size,) and iv.layer == 1 and iv.vector.norm() > 0
+    assert isinstance(iv, ActivationAddition) and list(iv.vectors) == [1] and iv.coeff == 8.0
+    assert iv.vectors[1].shape == (tiny.hidden_size,) and iv.vectors[1].norm() > 0
+    assert iv.positions == "last_and_generated" and iv.config()["name"] == "steer"
     prompts = [judgment_prompt(ev[0], Variant("acceptable"), LikertScale())]
     base = prompt_logits(tiny, prompts)
     steered = prompt_logits(tiny, prompts, intervention=iv)
@@ -676,7 +679,7 @@ def test_steering_changes_logits_only_while_attached(tiny, builtin):
     assert torch.allclose(prompt_logits(tiny, prompts), base)
     assert _same_state(tiny.model, ref)
     assert not any(m._forward_pre_hooks for m in tiny.model.modules())
-    iv0 = type(iv)(vector=torch.zeros_like(iv.vector), layer=1)
+    iv0 = ActivationAddition({1: torch.zeros_like(iv.vectors[1])}, positions="last_and_generated")
     assert torch.allclose(prompt_logits(tiny, prompts, intervention=iv0), base, atol=1e-6)
 
 
@@ -687,7 +690,7 @@ def _small_eval(builtin, n=4):
 
 
 def test_run_vat_and_resume(tiny, builtin, cache_env, tmp_path):
-    from aligntax.vat.interventions import ValuePersona
+    from aligntax.vat.methods import ValuePersona
     from aligntax.vat.report import compare
     from aligntax.vat.runner import VATConfig, run_vat
 
@@ -766,7 +769,7 @@ def test_cli(tiny, cache_env, monkeypatch):
     from typer.testing import CliRunner
 
     import aligntax.models
-    from aligntax.vat.cli import app
+    from aligntax.cli.vat import app
 
     runner = CliRunner()
     r = runner.invoke(app, ["values"])
@@ -795,7 +798,7 @@ def test_vat_builds_any_registered_steering_method(tmp_path):
     """VAT measures the value tax of every method of the intervention registry, built from the same
     declared options (here refusal-ablation and cast from a vector folder)."""
     from aligntax.interventions.vectors import ConditionalSteering, DirectionAblation
-    from aligntax.vat.interventions import build_intervention
+    from aligntax.vat.methods import build_intervention
     from tiny import save_tiny_vectors, tiny_lm
 
     lm = tiny_lm("qwen2", hidden=32, layers=3)
@@ -807,37 +810,106 @@ def test_vat_builds_any_registered_steering_method(tmp_path):
         build_intervention("cast", lm, "Benevolence", options={"path": str(vec), "eta": 0.3})
 
 
+def _cast_vectors(lm, folder: Path, threshold: float) -> Path:
+    """A vector folder of ``lm`` whose CAST condition fires on every row (threshold 2: every cosine is
+    below it) or on none (threshold -2)."""
+    from aligntax.interventions.vectors import SteeringVectors
+    from tiny import save_tiny_vectors
+
+    vs = SteeringVectors.load(save_tiny_vectors(lm, folder))
+    vs.metadata["cast"].update(threshold=threshold, compare="less")
+    vs.save(folder)
+    return folder
+
+
+def test_vat_run_cast_with_vectors_through_the_cli(tiny, cache_env, monkeypatch):
+    """`aligntax vat run --intervention cast --vectors DIR` takes the steering options every command
+    takes, steers the judgments (a condition that fires moves them, one that never fires leaves them
+    exactly as without the intervention), and resumes."""
+    from typer.testing import CliRunner
+
+    import aligntax.models
+    from aligntax.cli import app as cli_app
+
+    monkeypatch.setattr(aligntax.models, "load_model", lambda spec, dtype="bf16": tiny)
+    runner = CliRunner()
+    common = ["vat", "run", "--target", "Power", "--scenes", "1", "--bootstrap", "0", "--permutations", "9",
+              "--null-reps", "0", "--batch-size", "40", "--no-progress", "--intervention", "cast"]
+    fires = _cast_vectors(tiny, cache_env / "fires", 2.0)
+    out = cache_env / "cast"
+    r = runner.invoke(cli_app, [*common, "--vectors", str(fires), "--coeff", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["intervention"]["name"] == "cast" and res["timing"]["judged_now"] > 0
+    rows = [json.loads(x) for x in (out / "items.jsonl").read_text().splitlines()]
+    moved = [r for r in rows if not math.isclose(r["pre"], r["post"], abs_tol=1e-6)]
+    assert len(moved) > len(rows) // 2  # every row was steered
+    r = runner.invoke(cli_app, [*common, "--vectors", str(fires), "--coeff", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    again = json.loads((out / "results.json").read_text())
+    assert again["timing"]["judged_now"] == 0 and again["timing"]["resumed"] == len(rows)
+    assert again["gain"] == res["gain"]
+    never = _cast_vectors(tiny, cache_env / "never", -2.0)
+    r = runner.invoke(cli_app, [*common, "--vectors", str(never), "--out", str(cache_env / "held")])
+    assert r.exit_code == 0, r.output
+    held = [json.loads(x) for x in (cache_env / "held" / "items.jsonl").read_text().splitlines()]
+    assert [h["post"] for h in held] == [h["pre"] for h in held] == [r["pre"] for r in rows]
+    # the steering options are checked as every command checks them, before anything is loaded
+    r = runner.invoke(cli_app, [*common, "--out", str(cache_env / "x")])
+    assert r.exit_code == 2 and "needs --vectors DIR" in r.output
+    r = runner.invoke(cli_app, [*common, "--vectors", str(fires), "--eta", "0.3", "--out", str(cache_env / "x")])
+    assert r.exit_code == 2 and "--eta is an option of els" in r.output
+    r = runner.invoke(cli_app, ["vat", "run", "--target", "Power", "--intervention", "persona", "--strength", "2"])
+    assert r.exit_code == 2 and "--strength is an option of steer" in r.output
+    r = runner.invoke(cli_app, ["vat", "matrix", "--out", str(cache_env / "m"), "-i", "cast", "--coeff", "2"])
+    assert r.exit_code == 2 and "needs --vectors DIR" in r.output
+
+
 def test_vat_methods_are_registered_with_typed_options(builtin):
-    """The value-targeted methods live in a registry like the steering methods: a typed options
-    dataclass each, fewshot-K read as fewshot with k=K, the options of other methods left to them,
-    and a misspelt option refused with the names that exist."""
+    """The value-targeted methods are layered on the intervention registry: a typed options dataclass
+    each, names that never shadow a steering method's (none and els are the registry's own), fewshot-K
+    read as fewshot with k=K, the options of other methods left to them, and a misspelt option refused
+    with the names that exist."""
     import dataclasses
 
-    from aligntax.vat.interventions import (
+    from aligntax.interventions.base import NoIntervention
+    from aligntax.interventions.options import METHODS, register
+    from aligntax.vat.methods import (
+        REGISTRY,
         VAT_METHODS,
         SteerOptions,
         ValueFewShot,
         ValuePersona,
         build_intervention,
         describe_vat,
-        vat_method,
+        register_vat,
     )
 
-    assert {"none", "persona", "fewshot", "persona-fewshot", "steer", "lora", "dpo", "adapter", "els", "oracle",
-            "uniform"} <= set(VAT_METHODS)
+    assert {"persona", "fewshot", "persona-fewshot", "steer", "lora", "dpo", "adapter", "oracle",
+            "uniform"} == set(VAT_METHODS)
+    assert not set(VAT_METHODS) & set(METHODS) and set(REGISTRY) == set(VAT_METHODS) | set(METHODS)
+    assert REGISTRY["none"] is METHODS["none"] and REGISTRY["els"] is METHODS["els"]
+    assert REGISTRY["cast"] is METHODS["cast"] and REGISTRY.resolve("fewshot-4")[0] is VAT_METHODS["fewshot"]
+    with pytest.raises(AligntaxError, match="intervention registry"):
+        register_vat("cast", SteerOptions, "a second cast")
+    with pytest.raises(AligntaxError, match="registered twice"):
+        register("steer", SteerOptions, "a second steer", VAT_METHODS)(lambda ctx, o: None)
     assert VAT_METHODS["steer"].options is SteerOptions
     assert {f.name for f in dataclasses.fields(SteerOptions)} == {"strength", "layer"}
-    method, implied = vat_method("persona-fewshot-8")
+    method, implied = REGISTRY.resolve("persona-fewshot-8")
     assert method.name == "persona-fewshot" and implied == {"k": 8}
-    assert vat_method("sft")[0].name == "lora"
+    assert REGISTRY.resolve("sft")[0].name == "lora"
     with pytest.raises(AligntaxError, match="fewshot-K"):
-        vat_method("fewshot")
+        REGISTRY.resolve("fewshot")
     assert "oracle_gain" in describe_vat() and "steer:" in describe_vat()
-    # a command line passes every method's options; persona takes none of them
+    assert isinstance(build_intervention("none", None, "Power"), NoIntervention)
+    # a sweep passes every method's options; persona takes none of them
     iv = build_intervention("persona", None, "benevolence", strength=4.0, steps=None, oracle_gain=0.5)
     assert isinstance(iv, ValuePersona) and iv.config()["target"] == "Benevolence"
     with pytest.raises(AligntaxError, match="strenght"):
         build_intervention("persona", None, "Benevolence", strenght=2.0)
+    with pytest.raises(AligntaxError, match="Unknown options for intervention 'persona'"):
+        build_intervention("persona", None, "Benevolence", options={"strength": 2.0})
     _, tr = split_items(builtin, 0.2)
     fs = build_intervention("persona-fewshot-2", None, "Benevolence", tr, seed=1)
     assert isinstance(fs, ValueFewShot) and fs.config()["k"] == 2 and fs.system

@@ -63,7 +63,7 @@ def _rows(shift_fn, n_scenes=16, per=2, seed=0):
 
 # ================================================================= 1. known answers
 def test_oracle_moves_only_the_target(tiny, split, cache_env):
-    from aligntax.vat.interventions import OracleBias, build_intervention
+    from aligntax.vat.methods import OracleBias, build_intervention
     from aligntax.vat.runner import run_vat
 
     ev, tr = split
@@ -86,7 +86,7 @@ def test_oracle_moves_only_the_target(tiny, split, cache_env):
 
 
 def test_uniform_lift_has_no_specificity(tiny, split, cache_env):
-    from aligntax.vat.interventions import build_intervention
+    from aligntax.vat.methods import build_intervention
     from aligntax.vat.runner import run_vat
 
     ev, tr = split
@@ -114,8 +114,8 @@ def test_uniform_lift_with_noise_covers_zero_and_target_lift_does_not():
 
 
 def test_oracle_needs_logits_method(tiny, split):
-    from aligntax.vat.interventions import OracleBias
     from aligntax.vat.judge import LikertJudge
+    from aligntax.vat.methods import OracleBias
 
     judge = LikertJudge(tiny, JudgeConfig(method="generate", cache=False))
     with pytest.raises(AligntaxError, match="logits"):
@@ -266,8 +266,8 @@ def test_external_adapter_is_read_only_and_exact(tiny, split, cache_env):
     from peft import PeftModel
 
     from aligntax.generation import prompt_logits
-    from aligntax.vat.interventions import LoRAAdapter, build_intervention
     from aligntax.vat.judge import LikertScale, Variant, judgment_prompt
+    from aligntax.vat.methods import LoRAAdapter, build_intervention
     from aligntax.vat.runner import run_vat
 
     ev, tr = split
@@ -303,7 +303,7 @@ def test_external_adapter_is_read_only_and_exact(tiny, split, cache_env):
     ({"use_dora": True}, "DoRA"),
 ])
 def test_unsupported_adapter_parts_are_refused(tiny, tmp_path, kw, message):
-    from aligntax.vat.interventions import LoRAAdapter
+    from aligntax.vat.methods import LoRAAdapter
 
     folder = _peft_adapter(tiny, tmp_path / "ad", **kw)
     with pytest.raises(AligntaxError, match=message):
@@ -311,7 +311,7 @@ def test_unsupported_adapter_parts_are_refused(tiny, tmp_path, kw, message):
 
 
 def test_adapter_for_another_model_is_refused(tiny, tmp_path):
-    from aligntax.vat.interventions import LoRAAdapter
+    from aligntax.vat.methods import LoRAAdapter
     from vat_tiny import tiny_lm
 
     wider = tiny_lm(seed=0, hidden=32)
@@ -340,9 +340,9 @@ def test_matrix_tests_on_synthetic_matrices():
 def test_matrix_of_oracle_runs(tiny, split, cache_env):
     from typer.testing import CliRunner
 
-    from aligntax.vat.cli import app
-    from aligntax.vat.interventions import build_intervention
+    from aligntax.cli.vat import app
     from aligntax.vat.matrix import run_matrix
+    from aligntax.vat.methods import build_intervention
 
     ev, tr = split
     items = sample_items(ev, scenes=2, seed=0)
@@ -370,7 +370,7 @@ def test_cli_oracle_adapter_and_control(tiny, split, cache_env, monkeypatch):
     from typer.testing import CliRunner
 
     import aligntax.models
-    from aligntax.vat.cli import app
+    from aligntax.cli.vat import app
 
     monkeypatch.setattr(aligntax.models, "load_model", lambda spec, dtype="bf16": tiny)
     runner = CliRunner()

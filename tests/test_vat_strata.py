@@ -179,7 +179,7 @@ def test_report_has_strata_table(tmp_path):
 
 
 def test_fewshot_and_oracle_ignore_incongruent_and_neutral(builtin, tiny, cache_env):
-    from aligntax.vat.interventions import OracleBias, build_fewshot
+    from aligntax.vat.methods import OracleBias, build_fewshot
 
     ev, tr = split_items(builtin, 0.2, seed=0)
     for t in VALUES:
@@ -277,7 +277,7 @@ def test_paired_compare_checks(tmp_path):
 def test_compare_cli_writes_paired(tmp_path):
     from typer.testing import CliRunner
 
-    from aligntax.vat.cli import app
+    from aligntax.cli.vat import app
 
     a = _run_dir(tmp_path / "a", _shift_rows({}, seed=1))
     b = _run_dir(tmp_path / "b", _shift_rows({"Power": 0.5}, seed=2))
@@ -357,8 +357,8 @@ def _val_csv(path: Path) -> Path:
 
 
 def test_matrix_on_value_action_lens_layout(tiny, cache_env, tmp_path):
-    from aligntax.vat.interventions import OracleBias
     from aligntax.vat.matrix import run_matrix
+    from aligntax.vat.methods import OracleBias
 
     items = load_items(_val_csv(tmp_path / "val.csv"))
     assert {it.source for it in items} == {"value-action-lens"} and len({it.group for it in items}) == 12
@@ -398,7 +398,7 @@ def test_strata_matrices_from_runs(tmp_path):
 def test_sample_by_auto_and_sweep_cli_errors(tmp_path):
     from typer.testing import CliRunner
 
-    from aligntax.vat.cli import _sample_by, app
+    from aligntax.cli.vat import _sample_by, app
 
     assert _sample_by("auto", "value-action-lens") == "scene" and _sample_by("auto", "builtin") == "item"
     f = tmp_path / "s.yaml"

@@ -36,7 +36,8 @@ def test_lora_sft_adapter(setup, tmp_path):
     from peft import PeftModel
 
     from aligntax.generation import prompt_logits
-    from aligntax.vat.interventions import LoRAAdapter, build_intervention, train_lora_sft
+    from aligntax.vat.methods import LoRAAdapter, build_intervention
+    from aligntax.vat.train import train_lora_sft
 
     lm, ev, tr = setup
     ref = _state(lm.model)
@@ -73,7 +74,7 @@ def test_lora_sft_adapter(setup, tmp_path):
 
 def test_dpo_adapter(setup, tmp_path):
     from aligntax.generation import prompt_logits
-    from aligntax.vat.interventions import train_dpo
+    from aligntax.vat.train import train_dpo
 
     lm, ev, tr = setup
     ref = _state(lm.model)

@@ -115,7 +115,8 @@ def _row_energies(lm, iv, prompts):
         ids = torch.tensor([lm.tokenizer(text, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
             states = lm.model(ids, output_hidden_states=True).hidden_states
-        out.append(float(iv.row_energy(states[iv.first_layer][:, -1])))
+        kernel = iv.kernel(lm.num_layers)
+        out.append(float(kernel.row_energy(states[kernel.first_layer][:, -1])))
     return out
 
 

@@ -16,8 +16,8 @@ def tiny_tokenizer(extra_text: str = ""):
     and the persona prompts; digits 0-9 are single tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from aligntax.vat.interventions import persona_text
     from aligntax.vat.judge import TEMPLATES
+    from aligntax.vat.methods import persona_text
     from aligntax.vat.schwartz import VALUES
 
     text = builtin_path().read_text(encoding="utf-8")

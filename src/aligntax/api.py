@@ -29,6 +29,7 @@ def load_intervention(dir_or_name: str | Path, lm=None, tokenizer=None, **option
     ``PreTrainedModel`` with its ``tokenizer``) checks the artefact's model fingerprint; the dtype the
     model runs in does not matter (an artefact made in float32 fits the model in bfloat16)."""
     from aligntax.energy.bank import SIDECAR as ENERGY_SIDECAR
+    from aligntax.interventions.options import PATH_KEYS
     from aligntax.interventions.registry import INTERVENTIONS, make_intervention
     from aligntax.interventions.vectors import SIDECAR as VECTORS_SIDECAR
 
@@ -60,6 +61,6 @@ def load_intervention(dir_or_name: str | Path, lm=None, tokenizer=None, **option
             )
         else:
             raise AligntaxError(f"{path} holds neither an energy bank ({ENERGY_SIDECAR}) nor vectors ({VECTORS_SIDECAR}).")
-    if any(k in options for k in ("dir", "directory", "path")):
+    if any(k in options for k in PATH_KEYS):
         raise AligntaxError("Give the folder once: as the first argument or as dir=, not both.")
     return make_intervention(name, lm, dir=str(path), **options)

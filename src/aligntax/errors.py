@@ -1,6 +1,6 @@
 """Exceptions raised for bad input. Each carries a message meant for the user.
 
-The command line maps them to exit codes (:mod:`aligntax.clitools`): an :class:`AligntaxError` is a
+The command line maps them to exit codes (:mod:`aligntax.cli.options`): an :class:`AligntaxError` is a
 usage error (exit 2: a bad option value, an unknown name, a bad path) unless its class says
 ``exit_code = 1`` (a runtime failure: a download that does not match its hash, a run that failed
 while running); any other exception is a runtime failure (exit 1)."""

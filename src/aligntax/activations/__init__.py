@@ -12,7 +12,6 @@ from aligntax.activations.capture import (
     residual_norms,
     resolve_layers,
 )
-from aligntax.activations.compat import check_fingerprint
 
 __all__ = [
     "POSITIONS",
@@ -22,7 +21,6 @@ __all__ = [
     "capture_seqs",
     "capture_to_cache",
     "chat_ids",
-    "check_fingerprint",
     "measure_residual_norms",
     "position_ids_from_mask",
     "residual_norms",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from aligntax.activations.compat import check_fingerprint, check_format, read_json, save_tensors, write_json
+from aligntax.artefacts import check_fingerprint, check_format, read_json, save_tensors, write_json
 from aligntax.errors import CompatibilityError, DataError
 
 FORMAT = "aligntax.activations/1"

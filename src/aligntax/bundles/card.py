@@ -162,7 +162,7 @@ def render_card(manifest: dict) -> str:
 
 
 def check_run_fingerprint(rates_fp: dict, bundle_fp: dict, run: str) -> None:
-    from aligntax.activations.compat import check_fingerprint
+    from aligntax.artefacts import check_fingerprint
 
     if not rates_fp:
         raise AligntaxError(f"Run {run} records no model fingerprint, so its rates cannot be tied to this bundle's model.")

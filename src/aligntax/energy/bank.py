@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from aligntax.activations.compat import TensorArtefact
+from aligntax.artefacts import TensorArtefact
 from aligntax.energy.model import EnergyConfig, EnergyModel
 from aligntax.energy.train import EnergyTrainer, _score
 from aligntax.errors import AligntaxError, DataError

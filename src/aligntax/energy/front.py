@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from aligntax.activations.compat import TensorArtefact
+from aligntax.artefacts import TensorArtefact
 from aligntax.errors import AligntaxError, DataError
 
 __all__ = ["HARM_BASIS_FORMAT", "ROW_STRENGTH_FORMAT", "STRENGTH_FEATURES", "HarmBasis", "RowStrength",

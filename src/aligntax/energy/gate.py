@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from aligntax.activations.compat import TensorArtefact
+from aligntax.artefacts import TensorArtefact
 from aligntax.errors import AligntaxError, DataError
 
 FORMAT = "aligntax.harm-gate/1"

@@ -18,13 +18,21 @@ from torch import nn
 
 from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_args
-from aligntax.interventions.kernels import RowKernel, attach_kernel, decide_at_prefill
+from aligntax.interventions.kernels import (
+    RowKernel,
+    attach_kernel,
+    decide_at_prefill,
+    edited_span,
+    span_slice,
+)
+from aligntax.interventions.options import register
 from aligntax.models.layers import decoder_layers, hidden_size
 
 __all__ = [
     "AppliedIntervention",
     "Intervention",
     "NoIntervention",
+    "NoOptions",
     "SteerContext",
     "decide_at_prefill",
     "hidden_from_args",
@@ -80,20 +88,16 @@ class SteerContext:
 
 
 def steered_slice(seq_len: int, ctx: SteerContext, positions: str = "last_and_generated") -> slice:
-    """Which positions of the current forward's hidden states to steer.
+    """Which positions of the current forward's hidden states to steer, for a hook of its own (the
+    position rule :func:`~aligntax.interventions.kernels.edited_span`, without a horizon): a forward of
+    one token is a cached decode step (a generated token), a longer one holds the prompt from its start.
 
-    - ``last_and_generated`` (the ELS paper): the last prompt token and every generated token. With a
-      KV cache a decode step has seq_len 1 (a generated token); without it the whole sequence is re-fed
-      and positions from ``prompt_len - 1`` on are steered.
-    - ``generated``: only tokens after the prompt (the last prompt token's *output* is the first one).
+    - ``last_and_generated`` (the ELS paper): the last prompt token and every generated token;
+    - ``generated``: only tokens after the prompt (the last prompt token's *output* is the first one);
     - ``all``: every position, prompt included.
     """
-    if positions == "all":
-        return slice(0, seq_len)
-    start = ctx.prompt_len - 1 if positions == "last_and_generated" else ctx.prompt_len
-    if seq_len == 1:
-        return slice(0, 1)
-    return slice(min(start, seq_len), seq_len)
+    start = ctx.prompt_len if seq_len == 1 else 0
+    return span_slice(seq_len, start, *edited_span(ctx.prompt_len, positions))
 
 
 class Intervention:
@@ -103,6 +107,12 @@ class Intervention:
     # True when the hooks neither read nor change any prompt position before the last prompt token,
     # so a prefix every prompt of a batch shares may be computed once, without them.
     prefix_free: bool = False
+    # True when config() pins down everything this intervention does (a prompt's text, an adapter's
+    # digest), so results computed with it may be cached under its config, e.g. the value alignment
+    # tax's judgment cache. False when config() names something whose content can change under the
+    # same config (a folder read when it was built, which may be retrained in place): such results
+    # are recomputed every time.
+    cacheable: bool = True
 
     def prepare_messages(self, messages: list[dict]) -> list[dict]:
         return messages
@@ -160,6 +170,16 @@ class Intervention:
 class NoIntervention(Intervention):
     name = "none"
     prefix_free = True
+
+
+@dataclass
+class NoOptions:
+    """No options."""
+
+
+@register("none", NoOptions, "no intervention")
+def _none(lm, o: NoOptions) -> NoIntervention:
+    return NoIntervention()
 
 
 def _cache_is_empty(kwargs: dict) -> bool:

@@ -26,28 +26,32 @@ of the gate's and the row energy's hard cut-offs. The energy and its
 gradient come from the energy model's closed-form backward in float32, so no autograd graph is built
 and nothing flows through the LLM.
 
-The steering is an :class:`ElsKernel` (:mod:`aligntax.interventions.kernels`): the positions follow
-:func:`~aligntax.interventions.kernels.edited`, so steering is the same with and without the KV cache,
-and independent of left padding (steered positions are the last ones).
+This module loads and configures ELS (:class:`EnergySteering`: the folder, the settings, their checks);
+the math is its :class:`~aligntax.interventions.els_kernel.ElsKernel`, the row kernel both backends run:
+the positions follow :func:`~aligntax.interventions.kernels.edited`, so steering is the same with and
+without the KV cache, and independent of left padding (steered positions are the last ones).
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from aligntax.energy.bank import EnergyBank
-from aligntax.energy.front import STRENGTH_FEATURES, HarmBasis, RowStrength
+from aligntax.energy.front import HarmBasis, RowStrength
 from aligntax.energy.gate import HarmGate
 from aligntax.energy.model import EnergyModel
 from aligntax.errors import AligntaxError
 from aligntax.interventions.base import Intervention
-from aligntax.interventions.kernels import POSITION_MODES, RowKernel, Site, check_positions, merge_stats
+from aligntax.interventions.els_kernel import ElsKernel
+from aligntax.interventions.kernels import POSITION_MODES, check_positions
+from aligntax.interventions.options import need_path, option, register
 
-__all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "EnergySteering", "ElsKernel", "check_positions",
+__all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "ElsKernel", "ElsOptions", "EnergySteering", "check_positions",
            "resolve_settings", "tuned_settings"]
 # Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one: the
 # demo's safe rule (the validation grid of ``aligntax demo`` is built around it): the bank's best
@@ -119,6 +123,7 @@ class EnergySteering(Intervention):
     """ELS on a set of layers, each with its own energy model."""
 
     name = "els"
+    cacheable = False  # config() names the bank's folder, not its content
 
     def __init__(self, models: dict[int, EnergyModel], eta: float = 0.3, steps: int = 3,
                  positions: str = "last_and_generated", scale_by_norm: bool = True,
@@ -176,15 +181,14 @@ class EnergySteering(Intervention):
         if row_strength is not None:
             if gate is None:
                 raise AligntaxError("A row strength model reads the harm gate's logit: it needs the folder's gate.")
-            if row_strength.layer != self.first_layer:
+            if row_strength.layer != min(self.models):
                 raise AligntaxError(f"The row strength model was fitted on features of layer {row_strength.layer}, "
-                                    f"but steering starts at layer {self.first_layer}; fit one for this layer "
+                                    f"but steering starts at layer {min(self.models)}; fit one for this layer "
                                     "(aligntax els row-strength --layers ...).")
             if self.gate_ramp is not None or self.row_threshold is not None:
                 raise AligntaxError("A row strength model replaces the gate's and the row energy's cut-offs: "
                                     "not with gate_ramp or row_threshold.")
-        self._device_models: dict[tuple[int, str], EnergyModel] = {}
-        self._device_dirs: dict[tuple[int, str], torch.Tensor] = {}
+        self._kernel: ElsKernel | None = None
         self.settings_from: str | None = None
 
     @property
@@ -302,49 +306,6 @@ class EnergySteering(Intervention):
         return {"layer": self.gate.layer, "threshold": self.gate_threshold, **extra}
 
     @property
-    def first_layer(self) -> int:
-        """The first steered block: the row energy decision reads the state entering it."""
-        return min(self.models)
-
-    def gate_scale(self, p: torch.Tensor) -> torch.Tensor:
-        """Per-row strength from the harm gate's p(harmful): 0 at or above its threshold, 1 below
-        ``gate_ramp`` (or below the threshold, without a ramp), linear in between."""
-        t = self.gate_threshold
-        if self.gate_ramp is None:
-            return (p < t).float()
-        return ((t - p) / (t - self.gate_ramp)).clamp(0.0, 1.0).float()
-
-    def harm_p(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The harm gate's p(harmful) ``[N]`` from ``{block: [N, d]}`` at the last prompt token."""
-        dev = states[self.gate.layer].device
-        return self.gate.prob(self.gate.stack({b: states[b].to(dev) for b in self.gate.layers}))
-
-    def row_features(self, states: dict[int, torch.Tensor], directions: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
-        """The row strength model's features ``[N, F]`` (:data:`~aligntax.energy.front.STRENGTH_FEATURES`)
-        from ``{block: [N, d]}`` at the last prompt token (the gate's blocks and the first steered one).
-        ``directions``: the unit refusal and harm directions at the first steered block (default: the
-        row strength model's)."""
-        if self.gate is None:
-            raise AligntaxError("The row strength features read the harm gate's logit: no gate.")
-        last = states[self.first_layer]
-        dev = last.device
-        gate_logit = self.gate.logit(self.gate.stack({b: states[b].to(dev) for b in self.gate.layers}))
-        if directions is None:
-            if self.row_strength is None:
-                raise AligntaxError("row_features needs the refusal and harm directions (no row strength model).")
-            refusal, harm = self.row_strength.projections(last)
-        else:
-            refusal, harm = (last.float() @ d.to(dev).float() for d in directions)
-        cols = {"gate_logit": gate_logit, "energy": self.row_energy(last), "refusal_proj": refusal, "harm_proj": harm}
-        return torch.stack([cols[f].float().to(dev) for f in STRENGTH_FEATURES], dim=-1)
-
-    def row_energy(self, last: torch.Tensor) -> torch.Tensor:
-        """Energy of the last prompt token's state entering the first steered block, ``[N, d] -> [N]``."""
-        with torch.no_grad():
-            return self._model_on(self.first_layer, last.device)(last.float(), check=False)
-
-    @property
     def prefix_free(self) -> bool:  # the gate reads the last prompt token; steering starts there unless "all"
         return self.positions != "all"
 
@@ -353,148 +314,60 @@ class EnergySteering(Intervention):
             return self.layer_eta[layer]
         return self.eta * self.norms[layer] if self.scale_by_norm else self.eta
 
-    def _model_on(self, layer: int, device: torch.device) -> EnergyModel:
-        """The layer's energy model on ``device`` (a copy, made once, when it lives elsewhere), eval mode."""
-        key = (layer, str(device))
-        m = self._device_models.get(key)
-        if m is None:
-            m = self.models[layer]
-            if m.in_mean.device != torch.device(device):
-                m = copy.deepcopy(m).to(device)
-            m.eval()
-            self._device_models[key] = m
-        return m
-
-    # ---- the steering step ----------------------------------------------------------------------------
-    def steer(self, layer: int, x: torch.Tensor, row_scale: torch.Tensor,
-              acc: dict | None = None) -> torch.Tensor:
-        """K energy-descent steps on ``x`` ``[B, T, d]`` (float32); ``row_scale`` ``[B, 1, 1]``."""
-        model = self._model_on(layer, x.device)
-        eta = self.step_size(layer)
-        q = self._dirs_on(layer, x.device)  # [k, d] orthonormal, or None
-        scale = row_scale.to(x.device, torch.float32).view(-1, 1)  # [B, 1]
-        rows_on = scale != 0  # [B, 1]
-        bad = torch.zeros((), dtype=torch.bool, device=x.device)
-        e0 = None
-        first_active = None
-        for _ in range(self.steps):
-            finite = torch.isfinite(x).all(-1)  # [B, T]
-            e, g = self._energy_grad(model, torch.where(finite[..., None], x, torch.zeros_like(x)))
-            active = rows_on & finite
-            if self.threshold is not None:
-                active = active & (e > self.threshold)
-            bad = bad | (rows_on & ~finite).any()
-            if e0 is None:
-                e0, first_active = e, active
-            norm = g.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            u = g / norm
-            if q is not None:  # off the harm subspace: no move along what makes a prompt harmful
-                u = u - (u @ q.T) @ q
-            step = (eta * scale)[..., None] * u
-            x = torch.where(active[..., None], x - step, x)
-        if acc is not None and self.steps > 0:
-            with torch.no_grad():
-                finite = torch.isfinite(x).all(-1)
-                e1 = model(torch.where(finite[..., None], x, torch.zeros_like(x)), check=False)
-            counted = rows_on.expand_as(e0)
-            acc["positions"] = acc.get("positions", 0) + counted.sum()
-            acc["steered"] = acc.get("steered", 0) + first_active.sum()
-            acc["energy_before"] = acc.get("energy_before", 0) + torch.where(counted, e0, 0).sum()
-            acc["energy_after"] = acc.get("energy_after", 0) + torch.where(counted, e1, 0).sum()
-            acc["nonfinite"] = acc.get("nonfinite", torch.zeros((), dtype=torch.bool, device=x.device)) | bad
-        return x
-
-    def _dirs_on(self, layer: int, device: torch.device) -> torch.Tensor | None:
-        """The layer's harm directions ``[k, d]`` on ``device`` (float32), or None without ``harm_orth``."""
-        if not self.harm_dirs:
-            return None
-        key = (layer, str(device))
-        q = self._device_dirs.get(key)
-        if q is None:
-            q = self._device_dirs[key] = self.harm_dirs[layer].to(device=device, dtype=torch.float32)
-        return q
-
-    def _energy_grad(self, model: EnergyModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.grad_method == "closed":
-            return model.energy_and_grad(x, check=False)
-        # Autograd on a detached float32 leaf: the graph covers the energy MLP only, never the LLM.
-        with torch.enable_grad():
-            leaf = x.detach().requires_grad_(True)
-            e = model(leaf)
-            (g,) = torch.autograd.grad(e.sum(), leaf)
-        return e.detach(), g
-
     def kernel(self, n_layers: int, hidden_size: int | None = None) -> ElsKernel:
-        kernel = ElsKernel(self)
-        kernel.check(n_layers)
-        return kernel
+        """The ELS math for these settings (:class:`~aligntax.interventions.els_kernel.ElsKernel`), made
+        once: it keeps its energy models' copies on other devices."""
+        if self._kernel is None:
+            self._kernel = ElsKernel(
+                self.models, {layer: self.step_size(layer) for layer in self.models}, self.steps,
+                threshold=self.threshold, positions=self.positions, horizon=self.horizon,
+                grad_method=self.grad_method, gate=self.gate, gate_threshold=self.gate_threshold,
+                gate_ramp=self.gate_ramp, row_threshold=self.row_threshold, harm_dirs=self.harm_dirs,
+                row_strength=self.row_strength)
+        self._kernel.check(n_layers)
+        return self._kernel
 
 
-class ElsKernel(RowKernel):
-    """ELS as a row kernel: K energy-descent steps on the rows at each steered block; the harm gate
-    (p(harmful) at its layers) and the row energy decision (the energy entering the first steered
-    block) decide the per-row strength at the last prompt token."""
+@dataclass
+class ElsOptions:
+    path: str | None = option("energy model folder (implies --intervention els; an `aligntax els distill` "
+                              "folder implies els-lora)", flag="--steer")
+    eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", check="positive",
+                               grid=True, grid_default=(0.2, 0.3, 0.5), request=True)
+    steps: int | None = option("ELS descent steps", parse="int", check="count", grid=True, grid_default=(3,),
+                               request=True)
+    layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
+                                      grid=True, grid_default=(), request=True)
+    top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", check="positive_count",
+                                grid=True, grid_default=(1, 2), request=True)
+    threshold: float | str | None = option(
+        "ELS: move a position only while its energy is above this ('none': off, even if tuned)",
+        flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", check="finite", grid=True,
+        grid_default=(None, 0.0), request=True)
+    gate: float | bool | str | None = option(
+        "ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
+        "threshold; 'none': off, even if tuned)", parse="gate", check="probability", grid=True, request=True)
+    horizon: int | str | None = option("ELS: steer only the first N generated tokens ('none': all)",
+                                       parse="int_or_none", check="count", grid=True, request=True)
+    row_threshold: float | str | None = option(
+        "ELS: steer a row only when its last prompt token's energy is above this ('none': off, even if tuned)",
+        parse="float_or_none", check="finite", grid=True, request=True)
+    gate_ramp: float | str | None = option(
+        "ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)",
+        parse="float_or_none", check="probability", grid=True, request=True)
+    harm_orth: int | str | None = option(
+        "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
+        parse="int_or_none", check="count", grid=True, off=0)
+    row_strength: bool | str | None = option(
+        "ELS: the folder's learned per-row strength instead of the gate's and the row energy's cut-offs "
+        "('on' or 'off')", parse="switch", grid=True)
+    positions: str | None = option("last_and_generated, generated or all", cli=False)
+    scale_by_norm: bool | None = option("step size in units of the layer's median residual norm", cli=False)
+    grad_method: str | None = option("closed (the energy model's own backward) or autograd", cli=False)
 
-    def __init__(self, iv: EnergySteering):
-        self.iv = iv
-        self.sites = [Site(layer) for layer in sorted(iv.models)] if iv.steps > 0 else []
-        decision = list(iv.gate.layers) if iv.gate is not None else []
-        if iv.row_threshold is not None or iv.row_strength is not None:
-            decision.append(iv.first_layer)
-        self.decision_layers = sorted(set(decision))
-        self.positions = iv.positions
-        self.horizon = iv.horizon
 
-    def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-        iv, parts = self.iv, {}
-        if iv.row_strength is not None:  # the learned strength replaces the gate's and the energy's cut-offs
-            parts["els_strength"] = iv.row_strength.strength(iv.row_features(states))
-            return parts
-        if iv.gate is not None:  # the strength the harm gate allows (0: held back)
-            parts["els_gate"] = iv.gate_scale(iv.harm_p(states))
-        if iv.row_threshold is not None:  # 1 for rows whose last prompt token predicts a bad end
-            parts["els_row_energy"] = (iv.row_energy(states[iv.first_layer]) > iv.row_threshold).float()
-        return parts
-
-    @property
-    def read_layers(self) -> list[int]:
-        return sorted({self.iv.first_layer, *self.decision_layers})
-
-    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict]:
-        """Per row: ``energy`` (the row energy at the first steered block), ``harm_p`` (with a gate),
-        ``steered`` (the gate and the row energy decision pass it) and ``strength``."""
-        iv = self.iv
-        energy = iv.row_energy(states[iv.first_layer]).cpu()
-        rows = [{"energy": round(float(e), 4)} for e in energy]
-        if iv.gate is not None:
-            for r, p in zip(rows, iv.harm_p(states).cpu(), strict=True):
-                r["harm_p"] = round(float(p), 4)
-        if iv.row_strength is not None:  # the model's probability, before the floor
-            for r, p in zip(rows, iv.row_strength.prob(iv.row_features(states)).cpu(), strict=True):
-                r["strength_p"] = round(float(p), 4)
-        scale = self.decide(states).cpu() if self.decision_layers else torch.ones(len(rows))
-        for r, sc in zip(rows, scale, strict=True):
-            r.update(steered=bool(sc > 0 and iv.steps > 0), strength=round(float(sc), 4))
-        return rows
-
-    def edit(self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
-        n, d = rows.shape
-        x = self.iv.steer(site.layer, rows.float().view(n, 1, d), strength.view(n, 1, 1), stats)
-        return x.view(n, d).to(rows.dtype)
-
-    def finish(self, site_stats: dict[Site, dict], stats: dict) -> None:
-        """Per steered layer: positions seen, positions moved, mean energy before and after (one device
-        sync per layer); NaN/inf states at steered positions raise."""
-        nonfinite = False
-        summary = {}
-        for site, a in site_stats.items():
-            nonfinite = nonfinite or bool(a["nonfinite"])
-            count = int(a["positions"])
-            summary[site.layer] = {"positions": count, "steered": int(a["steered"]),
-                                   "energy_before": float(a["energy_before"]) / count if count else None,
-                                   "energy_after": float(a["energy_after"]) / count if count else None,
-                                   "eta": self.iv.step_size(site.layer)}
-        merge_stats(stats.setdefault("els", {}), summary)
-        if nonfinite:
-            raise AligntaxError("Energy steering met NaN/inf hidden states at steered positions; the model "
-                                "produced non-finite activations (try float32).")
+@register("els", ElsOptions, "energy landscape steering from an energy bank folder")
+def _els(lm, o: ElsOptions) -> EnergySteering:
+    path = need_path("els", o.path)
+    kwargs = {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name != "path"}
+    return EnergySteering.from_dir(path, lm, **{k: v for k, v in kwargs.items() if v is not None})

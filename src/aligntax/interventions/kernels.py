@@ -8,7 +8,8 @@ Every steering method (ELS, activation addition, direction ablation, CAST) is a 
   ``decision_layers`` at the request's last prompt token, giving a per-row strength (0: held back,
   never edited);
 - ``edit(site, rows [N, d], strength [N])``: the edit of a set of token states, rows of any batch;
-- which tokens it edits: :func:`edited` (``positions`` and ``horizon``), the one rule both backends use.
+- which tokens it edits: :func:`edited_span` of its ``positions`` and ``horizon``, the one rule both
+  backends use (:func:`edited`, :func:`token_slice`, :func:`edited_mask`).
 
 A kernel knows nothing of batches, padding, KV caches or hooks. :func:`attach_kernel` maps a padded
 Hugging Face batch to rows (the positions from the prompt length and a per-site counter of decode
@@ -31,7 +32,8 @@ from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_a
 from aligntax.models.layers import decoder_layers
 
 __all__ = ["POSITION_MODES", "SITE_KINDS", "RowKernel", "Site", "attach_kernel", "attention_module",
-           "check_positions", "decide_at_prefill", "edited", "merge_stats", "token_slice"]
+           "check_positions", "decide_at_prefill", "edited", "edited_mask", "edited_span", "merge_stats", "span_slice",
+           "token_slice"]
 
 POSITION_MODES = ("last_and_generated", "generated", "all")
 
@@ -133,38 +135,59 @@ class RowKernel:
                 raise AligntaxError(f"Decision layer {layer} does not exist: the model has {n_layers} layers.")
 
 
-def edited(position: int, prompt_len: int, kernel: RowKernel, site: Site) -> bool:
-    """Whether the token at absolute ``position`` (0-based) of a request whose prompt has
-    ``prompt_len`` tokens is edited at ``site``: every token with ``positions="all"``; else from the
-    last prompt token (``"last_and_generated"``, where the kernel edits it at this site) or the first
+def edited_span(prompt_len, positions: str = "last_and_generated", horizon: int | None = None,
+                last_prompt: bool = True):
+    """The position rule: the absolute positions (0-based) edited in a request whose prompt has
+    ``prompt_len`` tokens (an int, or a tensor of them), as ``(first, stop)``: positions ``first <= p <
+    stop`` (``stop`` None: no end). Every token with ``positions="all"``; else from the last prompt token
+    (``"last_and_generated"``, where ``last_prompt``: the kernel edits it at this site) or the first
     generated token's input on; with a ``horizon`` H only positions before ``prompt_len + H`` (the last
-    prompt token and the first H generated tokens fed back)."""
-    if kernel.horizon is not None and position >= prompt_len + kernel.horizon:
-        return False
-    if kernel.positions == "all":
-        return True
-    if position >= prompt_len:
-        return True
-    return (position == prompt_len - 1 and kernel.positions == "last_and_generated"
-            and kernel.edits_last_prompt(site))
+    prompt token and the first H generated tokens fed back). Both backends edit by this rule alone
+    (:func:`edited`, :func:`token_slice`, :func:`edited_mask`)."""
+    if positions == "all":
+        first = 0
+    elif positions == "last_and_generated" and last_prompt:
+        first = prompt_len - 1
+    else:
+        first = prompt_len
+    return first, (None if horizon is None else prompt_len + horizon)
+
+
+def _kernel_span(prompt_len, kernel: RowKernel, site: Site):
+    return edited_span(prompt_len, kernel.positions, kernel.horizon, kernel.edits_last_prompt(site))
+
+
+def edited(position: int, prompt_len: int, kernel: RowKernel, site: Site) -> bool:
+    """Whether the token at absolute ``position`` of a request whose prompt has ``prompt_len`` tokens is
+    edited at ``site`` (:func:`edited_span` of the kernel's ``positions`` and ``horizon``)."""
+    first, stop = _kernel_span(prompt_len, kernel, site)
+    return first <= position and (stop is None or position < stop)
+
+
+def edited_mask(positions: torch.Tensor, prompt_lens: torch.Tensor, kernel: RowKernel, site: Site) -> torch.Tensor:
+    """:func:`edited` for many tokens at once: ``positions`` and their requests' ``prompt_lens`` (long
+    tensors of one shape) -> bool mask of the tokens edited at ``site``."""
+    first, stop = _kernel_span(prompt_lens, kernel, site)
+    mask = positions >= first
+    if stop is not None:
+        mask &= positions < stop
+    return mask
+
+
+def span_slice(seq_len: int, start: int, first: int, stop: int | None) -> slice:
+    """The slice of a forward holding the contiguous absolute positions ``start .. start + seq_len - 1``
+    that lies in the span ``[first, stop)`` of :func:`edited_span` (empty: ``start >= stop``)."""
+    stop_abs = start + seq_len if stop is None else min(start + seq_len, stop)
+    lo = min(max(first - start, 0), seq_len)
+    hi = max(lo, min(stop_abs - start, seq_len))
+    return slice(lo, hi)
 
 
 def token_slice(seq_len: int, start: int, prompt_len: int, kernel: RowKernel, site: Site) -> slice:
     """:func:`edited` for a forward holding the contiguous absolute positions ``start ..
     start + seq_len - 1`` of every row (left padding puts each row's last prompt token at
     ``prompt_len - 1``): the slice of the forward's positions to edit."""
-    if kernel.positions == "all":
-        first = 0
-    elif kernel.positions == "last_and_generated" and kernel.edits_last_prompt(site):
-        first = prompt_len - 1
-    else:
-        first = prompt_len
-    stop_abs = start + seq_len
-    if kernel.horizon is not None:
-        stop_abs = min(stop_abs, prompt_len + kernel.horizon)
-    lo = min(max(first - start, 0), seq_len)
-    hi = max(lo, min(stop_abs - start, seq_len))
-    return slice(lo, hi)
+    return span_slice(seq_len, start, *_kernel_span(prompt_len, kernel, site))
 
 
 def decide_at_prefill(h: torch.Tensor, ctx, key, decide: Callable[[torch.Tensor], torch.Tensor],

@@ -22,15 +22,17 @@ import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from aligntax.activations.compat import check_fingerprint
+from aligntax.artefacts import check_fingerprint
 from aligntax.errors import AligntaxError, CompatibilityError
 from aligntax.hooks import hooks_attached
 from aligntax.interventions.base import Intervention, SteerContext
+from aligntax.interventions.options import need_path, option, register
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "FORMAT", "SIDECAR", "ElsLora", "is_els_lora_dir",
            "read_lora_weights"]
@@ -191,6 +193,19 @@ class ElsLora(Intervention):
         return {"name": self.name, "path": None if self.path is None else str(self.path), "lora_scale": self.scale,
                 "adapter_sha256": self._sha, "layers": self.layers,
                 "source": (self.meta.get("source") or {}).get("path")}
+
+
+@dataclass
+class ElsLoraOptions:
+    path: str | None = option("energy model folder (implies --intervention els), or an els-lora adapter folder "
+                              "(aligntax els distill)", flag="--steer")
+    scale: float | None = option("els-lora: multiplier of the adapter's update (0: the unsteered model; default 1)",
+                                 flag="--lora-scale", parse="float", check="finite")
+
+
+@register("els-lora", ElsLoraOptions, "ELS distilled into a LoRA adapter (aligntax els distill), applied by hooks")
+def _els_lora(lm, o: ElsLoraOptions) -> ElsLora:
+    return ElsLora.load(need_path("els-lora", o.path), lm, scale=o.scale)
 
 
 def check_modules(model: nn.Module, weights: dict, what: str) -> None:

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aligntax.errors import AligntaxError
 
-__all__ = ["CHECKS", "METHODS", "Method", "OptionSpec", "check_value", "cli_options", "option", "options_of",
-           "parse_value", "register"]
+__all__ = ["CHECKS", "METHODS", "PATH_KEYS", "Method", "OptionSpec", "check_value", "cli_options", "grid_fields",
+           "need_path", "option", "options_of", "parse_value", "register", "split_path"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,9 @@ class OptionSpec:
     a value must meet (a key of :data:`CHECKS`,
     applied on every face: command line, sweep grids, YAML ``intervention_args``, the library's keyword
     options); ``none`` / ``saved`` pass. ``cli``: offered on the command line; ``grid``: an axis of the
-    ELS sweep (comma-separated values); ``request``: a server client may set it per request."""
+    ELS sweep (comma-separated values), ``grid_default`` its values when a sweep does not give them, and
+    ``off`` a value that means the same as none (left out of a sweep setting, as none is);
+    ``request``: a server client may set it per request."""
 
     help: str
     flag: str | None = None
@@ -44,7 +46,18 @@ class OptionSpec:
     check: str | None = None
     cli: bool = True
     grid: bool = False
+    grid_default: tuple = (None,)
+    off: Any = None
     request: bool = False
+
+    @property
+    def value_type(self) -> Any:
+        """The type of one value of this option as the builders take it (a sweep grid holds a list of them)."""
+        return _VALUE_TYPES.get(self.parse, str)
+
+
+_VALUE_TYPES: dict[str, Any] = {"float": float, "int": int, "float_or_none": float | None, "int_or_none": int | None,
+                                "gate": float | bool | None, "switch": bool | None, "layers": list[int]}
 
 
 # Range rules: name -> (test of one finite number, what the message says the option takes). Every
@@ -86,6 +99,27 @@ def flag_of(f: dataclasses.Field) -> str:
     return spec_of(f).flag or "--" + f.name.replace("_", "-")
 
 
+PATH_KEYS = ("path", "dir", "directory")  # the spellings of an intervention's folder option
+
+
+def split_path(options: dict[str, Any], name: str) -> tuple[Any, dict[str, Any]]:
+    """An intervention's folder, given as ``path=``, ``dir=`` or ``directory=`` (None when none is set), and
+    its other options that are set; the folder given under two spellings is refused (``name``: the
+    intervention, for the message)."""
+    given = [k for k in PATH_KEYS if options.get(k) is not None]
+    if len(given) > 1:
+        raise AligntaxError(f"Intervention '{name}': give the folder once (path= or {given[1]}=).")
+    rest = {k: v for k, v in options.items() if k not in PATH_KEYS and v is not None}
+    return (options[given[0]] if given else None), rest
+
+
+def need_path(name: str, path: Any) -> str:
+    """The folder option of intervention ``name``, which loads a saved artefact from it: refused when missing."""
+    if not path:
+        raise AligntaxError(f"Intervention '{name}' needs dir= (the folder of its saved artefact).")
+    return path
+
+
 @dataclass(frozen=True)
 class Method:
     """A registered intervention: its name, options dataclass, builder ``build(lm, options)`` and a line of help."""
@@ -99,22 +133,19 @@ class Method:
         """Build with keyword options (None values ignored; ``dir=``/``directory=`` mean ``path=``); an
         option the method does not take is refused, or, with ``only_known``, left out (a caller holding
         the options of several methods)."""
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if only_known:
             known = {f.name for f in dataclasses.fields(self.options)}
-            kwargs = {k: v for k, v in kwargs.items() if k in known or k in ("dir", "directory")}
-        for alias in ("dir", "directory"):
-            if alias in kwargs:
-                if "path" in kwargs:
-                    raise AligntaxError(f"Intervention '{self.name}': give the folder once (path= or {alias}=).")
-                kwargs["path"] = kwargs.pop(alias)
+            kwargs = {k: v for k, v in kwargs.items() if k in known or k in PATH_KEYS}
+        path, kwargs = split_path(kwargs, self.name)
+        if path is not None:
+            kwargs["path"] = path
         self.check(kwargs)
         return self.build(lm, self.options(**kwargs))
 
     def check(self, kwargs: dict) -> None:
         """Refuse an option the method does not take, or a value outside its option's range rule."""
         fields = {f.name: f for f in dataclasses.fields(self.options)}
-        unknown = sorted(set(kwargs) - set(fields) - {"dir", "directory"})
+        unknown = sorted(set(kwargs) - set(fields) - set(PATH_KEYS))
         if unknown:
             raise AligntaxError(f"Unknown options for intervention '{self.name}': {', '.join(unknown)} "
                                 f"(it takes {', '.join(sorted(fields)) or 'none'}).")
@@ -128,8 +159,8 @@ METHODS: dict[str, Method] = {}
 
 def register(name: str, options: type, help: str, registry: dict[str, Method] | None = None) -> Callable:
     """Decorator: register ``build(lm, options) -> Intervention`` as intervention ``name`` in ``registry``
-    (default :data:`METHODS`, the steering methods; the value alignment tax keeps its value-targeted
-    methods, built from a context instead of a model, in a registry of its own)."""
+    (default :data:`METHODS`, the steering methods; the value alignment tax layers its value-targeted
+    methods, built from a context instead of a model, on them: :mod:`aligntax.vat.methods`)."""
     if not dataclasses.is_dataclass(options):
         raise TypeError(f"{options!r} is not a dataclass")
     table = METHODS if registry is None else registry
@@ -146,13 +177,30 @@ def options_of(name: str) -> list[dataclasses.Field]:
     return list(dataclasses.fields(METHODS[name].options))
 
 
-def parse_value(text: Any, parse: str, flag: str) -> Any:
-    """A text value (command line, comma-separated grid entry) read as ``parse`` says."""
-    if not isinstance(text, str):
-        return text
-    t = text.strip()
+def grid_fields(name: str) -> list[dataclasses.Field]:
+    """The options of method ``name`` that are axes of the sweep grid (declared ``grid=True``), in order."""
+    return [f for f in options_of(name) if spec_of(f).grid]
+
+
+_KEYWORDS = {"float_or_none": ("none",), "int_or_none": ("none",), "gate": ("none", "saved")}
+
+
+def parse_value(value: Any, parse: str, flag: str, *, json: bool = False) -> Any:
+    """One option value as the builders take it, read as ``parse`` says (see :class:`OptionSpec`); a value
+    it cannot read is an :class:`AligntaxError` naming ``flag``.
+
+    Text (the command line, a comma-separated grid entry, lm-eval's model args) is parsed; any other value
+    (YAML, lm-eval) is taken as it is, a single layer number as a one-element list. With ``json`` (a server
+    request's JSON) a value must already have its type: a finite number, an integer, a non-empty list of
+    integers, and text only for the words ``none`` and ``saved``. ``none`` gives ``"none"`` (off, even if
+    tuned), ``saved`` gives True."""
+    if json:
+        return _json_value(value, parse, flag)
+    if not isinstance(value, str):
+        return [value] if parse == "layers" and isinstance(value, int) and not isinstance(value, bool) else value
+    t = value.strip()
     try:
-        if parse in ("float_or_none", "int_or_none", "gate") and t.lower() == "none":
+        if parse in _KEYWORDS and t.lower() == "none":
             return "none"
         if parse == "switch":
             if t.lower() in ("on", "saved", "true", "yes", "1"):
@@ -172,8 +220,25 @@ def parse_value(text: Any, parse: str, flag: str) -> Any:
         kind = {"gate": "a probability, 'saved' or 'none'", "layers": "comma-separated layer numbers",
                 "switch": "'on' or 'off'"}.get(
             parse, "a number" + (" or 'none'" if parse.endswith("_or_none") else ""))
-        raise AligntaxError(f"{flag} takes {kind}, not {text!r}.") from None
+        raise AligntaxError(f"{flag} takes {kind}, not {value!r}.") from None
     return t
+
+
+def _json_value(value: Any, parse: str, flag: str) -> Any:
+    """:func:`parse_value` of a JSON value: the value when it has ``parse``'s type."""
+    if isinstance(value, str) and value in _KEYWORDS.get(parse, ()):
+        return True if value == "saved" else value
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if parse in ("float", "float_or_none", "gate") and number and math.isfinite(value):
+        return float(value)
+    if parse in ("int", "int_or_none") and number and isinstance(value, int):
+        return value
+    if parse == "layers" and isinstance(value, list) and value and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return list(value)
+    if parse == "str" and isinstance(value, str):
+        return value
+    raise AligntaxError(f"{flag} cannot be {value!r} (it is read as {parse}).")
 
 
 @dataclass(frozen=True)
@@ -195,10 +260,11 @@ class CliOption:
         return "iv_" + self.flag.lstrip("-").replace("-", "_")
 
 
-def cli_options() -> list[CliOption]:
-    """Every command-line option of the registered methods, one per flag, in declaration order."""
+def cli_options(methods: Mapping[str, Method] | None = None) -> list[CliOption]:
+    """Every command-line option of the registered methods (of ``methods``, default :data:`METHODS`),
+    one per flag, in declaration order."""
     out: dict[str, CliOption] = {}
-    for method in METHODS.values():
+    for method in (METHODS if methods is None else methods).values():
         for f in dataclasses.fields(method.options):
             spec = spec_of(f)
             if not spec.cli:
@@ -216,15 +282,18 @@ def cli_options() -> list[CliOption]:
     return list(out.values())
 
 
-def intervention_args(name: str | None, given: dict[str, Any]) -> dict:
-    """``intervention_args`` from command-line values ``{param: text or value}`` (None: not given):
-    each read as its option says; an option the chosen method does not take is refused."""
+def intervention_args(name: str | None, given: dict[str, Any], methods: Mapping[str, Method] | None = None) -> dict:
+    """``intervention_args`` from command-line values ``{param: text or value}`` (None: not given) of the
+    options of ``methods`` (default :data:`METHODS`): each read as its option says; an option the
+    chosen method does not take is refused."""
+    table = METHODS if methods is None else methods
+    method = table.get(name) if name else None
     args: dict = {}
-    for opt in cli_options():
+    for opt in cli_options(methods):
         value = given.get(opt.param)
         if value is None:
             continue
-        if name and name in METHODS and name not in opt.methods:
+        if method is not None and method.name not in opt.methods:
             raise AligntaxError(f"{opt.flag} is an option of {', '.join(opt.methods)}, not of '{name}'.")
         args[opt.name] = check_value(parse_value(value, opt.parse, opt.flag), opt.check, opt.flag)
     return args

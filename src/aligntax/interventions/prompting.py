@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aligntax.interventions.base import Intervention
+from aligntax.interventions.options import option, register
 
 SAFETY_SYSTEM_PROMPT = (
     "You are a helpful, honest and harmless assistant. Refuse requests that would cause real harm, "
@@ -31,6 +32,21 @@ class SystemPrompt(Intervention):
 
     def config(self) -> dict:
         return {"name": self.name, "text": self.text}
+
+
+@dataclass
+class PromptOptions:
+    text: str | None = option("the system prompt's text (default: the method's own)", cli=False)
+
+
+@register("system-prompt", PromptOptions, "the safety system prompt")
+def _system_prompt(lm, o: PromptOptions) -> SystemPrompt:
+    return SystemPrompt(o.text or SAFETY_SYSTEM_PROMPT, name="system-prompt")
+
+
+@register("helpful-prompt", PromptOptions, "the over-refusal-aware helpful system prompt")
+def _helpful_prompt(lm, o: PromptOptions) -> SystemPrompt:
+    return SystemPrompt(o.text or HELPFUL_SYSTEM_PROMPT, name="helpful-prompt")
 
 
 @dataclass

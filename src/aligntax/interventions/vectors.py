@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from aligntax.activations.compat import TensorArtefact
+from aligntax.artefacts import TensorArtefact
 from aligntax.errors import AligntaxError, DataError
 from aligntax.interventions.base import Intervention
 from aligntax.interventions.kernels import RowKernel, Site, check_positions
+from aligntax.interventions.options import need_path, option, register
 from aligntax.models.layers import resolve_layers
 
 Acts = torch.Tensor | dict[int, torch.Tensor]
@@ -132,6 +133,8 @@ def _as_layer_dict(vectors, what: str) -> dict[int, torch.Tensor]:
 class _VectorIntervention(Intervention):
     """What the vector interventions share: a coefficient, the steered positions (where they have
     them), an optional name over the class's own, and a per-device cache of their vectors."""
+
+    cacheable = False  # config() gives the vectors' layers and norms, not the vectors
 
     def __init__(self, coeff: float, name: str | None, positions: str | None = None):
         self.coeff = float(coeff)
@@ -323,6 +326,90 @@ class ConditionalSteering(_VectorIntervention):
 
 
 # ---- storage ---------------------------------------------------------------------------------------------
+@dataclass
+class _SavedVectorOptions:
+    """What every method reading a vector folder takes."""
+
+    path: str | None = option("vector folder for the vector baselines", flag="--vectors")
+    coeff: float | None = option("vector baselines: strength", parse="float", check="finite", request=True)
+    layer: int | None = option("vector baselines: the layer whose vector is used (default: the folder's)",
+                               parse="int", check="count", request=True)
+
+
+@dataclass
+class VectorOptions(_SavedVectorOptions):
+    layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
+                                      request=True)
+    positions: str | None = option("last_and_generated, generated or all (default all)", cli=False)
+
+
+@dataclass
+class CastOptions(_SavedVectorOptions):
+    threshold: float | None = option("CAST: the condition's cosine threshold (default: the fitted one)",
+                                      parse="float", check="finite", cli=False,
+                                      request=True)
+    mode: str | None = option("CAST: add or ablate the behaviour vector", cli=False)
+    compare: str | None = option("CAST: steer when the similarity is greater or less than the threshold",
+                                 cli=False)
+    behaviour: str | None = option("CAST: the saved vector to use (refusal, false_refusal)", cli=False)
+    behaviour_layers: str | list[int] | None = option("CAST: the layers it acts on (default all)", cli=False)
+
+
+def _fingerprint(lm) -> dict | None:
+    fp = getattr(lm, "fingerprint", None) if lm is not None else None
+    return dict(fp) if fp else None
+
+
+def _vectors(name: str, lm, path: str | None):
+    return SteeringVectors.load(need_path(name, path), expect_fingerprint=_fingerprint(lm),
+                                expect_hidden_size=lm.hidden_size if lm is not None else None)
+
+
+def _vector_method(name: str, lm, o: VectorOptions) -> _VectorIntervention:
+    vs = _vectors(name, lm, o.path)
+    kind = "false_refusal" if name == "false-refusal-ablation" else "refusal"
+    layer = vs.default_layer(kind) if o.layer is None else int(o.layer)
+    vec = vs.get(kind, layer)
+    coeff = 1.0 if o.coeff is None else float(o.coeff)
+    if name == "refusal-add":  # several layers: each gets its own layer's vector
+        vecs = {layer: vec} if o.layers is None else {int(x): vs.get(kind, int(x)) for x in o.layers}
+        return ActivationAddition(vecs, coeff=coeff, positions=o.positions or "all", name=name)
+    return DirectionAblation(vec, layers="all" if o.layers is None else o.layers, coeff=coeff,
+                             positions=o.positions or "all", name=name)
+
+
+@register("refusal-add", VectorOptions, "add the refusal vector of one layer (--layers: each listed layer's own)")
+def _refusal_add(lm, o: VectorOptions) -> _VectorIntervention:
+    return _vector_method("refusal-add", lm, o)
+
+
+@register("refusal-ablation", VectorOptions, "project the refusal direction (of --layer) out at every layer")
+def _refusal_ablation(lm, o: VectorOptions) -> _VectorIntervention:
+    return _vector_method("refusal-ablation", lm, o)
+
+
+@register("false-refusal-ablation", VectorOptions, "project the false-refusal direction out at every layer")
+def _false_refusal_ablation(lm, o: VectorOptions) -> _VectorIntervention:
+    return _vector_method("false-refusal-ablation", lm, o)
+
+
+@register("cast", CastOptions, "conditional steering from the saved CAST condition")
+def _cast(lm, o: CastOptions) -> _VectorIntervention:
+    vs = _vectors("cast", lm, o.path)
+    cast = dict(vs.metadata.get("cast") or {})
+    if not cast or "condition" not in vs.vectors:
+        raise AligntaxError("This vector folder has no CAST condition; compute it with pseudo-harmful prompts.")
+    layer = int(cast["condition_layer"])
+    behaviour = o.behaviour or cast.get("behaviour", "refusal")
+    vec = vs.get(behaviour, vs.default_layer(behaviour) if o.layer is None else int(o.layer))
+    return ConditionalSteering(
+        vs.get("condition", layer), layer, float(cast["threshold"] if o.threshold is None else o.threshold), vec,
+        behaviour_layers=o.behaviour_layers or cast.get("behaviour_layers", "all"),
+        mode=o.mode or cast.get("mode", "ablate"), coeff=1.0 if o.coeff is None else float(o.coeff),
+        compare=o.compare or cast.get("compare", "less"), center=vs.vectors.get("center", {}).get(layer),
+        name="cast")
+
+
 FORMAT = "aligntax.vectors/1"
 SIDECAR = "vectors.json"
 WEIGHTS = "vectors.safetensors"

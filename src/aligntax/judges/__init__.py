@@ -1,9 +1,8 @@
-"""Refusal judges: keyword, prefix, classifier (default), llm; plus first-token refusal scoring."""
+"""Refusal judges: keyword, prefix, classifier (default), llm; plus first-token refusal scoring of logits."""
 
 from aligntax.judges.base import RefusalJudge, Verdict
 from aligntax.judges.first_token import (
     REFUSAL_OPENINGS,
-    first_token_refusal_score,
     refusal_mass,
     refusal_token_ids,
 )
@@ -44,7 +43,6 @@ __all__ = [
     "RefusalJudge",
     "Verdict",
     "available_judges",
-    "first_token_refusal_score",
     "get_judge",
     "judge_jsonl",
     "read_pairs",

@@ -1,9 +1,9 @@
 """First-token refusal scoring: how much probability a model puts on refusal openings, without generating.
 
-For each chat prompt, the next-token distribution at the response start is computed once
-(``aligntax.generation.prompt_logits``) and the probability mass on a set of refusal-opening tokens
-is summed. The token set is the first token of each opening phrase ("I'm sorry", "I cannot", "As an
-AI", ...), tokenised with and without a leading space, deduplicated.
+The scoring only: given the next-token logits at the response start of each chat prompt (computed by
+``aligntax.generation.first_token_refusal_score``, which runs the model), the probability mass on a set
+of refusal-opening tokens is summed. The token set is the first token of each opening phrase ("I'm sorry",
+"I cannot", "As an AI", ...), tokenised with and without a leading space, deduplicated.
 
 Note that the first token of many openings is a generic one ("I", "As"), so the score is a cheap,
 smooth proxy for refusal (as in the refusal-direction literature), not a verdict on a response.
@@ -57,22 +57,3 @@ def refusal_mass(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor
     ids = torch.unique(ids)
     logp = torch.log_softmax(logits.float(), dim=-1)
     return torch.logsumexp(logp.index_select(1, ids), dim=-1).exp().clamp(0.0, 1.0).cpu()
-
-
-def first_token_refusal_score(lm, prompts: Sequence[str | list[dict]], system: str | None = None,
-                              intervention=None, batch_size: int = 32,
-                              openings: Iterable[str] = REFUSAL_OPENINGS,
-                              token_ids: Sequence[int] | None = None, progress: bool = False) -> list[float]:
-    """Per prompt, the probability the model's response starts with a refusal-opening token.
-
-    ``lm`` is an ``aligntax.models.LoadedModel``; ``system`` and ``intervention`` are applied as in
-    generation. ``token_ids`` overrides the ids derived from ``openings``.
-    """
-    from aligntax.generation import prompt_logits
-
-    if not prompts:
-        return []
-    ids = list(token_ids) if token_ids is not None else refusal_token_ids(lm.tokenizer, openings)
-    logits = prompt_logits(lm, prompts, system=system, intervention=intervention, batch_size=batch_size,
-                           progress=progress)
-    return [float(x) for x in refusal_mass(logits, ids).tolist()]

@@ -25,6 +25,7 @@ way (lm-eval reads ``intervention=none`` in model args as no intervention).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -51,11 +52,10 @@ INTERVENTION_OPTIONS = tuple(_OPTIONS)
 
 
 def _option(key: str, value):
-    """A model-arg value as the intervention wants it (model args arrive as strings or numbers)."""
-    if key == "layers" and isinstance(value, int):
-        return [value]
+    """A model-arg value as the intervention wants it (model args arrive as strings or numbers; commas
+    separate model args, so a layer list is written ``18:19``)."""
     if key == "layers" and isinstance(value, str):
-        value = ",".join(p for p in value.replace(";", ":").replace(" ", ":").replace(",", ":").split(":") if p)
+        value = re.sub(r"[:;\s]", ",", value)
     return parse_value(value, _OPTIONS[key].parse, key)
 
 

@@ -10,7 +10,9 @@ tend to answer "A" whatever the question; the answer lead-in makes them pick bet
 Prompts run in batches with left padding (position ids from the attention mask, as generation uses
 them) inside the intervention's ``attach`` context with a :class:`SteerContext`, exactly like a
 generation step: ELS steers the hidden state of the last prompt token, the one that predicts the
-letter. Message-rewriting interventions (system prompts) apply as well.
+letter. Message-rewriting interventions (system prompts) apply as well. The model runs in
+:mod:`aligntax.runs.mc` (``score_items``, ``mc_accuracy``, ``run_mc``); this module holds the questions,
+the prompt text and the scoring of the logits.
 
 ``letter_mass`` is the probability the model puts on any option letter at all: a steered model that
 stops answering in the expected form shows it there even when its argmax letter happens to be right.
@@ -24,15 +26,14 @@ the correct letters balanced over A-D within every subject. :func:`load_mc` also
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from aligntax.errors import AligntaxError, DataError
-from aligntax.interventions.base import Intervention, NoIntervention
+from aligntax.interventions.base import Intervention
 from aligntax.metrics.rates import rate
 
 LETTERS = "ABCDEFGH"
@@ -204,32 +205,16 @@ class MCScore:
     letter_mass: float
 
 
-def score_items(lm, items: Sequence[MCItem], intervention: Intervention | None = None,
-                system: str | None = None, batch_size: int = 16, progress: bool = False) -> list[MCScore]:
-    """Score every question with one forward pass each (batched, longest first), in input order."""
-    from aligntax.generation.generate import text_logits
-
-    if batch_size < 1:
-        raise AligntaxError("batch_size must be >= 1.")
-    intervention = intervention or NoIntervention()
-    lm.require_chat_template()
-    tok = lm.tokenizer
-    letter_ids = option_token_ids(tok, max((len(it.choices) for it in items), default=2))
-    texts = [mc_text(tok, it, system, intervention) for it in items]
-    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
-    logp_sorted = torch.log_softmax(text_logits(lm, [texts[i] for i in order], intervention, batch_size,
-                                                progress, desc="mc"), dim=-1)
-    out: list[MCScore | None] = [None] * len(items)
-    for row, i in enumerate(order):
-        n = len(items[i].choices)
-        per = torch.stack([torch.logsumexp(logp_sorted[row, letter_ids[k]], dim=0) for k in range(n)])
-        if not torch.isfinite(per).all():
-            raise AligntaxError("Non-finite option scores: the model produced NaN/inf logits.")
-        probs = torch.softmax(per, dim=0)
-        out[i] = MCScore([float(p) for p in probs], int(per.argmax()),
-                         float(torch.logsumexp(per, dim=0).exp().clamp(0.0, 1.0)))
-    return out  # type: ignore[return-value]
+def mc_score(logp: torch.Tensor, letter_ids: Sequence[Sequence[int]], n: int) -> MCScore:
+    """One question's score from the next-token log-probabilities (``[vocab]``) after its text
+    (:func:`mc_text`): each of its ``n`` options gets the summed probability of its letter tokens
+    (``letter_ids``, from :func:`option_token_ids`), normalised over the options."""
+    per = torch.stack([torch.logsumexp(logp[letter_ids[k]], dim=0) for k in range(n)])
+    if not torch.isfinite(per).all():
+        raise AligntaxError("Non-finite option scores: the model produced NaN/inf logits.")
+    probs = torch.softmax(per, dim=0)
+    return MCScore([float(p) for p in probs], int(per.argmax()),
+                   float(torch.logsumexp(per, dim=0).exp().clamp(0.0, 1.0)))
 
 
 def _acc(flags: list[bool]) -> dict:
@@ -237,12 +222,8 @@ def _acc(flags: list[bool]) -> dict:
     return {"n": r.n, "correct": r.k, "accuracy": r.value, "ci95": list(r.ci95)}
 
 
-def mc_accuracy(lm, items: Sequence[MCItem], intervention: Intervention | None = None,
-                system: str | None = None, batch_size: int = 16, progress: bool = False) -> dict:
+def mc_results(items: Sequence[MCItem], scores: Sequence[MCScore]) -> dict:
     """Accuracy with a Wilson 95% interval, per subject, the mean letter mass, and one row per item."""
-    if not items:
-        raise DataError("No multiple-choice questions to score.")
-    scores = score_items(lm, items, intervention, system, batch_size, progress)
     rows = [{**it.to_dict(), "pred": s.pred, "correct": s.pred == it.answer,
              "probs": [round(p, 6) for p in s.probs], "letter_mass": round(s.letter_mass, 6)}
             for it, s in zip(items, scores, strict=True)]
@@ -252,59 +233,6 @@ def mc_accuracy(lm, items: Sequence[MCItem], intervention: Intervention | None =
             "by_subject": {s: _acc([r["correct"] for r in rows if r["subject"] == s]) for s in subjects}
             if subjects != [""] else {},
             "rows": rows}
-
-
-# ------------------------------------------------------------------------------------------ run folder
-@dataclass
-class MCConfig:
-    """Settings of ``aligntax mc``."""
-
-    out: str
-    model: str
-    data: str = BUILTIN
-    limit: int | None = None
-    system: str | None = None
-    batch_size: int = 16
-    dtype: str = "bf16"
-    intervention: str | None = None
-    intervention_args: dict = field(default_factory=dict)
-    progress: bool = True
-
-
-def run_mc(cfg: MCConfig, lm=None, intervention: Intervention | None = None) -> dict:
-    """Score the set and write ``OUT/samples.jsonl`` (one line per question) and ``OUT/results.json``."""
-    from dataclasses import asdict
-
-    from aligntax.runs.fsio import write_json_atomic
-    from aligntax.runs.jsonl import append_jsonl
-
-    items = load_mc(cfg.data, cfg.limit)
-    if lm is None:
-        from aligntax.models import load_model
-
-        lm = load_model(cfg.model, dtype=cfg.dtype)
-    if intervention is None and cfg.intervention and cfg.intervention != "none":
-        from aligntax.interventions.registry import make_intervention
-
-        intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    res = mc_accuracy(lm, items, intervention, cfg.system, cfg.batch_size, cfg.progress)
-    seconds = time.perf_counter() - t0
-    samples = out / "samples.jsonl"
-    samples.unlink(missing_ok=True)
-    append_jsonl(samples, res.pop("rows"))
-    results = {
-        "config": asdict(cfg),
-        "data": str(BUILTIN_PATH) if cfg.data == BUILTIN else cfg.data,
-        "intervention": intervention.config() if intervention is not None else None,
-        "model_fingerprint": getattr(lm, "fingerprint", None),
-        **res,
-        "seconds": round(seconds, 2),
-    }
-    write_json_atomic(out / "results.json", results, default=str)
-    return results
 
 
 def format_accuracy(res: dict) -> str:

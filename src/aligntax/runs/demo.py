@@ -8,6 +8,7 @@ table and the Pareto plot. Every stage resumes from its folder.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from aligntax.backends import LABELS
 from aligntax.backends.hf import HFSource
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
+from aligntax.errors import AligntaxError
 from aligntax.generation.source import SourceSpec
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
@@ -72,6 +74,14 @@ class DemoConfig:
     # (quick profile: CAST, the conditional steering baseline that complies most while refusing harmful
     # prompts at all; it leaves most rows unsteered, which are copied from the unsteered run)
     test_baselines: list[str] = field(default_factory=lambda: ["cast"])
+    # the front mechanisms entered into the validation sweep beside plain ELS (docs/els.md, docs/els-lora.md):
+    # "harm-orth": the best layer's gated setting with each step projected off 2 harm directions (the harm
+    # basis that ELS training computes; no extra stage); "row-strength": the learned per-row strength in
+    # place of the gate's and row energy's cut-offs, fitted first on training prompts; "els-lora": ELS
+    # distilled into a LoRA adapter, at scales 0.5 and 1. The last two are a stage of their own
+    # ("front mechanisms"). The sweep's rules select among all of them; the adapter is chosen when it is
+    # eligible and complies more on validation than the best ELS setting.
+    mechanisms: list[str] = field(default_factory=lambda: ["harm-orth"])
     progress: bool = True
     # "hf" (aligntax's own batched loop) or "vllm": every generation of the evaluations, the sweep and
     # the known-answer check on one vLLM engine (aligntax.backends.vllm; ./run setup-vllm). ELS training,
@@ -82,7 +92,12 @@ class DemoConfig:
 # The complete evaluation (``aligntax demo --full``): every training prompt the ELS paper's recipe takes,
 # every sweep setting on every validation prompt, and every baseline on the test sets.
 FULL_PROFILE = {"limit_benign_train": 600, "limit_gate_harmful": 600, "limit_gate_benign": None,
-                "sweep_halving": None, "test_baselines": ["system-prompt", "refusal-ablation", "cast"]}
+                "sweep_halving": None, "test_baselines": ["system-prompt", "refusal-ablation", "cast"],
+                "mechanisms": ["harm-orth", "row-strength", "els-lora"]}
+MECHANISMS = ("harm-orth", "row-strength", "els-lora")
+# the ELS setting the demo's grid is built around (and that els-lora distils): the best energy layer, three
+# steps of eta 0.35, the harm gate at its saved threshold, the row energy decision at -2, 16 tokens
+_CORE = {"top_k": 1, "eta": 0.35, "steps": 3, "threshold": None, "gate": True, "horizon": 16}
 
 
 def demo_config(full: bool = False, **settings) -> DemoConfig:
@@ -118,6 +133,15 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stages = ["baseline evaluation", "ELS training (labels, activations, energy models, vectors, harm gate)",
               "validation sweep", "steered evaluation"]
+    unknown = sorted(set(cfg.mechanisms) - set(MECHANISMS))
+    if unknown:
+        raise AligntaxError(f"Unknown front mechanism(s) {unknown}; choose from {', '.join(MECHANISMS)}.")
+    if cfg.backend != "hf" and "els-lora" in cfg.mechanisms:
+        cfg.mechanisms = [m for m in cfg.mechanisms if m != "els-lora"]
+        print("[demo] els-lora runs on the Hugging Face backend only (hooks on linear layers): left out of the "
+              "sweep", file=sys.stderr, flush=True)
+    fitted = [m for m in cfg.mechanisms if m in ("row-strength", "els-lora")]
+    stages[2:2] = ["front mechanisms"] if fitted else []
     stages += ["known-answer check"] if cfg.knowns else []
     stages += ["baselines on the test sets"] if cfg.test_baselines else []
     clock = _Clock(["model load", *stages], cfg.progress, STAGE_MINUTES["full" if cfg.full else "quick"])
@@ -129,8 +153,6 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     clock.speed = calibration / CALIBRATION_SECONDS
     clock.lap("model load")
     if cfg.progress:
-        import sys
-
         print(f"[demo] {'complete evaluation' if cfg.full else 'quick profile'} ({len(stages)} stages): about "
               f"{clock.left(1):.0f} min on this machine (its calibration forward took {calibration:.2f} s, "
               f"{CALIBRATION_SECONDS:.2f} s on the reference machine)", file=sys.stderr, flush=True)
@@ -150,29 +172,39 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
                              limit_gate_harmful=cfg.limit_gate_harmful, limit_gate_benign=cfg.limit_gate_benign,
                              **train_common), lm=lm)
     clock.lap()
+    if fitted:
+        clock.begin(stages.index("front mechanisms") + 1,
+                    " and ".join({"row-strength": "fit the learned per-row strength on training prompts",
+                                  "els-lora": "distil ELS into a LoRA adapter"}[m] for m in fitted))
+        _front_mechanisms(cfg, out, lm)
+        clock.lap()
     sweep_cfg = demo_sweep_config(cfg, out / "els")
     n_settings = (len(sweep_cfg.top_k) + len(sweep_cfg.layers)) * len(sweep_cfg.row_threshold) + len(sweep_cfg.extra)
     rounds = (f" on a stratified 1/{sweep_cfg.halving} of the validation prompts, the {sweep_cfg.halving_keep} "
               "best on all of them" if sweep_cfg.halving else "")
-    clock.begin(3, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
+    n_settings += len(sweep_cfg.lora) * len(sweep_cfg.lora_scales)
+    clock.begin(stages.index("validation sweep") + 1, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
                    f"(validation: {', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
                    "pick the best eligible one")
     sweep = run_sweep(sweep_cfg, lm=lm, source=source)
     clock.lap()
-    best = sweep["best"]
+    best = selected(sweep)
     steered = knowns = None
-    clock.begin(4, "the selected setting on the test sets (rows it leaves unsteered are copied)")
+    clock.begin(stages.index("steered evaluation") + 1,
+                "the selected setting on the test sets (rows it leaves unsteered are copied)")
     if best is not None:
-        args = {"path": str(out / "els"), **best["args"]}
+        name = best["name"]
+        args = {"path": str(out / "els"), **best["args"]}  # an adapter's args name its own folder
         _set_aside_if_changed(out / "steered", args)
         # rows the harm gate holds back are answered exactly as unsteered: take them from the baseline
         steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
-                                      intervention="els", intervention_args=args,
+                                      intervention=name, intervention_args=args,
                                       reuse_unsteered=str(out / "baseline"), **common), lm=gen_lm, source=source)
         clock.lap()
         if cfg.knowns:
-            clock.begin(5, "everyday questions with known answers, unsteered and steered (test split)")
-            knowns = _knowns(cfg, out, gen_lm, source, args)
+            clock.begin(stages.index("known-answer check") + 1,
+                        "everyday questions with known answers, unsteered and steered (test split)")
+            knowns = _knowns(cfg, out, gen_lm, source, name, args)
             clock.lap()
     tests = None
     if cfg.test_baselines:
@@ -189,6 +221,45 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     return summary
 
 
+def selected(sweep: dict) -> dict | None:
+    """The sweep's choice: its best ELS setting, or its best els-lora setting when that one is eligible too
+    and complies more on validation (ties go to ELS, which steers only the rows it decides to)."""
+    best, lora = sweep.get("best"), sweep.get("best_lora")
+    if lora is not None and (best is None or lora["benign_compliance"] > best["benign_compliance"]):
+        return lora
+    return best
+
+
+def _front_mechanisms(cfg: DemoConfig, out: Path, lm) -> None:
+    """The learned per-row strength (``els/row_strength.safetensors``) and the els-lora adapter
+    (``els-lora/``) of the demo's ELS folder, as ``cfg.mechanisms`` asks; each kept when already made."""
+    els = out / "els"
+    layer = _best_layer(els)
+    if "row-strength" in cfg.mechanisms and not (els / "row_strength.json").is_file():
+        from aligntax.runs.strength import StrengthConfig, fit_strength
+
+        try:
+            fit_strength(StrengthConfig(steer=str(els), model=cfg.model, layers=[layer], eta=_CORE["eta"],
+                                        steps=_CORE["steps"], horizon=_CORE["horizon"], limit_benign=150,
+                                        limit_harmful=150, max_new_tokens=cfg.sweep_max_new_tokens,
+                                        judge=cfg.judge, batch_size=cfg.batch_size, dtype=cfg.dtype,
+                                        progress=cfg.progress), lm=lm)
+        except AligntaxError as exc:  # e.g. a model that over-refuses no training prompt: nothing to learn
+            cfg.mechanisms = [m for m in cfg.mechanisms if m != "row-strength"]
+            print(f"[demo] row-strength left out of the sweep: {exc}", file=sys.stderr, flush=True)
+    if "els-lora" in cfg.mechanisms and not (out / "els-lora" / "els_lora.json").is_file():
+        from aligntax.runs.els_lora import DistillConfig, distill_els_lora
+
+        setting = {k: v for k, v in _CORE.items() if k != "top_k"}
+        distill_els_lora(DistillConfig(steer=str(els), out=str(out / "els-lora"), model=cfg.model,
+                                       els={**setting, "layers": [layer], "row_threshold": -2.0},
+                                       dtype=cfg.dtype, progress=cfg.progress), lm=lm)
+
+
+def _best_layer(els_dir: Path) -> int:
+    return int(json.loads((els_dir / "energy.json").read_text())["layers"][0])
+
+
 def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
     """The demo's validation grid: the three most accurate energy layers, each with the harm gate at its
     saved threshold and the row energy decision at 0 and -2 (steer a row only when its last prompt
@@ -203,22 +274,35 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
                        # the row energy decision at two cut-offs: a lower one steers more rows, until the
                        # known-answer constraint says it costs correct answers
                        threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0, -2.0],
-                       extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],  # paper-style
+                       extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0},  # paper-style
+                              *_mechanism_settings(cfg)],
+                       lora=[str(els_dir.parent / "els-lora")] if "els-lora" in cfg.mechanisms else [],
+                       lora_scales=[0.5, 1.0],
                        max_new_tokens=cfg.sweep_max_new_tokens, knowns=cfg.knowns, backend=cfg.backend,
                        halving=cfg.sweep_halving, halving_keep=cfg.sweep_halving_keep,
                        baselines=cfg.sweep_baselines, baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak, progress=cfg.progress)
 
 
-def _knowns(cfg: DemoConfig, out: Path, lm, source, args: dict) -> dict:
+def _mechanism_settings(cfg: DemoConfig) -> list[dict]:
+    """The sweep's settings of the ELS front mechanisms (:attr:`DemoConfig.mechanisms`) on the best layer."""
+    settings = []
+    if "harm-orth" in cfg.mechanisms:
+        settings.append({**_CORE, "row_threshold": -2.0, "harm_orth": 2})
+    if "row-strength" in cfg.mechanisms:  # the learned strength replaces the gate's and row energy's cut-offs
+        settings.append({**_CORE, "row_strength": True})
+    return settings
+
+
+def _knowns(cfg: DemoConfig, out: Path, lm, source, name: str, args: dict) -> dict:
     """Known-answer accuracy (test split) unsteered and with the selected setting, paired."""
-    from aligntax.metrics.knowns import KnownsConfig, run_knowns
+    from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     common = dict(model=cfg.model, data=cfg.knowns, split="test", limit=cfg.limit, max_new_tokens=cfg.max_new_tokens,
                   batch_size=cfg.batch_size, dtype=cfg.dtype, progress=cfg.progress, backend=cfg.backend)
     before = run_knowns(KnownsConfig(out=str(out / "knowns-baseline"), **common), lm=lm, source=source)
     _set_aside_if_changed(out / "knowns-steered", args)
     # questions the setting leaves unsteered are copied from the unsteered run
-    after = run_knowns(KnownsConfig(out=str(out / "knowns-steered"), intervention="els", intervention_args=args,
+    after = run_knowns(KnownsConfig(out=str(out / "knowns-steered"), intervention=name, intervention_args=args,
                                     compare_to=str(out / "knowns-baseline"),
                                     reuse_unsteered=str(out / "knowns-baseline"), **common), lm=lm, source=source)
     return {"baseline": before, "steered": after}
@@ -246,7 +330,8 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, source, base: dict, steered: di
     from aligntax.reports.plots import pareto_plot
 
     vec = str(out / "els" / "vectors")
-    points = [("none", "unsteered", base)] + ([("els", "ELS (selected)", steered)] if steered else [])
+    chosen = ((steered or {}).get("config") or {}).get("intervention") or "els"
+    points = [("none", "unsteered", base)] + ([(chosen, f"{chosen} (selected)", steered)] if steered else [])
     for name in cfg.test_baselines:
         args = {} if name.endswith("-prompt") else {"path": vec}
         res = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "test-baselines" / name), limit=cfg.limit,
@@ -329,8 +414,6 @@ class _Clock:
         left = self.left(index)
         self.estimates.append(round(spent + left, 2))
         if self.show:
-            import sys
-
             # stage 0 is the model load, which is not announced: the demo's stages count from 1
             print(f"\n[demo {index}/{len(self.stages) - 1}] {self.current}: {what}\n"
                   f"    {spent:.1f} min so far, about {left:.0f} min left", file=sys.stderr, flush=True)
@@ -403,7 +486,7 @@ def write_demo_report(out: Path, summary: dict) -> None:
              + ". Trained on train splits, tuned on validation splits, reported on test sets. Wilson 95% "
              "intervals.", ""]
     if best:
-        lines += [f"Selected ELS setting (validation, {best['method']}): `{json.dumps(best['args'])}` "
+        lines += [f"Selected setting (validation, {best['method']}): {best['name']} `{json.dumps(best['args'])}` "
                   f"(val compliance {best['benign_compliance']:.3f}, val harmful refusal "
                   f"{best['harmful_refusal']:.3f}).", ""]
         if "leak_passed" in best:

@@ -7,11 +7,12 @@ activations are safetensors shards skipped by prompt id, and the sweep appends o
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, make_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
 from aligntax.generation.source import SourceSpec, SweepGeneration
 from aligntax.interventions.els import TUNED_KEYS
+from aligntax.interventions.options import spec_of
+from aligntax.interventions.registry import grid_fields
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.eval import EvalConfig, activation_id, load_prompt_sets, run_eval
 from aligntax.runs.fsio import write_json_atomic
@@ -398,8 +401,16 @@ def _write_train_report(out: Path, bank, summary: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------ sweep
+_GRID = grid_fields("els")
+# The sweep's grid axes: one field per ELS option declared ``grid=True`` (ElsOptions, interventions/els.py),
+# a list of its values, by default the option's ``grid_default``; ``layers`` holds explicit layer sets.
+_SweepGrid = make_dataclass("_SweepGrid", [
+    (f.name, list[spec_of(f).value_type], field(default_factory=functools.partial(list, spec_of(f).grid_default)))
+    for f in _GRID])
+
+
 @dataclass
-class SweepConfig:
+class SweepConfig(_SweepGrid):
     """Settings of ``aligntax els sweep``: a grid of steering settings scored on validation data."""
 
     steer: str = "runs/els"
@@ -417,19 +428,8 @@ class SweepConfig:
     # at most this many prompts of each benign and harmful validation set and of the known-answer
     # questions (sampled, fixed seed); None: all
     limit: int | None = None
-    # grid; the best setting maximises val compliance with val harmful refusal >= the unsteered model's
-    top_k: list[int] = field(default_factory=lambda: [1, 2])
-    eta: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.5])
-    steps: list[int] = field(default_factory=lambda: [3])
-    threshold: list[float | None] = field(default_factory=lambda: [None, 0.0])
-    gate: list[float | bool | None] = field(default_factory=lambda: [None])  # harm-gate thresholds (None: no gate, True: its saved one)
-    horizon: list[int | None] = field(default_factory=lambda: [None])  # generated tokens steered (None: all)
-    row_threshold: list[float | None] = field(default_factory=lambda: [None])  # row energy decision (None: off)
-    gate_ramp: list[float | None] = field(default_factory=lambda: [None])  # graded harm-gate strength (None: off)
-    harm_orth: list[int | None] = field(default_factory=lambda: [None])  # harm directions steps avoid (None, 0: off)
-    # the folder's learned per-row strength (True) instead of the gate's and row energy's cut-offs (None: off)
-    row_strength: list[bool | None] = field(default_factory=lambda: [None])
-    layers: list[list[int]] = field(default_factory=list)  # explicit layer sets, swept beside top_k
+    # the grid (fields of the base class): one list of values per ELS option declared ``grid=True``; the
+    # best setting maximises val compliance with val harmful refusal >= the unsteered model's
     extra: list[dict] = field(default_factory=list)  # more ELS settings outside the grid (top_k, eta, ...)
     # Held-out harmful prompts for the harm gate's leaks. The harmful validation sets above are mostly
     # held back by the gate, so their refusal cannot see a harmful prompt that the gate passes and
@@ -468,30 +468,39 @@ class SweepConfig:
     backend: str = "hf"
 
 
-# ELS settings added after the first sweeps: left out of a setting's args (and so its key) when unset,
-# so that rows scored before they existed keep their keys. Unset means off, never "take the tuned value".
-_OPTIONAL_ELS_KEYS = ("gate", "horizon", "row_threshold", "gate_ramp", "harm_orth", "row_strength")
+# ELS settings added after the first sweeps (every grid axis but those of the first sweeps): left out of a
+# setting's args (and so its key) when unset, so that rows scored before they existed keep their keys.
+# Unset means off, never "take the tuned value".
+_FIRST_AXES = ("top_k", "layers", "eta", "steps", "threshold")
+_OPTIONAL_ELS_KEYS = tuple(f.name for f in _GRID if f.name not in _FIRST_AXES)
+
+
+_OFF = {f.name: spec_of(f).off for f in _GRID}
+
+
+def _is_set(name: str, value) -> bool:
+    """Whether a value of grid axis ``name`` turns its option on (not None, False or the option's ``off``)."""
+    off = _OFF[name]
+    return value is not None and value is not False and not (off is not None and value == off)
 
 
 def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
     settings: list[tuple[str, dict]] = [("none", {})]
-    # which layers to steer: the K best of the bank, or explicit layer sets
+    # which layers to steer: the K best of the bank, or explicit layer sets; then every other axis
     choices = [{"top_k": k} for k in cfg.top_k] + [{"layers": [int(x) for x in lay]} for lay in cfg.layers]
+    axes = [f.name for f in _GRID if f.name not in ("top_k", "layers")]
     for choice in choices:
-        for eta in cfg.eta:
-            for steps in cfg.steps:
-                for thr, *optional in itertools.product(cfg.threshold, cfg.gate, cfg.horizon, cfg.row_threshold,
-                                                        cfg.gate_ramp, cfg.harm_orth, cfg.row_strength):
-                    args = {"path": cfg.steer, **choice, "eta": eta, "steps": steps, "threshold": thr}
-                    args.update({k: v for k, v in zip(_OPTIONAL_ELS_KEYS, optional, strict=True)
-                                 if v is not None and v is not False and not (k == "harm_orth" and v == 0)})
-                    if args.get("gate_ramp") is not None and args.get("gate") is None:
-                        continue  # a graded gate needs a gate
-                    if args.get("row_strength"):  # the learned strength replaces both cut-offs
-                        args.pop("row_threshold", None)
-                        args.pop("gate_ramp", None)
-                    if ("els", args) not in settings:
-                        settings.append(("els", args))
+        for values in itertools.product(*(getattr(cfg, a) for a in axes)):
+            args = {"path": cfg.steer, **choice}
+            args.update({k: v for k, v in zip(axes, values, strict=True)
+                         if k not in _OPTIONAL_ELS_KEYS or _is_set(k, v)})
+            if args.get("gate_ramp") is not None and args.get("gate") is None:
+                continue  # a graded gate needs a gate
+            if args.get("row_strength"):  # the learned strength replaces both cut-offs
+                args.pop("row_threshold", None)
+                args.pop("gate_ramp", None)
+            if ("els", args) not in settings:
+                settings.append(("els", args))
     for extra in cfg.extra:
         unknown = set(extra) - {*TUNED_KEYS, "layers"}
         if unknown:
@@ -528,7 +537,7 @@ def _shown_args(name: str, args: dict) -> dict:
 
 
 def _score_first_token(lm, iv, benign, harmful, batch_size) -> dict:
-    from aligntax.judges import first_token_refusal_score
+    from aligntax.generation import first_token_refusal_score
 
     sb = first_token_refusal_score(lm, [it.prompt for it in benign], intervention=iv, batch_size=batch_size)
     sh = first_token_refusal_score(lm, [it.prompt for it in harmful], intervention=iv, batch_size=batch_size)

@@ -110,7 +110,7 @@ def check_model(out: Path, saved: dict | None, current: dict | None) -> None:
     """Refuse when the loaded model's fingerprint differs from the one the samples were made with."""
     if not saved or not current:
         return
-    from aligntax.activations.compat import fingerprint_diffs
+    from aligntax.artefacts import fingerprint_diffs
 
     diffs = [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in fingerprint_diffs(saved, current, _FINGERPRINT_KEYS)]
     if diffs:

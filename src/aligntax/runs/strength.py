@@ -72,7 +72,7 @@ def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
                   row_threshold="none", gate_ramp="none", row_strength="none")
     iv = EnergySteering.from_dir(folder, lm, gate="none", harm_orth=cfg.harm_orth, **common)
     reader = EnergySteering.from_dir(folder, lm, gate=True, **common)  # the features: the gate's logit
-    layer = iv.first_layer
+    layer = min(iv.models)  # the first steered block
     if not HarmBasis.exists(folder):
         raise AligntaxError(f"{folder} has no harm basis; compute it first with `aligntax els harm-basis --steer {folder}`.")
     fp, hs = dict(lm.fingerprint), lm.hidden_size
@@ -99,7 +99,7 @@ def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
     weight = torch.tensor([cfg.flip_weight if r or x else 1.0 for r, x in zip(rescued, lost, strict=True)])
     idx = torch.tensor(chosen)
     states = {b: acts[b][idx] for b in sorted({*reader.gate.layers, layer})}
-    features = reader.row_features(states, (refusal_dir, harm_dir))
+    features = reader.kernel(lm.num_layers).row_features(states, (refusal_dir, harm_dir))
     n_b, n_h = int(worth.sum()), int((~worth).sum())
     outcome = {"benign_over_refused": n_b, "benign_answered_steered": int(sum(rescued)),
                "harmful": n_h, "harmful_refused_unsteered": int(sum(b for b, w in zip(before, worth.tolist(), strict=True) if not w)),

@@ -1,7 +1,7 @@
 """OpenAI-compatible serving with per-request steering and dynamic batching.
 
 ``create_app(lm, intervention, model_name)`` builds the FastAPI app; ``serve(...)`` runs it with
-uvicorn; ``aligntax.serve.cli.serve_command`` is the ``aligntax serve`` command.
+uvicorn; ``aligntax.cli.serve.serve_command`` is the ``aligntax serve`` command.
 """
 
 from aligntax.serve.app import create_app, default_model_name, serve

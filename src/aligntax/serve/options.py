@@ -25,7 +25,6 @@ the request's (:class:`InterventionCache`: built once per distinct option set, t
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions.options import spec_of
+from aligntax.interventions.options import parse_value, spec_of
 from aligntax.interventions.registry import METHODS, make_intervention
 from aligntax.serve.protocol import invalid
 
@@ -64,27 +63,25 @@ class RequestField:
         return {"name": self.name, "type": self.type, "help": self.help}
 
     def check(self, value: Any) -> Any:
-        """The value as the builder takes it, or None when it is not of this field's type."""
-        p = self.parse
-        if isinstance(value, str) and (p in ("float_or_none", "int_or_none", "gate") and value == "none"
-                                       or p == "gate" and value == "saved"):
-            return True if value == "saved" else value
-        if p in ("float", "float_or_none", "gate"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                return None
-            if p == "gate" and not 0.0 < value < 1.0:
-                return None
-            return float(value)
-        if p in ("int", "int_or_none"):
-            return value if _small_int(value) else None
-        if p == "layers":
-            ok = isinstance(value, list) and 0 < len(value) <= MAX_LAYERS and all(_small_int(x) for x in value)
-            return list(value) if ok else None
-        return None
+        """The value as the builder takes it (:func:`~aligntax.interventions.options.parse_value` of a JSON
+        value), or None when it is not of this field's type or outside the server's bounds."""
+        try:
+            v = parse_value(value, self.parse, self.name, json=True)
+        except AligntaxError:
+            return None
+        return v if _within_bounds(v, self.parse) else None
 
 
-def _small_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
+def _within_bounds(value: Any, parse: str) -> bool:
+    """Whether a parsed request value is within what a request may ask: integers in [0, :data:`MAX_INT`],
+    at most :data:`MAX_LAYERS` layers, a gate strictly between 0 and 1."""
+    if parse in ("int", "int_or_none") and value != "none":
+        return 0 <= value <= MAX_INT
+    if parse == "layers":
+        return len(value) <= MAX_LAYERS and all(0 <= x <= MAX_INT for x in value)
+    if parse == "gate" and isinstance(value, float):
+        return 0.0 < value < 1.0
+    return True
 
 
 def request_fields(method: str | None) -> list[RequestField]:

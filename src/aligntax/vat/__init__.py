@@ -5,23 +5,11 @@ a Likert scale read from next-token probabilities (``LikertJudge``), and score t
 (``compute_results``: gain, drifts, GND, VAT, coupling, nVAT, hubs, circumplex test). ``run_vat`` does
 all of it resumably into a folder; ``compare`` puts several runs side by side. ``stats`` adds the
 specificity S_T, scene-level intervals and tests and control adjustment; ``run_matrix`` aims one
-intervention at each of the ten values; ``OracleBias`` gives known answers for validation.
+intervention at each of the ten values; ``OracleBias`` gives known answers for validation. The
+interventions are named through one registry (``aligntax.vat.methods``): the intervention registry's
+methods and the value-targeted ones layered on it; ``aligntax.vat.train`` trains the LoRA adapters.
 """
 
-from aligntax.vat.interventions import (
-    INTERVENTIONS,
-    ActivationAddition,
-    LoRAAdapter,
-    OracleBias,
-    ValueFewShot,
-    ValuePersona,
-    build_fewshot,
-    build_intervention,
-    compute_steering_vector,
-    persona_text,
-    train_dpo,
-    train_lora_sft,
-)
 from aligntax.vat.items import (
     VAT_HUB_ID,
     ValueItem,
@@ -46,6 +34,17 @@ from aligntax.vat.judge import (
     scale_token_ids,
 )
 from aligntax.vat.matrix import matrix_from_runs, run_matrix, write_matrix
+from aligntax.vat.methods import (
+    INTERVENTIONS,
+    LoRAAdapter,
+    OracleBias,
+    ValueFewShot,
+    ValuePersona,
+    build_fewshot,
+    build_intervention,
+    compute_steering_vector,
+    persona_text,
+)
 from aligntax.vat.report import compare, write_report
 from aligntax.vat.runner import VATConfig, compute_results, run_vat
 from aligntax.vat.schwartz import (
@@ -71,6 +70,7 @@ from aligntax.vat.stats import (
     stratum_summary,
 )
 from aligntax.vat.sweep import SweepSpec, check_comparable, paired_compare, paired_difference, run_sweep
+from aligntax.vat.train import train_dpo, train_lora_sft
 
 __all__ = [
     "ADJACENT_PAIRS",
@@ -83,7 +83,6 @@ __all__ = [
     "TEMPLATES",
     "VALUES",
     "VAT_HUB_ID",
-    "ActivationAddition",
     "JudgeConfig",
     "Judgment",
     "JudgmentCache",

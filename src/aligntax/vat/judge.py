@@ -362,13 +362,14 @@ class LikertJudge:
         # a label-bias oracle (validation): the model is run without any intervention and the oracle
         # reweights the label distribution of the items it applies to, so every other item's reading is
         # the unintervened one, bit for bit
+        intervention = intervention or NoIntervention()
         adjust = getattr(intervention, "adjust_probs", None)
         if adjust is not None:
             if self.cfg.method != "logits":
                 raise AligntaxError("The oracle interventions need method='logits'")
             intervention = NoIntervention()
         iv_key = intervention_key(intervention)
-        use_cache = self.cache is not None and getattr(intervention, "cacheable", True)
+        use_cache = self.cache is not None and intervention.cacheable
         per_variant: list[list[dict]] = []
         pts_arr = np.asarray(self.cfg.scale.points, dtype=float)
         for variant in self.cfg.variants():

@@ -348,7 +348,7 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
     ``replicas`` (:class:`~aligntax.runs.distributed.Replicas` of ``lm``'s model): judge the chunks of
     items on them over Ray, one chunk a unit, each replica building the intervention once from
     ``build`` (``name``, ``target``, ``train_items``, ``options``: the arguments of
-    :func:`~aligntax.vat.interventions.build_intervention` that made ``intervention`` here; a
+    :func:`~aligntax.vat.methods.build_intervention` that made ``intervention`` here; a
     trained adapter is read back from its ``adapter_dir``). Replicas do not read or write the judgment
     cache."""
     cfg = cfg or VATConfig()
@@ -365,7 +365,7 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
         _check_replicas(replicas, lm, post_lm, build)
     control_rows = load_control(control) if control is not None else None
     out = Path(out_dir)
-    from aligntax.vat.interventions import guard_adapter_folder
+    from aligntax.vat.methods.adapter import guard_adapter_folder
 
     guard_adapter_folder(out, "write run files into")
     out.mkdir(parents=True, exist_ok=True)
@@ -455,7 +455,7 @@ def judge_unit(lm, spec: dict, chunk: Sequence[ValueItem]) -> tuple[list, list, 
     """One VAT work unit on a replica of the model (:mod:`aligntax.runs.distributed`): the chunk's
     judgments before and after the intervention ``spec["build"]`` describes (built once per run and
     replica), and how many items a label-bias oracle capped."""
-    from aligntax.vat.interventions import build_intervention
+    from aligntax.vat.methods import build_intervention
 
     iv = _REPLICA_INTERVENTIONS.get(spec["key"])
     if iv is None:

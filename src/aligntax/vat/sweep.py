@@ -238,9 +238,9 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, load_model: Callable | None 
     run is complete (results.json and every evaluation item judged) is skipped, an interrupted one
     resumes (``run_vat``), and a failing cell is recorded and the sweep goes on. Writes
     ``sweep.json`` (the spec), ``summary.json``, ``summary.csv`` and ``summary.md``."""
-    from aligntax.vat.interventions import build_intervention
     from aligntax.vat.items import load_items, sample_items, split_items
     from aligntax.vat.judge import JudgeConfig
+    from aligntax.vat.methods import build_intervention
     from aligntax.vat.runner import VATConfig, run_vat, write_json_atomic
 
     if load_model is None:

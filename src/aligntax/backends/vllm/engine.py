@@ -313,22 +313,12 @@ class VllmModel:
         return gens, decided
 
 
-SOURCE_KEYS = ("path", "dir", "directory")  # the intervention arguments that name its folder
-
-
-def split_source(args: dict) -> tuple[str | None, dict]:
-    """An intervention's arguments as a preset is registered from them: its folder (the first of
-    :data:`SOURCE_KEYS` set; None without one) and the other arguments that are set."""
-    source = next((args[k] for k in SOURCE_KEYS if args.get(k) is not None), None)
-    return (None if source is None else str(source)), \
-        {k: v for k, v in args.items() if k not in SOURCE_KEYS and v is not None}
-
-
 def prepare(vm: VllmModel, intervention: str | None, args: dict | None, preset: str = "steer"):
     """The intervention a command names, on ``vm`` (a :class:`VllmModel` or an
     :class:`~aligntax.backends.vllm.serving.AsyncVllm`), built once here: a steering method is
     registered as ``preset`` (returns ``(preset, None)``; the built intervention is
     ``vm.interventions[preset]``); one that rewrites messages is returned (``(None, intervention)``)."""
+    from aligntax.interventions.options import split_path
     from aligntax.interventions.registry import make_intervention
 
     if not intervention or intervention == "none":
@@ -337,8 +327,8 @@ def prepare(vm: VllmModel, intervention: str | None, args: dict | None, preset: 
     local = make_intervention(intervention, vm.facts, **args)
     if local.rewrites_messages():
         return None, local
-    source, rest = split_source(args)
+    source, rest = split_path(args, intervention)
     if source is None:
         raise AligntaxError(f"Intervention '{intervention}' needs its folder (--steer or --vectors).")
-    vm.register_built(preset, source, local, {"name": intervention, **rest})
+    vm.register_built(preset, str(source), local, {"name": intervention, **rest})
     return preset, None

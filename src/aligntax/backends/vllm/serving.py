@@ -653,7 +653,8 @@ def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None,
     (:class:`OptionSteering`; the ``options_cache_size`` most recently used kept). With ``steer_method``
     and no ``preset``, the method is registered here as preset :data:`PRESET` (unless it rewrites
     messages)."""
-    from aligntax.backends.vllm.engine import prepare, split_source
+    from aligntax.backends.vllm.engine import prepare
+    from aligntax.interventions.options import split_path
     from aligntax.serve.app import create_app
 
     method = app_kwargs.get("steer_method")
@@ -664,11 +665,11 @@ def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None,
         if preset is None and not rewrites:
             preset, _ = prepare(vm, method, args, preset=PRESET)
         if preset is not None:
-            source, base = split_source(args)
+            source, base = split_path(args, method)
             if source is None:
                 raise AligntaxError(f"Intervention '{method}' needs its folder (path=) in steer_options to serve "
                                     "per-request steering options.")
-            option_steering = OptionSteering(method, source, base, app_kwargs.get("options_cache_size", 16))
+            option_steering = OptionSteering(method, str(source), base, app_kwargs.get("options_cache_size", 16))
     lm = served_model(vm)
     app_kwargs.setdefault("max_batch_size", vm.options.max_num_seqs)
     factory: Callable = lambda lm_, iv_, **kw: VllmServeEngine(  # noqa: E731

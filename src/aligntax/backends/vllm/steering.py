@@ -5,7 +5,7 @@ the contiguous slice ``query_start_loc[i] : query_start_loc[i + 1]`` of it, a pr
 prefill, prefix-cache hits) or one decode token, at absolute positions ``positions[slice]``.
 :class:`BatchSteering` maps those tokens to requests and applies each request's
 :class:`~aligntax.interventions.kernels.RowKernel` with the rule the Hugging Face backend uses
-(:func:`~aligntax.interventions.kernels.edited`, vectorised in :func:`edited_mask`):
+(:func:`~aligntax.interventions.kernels.edited_mask`):
 
 - a request names a steering preset registered at start-up and a strength multiplier
   (:func:`parse_request`, from ``SamplingParams.extra_args``); a strength of 0 is plain generation;
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions.kernels import RowKernel, Site
+from aligntax.interventions.kernels import RowKernel, Site, edited_mask
 
 # The request fields a client may send (``SamplingParams.extra_args``; OpenAI clients: ``vllm_xargs``).
 EXTRA_STEER = "aligntax_steer"
@@ -64,19 +64,6 @@ def parse_request(extra_args: dict | None, presets: Container[str]) -> RequestSt
     if not math.isfinite(strength) or not 0.0 <= strength <= MAX_STRENGTH:
         raise AligntaxError(f"{EXTRA_STRENGTH} must lie in [0, {MAX_STRENGTH:g}]; got {raw!r}.")
     return RequestSteer(name, strength)
-
-
-def edited_mask(positions: torch.Tensor, prompt_lens: torch.Tensor, kernel: RowKernel, site: Site) -> torch.Tensor:
-    """:func:`aligntax.interventions.kernels.edited` for many tokens at once: ``positions`` and their
-    requests' ``prompt_lens`` (long tensors of one shape) -> bool mask of the tokens edited at ``site``."""
-    if kernel.positions == "all":
-        mask = torch.ones_like(positions, dtype=torch.bool)
-    else:
-        last = kernel.positions == "last_and_generated" and kernel.edits_last_prompt(site)
-        mask = positions >= (prompt_lens - 1 if last else prompt_lens)
-    if kernel.horizon is not None:
-        mask &= positions < prompt_lens + kernel.horizon
-    return mask
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from aligntax.clitools import InterventionOpt, check_out_folder, fail, steering_options
+from aligntax.cli.options import InterventionOpt, check_out_folder, fail, steering_options
 from aligntax.models.spec import DEFAULT_MODEL
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from aligntax.clitools import fail
+from aligntax.cli.options import fail
 from aligntax.errors import AligntaxError
 
 bundle_app = typer.Typer(help="Steering bundles: pack a trained steering folder with a model card; share it on "
@@ -109,7 +109,7 @@ def export_command(
     from aligntax.models import load_model
 
     try:
-        from aligntax.clitools import check_out_folder
+        from aligntax.cli.options import check_out_folder
 
         if canonical_method(intervention) == "els-lora":
             if steer is None or vectors is not None:

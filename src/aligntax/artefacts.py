@@ -1,7 +1,9 @@
-"""Shared helpers for saved artefacts: model fingerprints, JSON sidecars and safetensors files.
+"""Saved artefacts: model fingerprints, JSON sidecars and safetensors files.
 
-Every artefact made from a model's activations (activation caches, energy banks, steering vectors)
-records the model fingerprint (``LoadedModel.fingerprint``) and refuses to load for another model.
+Every artefact made from a model's activations (activation caches, energy banks, harm gates, steering
+vectors, adapters) records the model fingerprint (``LoadedModel.fingerprint``) and refuses to load for
+another model. The module sits at the bottom of the package graph (it imports only ``aligntax.errors``),
+so the packages that save artefacts (energy, interventions, activations, bundles, runs) all reach it.
 """
 
 from __future__ import annotations

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from aligntax.clitools import fail
+from aligntax.cli.options import deprecated, fail, steering_options
 from aligntax.errors import AligntaxError
 from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.vat.methods import REGISTRY
 
 app = typer.Typer(
     help="Value Alignment Tax: how an intervention aimed at one Schwartz value moves all ten.",
@@ -40,7 +44,32 @@ def _default_out(model: str, intervention: str, target: str) -> Path:
     return Path("vat-runs") / f"{short}-{intervention}-{CODES[target].lower()}"
 
 
+def _legacy_spellings(fn):
+    """Keep ``--energy-dir``, the old name of ``--steer``, as a hidden option: it prints a one-line note
+    and is read as ``--steer`` before the steering options are checked."""
+    sig = inspect.signature(fn)
+    old = inspect.Parameter("energy_dir", inspect.Parameter.KEYWORD_ONLY, default=None,
+                            annotation=Annotated[str | None, typer.Option("--energy-dir", hidden=True)])
+
+    @functools.wraps(fn)
+    def wrapper(*args, energy_dir: str | None = None, **kwargs):
+        if energy_dir is not None:
+            deprecated("--energy-dir", "--steer")
+            kwargs["iv_steer"] = kwargs.get("iv_steer") or energy_dir
+        return fn(*args, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), old])
+    return wrapper
+
+
+def _default_intervention(iv_args: dict, post_model: str | None) -> str:
+    """Without --intervention: adapter with --adapter, none with --post-model, else persona."""
+    return "adapter" if iv_args.get("adapter") is not None else "none" if post_model else "persona"
+
+
 @app.command("run")
+@_legacy_spellings
+@steering_options(methods=REGISTRY)
 def run(
     target: str = typer.Option(..., "--target", "-t", help="target value (any of the 10, e.g. Benevolence)"),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="model spec"),
@@ -48,15 +77,14 @@ def run(
                              help="builtin | value-action-lens | Hub id | .jsonl/.json/.csv file"),
     intervention: str | None = typer.Option(
         None, "--intervention", "-i",
-        help="none | persona | fewshot-2/4/8 | persona-fewshot-2/4/8 | steer | lora | dpo | els | adapter | oracle "
-             "| uniform (default: persona; adapter with --adapter; none with --post-model)"),
+        help="none | persona | fewshot-K | persona-fewshot-K | steer | lora | dpo | adapter | oracle | uniform, or "
+             "any steering method (els, cast, refusal-ablation, ...: `aligntax vat methods`) (default: persona; "
+             "adapter with --adapter; none with --post-model; els with --steer alone)"),
+    iv_args: dict | None = None,
     post_model: str | None = typer.Option(None, help="judge 'post' with this model (pre: --model), e.g. a "
                                                      "fine-tuned checkpoint against its base"),
-    adapter: Path | None = typer.Option(None, help="evaluate this PEFT LoRA adapter folder (read only)"),
     control: Path | None = typer.Option(None, help="a finished control run on the same items: lift-adjusted "
                                                    "drifts = shift minus the control's shift, item by item"),
-    oracle_gain: float = typer.Option(0.5, help="oracle/uniform: the shift each biased item gets (Likert points)"),
-    oracle_bias: float | None = typer.Option(None, help="oracle/uniform: a fixed logit bias instead of --oracle-gain"),
     limit_per_value: int | None = typer.Option(None, help="evaluate at most N items per value (balanced polarity)"),
     scenes: int | None = typer.Option(None, help="evaluate only N randomly chosen scenes"),
     sample_by: str = typer.Option("auto", help="with --limit-per-value: item (spread over scenes) | scene (whole "
@@ -68,13 +96,6 @@ def run(
     out: Path | None = typer.Option(None, "--out", "-o", help="output folder (rerun to resume)"),
     dtype: str = typer.Option("bf16", help="bf16 | fp32 | fp16"),
     batch_size: int = typer.Option(16, help="prompts per forward pass"),
-    strength: float = typer.Option(4.0, help="steering strength (multiplies the mean-difference vector)"),
-    layer: int | None = typer.Option(None, help="steering layer (default: middle)"),
-    steps: int | None = typer.Option(None, help="training steps for lora/dpo (default 30/20)"),
-    lr: float | None = typer.Option(None, help="learning rate for lora/dpo"),
-    adapter_dir: Path | None = typer.Option(None, help="where to save (or load) the lora/dpo adapter"),
-    steer: Path | None = typer.Option(None, "--steer", help="els: energy bank folder from `aligntax els train`"),
-    energy_dir: Path | None = typer.Option(None, "--energy-dir", hidden=True),
     train_fraction: float = typer.Option(0.2, help="share of scenes held out for few-shot/steer/lora/dpo data"),
     split_by: str = typer.Option("scene", help="scene | context | item"),
     templates: str = typer.Option("acceptable", help="comma-separated templates (names: acceptable, appropriate, rate)"),
@@ -97,24 +118,24 @@ def run(
                                                         "GPUs, else 0)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
-    """Judge the items before and after an intervention and write items.jsonl, results.json, report.md."""
-    from aligntax.clitools import check_intervention, check_out_folder, deprecated
+    """Judge the items before and after an intervention and write items.jsonl, results.json, report.md.
+    The intervention's options are those of every steering command (--steer, --vectors, --layers, ...)
+    and of the value-targeted methods (--strength, --steps, --adapter-dir, --oracle-gain, ...)."""
+    from aligntax.cli.options import check_intervention, check_out_folder
     from aligntax.models import load_model
-    from aligntax.vat.interventions import build_intervention
     from aligntax.vat.items import load_items, sample_items, split_items
     from aligntax.vat.judge import JudgeConfig, LikertScale
+    from aligntax.vat.methods import build_intervention
     from aligntax.vat.runner import VATConfig, run_vat
     from aligntax.vat.schwartz import resolve_value
 
-    if energy_dir is not None:
-        deprecated("--energy-dir", "--steer")
-        steer = steer or energy_dir
-    if intervention is None:
-        intervention = "adapter" if adapter is not None else "none" if post_model else "persona"
+    iv_args = dict(iv_args or {})
     try:
+        if intervention is None:
+            intervention = _default_intervention(iv_args, post_model)
+            check_intervention(intervention, iv_args, model, methods=REGISTRY)
+        REGISTRY.resolve(intervention)  # fewshot-K needs its K
         check_out_folder(out)
-        if intervention == "els":
-            check_intervention("els", {"path": str(steer) if steer else None}, model)
         t = resolve_value(target)
         kwargs = {}
         if field:
@@ -134,11 +155,12 @@ def run(
                    f"output {out_dir}", err=True)
         lm = load_model(model, dtype=dtype)
         post_lm = load_model(post_model, dtype=dtype) if post_model else None
-        options = dict(strength=strength, layer=layer, steps=steps, lr=lr,
-                       adapter_dir=adapter_dir or (out_dir / "adapter"), energy_dir=steer, seed=seed,
-                       exclude_ids={it.id for it in eval_items}, adapter=adapter, oracle_gain=oracle_gain,
-                       oracle_bias=oracle_bias)
+        # the arguments of build_intervention besides the name, model, target and training items; a
+        # trained adapter goes to OUT/adapter unless --adapter-dir says otherwise
+        options = dict(seed=seed, exclude_ids={it.id for it in eval_items}, options=iv_args,
+                       adapter_dir=str(out_dir / "adapter"))
         iv = build_intervention(intervention, lm, t, train_items, jcfg, progress=progress, **options)
+        adapter = iv_args.get("adapter")
         cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
                         seed=seed, progress=progress,
                         extra={"data": data, "intervention": intervention, "limit_per_value": limit_per_value,
@@ -224,10 +246,12 @@ def rescore_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
 
 
 @app.command("matrix")
+@steering_options(methods=REGISTRY)
 def matrix_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="folder: one run per target in OUT/<code>/, matrix.json/md"),
     runs: list[Path] = typer.Option([], "--from", help="build the matrix from ten finished runs instead"),
     intervention: str = typer.Option("fewshot-8", "--intervention", "-i", help="as for `vat run`"),
+    iv_args: dict | None = None,
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
     post_model: str | None = typer.Option(None, help="judge 'post' with this model"),
     data: str = typer.Option("builtin", "--data", "-d"),
@@ -239,10 +263,6 @@ def matrix_cmd(
     dtype: str = typer.Option("bf16"),
     batch_size: int = typer.Option(16),
     train_fraction: float = typer.Option(0.2),
-    strength: float = typer.Option(4.0),
-    steps: int | None = typer.Option(None),
-    oracle_gain: float = typer.Option(0.5),
-    oracle_bias: float | None = typer.Option(None),
     bootstrap: int = typer.Option(500),
     permutations: int = typer.Option(999, help="Mantel permutations of each run"),
     matrix_permutations: int = typer.Option(9999, help="permutations of the matrix tests"),
@@ -251,7 +271,8 @@ def matrix_cmd(
     no_cache: bool = typer.Option(False),
 ) -> None:
     """The intervention aimed at each of the ten values: the 10 x 10 shift matrix, double-centred, with a
-    permutation test of its diagonal and a Mantel test against distance on the Schwartz circle."""
+    permutation test of its diagonal and a Mantel test against distance on the Schwartz circle. The
+    intervention's options are those of `vat run`."""
     from aligntax.vat.matrix import matrix_from_runs, run_matrix, write_matrix
 
     try:
@@ -259,9 +280,9 @@ def matrix_cmd(
             res = write_matrix(matrix_from_runs(runs), out, n_perm=matrix_permutations, seed=seed)
         else:
             from aligntax.models import load_model
-            from aligntax.vat.interventions import build_intervention
             from aligntax.vat.items import load_items, sample_items, split_items
             from aligntax.vat.judge import JudgeConfig
+            from aligntax.vat.methods import build_intervention
             from aligntax.vat.runner import VATConfig
 
             items = load_items(data)
@@ -278,9 +299,8 @@ def matrix_cmd(
                                               "limit_per_value": limit_per_value, "scenes": scenes,
                                               "sample_by": by, "strata": strata})
             res = run_matrix(lm, eval_items, lambda t: build_intervention(
-                intervention, lm, t, train_items, jcfg, strength=strength, steps=steps, seed=seed,
-                exclude_ids=ids, adapter_dir=out / "adapters" / t.lower(), oracle_gain=oracle_gain,
-                oracle_bias=oracle_bias), out, cfg, post_lm=post_lm, n_perm=matrix_permutations)
+                intervention, lm, t, train_items, jcfg, seed=seed, exclude_ids=ids, options=iv_args,
+                adapter_dir=out / "adapters" / t.lower()), out, cfg, post_lm=post_lm, n_perm=matrix_permutations)
     except AligntaxError as exc:
         _fail(exc)
         return
@@ -340,7 +360,7 @@ def sweep_cmd(
 @app.command("persona")
 def persona_cmd(target: str = typer.Option(..., "--target", "-t", help="target value")) -> None:
     """Print the value-persona system prompt of a target, e.g. for `aligntax eval --system`."""
-    from aligntax.vat.interventions import persona_text
+    from aligntax.vat.methods import persona_text
 
     try:
         typer.echo(persona_text(target))
@@ -353,7 +373,7 @@ def methods_cmd() -> None:
     """List the interventions vat run takes: the value-targeted methods with their options, then the
     steering methods of the intervention registry (their options through the steering flags)."""
     from aligntax.interventions.registry import describe
-    from aligntax.vat.interventions import describe_vat
+    from aligntax.vat.methods import describe_vat
 
     typer.echo("value-targeted methods (fewshot-K / persona-fewshot-K name K):")
     typer.echo(describe_vat())

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from aligntax.clitools import InterventionOpt, check_port, fail, steering_options
+from aligntax.cli.options import InterventionOpt, check_port, fail, steering_options
 from aligntax.models.spec import DEFAULT_MODEL
 
 

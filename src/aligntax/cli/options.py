@@ -18,6 +18,7 @@ import os
 import sys
 import traceback
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -32,7 +33,7 @@ except ImportError:  # pragma: no cover - older typer on click
     from click import exceptions as click_exc
 
 from aligntax.errors import AligntaxError, UsageError
-from aligntax.interventions.options import check_value
+from aligntax.interventions.options import Method, check_value
 from aligntax.interventions.registry import INTERVENTIONS, cli_options, grid_values, intervention_args
 
 __all__ = ["AligntaxGroup", "InterventionOpt", "check_datasets", "check_intervention", "check_judge",
@@ -267,20 +268,22 @@ def _folder_kind(name: str) -> str | None:
 
 
 def check_intervention(name: str | None, iv_args: dict | None, model: str | None = None,
-                       layers: bool = True) -> None:
-    """The intervention is registered, its options meet their range rules, its folder exists and holds
-    its marker file (``energy.json`` for ELS, ``vectors.json`` for the vector methods), and (with
-    ``layers``) ``--layers`` fits the model and the bank."""
+                       layers: bool = True, methods: Mapping[str, Method] | None = None) -> None:
+    """The intervention is registered (in ``methods``, default the intervention registry), its options
+    meet their range rules, its folder exists and holds its marker file (``energy.json`` for ELS,
+    ``vectors.json`` for the vector methods), and (with ``layers``) ``--layers`` fits the model and the
+    bank."""
     from aligntax.interventions.options import METHODS
     from aligntax.runs.provenance import intervention_folder
 
     if not name:
         return
-    if name not in METHODS:
-        raise UsageError(f"Unknown intervention '{name}'; known: {', '.join(METHODS)}.")
+    table = METHODS if methods is None else methods
+    if name not in table:
+        raise UsageError(f"Unknown intervention '{name}'; known: {', '.join(table)}.")
     args = iv_args or {}
-    METHODS[name].check({k: v for k, v in args.items() if v is not None})  # YAML intervention_args too
-    kind = _folder_kind(name)
+    table[name].check({k: v for k, v in args.items() if v is not None})  # YAML intervention_args too
+    kind = _folder_kind(table[name].name)
     if kind is not None:
         marker, flag, how = _FOLDER_MARKERS[kind]
         folder = intervention_folder(args)
@@ -324,14 +327,17 @@ def _iv_name(intervention: str | None, steer: str | None) -> str | None:
     return intervention
 
 
-def steering_options(fn):
+def steering_options(fn=None, *, methods: Mapping[str, Method] | None = None):
     """Add ``--intervention`` and every registered intervention option to a command. The command
     declares ``intervention`` and ``iv_args`` parameters and receives the method's name (``--steer DIR``
     alone means els) and its ``intervention_args`` (each value read and range-checked as its option
     says; an option the method does not take is refused). An unknown method, a missing or wrong
-    folder and ``--layers`` beyond the model are refused here, before the command loads anything."""
-
-    opts = cli_options()
+    folder and ``--layers`` beyond the model are refused here, before the command loads anything.
+    ``methods``: the registry the names and options come from (default the intervention registry;
+    ``vat run`` passes its own, which layers the value-targeted methods on it)."""
+    if fn is None:
+        return functools.partial(steering_options, methods=methods)
+    opts = cli_options(methods)
     hints = typing.get_type_hints(fn, include_extras=True)
     sig = inspect.signature(fn)
     keep = [p.replace(annotation=hints.get(n, p.annotation)) for n, p in sig.parameters.items() if n != "iv_args"]
@@ -346,9 +352,10 @@ def steering_options(fn):
         given = {o.param: kwargs.pop(o.param, None) for o in opts}
         name = _iv_name(kwargs.get("intervention"), given.get("iv_steer"))
         try:
-            iv_args = intervention_args(name, given)
+            iv_args = intervention_args(name, given, methods)
             # a command reading a YAML config checks --layers against its merged settings itself
-            check_intervention(name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None)
+            check_intervention(name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None,
+                               methods=methods)
         except AligntaxError as exc:
             fail(exc)
         kwargs.update(intervention=name, iv_args=iv_args)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from aligntax import __version__
-from aligntax.clitools import (
+from aligntax.cli.options import (
     AligntaxGroup,
     InterventionOpt,
     check_datasets,
@@ -29,7 +29,7 @@ from aligntax.clitools import (
     set_debug,
     steering_options,
 )
-from aligntax.clitools import fail as _fail
+from aligntax.cli.options import fail as _fail
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 from aligntax.errors import AligntaxError, UsageError
 from aligntax.interventions.options import parse_value
@@ -519,7 +519,8 @@ def mc_cmd(
     progress: ProgressOpt = True,
 ) -> None:
     """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
-    from aligntax.metrics.mc import MCConfig, format_accuracy, run_mc
+    from aligntax.metrics.mc import format_accuracy
+    from aligntax.runs.mc import MCConfig, run_mc
 
     try:
         check_out_folder(out)
@@ -557,8 +558,8 @@ def knowns_cmd(
     progress: ProgressOpt = True,
 ) -> None:
     """Known-answer accuracy of greedy answers to everyday questions, with or without an intervention."""
-    from aligntax.metrics.knowns import KnownsConfig, run_knowns
     from aligntax.metrics.mc import format_accuracy
+    from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     try:
         check_out_folder(out)
@@ -709,12 +710,14 @@ def els_distill(
     dtype: str | None = typer.Option(None), seed: int | None = typer.Option(None),
     els_set: list[str] | None = typer.Option(None, "--els-set", help="KEY=VALUE of the ELS setting distilled, "
                                                                    "over the folder's tuned one (e.g. eta=0.3)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Distil the folder's ELS steering into a LoRA adapter (intervention els-lora): teacher-forced MSE on the
     state leaving the last steered block, ELS-steered on benign prompts, unsteered on harmful ones."""
     from aligntax.config import load_config
     from aligntax.runs.els_lora import DistillConfig, distill_els_lora
 
+    check_intervention("els", {"path": str(steer)})
     try:
         from aligntax.interventions.options import spec_of
         from aligntax.interventions.registry import ElsOptions
@@ -731,7 +734,8 @@ def els_distill(
                           layers=[int(x) for x in layers.split(",")] if layers else None, before=before, rank=rank,
                           alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size, limit_benign=limit_benign,
                           limit_harmful=limit_harmful, preserve_weight=preserve_weight, pairs=_split_list(pairs),
-                          answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None)
+                          answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None,
+                          progress=progress)
         meta = distill_els_lora(cfg)
     except AligntaxError as exc:
         _fail(exc)
@@ -747,13 +751,16 @@ def els_harm_basis(
                                                "first (default contrast-pairs; 'none': per-prompt differences)"),
     k: int | None = typer.Option(None, help="directions saved per layer (default 8)"),
     batch_size: int | None = typer.Option(None),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Compute the harm basis (harm_basis.safetensors) of a folder trained before it was part of training:
     what ELS steps are projected off with --harm-orth K."""
     from aligntax.runs.els import harm_basis_for_folder
 
+    check_intervention("els", {"path": str(steer)})
     try:
-        basis = harm_basis_for_folder(steer, pairs=_split_list(pairs), k=k, batch_size=batch_size)
+        basis = harm_basis_for_folder(steer, pairs=_split_list(pairs), k=k, batch_size=batch_size,
+                                      progress=progress)
     except AligntaxError as exc:
         _fail(exc)
     console.print(f"harm basis: {len(basis.directions)} layers x {basis.k_max} directions in {steer}")
@@ -773,18 +780,21 @@ def els_row_strength(
     floor: float | None = typer.Option(None, help="strengths below this are 0: the row is held back (default 0.1)"),
     judge_name: str | None = typer.Option(None, "--judge"), batch_size: int | None = typer.Option(None),
     dtype: str | None = typer.Option(None),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Fit the learned per-row ELS strength (row_strength.safetensors) to the outcome of steering the
     folder's over-refused benign and harmful training prompts; used with --row-strength on."""
     from aligntax.config import load_config
     from aligntax.runs.strength import StrengthConfig, fit_strength
 
+    check_intervention("els", {"path": str(steer), "layers": [int(x) for x in layers.split(",")] if layers else None},
+                       model)
     try:
         cfg = load_config(StrengthConfig, None, steer=str(steer), model=model,
                           layers=[int(x) for x in layers.split(",")] if layers else None, eta=eta, steps=steps,
                           horizon=horizon, harm_orth=harm_orth, limit_benign=limit_benign,
                           limit_harmful=limit_harmful, max_new_tokens=max_new_tokens, flip_weight=flip_weight,
-                          floor=floor, judge=judge_name, batch_size=batch_size, dtype=dtype)
+                          floor=floor, judge=judge_name, batch_size=batch_size, dtype=dtype, progress=progress)
         res = fit_strength(cfg)
     except AligntaxError as exc:
         _fail(exc)
@@ -874,10 +884,13 @@ def demo(
     batch_size: int = typer.Option(96, help="prompts per batch (vLLM: the engine's sequence slots)"),
     backend: str = typer.Option("hf", help="hf, or vllm: every generation of the evaluations, sweep and "
                                            "known-answer check on one vLLM engine (./run setup-vllm)"),
+    mechanisms: str | None = typer.Option(None, help="front mechanisms in the validation sweep beside ELS, "
+                                                     "comma-separated: harm-orth, row-strength, els-lora (default "
+                                                     "harm-orth; with --full all three); 'none': plain ELS"),
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
-    from aligntax.runs.demo import demo_config, run_demo
+    from aligntax.runs.demo import MECHANISMS, demo_config, run_demo
     from aligntax.runs.sources import generation_source
 
     out = out or Path(("runs/demo" if backend == "hf" else f"runs/demo-{backend}") + ("-full" if full else ""))
@@ -887,8 +900,15 @@ def demo(
         check_judge(judge_name)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
+        picked = None if mechanisms is None else [m.strip() for m in mechanisms.split(",")
+                                                   if m.strip() and m.strip() != "none"]
+        unknown = sorted(set(picked or []) - set(MECHANISMS))
+        if unknown:
+            raise UsageError(f"--mechanisms: unknown {', '.join(unknown)}; choose from {', '.join(MECHANISMS)} "
+                             f"or 'none'.")
         cfg = demo_config(full, out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
-                          judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend, progress=progress)
+                          judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend, progress=progress,
+                          mechanisms=picked)
     except AligntaxError as exc:
         _fail(exc)
     with closing(source):
@@ -896,29 +916,21 @@ def demo(
     Console().print((out / "report.md").read_text())
 
 
-def _mount_optional() -> None:
-    """Sub-apps of later pipeline stages, mounted when their modules are present."""
-    try:
-        from aligntax.vat.cli import app as vat_app
+def _mount_faces() -> None:
+    """The sub-commands whose faces live in their own modules of this package: ``vat``, ``serve``,
+    ``lm-eval`` (lm-eval itself is imported when the command runs), ``bundle`` and ``export``."""
+    from aligntax.cli.bundles import mount as mount_bundles
+    from aligntax.cli.lmeval import lm_eval_command
+    from aligntax.cli.serve import serve_command
+    from aligntax.cli.vat import app as vat_app
 
-        app.add_typer(vat_app, name="vat")
-    except ImportError:
-        pass
-    try:
-        from aligntax.serve.cli import serve_command
-
-        app.command("serve")(serve_command)
-    except ImportError:
-        pass
-    from aligntax.lmeval.cli import lm_eval_command  # lm-eval itself is imported when the command runs
-
+    app.add_typer(vat_app, name="vat")
+    app.command("serve")(serve_command)
     app.command("lm-eval")(lm_eval_command)
-    from aligntax.bundles.cli import mount as mount_bundles  # aligntax bundle save|push|pull, aligntax export
-
     mount_bundles(app)
 
 
-_mount_optional()
+_mount_faces()
 
 if __name__ == "__main__":
     app()

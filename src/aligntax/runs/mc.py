@@ -1,0 +1,109 @@
+"""The ``aligntax mc`` run: score a multiple-choice set with the model (steered or not) and write the folder.
+
+One forward pass per question (batched, longest first, through
+:func:`aligntax.generation.generate.text_logits`, so the intervention acts as in a generation step);
+the questions, the prompt text and the scoring of the logits are :mod:`aligntax.metrics.mc`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from aligntax.errors import AligntaxError, DataError
+from aligntax.interventions.base import Intervention, NoIntervention
+from aligntax.metrics.mc import (
+    BUILTIN,
+    BUILTIN_PATH,
+    MCItem,
+    MCScore,
+    load_mc,
+    mc_results,
+    mc_score,
+    mc_text,
+    option_token_ids,
+)
+from aligntax.runs.fsio import write_json_atomic
+from aligntax.runs.jsonl import append_jsonl
+
+
+def score_items(lm, items: Sequence[MCItem], intervention: Intervention | None = None,
+                system: str | None = None, batch_size: int = 16, progress: bool = False) -> list[MCScore]:
+    """Score every question with one forward pass each (batched, longest first), in input order."""
+    from aligntax.generation.generate import text_logits
+
+    if batch_size < 1:
+        raise AligntaxError("batch_size must be >= 1.")
+    intervention = intervention or NoIntervention()
+    lm.require_chat_template()
+    tok = lm.tokenizer
+    letter_ids = option_token_ids(tok, max((len(it.choices) for it in items), default=2))
+    texts = [mc_text(tok, it, system, intervention) for it in items]
+    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
+    logp_sorted = torch.log_softmax(text_logits(lm, [texts[i] for i in order], intervention, batch_size,
+                                                progress, desc="mc"), dim=-1)
+    out: list[MCScore | None] = [None] * len(items)
+    for row, i in enumerate(order):
+        out[i] = mc_score(logp_sorted[row], letter_ids, len(items[i].choices))
+    return out  # type: ignore[return-value]
+
+
+def mc_accuracy(lm, items: Sequence[MCItem], intervention: Intervention | None = None,
+                system: str | None = None, batch_size: int = 16, progress: bool = False) -> dict:
+    """Accuracy with a Wilson 95% interval, per subject, the mean letter mass, and one row per item
+    (:func:`aligntax.metrics.mc.mc_results` of :func:`score_items`)."""
+    if not items:
+        raise DataError("No multiple-choice questions to score.")
+    return mc_results(items, score_items(lm, items, intervention, system, batch_size, progress))
+
+
+@dataclass
+class MCConfig:
+    """Settings of ``aligntax mc``."""
+
+    out: str
+    model: str
+    data: str = BUILTIN
+    limit: int | None = None
+    system: str | None = None
+    batch_size: int = 16
+    dtype: str = "bf16"
+    intervention: str | None = None
+    intervention_args: dict = field(default_factory=dict)
+    progress: bool = True
+
+
+def run_mc(cfg: MCConfig, lm=None, intervention: Intervention | None = None) -> dict:
+    """Score the set and write ``OUT/samples.jsonl`` (one line per question) and ``OUT/results.json``."""
+    items = load_mc(cfg.data, cfg.limit)
+    if lm is None:
+        from aligntax.models import load_model
+
+        lm = load_model(cfg.model, dtype=cfg.dtype)
+    if intervention is None and cfg.intervention and cfg.intervention != "none":
+        from aligntax.interventions.registry import make_intervention
+
+        intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    res = mc_accuracy(lm, items, intervention, cfg.system, cfg.batch_size, cfg.progress)
+    seconds = time.perf_counter() - t0
+    samples = out / "samples.jsonl"
+    samples.unlink(missing_ok=True)
+    append_jsonl(samples, res.pop("rows"))
+    results = {
+        "config": asdict(cfg),
+        "data": str(BUILTIN_PATH) if cfg.data == BUILTIN else cfg.data,
+        "intervention": intervention.config() if intervention is not None else None,
+        "model_fingerprint": getattr(lm, "fingerprint", None),
+        **res,
+        "seconds": round(seconds, 2),
+    }
+    write_json_atomic(out / "results.json", results, default=str)
+    return results
