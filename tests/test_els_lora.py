@@ -333,7 +333,7 @@ def test_cli_sweep_takes_lora_options(distilled, monkeypatch):
     from aligntax import cli
 
     seen = {}
-    monkeypatch.setattr(els_run, "run_sweep", lambda cfg, ray=None: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr(els_run, "run_sweep", lambda cfg, source=None: seen.setdefault("cfg", cfg) and {})
     _, els, _, _ = distilled
     res = CliRunner().invoke(cli.app, ["els", "sweep", "--steer", str(els), "--lora", "A", "--lora", "B",
                                        "--lora-scales", "0.5,1", "--limit", "60", "--eta", "0.35"])

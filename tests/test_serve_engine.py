@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from aligntax.serve.engine import (
-    BatchEngine,
+from aligntax.serve.engine import BatchEngine
+from aligntax.serve.jobs import (
     Delta,
     EngineClosed,
     EngineOverloaded,

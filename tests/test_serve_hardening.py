@@ -24,7 +24,8 @@ from aligntax.models.layers import decoder_layers
 from aligntax.serve import create_app
 from aligntax.serve.app import MAX_BODY_BYTES, InsecureBindError, _RequestGuard, check_bind
 from aligntax.serve.background import BackgroundServer
-from aligntax.serve.engine import BatchEngine, Failed, Finished, Job, SamplingParams
+from aligntax.serve.engine import BatchEngine
+from aligntax.serve.jobs import Failed, Finished, Job, SamplingParams
 from aligntax.serve.metrics import ServeMetrics
 from serve_tiny import tiny_lm
 
@@ -411,7 +412,7 @@ def test_requests_refused_after_admission_are_withdrawn(live, http, logs):
 
 
 def test_engine_admission_counts_and_expected_wait(lm):
-    from aligntax.serve.engine import EngineOverloaded
+    from aligntax.serve.jobs import EngineOverloaded
 
     engine = BatchEngine(lm, None, max_batch_size=2, max_queue=3, max_queue_wait_ms=100)
     for _ in range(3):
@@ -701,7 +702,7 @@ def test_predicted_latency_counts_the_running_batch_the_batches_ahead_and_its_ow
 
 
 def test_admission_refuses_a_request_predicted_over_the_latency_target(lm):
-    from aligntax.serve.engine import EngineOverloaded
+    from aligntax.serve.jobs import EngineOverloaded
 
     engine = _latency_engine(lm, 1300)
     engine.admit(max_tokens=10**6)  # idle: always admitted, whatever the prediction

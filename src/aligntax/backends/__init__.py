@@ -7,6 +7,7 @@ from __future__ import annotations
 from aligntax.errors import AligntaxError
 
 BACKENDS = ("hf", "vllm")
+LABELS = {"hf": "Hugging Face", "vllm": "vLLM"}  # each backend as reports name it
 
 
 def check_backend(name: str | None) -> str:

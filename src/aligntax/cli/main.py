@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Annotated
 
@@ -199,8 +200,9 @@ def generate(
     backend: str = typer.Option("hf", help="hf, or vllm (continuous batching; ./run setup-vllm)"),
 ) -> None:
     """Generate chat responses for prompts, in batches. Each JSONL line records the intervention used."""
-    from aligntax.backends import check_backend
     from aligntax.generation import GenerationConfig
+    from aligntax.generation.source import SourceSpec
+    from aligntax.runs.sources import generation_source
 
     try:
         check_out_file(out)
@@ -210,7 +212,7 @@ def generate(
         do_sample, temp = _sampling(temperature, sample)
         if limit is not None:
             check_range(limit, "count", "--limit")
-        check_backend(backend)
+        source = generation_source(backend)
         prompts = list(prompt or [])
         ids = [str(i) for i in range(len(prompts))]
         if in_file is not None:
@@ -227,19 +229,12 @@ def generate(
                                **({"temperature": temp} if temp is not None else {}))
     except AligntaxError as exc:
         _fail(exc)
-    if check_backend(backend) == "vllm":
-        from aligntax.backends.vllm.engine import VllmModel, prepare
-
-        vm = VllmModel(model, dtype=dtype)
-        preset, iv = prepare(vm, intervention, iv_args)
-        gens, _ = vm.generate(prompts, cfg, steer=preset, intervention=iv)
-    else:
-        from aligntax.generation import generate as gen
-        from aligntax.models import load_model
-
-        lm = load_model(model, dtype=dtype)
-        iv = _make_iv(lm, intervention, iv_args)
-        gens = gen(lm, prompts, cfg, iv, progress=progress)
+    name = intervention if intervention != "none" else None
+    with source.open(SourceSpec(model, dtype, name, dict(iv_args or {}), batch_size)) as gen:
+        gens: list = [None] * len(prompts)
+        for idx, batch in gen.iter_generate(prompts, cfg, progress=progress):
+            for i, g in zip(idx, batch, strict=True):
+                gens[i] = g
     used = {"intervention": intervention or "none", **({"intervention_args": iv_args} if iv_args else {})}
     fh = open(out, "w") if out else sys.stdout
     for i, g in zip(ids, gens, strict=True):
@@ -371,6 +366,7 @@ def eval_cmd(
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
     from aligntax.config import load_config
     from aligntax.runs import EvalConfig, run_eval
+    from aligntax.runs.sources import generation_source
 
     try:
         do_sample, temp = _sampling(temperature, sample)
@@ -385,10 +381,11 @@ def eval_cmd(
             compare_to=str(compare_to) if compare_to else None, progress=progress,
             device_map=device_map, backend=backend)
         _check_eval(cfg)
-        ray_cfg = _ray_config(ray, workers, worker_cpus, worker_gpus)
+        source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
     except AligntaxError as exc:
         _fail(exc)
-    results = run_eval(cfg, ray=ray_cfg)
+    with closing(source):
+        results = run_eval(cfg, source=source)
     Console().print(_eval_table(results))
     console.print(f"run folder: {cfg.out}")
 
@@ -844,6 +841,7 @@ def els_sweep(
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
     from aligntax.config import load_config
     from aligntax.runs.els import SweepConfig, run_sweep
+    from aligntax.runs.sources import generation_source
 
     try:
         cfg = load_config(SweepConfig, config, steer=str(steer), out=str(out) if out else None, model=model,
@@ -857,19 +855,17 @@ def els_sweep(
                                        if x.strip()] if lora_scales else None)
         if knowns is not None:
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
-        from aligntax.backends import check_backend
-
-        check_backend(cfg.backend)
+        source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
         check_intervention("els", {"path": cfg.steer})
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
         check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], "a dataset")
         check_layers(cfg.model, [x for lay in cfg.layers or [] for x in lay], "--layers-grid")
         check_range(cfg.max_new_tokens, "positive_count", "--max-new-tokens")
-        ray_cfg = _ray_config(ray, workers, worker_cpus, worker_gpus)
     except AligntaxError as exc:
         _fail(exc)
-    res = run_sweep(cfg, ray=ray_cfg)
+    with closing(source):
+        res = run_sweep(cfg, source=source)
     print(json.dumps(res, indent=2))
 
 
@@ -894,12 +890,12 @@ def demo(
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
-    from aligntax.backends import check_backend
     from aligntax.runs.demo import MECHANISMS, demo_config, run_demo
+    from aligntax.runs.sources import generation_source
 
     out = out or Path(("runs/demo" if backend == "hf" else f"runs/demo-{backend}") + ("-full" if full else ""))
     try:
-        check_backend(backend)
+        source = generation_source(backend)
         check_out_folder(out)
         check_judge(judge_name)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
@@ -915,7 +911,8 @@ def demo(
                           mechanisms=picked)
     except AligntaxError as exc:
         _fail(exc)
-    run_demo(cfg)
+    with closing(source):
+        run_demo(cfg, source=source)
     Console().print((out / "report.md").read_text())
 
 

@@ -13,33 +13,6 @@ from aligntax.cli.options import InterventionOpt, check_port, fail, steering_opt
 from aligntax.models.spec import DEFAULT_MODEL
 
 
-def _make_intervention(name: str, lm, options: dict):
-    from aligntax.interventions.registry import make_intervention
-
-    iv = make_intervention(name, lm, **options)
-    return None if iv is None or getattr(iv, "name", None) == "none" else iv
-
-
-def _serve_backend(backend: str, model: str, dtype: str, device: str | None, intervention: str | None,
-                   iv_args: dict | None, host: str, port: int, insecure: bool, model_name: str | None,
-                   max_batch_size: int, threads: int | None, **app_kwargs) -> None:
-    """``--backend vllm``: the same server answering from vLLM (aligntax.backends.vllm.serving)."""
-    from aligntax.backends import check_backend
-    from aligntax.errors import AligntaxError
-
-    try:
-        check_backend(backend)  # hf or vllm; anything else is refused
-        if device not in (None, "cpu"):
-            raise AligntaxError("--device is not used with --backend vllm (vLLM picks its own device).")
-        from aligntax.backends.vllm.serving import serve_vllm
-
-        serve_vllm(model, dtype=dtype, intervention=intervention, iv_args=iv_args, host=host, port=port,
-                   insecure=insecure, model_name=model_name, max_batch_size=max_batch_size, threads=threads,
-                   echo=typer.echo, **app_kwargs)
-    except (AligntaxError, RuntimeError) as exc:
-        fail(exc)
-
-
 @steering_options
 def serve_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Model spec: embedded:NAME, Hub id, model folder "
@@ -94,48 +67,37 @@ def serve_command(
     """Serve MODEL (and MODEL+<intervention> when steering) behind an OpenAI-compatible API. The steered
     variant takes the intervention's options like every steering command (--steer DIR alone means ELS
     with the setting its sweep selected; --gate, --horizon, --eta, ... override it)."""
+    from contextlib import ExitStack
+
     from aligntax.errors import AligntaxError
-    from aligntax.models.loader import load_model
-    from aligntax.serve.app import check_bind, create_app, default_model_name
+    from aligntax.generation.source import SourceSpec
+    from aligntax.runs.sources import generation_source
+    from aligntax.serve.app import check_bind, serve
 
     try:  # everything that can be checked before loading the model
         check_port(port)
         check_bind(host, api_key, insecure)
+        source = generation_source(backend)  # another generation engine behind the same app (docs/vllm.md)
+        source.check_serving(device=device, max_latency_ms=max_latency_ms)
     except AligntaxError as exc:
         fail(exc)
-    if backend.strip().lower() != "hf":  # another generation engine behind the same app (docs/vllm.md)
-        _serve_backend(backend, model, dtype, device, intervention, iv_args, host, port, insecure, model_name,
-                       max_batch_size, threads, api_key=api_key, max_new_tokens_limit=max_tokens_limit,
-                       default_max_tokens=min(default_max_tokens, max_tokens_limit), max_queue=max_queue,
-                       allow_unknown_fields=allow_unknown_fields, request_timeout_s=request_timeout,
-                       shutdown_timeout_s=shutdown_timeout, max_queue_wait_ms=max_queue_wait_ms,
-                       max_latency_ms=max_latency_ms)
-        return
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    try:
-        lm = load_model(model, dtype=dtype, device=device)
-        iv = None
-        if intervention is not None:  # --steer DIR alone means els; every method's options apply
-            iv = _make_intervention(intervention, lm, iv_args or {})
-    except (AligntaxError, RuntimeError) as exc:
-        fail(exc, 1)  # a model or intervention that fails to load: a runtime failure
-
-    from aligntax.serve.app import serve
-
-    name = model_name or default_model_name(lm)
-    app = create_app(lm, iv, name, api_key=api_key, max_batch_size=max_batch_size,
-                     batch_wait_ms=batch_wait_ms, max_batch_wait_ms=max_batch_wait_ms,
-                     max_new_tokens_limit=max_tokens_limit,
-                     default_max_tokens=min(default_max_tokens, max_tokens_limit), max_queue=max_queue,
-                     max_batch_tokens=max_batch_tokens, allow_unknown_fields=allow_unknown_fields,
-                     request_timeout_s=request_timeout, shutdown_timeout_s=shutdown_timeout,
-                     max_queue_wait_ms=max_queue_wait_ms, steer_method=intervention if iv is not None else None,
-                     steer_options=iv_args, max_latency_ms=max_latency_ms)
-    settings = app.state.settings
-    names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
-    typer.echo(f"Serving {names} at http://{host}:{port}/v1 (batch <= {max_batch_size}"
-               f"{', API key required' if api_key else ''})")
-    serve(lm, host=host, port=port, log_level="info", insecure=insecure, app=app)
+    spec = SourceSpec(model, dtype, intervention, dict(iv_args or {}), max_batch_size)
+    with ExitStack() as stack:
+        try:
+            served = stack.enter_context(source.serving(spec, device=device, threads=threads))
+        except (AligntaxError, RuntimeError) as exc:
+            fail(exc, 1)  # a model or intervention that fails to load: a runtime failure
+        app = served.create_app(model_name, api_key=api_key, max_batch_size=max_batch_size,
+                                batch_wait_ms=batch_wait_ms, max_batch_wait_ms=max_batch_wait_ms,
+                                max_new_tokens_limit=max_tokens_limit,
+                                default_max_tokens=min(default_max_tokens, max_tokens_limit), max_queue=max_queue,
+                                max_batch_tokens=max_batch_tokens, allow_unknown_fields=allow_unknown_fields,
+                                request_timeout_s=request_timeout, shutdown_timeout_s=shutdown_timeout,
+                                max_queue_wait_ms=max_queue_wait_ms,
+                                steer_method=intervention if served.intervention is not None else None,
+                                steer_options=iv_args, max_latency_ms=max_latency_ms)
+        settings = app.state.settings
+        names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
+        typer.echo(f"Serving {names} at http://{host}:{port}/v1{served.describe}"
+                   f"{', API key required' if api_key else ''})")
+        serve(None, host=host, port=port, log_level="info", insecure=insecure, app=app)

@@ -13,13 +13,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aligntax.backends import LABELS
+from aligntax.backends.hf import HFSource
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
+from aligntax.generation.source import SourceSpec
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
 from aligntax.runs.fsio import write_json_atomic
+from aligntax.runs.sources import check_source, generation_source
+
+HF = HFSource.backend
 
 TEST_SETS = ["orbench-hard-test", "xstest-safe", "oktest", "xstest-unsafe", "jailbreakbench", "harmbench-test"]
 # the test-set Pareto plot's axes: mean compliance over the benign sets, mean refusal over the harmful ones
@@ -104,27 +110,24 @@ def demo_config(full: bool = False, **settings) -> DemoConfig:
     return DemoConfig(**copy.deepcopy({**(FULL_PROFILE if full else {}), **given}), full=full)
 
 
-def run_demo(cfg: DemoConfig, lm=None, vm=None) -> dict:
-    """The main job (module docstring). ``lm``: the loaded Hugging Face model (loaded here when None);
-    with ``cfg.backend == "vllm"``, ``vm``: a started
-    :class:`~aligntax.backends.vllm.engine.VllmModel` (started here when None, and closed at the end)."""
-    from aligntax.backends import check_backend
-
-    cfg.backend = check_backend(cfg.backend)
-    if cfg.backend != "vllm":
-        return _run_demo(cfg, lm, None)
-    from aligntax.backends.vllm.engine import VllmModel, VllmOptions
-
-    own = vm is None
-    vm = vm or VllmModel(cfg.model, dtype=cfg.dtype, options=VllmOptions(max_num_seqs=max(1, cfg.batch_size)))
+def run_demo(cfg: DemoConfig, lm=None, source=None) -> dict:
+    """The main job (module docstring). ``lm``: the loaded Hugging Face model (loaded here when None;
+    ELS training and the per-row decisions run on it); ``source``: the
+    :class:`~aligntax.generation.source.GenerationSource` of ``cfg.backend`` that every evaluation, the
+    sweep and the known-answer check generate with (picked from ``cfg.backend``, and closed at the end,
+    when not given)."""
+    own = source is None
+    source = source or generation_source(cfg.backend)
     try:
-        return _run_demo(cfg, lm, vm)
+        check_source(source, cfg.backend)
+        cfg.backend = source.backend
+        return _run_demo(cfg, lm, source)
     finally:
         if own:
-            vm.close()
+            source.close()
 
 
-def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
+def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     from aligntax.models import load_model
 
     out = Path(cfg.out)
@@ -144,9 +147,9 @@ def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
     stages += ["baselines on the test sets"] if cfg.test_baselines else []
     clock = _Clock(["model load", *stages], cfg.progress, STAGE_MINUTES["full" if cfg.full else "quick"])
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
-    if vm is not None and vm.hf is None:
-        vm.hf = lm  # the per-row decisions made before generating use the model loaded here
-    gen_lm = vm if vm is not None else lm  # what the evaluations and the known-answer check generate on
+    source.adopt(lm)  # the Hugging Face backend generates on it; another makes its per-row decisions on it
+    # what the evaluations and the known-answer check generate on (the vLLM backend: its engine, started now)
+    gen_lm = source.start(SourceSpec(cfg.model, cfg.dtype, batch_size=cfg.batch_size))
     calibration = calibrate(lm)
     clock.speed = calibration / CALIBRATION_SECONDS
     clock.lap("model load")
@@ -159,9 +162,9 @@ def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
     train_common = dict(common)
     common["backend"] = cfg.backend
     clock.begin(1, f"the unsteered model on {len(cfg.test_sets)} test sets ({', '.join(cfg.test_sets)})"
-                   + (" (vLLM)" if vm is not None else ""))
+                   + (f" ({LABELS[source.backend]})" if source.backend != HF else ""))
     base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common),
-                    lm=gen_lm)
+                    lm=gen_lm, source=source)
     clock.lap()
     clock.begin(2, "label the model's own answers on train prompts, capture states, train energy models and the "
                    "harm gate")
@@ -184,7 +187,7 @@ def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
     clock.begin(stages.index("validation sweep") + 1, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
                    f"(validation: {', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
                    "pick the best eligible one")
-    sweep = run_sweep(sweep_cfg, lm=lm, vm=vm)
+    sweep = run_sweep(sweep_cfg, lm=lm, source=source)
     clock.lap()
     best = selected(sweep)
     steered = knowns = None
@@ -197,18 +200,18 @@ def _run_demo(cfg: DemoConfig, lm, vm) -> dict:
         # rows the harm gate holds back are answered exactly as unsteered: take them from the baseline
         steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
                                       intervention=name, intervention_args=args,
-                                      reuse_unsteered=str(out / "baseline"), **common), lm=gen_lm)
+                                      reuse_unsteered=str(out / "baseline"), **common), lm=gen_lm, source=source)
         clock.lap()
         if cfg.knowns:
             clock.begin(stages.index("known-answer check") + 1,
                         "everyday questions with known answers, unsteered and steered (test split)")
-            knowns = _knowns(cfg, out, gen_lm, name, args)
+            knowns = _knowns(cfg, out, gen_lm, source, name, args)
             clock.lap()
     tests = None
     if cfg.test_baselines:
         clock.begin(len(stages), f"{len(cfg.test_baselines)} baselines ({', '.join(cfg.test_baselines)}) on "
                                      f"the {len(cfg.test_sets)} test sets, for the test-set Pareto plot")
-        tests = _test_pareto(cfg, out, gen_lm, base, steered, common)
+        tests = _test_pareto(cfg, out, gen_lm, source, base, steered, common)
         clock.lap()
     summary = {"baseline": base, "steered": steered, "best": best, "knowns": knowns, "test_pareto": tests,
                "sweep": sweep, "minutes": clock.minutes()}
@@ -291,18 +294,18 @@ def _mechanism_settings(cfg: DemoConfig) -> list[dict]:
     return settings
 
 
-def _knowns(cfg: DemoConfig, out: Path, lm, name: str, args: dict) -> dict:
+def _knowns(cfg: DemoConfig, out: Path, lm, source, name: str, args: dict) -> dict:
     """Known-answer accuracy (test split) unsteered and with the selected setting, paired."""
     from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     common = dict(model=cfg.model, data=cfg.knowns, split="test", limit=cfg.limit, max_new_tokens=cfg.max_new_tokens,
                   batch_size=cfg.batch_size, dtype=cfg.dtype, progress=cfg.progress, backend=cfg.backend)
-    before = run_knowns(KnownsConfig(out=str(out / "knowns-baseline"), **common), lm=lm)
+    before = run_knowns(KnownsConfig(out=str(out / "knowns-baseline"), **common), lm=lm, source=source)
     _set_aside_if_changed(out / "knowns-steered", args)
     # questions the setting leaves unsteered are copied from the unsteered run
     after = run_knowns(KnownsConfig(out=str(out / "knowns-steered"), intervention=name, intervention_args=args,
                                     compare_to=str(out / "knowns-baseline"),
-                                    reuse_unsteered=str(out / "knowns-baseline"), **common), lm=lm)
+                                    reuse_unsteered=str(out / "knowns-baseline"), **common), lm=lm, source=source)
     return {"baseline": before, "steered": after}
 
 
@@ -322,7 +325,7 @@ def pareto_point(results: dict) -> tuple[float, float]:
     return mean(PARETO_HARMFUL), mean(PARETO_BENIGN)
 
 
-def _test_pareto(cfg: DemoConfig, out: Path, lm, base: dict, steered: dict | None, common: dict) -> list[dict]:
+def _test_pareto(cfg: DemoConfig, out: Path, lm, source, base: dict, steered: dict | None, common: dict) -> list[dict]:
     """Each test baseline evaluated on the test sets (rows CAST leaves unsteered are copied); one point
     per run (unsteered, ELS, baselines) and the test-set Pareto plot ``test_pareto.png``."""
     from aligntax.reports.plots import pareto_plot
@@ -334,7 +337,7 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, base: dict, steered: dict | Non
         args = {} if name.endswith("-prompt") else {"path": vec}
         res = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "test-baselines" / name), limit=cfg.limit,
                                   intervention=name, intervention_args=args,
-                                  reuse_unsteered=str(out / "baseline"), **common), lm=lm)
+                                  reuse_unsteered=str(out / "baseline"), **common), lm=lm, source=source)
         points.append((name, name, res))
     rows = []
     for name, label, res in points:
@@ -483,7 +486,7 @@ def write_demo_report(out: Path, summary: dict) -> None:
     lines = ["# aligntax demo: energy landscape steering against over-refusal", "",
              f"Model `{base['config']['model']}`, judge `{base['config']['judge']}`, greedy, "
              f"{base['config']['max_new_tokens']} new tokens"
-             + (", generated with vLLM" if base["config"].get("backend", "hf") == "vllm" else "")
+             + (f", generated with {LABELS[used]}" if (used := base["config"].get("backend", HF)) != HF else "")
              + ". Trained on train splits, tuned on validation splits, reported on test sets. Wilson 95% "
              "intervals.", ""]
     if best:

@@ -29,7 +29,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 
+from aligntax.backends.hf import HFSource
 from aligntax.errors import AligntaxError
+from aligntax.generation.source import GenerationSource, SourceSpec, SweepGeneration
 
 
 @dataclass
@@ -71,37 +73,27 @@ def ray_connection(cfg: RayConfig) -> Iterator:
 
 
 class ModelReplica:
-    """One replica of the model (a Ray actor): loads it once, with an optional intervention, and
+    """One replica of the model (a Ray actor): opens the replicas' own generation source (``local``:
+    the Hugging Face backend or a vLLM engine in the actor) once, with an optional intervention, and
     answers work units. Every prefill state an intervention decides from is remembered for the
     actor's life (:func:`~aligntax.activations.decisions.remembered_prefill_states`), as one sweep
     process remembers them."""
 
     def __init__(self, model: str, dtype: str, device_map: str | None = None, threads: int | None = None,
-                 intervention: str | None = None, intervention_args: dict | None = None, backend: str = "hf",
-                 batch_size: int = 32) -> None:
+                 intervention: str | None = None, intervention_args: dict | None = None,
+                 local: GenerationSource | None = None, batch_size: int = 32) -> None:
         import torch
 
         from aligntax.activations.decisions import remembered_prefill_states
-        from aligntax.models import load_model
 
         if threads:
             torch.set_num_threads(threads)
-        self.source = None  # the vLLM backend's engine (backend "vllm"), with the intervention as its preset
-        if backend == "vllm":
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine inside this actor
-            from aligntax.backends.vllm.evaluate import VllmEvalSource
-
-            self.source = VllmEvalSource(model, dtype, intervention, intervention_args, batch_size)
-            self.lm, self.iv = self.source.vm, self.source.intervention
-            self._memo = remembered_prefill_states()
-            self._memo.__enter__()
-            return
-        self.lm = load_model(model, dtype=dtype, device_map=device_map)
-        self.iv = None
-        if intervention:
-            from aligntax.interventions.registry import make_intervention
-
-            self.iv = make_intervention(intervention, self.lm, **(intervention_args or {}))
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a vLLM engine runs inside this actor
+        self.local = local or HFSource()
+        spec = SourceSpec(model, dtype, intervention, dict(intervention_args or {}), batch_size, device_map)
+        self._opened = self.local.open(spec)  # held for the actor's life
+        self.gen = self._opened.__enter__()
+        self.lm, self.iv = self.gen.lm, self.gen.intervention
         self._memo = remembered_prefill_states()
         self._memo.__enter__()
 
@@ -114,27 +106,14 @@ class ModelReplica:
 
     def lengths(self, prompts: list, system: str | None) -> list[int]:
         """Token length of each chat-templated prompt, as generation batches them."""
-        from aligntax.generation.chat import build_messages, render_chat
-        from aligntax.interventions.base import NoIntervention
-
-        if self.source is not None:
-            return [len(ids) for ids in self.lm.encode(prompts, system, self.source.rewriting)[1]]
-        self.lm.require_chat_template()
-        iv = self.iv or NoIntervention()
-        texts = [render_chat(self.lm.tokenizer, build_messages(p, system, iv)) for p in prompts]
-        return [len(self.lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-
-    def _decider(self):
-        from aligntax.activations.decisions import PrefillDecider
-
-        return self.source.decider() if self.source is not None else PrefillDecider(self.lm, self.iv)
+        return self.gen.prompt_lengths(prompts, system)
 
     def row_info(self, prompts: list, system: str | None, batch_size: int) -> list[dict] | None:
-        decider = self._decider()
+        decider = self.gen.decider()
         return decider.row_info(prompts, system, batch_size) if decider is not None else None
 
     def unsteered_rows(self, prompts: list, system: str | None, batch_size: int) -> list[bool] | None:
-        decider = self._decider()
+        decider = self.gen.decider()
         return decider.unsteered_rows(prompts, system, batch_size) if decider is not None else None
 
     def generate(self, unit: int, prompts: list, gen: dict,
@@ -145,29 +124,26 @@ class ModelReplica:
         :class:`~aligntax.activations.recorder.PrefillRecorder` reads it (``{layer: [rows, d]}``, rows
         in the prompts' order), shipped in the model's dtype when that loses nothing (bf16 / fp16
         states are half the bytes of float32 in the object store); else None."""
-        from aligntax.generation import GenerationConfig, generate, iter_generate
+        from aligntax.generation import GenerationConfig
 
-        if self.source is not None:
-            if record is not None:
-                raise AligntaxError("A vLLM replica does not record prompt states.")
-            gens, _ = self.lm.generate(prompts, GenerationConfig(**gen), steer=self.source.preset,
-                                       intervention=self.source.rewriting, progress=False)
-            return unit, [asdict(g) for g in gens], None
-        if record is None:
-            gens = generate(self.lm, prompts, GenerationConfig(**gen), self.iv, progress=False)
-            return unit, [asdict(g) for g in gens], None
-        import torch
+        rec = None
+        if record is not None:
+            from aligntax.activations.recorder import PrefillRecorder
 
-        from aligntax.activations.recorder import PrefillRecorder
-
-        if self.iv is not None:
-            raise AligntaxError("Prompt states are recorded only by unsteered replicas.")
-        rec = PrefillRecorder(self.lm.model, record)
+            self.local.check(recorder=True)
+            if self.iv is not None:
+                raise AligntaxError("Prompt states are recorded only by unsteered replicas.")
+            rec = PrefillRecorder(self.lm.model, record)
         out: list = [None] * len(prompts)
-        for idx, gens in iter_generate(self.lm, prompts, GenerationConfig(**gen), rec, progress=False):
-            rec.keep([str(i) for i in idx])
+        for idx, gens in self.gen.iter_generate(prompts, GenerationConfig(**gen), progress=False, recorder=rec):
+            if rec is not None:
+                rec.keep([str(i) for i in idx])
             for i, g in zip(idx, gens, strict=True):
                 out[i] = asdict(g)
+        if rec is None:
+            return unit, out, None
+        import torch
+
         order = torch.tensor([int(i) for i in rec.prompt_ids]).argsort()
         states = {}
         for layer, h in rec.states().items():
@@ -186,12 +162,12 @@ class Replicas:
     """The replicas of one run, started on first use (:meth:`start`) and killed on :meth:`close`."""
 
     def __init__(self, cfg: RayConfig, model: str, dtype: str, intervention: str | None = None,
-                 intervention_args: dict | None = None, device_map: str | None = None, backend: str = "hf",
-                 batch_size: int = 32) -> None:
+                 intervention_args: dict | None = None, device_map: str | None = None,
+                 local: GenerationSource | None = None, batch_size: int = 32) -> None:
         self.cfg = cfg
-        self.backend, self.batch_size = backend, batch_size  # "vllm": each replica runs a vLLM engine
-        self.device_map = device_map  # "auto": each replica's model split over its GPUs (accelerate)
-        self.spec = (model, dtype, intervention, dict(intervention_args or {}))
+        self.local = local or HFSource()  # what each replica generates with
+        # device_map "auto": each replica's model split over its GPUs (accelerate)
+        self.spec = SourceSpec(model, dtype, intervention, dict(intervention_args or {}), batch_size, device_map)
         self.actors: list = []
         self.pool = None
         self.identity: dict = {}
@@ -206,7 +182,7 @@ class Replicas:
 
         resources = ray.cluster_resources()
         gpus = self.cfg.gpus if self.cfg.gpus is not None else (1.0 if resources.get("GPU", 0) >= 1 else 0.0)
-        if self.device_map and not gpus:
+        if self.spec.device_map and not gpus:
             raise AligntaxError("--device-map splits a replica's model over its GPUs: give each replica "
                                 "GPUs (--worker-gpus), or leave --device-map out.")
         workers = self.cfg.workers
@@ -215,12 +191,12 @@ class Replicas:
         if workers < 1:
             raise AligntaxError(f"The Ray cluster has no room for one replica ({self.cfg.cpus} CPUs, {gpus} GPUs "
                                 f"each; it has {resources.get('CPU', 0)} CPUs, {resources.get('GPU', 0)} GPUs).")
-        model, dtype, intervention, args = self.spec
         remote = ray.remote(ModelReplica).options(num_cpus=self.cfg.cpus, num_gpus=gpus,
                                                   max_restarts=self.cfg.max_restarts, max_task_retries=-1)
         threads = max(1, int(self.cfg.cpus))
-        self.actors = [remote.remote(model, dtype, self.device_map, threads, intervention, args, self.backend,
-                                     self.batch_size) for _ in range(workers)]
+        sp = self.spec
+        self.actors = [remote.remote(sp.model, sp.dtype, sp.device_map, threads, sp.intervention, sp.intervention_args,
+                                     self.local, sp.batch_size) for _ in range(workers)]
         try:
             idents = ray.get([a.identity.remote() for a in self.actors])
         except ray.exceptions.RayActorError as exc:  # a replica could not load the model (or its backend)
@@ -351,39 +327,107 @@ class RemoteIntervention:
 
 @contextmanager
 def replicas_of(ray_cfg: RayConfig | None, model: str, dtype: str, intervention: str | None = None,
-                intervention_args: dict | None = None, device_map: str | None = None, backend: str = "hf",
-                batch_size: int = 32) -> Iterator[Replicas | None]:
+                intervention_args: dict | None = None, device_map: str | None = None,
+                local: GenerationSource | None = None, batch_size: int = 32) -> Iterator[Replicas | None]:
     """The replicas of one run, started when first needed and killed on exit; None without
-    ``ray_cfg``. ``backend="vllm"``: each replica generates with a vLLM engine (sequence slots
-    ``batch_size``)."""
+    ``ray_cfg``. ``local``: what each replica generates with (default: the Hugging Face backend; the
+    vLLM source: a vLLM engine per replica, ``batch_size`` sequence slots)."""
     if ray_cfg is None:
         yield None
         return
     import_ray()
-    if backend == "vllm" and device_map:
-        raise AligntaxError("--device-map is for the Hugging Face backend; a vLLM replica places its model itself.")
-    reps = Replicas(ray_cfg, model, dtype, intervention, intervention_args, device_map, backend, batch_size)
+    reps = Replicas(ray_cfg, model, dtype, intervention, intervention_args, device_map, local, batch_size)
+    reps.local.check(device_map=bool(device_map))
     try:
         yield reps
     finally:
         reps.close()
 
 
-def eval_replicas(ray_cfg: RayConfig | Replicas | None, cfg):
-    """:func:`replicas_of` an evaluation (:class:`~aligntax.runs.eval.EvalConfig`); given
-    :class:`Replicas` (of a caller that runs more on them, e.g. ELS training), those, left running."""
-    if isinstance(ray_cfg, Replicas):
-        model, dtype, intervention, _ = ray_cfg.spec
-        if (model, dtype, intervention or None) != (cfg.model, cfg.dtype, cfg.intervention or None):
-            raise AligntaxError(f"The replicas hold {model} ({dtype}, intervention {intervention}), not the "
-                                f"run's {cfg.model} ({cfg.dtype}, intervention {cfg.intervention or None}).")
-        return nullcontext(ray_cfg)
-    return replicas_of(ray_cfg, cfg.model, cfg.dtype, cfg.intervention or None, cfg.intervention_args,
-                       cfg.device_map, backend=cfg.backend, batch_size=cfg.batch_size)
-
-
 def started(replicas: Replicas) -> tuple[RemoteModel, RemoteIntervention | None]:
     """Start ``replicas``; the model and intervention the evaluation sees in their place."""
     replicas.start()
-    model = RemoteModel(replicas.spec[0], replicas.identity["fingerprint"])
-    return model, (RemoteIntervention(replicas) if replicas.spec[2] else None)
+    model = RemoteModel(replicas.spec.model, replicas.identity["fingerprint"])
+    return model, (RemoteIntervention(replicas) if replicas.spec.intervention else None)
+
+
+class RayGenerator:
+    """One run's generation on the replicas (a :class:`~aligntax.generation.source.Generator`): the
+    replicas make the per-row decisions and generate; this process sees the model's fingerprint and
+    the intervention's settings."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        self.replicas = replicas
+        self.lm, self.intervention = started(replicas)
+        self.decided: dict[int, dict] = {}
+
+    def decider(self) -> Replicas:
+        return self.replicas
+
+    def iter_generate(self, prompts: Sequence, cfg, progress: bool = True, desc: str = "generate",
+                      recorder=None) -> Iterator[tuple[list[int], list]]:
+        return self.replicas.iter_generate(prompts, cfg, progress=progress, desc=desc, recorder=recorder)
+
+    def prompt_lengths(self, prompts: Sequence, system: str | None = None) -> list[int]:
+        return self.replicas.lengths(list(prompts), system)
+
+    def stats(self) -> dict:
+        return {}  # the replicas' hooks keep theirs
+
+
+class RaySource:
+    """Runs on Ray replicas (``--ray``), each generating with the ``local`` source (default: the
+    Hugging Face backend). ``cfg``: where and how to start them, or :class:`Replicas` already held by
+    the caller (ELS training runs its label evaluation on its own), used as they are and left running."""
+
+    def __init__(self, cfg: RayConfig | Replicas, local: GenerationSource | None = None) -> None:
+        self.cfg = cfg
+        self.local = cfg.local if isinstance(cfg, Replicas) else local or HFSource()
+        self.backend = self.local.backend
+
+    def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
+              device_map: bool = False) -> None:
+        if loaded_model or loaded_intervention:
+            raise AligntaxError("A run on Ray loads the model on its replicas: give the model and intervention "
+                                "settings, not loaded objects.")
+        self.local.check(recorder=recorder, device_map=device_map)
+
+    def replicas(self, spec: SourceSpec):
+        """The replicas of a run of ``spec`` (a context manager)."""
+        if isinstance(self.cfg, Replicas):
+            held = self.cfg.spec
+            if (held.model, held.dtype, held.intervention or None) != (spec.model, spec.dtype, spec.intervention or None):
+                raise AligntaxError(f"The replicas hold {held.model} ({held.dtype}, intervention {held.intervention}), "
+                                    f"not the run's {spec.model} ({spec.dtype}, intervention "
+                                    f"{spec.intervention or None}).")
+            return nullcontext(self.cfg)
+        return replicas_of(self.cfg, spec.model, spec.dtype, spec.intervention, spec.intervention_args,
+                           spec.device_map, self.local, spec.batch_size)
+
+    @contextmanager
+    def open(self, spec: SourceSpec, lm=None, intervention=None) -> Iterator[RayGenerator]:
+        with self.replicas(spec) as reps:
+            yield RayGenerator(reps)
+
+    @contextmanager
+    def sweep(self, spec: SourceSpec) -> Iterator[SweepGeneration]:
+        if self.local.backend != HFSource.backend:
+            raise AligntaxError(f"The {self.local.backend} backend runs the sweep's engine in this process: not "
+                                "with --ray.")
+        with replicas_of(self.cfg, spec.model, spec.dtype, device_map=spec.device_map) as reps:
+            yield SweepGeneration(lambda name, args: None, reps)
+
+    def check_serving(self, *, device: str | None = None, max_latency_ms: float | None = None) -> None:
+        raise AligntaxError("A server answers from one process, not from Ray replicas.")
+
+    def serving(self, spec: SourceSpec, device: str | None = None, threads: int | None = None):
+        self.check_serving()
+
+    def start(self, spec: SourceSpec) -> None:
+        """The replicas of each run load their own models."""
+
+    def adopt(self, lm) -> None:
+        """The replicas load their own models."""
+
+    def close(self) -> None:
+        """The replicas are killed when each run ends."""

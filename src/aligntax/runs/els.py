@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 
 from aligntax.activations.decisions import PrefillDecider, rows_to_copy
+from aligntax.backends.hf import hf_generate
 from aligntax.data.registry import find_dataset
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
+from aligntax.generation.source import SourceSpec, SweepGeneration
 from aligntax.interventions.els import TUNED_KEYS
 from aligntax.interventions.options import spec_of
 from aligntax.interventions.registry import grid_fields
@@ -28,6 +30,7 @@ from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.eval import EvalConfig, activation_id, load_prompt_sets, run_eval
 from aligntax.runs.fsio import write_json_atomic
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
+from aligntax.runs.sources import check_source, generation_source
 
 
 @dataclass
@@ -567,17 +570,6 @@ def _sweep_prompts(benign: dict[str, list], harmful, knowns: list | None) -> lis
         [k.prompt for k in knowns or []]
 
 
-def _hf_generate(lm):
-    """The sweep's generation function on the Hugging Face backend: ``gen(prompts, cfg, iv, progress, desc)``
-    (the vLLM backend's: :meth:`aligntax.backends.vllm.sweep.VllmSweepSource.setting`)."""
-    from aligntax.generation import generate
-
-    def gen(prompts, cfg, iv=None, progress: bool = False, desc: str = "generate"):
-        return generate(lm, prompts, cfg, iv, progress=progress, desc=desc)
-
-    return gen
-
-
 def _sweep_responses(lm, iv, prompts: list[str], known: dict, cfg: SweepConfig,
                      gen=None, prior: dict | None = None) -> tuple[list[str], list[bool]]:
     """Each prompt's answer under ``iv``, and whether it was copied from the unsteered ``known`` answers
@@ -586,7 +578,7 @@ def _sweep_responses(lm, iv, prompts: list[str], known: dict, cfg: SweepConfig,
     generated (``{prompt: response}``), taken instead of generated again; the new ones are added."""
     from aligntax.generation import GenerationConfig
 
-    gen = gen or _hf_generate(lm)
+    gen = gen or hf_generate(lm)
     prior = {} if prior is None else prior
     held = rows_to_copy(PrefillDecider(lm, iv), prompts, [p in known for p in prompts], None, cfg.batch_size)
     todo = [i for i, h in enumerate(held) if not h and prompts[i] not in prior]
@@ -673,7 +665,7 @@ def _leak_responses(lm, iv, items, cfg: SweepConfig, known: dict, gen=None) -> d
 
     if not _leak_checked(iv):
         return None
-    generate = gen or _hf_generate(lm)
+    generate = gen or hf_generate(lm)
     prompts = [it.prompt for it in items]
     held = unsteered_rows(iv, lm, prompts, None, cfg.batch_size) or [False] * len(prompts)
     passed = [p for p, h in zip(prompts, held, strict=True) if not h]
@@ -778,31 +770,35 @@ def sweep_unit(lm, name: str, args: dict, method: str, fresh: bool, leak_due: bo
     return out
 
 
-def run_sweep(cfg: SweepConfig, lm=None, ray=None, vm=None) -> dict:
+def run_sweep(cfg: SweepConfig, lm=None, ray=None, source=None) -> dict:
     """Score every setting on validation data (appending to ``sweep.jsonl``), pick the best ELS setting
-    under the safety constraint, and draw the compliance-versus-safety Pareto plot. With ``ray`` (a
-    :class:`~aligntax.runs.distributed.RayConfig`) the settings are scored on replicas of the model
-    over Ray, one setting a work unit (the unsteered one first), and judged here. With the vLLM backend
-    ``vm`` may be a started :class:`~aligntax.backends.vllm.engine.VllmModel` to generate on."""
-    from aligntax.backends import check_backend
-    from aligntax.runs.distributed import replicas_of
+    under the safety constraint, and draw the compliance-versus-safety Pareto plot. ``source``: the
+    :class:`~aligntax.generation.source.GenerationSource` of ``cfg.backend`` (picked from it and
+    ``ray``, and closed at the end, when not given). On Ray replicas (``ray``, a
+    :class:`~aligntax.runs.distributed.RayConfig`) the settings are scored one a work unit (the
+    unsteered one first), and judged here; the vLLM backend generates each setting on its engine."""
+    own = source is None
+    source = source or generation_source(cfg.backend, ray)
+    try:
+        check_source(source, cfg.backend)
+        source.check(loaded_model=lm is not None)
+        cfg.backend = source.backend
+        with source.sweep(SourceSpec(cfg.model, cfg.dtype, batch_size=cfg.batch_size,
+                                     device_map=cfg.device_map)) as sweep:
+            return _run_sweep(cfg, lm, sweep)
+    finally:
+        if own:
+            source.close()
 
-    if ray is not None and lm is not None:
-        raise AligntaxError("A sweep on Ray loads the model on its replicas: give the model, not a loaded one.")
-    cfg.backend = check_backend(cfg.backend)
-    if cfg.backend == "vllm" and ray is not None:
-        raise AligntaxError("The vLLM backend runs the sweep's engine in this process: not with --ray.")
-    with replicas_of(ray, cfg.model, cfg.dtype, device_map=cfg.device_map) as replicas:
-        return _run_sweep(cfg, lm, replicas, vm)
 
-
-def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
+def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     from aligntax.activations.decisions import remembered_prefill_states
     from aligntax.interventions.registry import make_intervention
     from aligntax.judges import get_judge
     from aligntax.models import load_model
     from aligntax.reports.plots import pareto_plot
 
+    replicas = sweep.replicas
     out = Path(cfg.out or Path(cfg.steer) / "sweep")
     out.mkdir(parents=True, exist_ok=True)
     if replicas is None:
@@ -829,17 +825,10 @@ def _run_sweep(cfg: SweepConfig, lm, replicas, vm=None) -> dict:
     if other:
         data["backend"] = cfg.backend
     full = _Part(benign, harmful, knowns, data)
-    engines: list = []  # the vLLM backend's engine, started when a setting is first generated
 
     def gen_for(name: str, args: dict):
-        """The generation function of a setting: None for the Hugging Face backend (its default)."""
-        if cfg.backend != "vllm":
-            return None
-        if not engines:
-            from aligntax.backends.vllm.sweep import VllmSweepSource
-
-            engines.append(VllmSweepSource(cfg.model, cfg.dtype, cfg.batch_size, vm=vm))
-        return engines[0].setting(name, _sweep_iv_args(name, args))
+        """The generation function of a setting (None: the sweep's own loop on ``lm``)."""
+        return sweep.setting(name, _sweep_iv_args(name, args))
     if cfg.leak_constraint and not cfg.leak:
         raise AligntaxError("The leak constraint needs held-out harmful sets (leak / --leak).")
     leaks = leak_items(cfg)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 
-from aligntax.activations.decisions import PrefillDecider, remembered_prefill_states, rows_to_copy
+from aligntax.activations.decisions import remembered_prefill_states, rows_to_copy
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
-from aligntax.generation import GenerationConfig, iter_generate
+from aligntax.generation import GenerationConfig
+from aligntax.generation.source import GenerationSource, SourceSpec
 from aligntax.metrics import summarize_refusals
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.fsio import run_lock, write_json_atomic
@@ -32,6 +32,7 @@ from aligntax.runs.provenance import (
     read_provenance,
     write_provenance,
 )
+from aligntax.runs.sources import check_source, generation_source
 
 # Fields that change what a sample is; a resumed run must agree on all of them.
 _RESULT_FIELDS = ("model", "judge", "system", "max_new_tokens", "do_sample", "temperature", "top_p",
@@ -69,6 +70,11 @@ class EvalConfig:
     # "hf" (aligntax's own batched loop) or "vllm" (continuous batching, aligntax.backends.vllm)
     backend: str = "hf"
     progress: bool = True
+
+    def source_spec(self) -> SourceSpec:
+        """What the run generates with (:meth:`~aligntax.generation.source.GenerationSource.open`)."""
+        return SourceSpec(self.model, self.dtype, self.intervention, dict(self.intervention_args or {}), self.batch_size,
+                          self.device_map)
 
     def generation(self) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
@@ -160,40 +166,41 @@ def activation_id(item) -> str:
 
 
 def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None, recorder=None,
-             ray=None) -> dict:
+             ray=None, source: GenerationSource | None = None) -> dict:
     """Run (or resume) an evaluation; returns the results dict also written to ``results.json``.
 
     ``items`` (PromptItems) replaces loading ``cfg.data`` when given. ``recorder`` (a
     :class:`~aligntax.activations.recorder.PrefillRecorder`, unsteered runs only) keeps the prompt states
-    of every row generated now under ``"{source}/{id}"``. ``ray`` (a
+    of every row generated now under ``"{source}/{id}"``. ``source`` (a
+    :class:`~aligntax.generation.source.GenerationSource` of the backend ``cfg.backend`` names) generates
+    the answers; without one it is picked from ``cfg.backend`` and ``ray`` (a
     :class:`~aligntax.runs.distributed.RayConfig`, or started
-    :class:`~aligntax.runs.distributed.Replicas`) generates on replicas of the model over Ray instead
-    of in this process (:mod:`aligntax.runs.distributed`; the replicas then record the prompt states
-    for ``recorder``); this process judges and writes.
-    ``cfg.backend == "vllm"`` generates with vLLM (:mod:`aligntax.backends.vllm.evaluate`); ``lm`` may
-    then be a started :class:`~aligntax.backends.vllm.engine.VllmModel`.
+    :class:`~aligntax.runs.distributed.Replicas`: replicas of the model over Ray generate, and record
+    the prompt states for ``recorder``; this process judges and writes) and closed at the end. ``lm``
+    and ``intervention``: loaded by the caller, where the source takes them (the vLLM backend: ``lm`` a
+    started :class:`~aligntax.backends.vllm.engine.VllmModel`, no loaded intervention).
     """
 
     if not cfg.data and items is None:
         raise AligntaxError("No data given: pass at least one --data FILE_OR_NAME")
     if recorder is not None and (intervention is not None or cfg.intervention):
         raise AligntaxError("Prompt states can be recorded only in an unsteered run.")
-    if ray is not None and (lm is not None or intervention is not None):
-        raise AligntaxError("A run on Ray loads the model on its replicas: give the model and intervention "
-                            "settings, not loaded objects.")
-    from aligntax.backends import check_backend
+    own = source is None
+    source = source or generation_source(cfg.backend, ray)
+    try:
+        check_source(source, cfg.backend)
+        source.check(recorder=recorder is not None, loaded_intervention=intervention is not None,
+                     loaded_model=lm is not None)
+        out = Path(cfg.out)
+        with run_lock(out):  # one writer per run folder; a second is refused
+            return _run_eval(cfg, out, lm, judge, intervention, items, recorder, source)
+    finally:
+        if own:
+            source.close()
 
-    if check_backend(cfg.backend) == "vllm" and (recorder is not None or intervention is not None):
-        raise AligntaxError("The vLLM backend loads the intervention from its settings and records no prompt "
-                            "states: no prompt state recorder or loaded intervention.")
-    out = Path(cfg.out)
-    from aligntax.runs.distributed import eval_replicas
 
-    with run_lock(out), eval_replicas(ray, cfg) as replicas:  # one writer per run folder; a second is refused
-        return _run_eval(cfg, out, lm, judge, intervention, items, recorder, replicas)
-
-
-def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, recorder, replicas=None) -> dict:
+def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, recorder,
+              source: GenerationSource | None = None) -> dict:
     from aligntax.judges import get_judge
 
     saved = read_provenance(out) if has_samples(out) else {}
@@ -218,62 +225,42 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
     t0 = time.perf_counter()
     gen_seconds, n_tokens, n_reused = 0.0, 0, 0
     run_stats: dict = {}  # the hooks' statistics of every batch generated now (ELS: energy before/after per layer)
-    engine = None  # the vLLM backend's generation source
     if todo:
-        if cfg.backend == "vllm" and replicas is None:  # else each replica runs its own engine
-            from aligntax.backends.vllm.evaluate import VllmEvalSource
+        with source.open(cfg.source_spec(), lm, intervention) as gen:
+            lm, intervention = gen.lm, gen.intervention
+            if intervention is None and cfg.intervention:  # "none" on an engine that steers nothing: recorded
+                from aligntax.interventions.registry import make_intervention
 
-            engine = VllmEvalSource(cfg.model, cfg.dtype, cfg.intervention, cfg.intervention_args, cfg.batch_size,
-                                    vm=lm)
-            lm, intervention = engine.vm, engine.intervention
-        if replicas is not None:  # the model lives on the replicas: this process sees its fingerprint
-            from aligntax.runs.distributed import started
-
-            lm, intervention = started(replicas)
-        if lm is None:
-            from aligntax.models import load_model
-
-            lm = load_model(cfg.model, dtype=cfg.dtype, device_map=cfg.device_map)
-        if intervention is None and cfg.intervention:
-            from aligntax.interventions.registry import make_intervention
-
-            intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
-        _record_intervention(out, intervention)
-        judge = judge or get_judge(cfg.judge)
-        prov = _save_provenance(out, prov, _check_loaded(out, prov, lm, judge))
-        steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
-        # where the per-row decisions are made before generating: the replicas, the vLLM backend's HF copy
-        # (None: nothing decided per row) or this process's model
-        decider = replicas if replicas is not None else engine.decider() if engine is not None else \
-            PrefillDecider(lm, intervention)
-        with remembered_prefill_states():  # one prefill pass serves the records and the reuse decision
-            info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
-                if intervention is not None and decider is not None else None
-            if info is not None:
-                steering = {(it.source, it.id): r for it, r in zip(todo, info, strict=True)}
-            if cfg.reuse_unsteered and intervention is not None and decider is not None:
-                todo, n_reused = _reuse_unsteered(cfg, decider, todo, judge, samples_path, steering)
-        gen_over = partial(replicas.iter_generate, recorder=recorder) if replicas is not None else engine.iter_generate \
-            if engine is not None else partial(iter_generate, lm, intervention=recorder or intervention,
-                                               stats=run_stats)
-        batches = gen_over([it.prompt for it in todo], cfg.generation(), progress=cfg.progress, desc="eval")
-        tb = time.perf_counter()
-        for idx, gens in batches:
-            gen_seconds += time.perf_counter() - tb
-            n_tokens += sum(g.n_tokens for g in gens)
-            batch_items = [todo[i] for i in idx]
-            if recorder is not None:
-                recorder.keep([activation_id(it) for it in batch_items], [it.label for it in batch_items])
-            verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
-            decided = engine.decided if engine is not None else {}
-            append_jsonl(samples_path, [
-                _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason,
-                        **_steering_field(steering, it, decided.get(i)))
-                for i, it, g, v in zip(idx, batch_items, gens, verdicts, strict=True)
-            ])
+                intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
+            _record_intervention(out, intervention)
+            judge = judge or get_judge(cfg.judge)
+            prov = _save_provenance(out, prov, _check_loaded(out, prov, lm, judge))
+            steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
+            decider = gen.decider()  # None: nothing decided per row
+            with remembered_prefill_states():  # one prefill pass serves the records and the reuse decision
+                info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
+                    if intervention is not None and decider is not None else None
+                if info is not None:
+                    steering = {(it.source, it.id): r for it, r in zip(todo, info, strict=True)}
+                if cfg.reuse_unsteered and intervention is not None and decider is not None:
+                    todo, n_reused = _reuse_unsteered(cfg, decider, todo, judge, samples_path, steering)
+            batches = gen.iter_generate([it.prompt for it in todo], cfg.generation(), progress=cfg.progress,
+                                        desc="eval", recorder=recorder)
             tb = time.perf_counter()
-        if engine is not None:
-            run_stats = engine.stats()
+            for idx, gens in batches:
+                gen_seconds += time.perf_counter() - tb
+                n_tokens += sum(g.n_tokens for g in gens)
+                batch_items = [todo[i] for i in idx]
+                if recorder is not None:
+                    recorder.keep([activation_id(it) for it in batch_items], [it.label for it in batch_items])
+                verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
+                append_jsonl(samples_path, [
+                    _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason,
+                            **_steering_field(steering, it, gen.decided.get(i)))
+                    for i, it, g, v in zip(idx, batch_items, gens, verdicts, strict=True)
+                ])
+                tb = time.perf_counter()
+            run_stats = gen.stats()
     rows = read_jsonl(samples_path)
     rows = [r for r in rows if (r["source"], r["id"]) in wanted]
     prev = _previous(out)

@@ -14,7 +14,6 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
@@ -110,16 +109,29 @@ def _check_resume(out: Path, cfg: KnownsConfig) -> None:
                             "--out, or delete the folder to start again.")
 
 
-def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
+def run_knowns(cfg: KnownsConfig, lm=None, intervention=None, source=None) -> dict:
     """Run (or resume) the check; returns the results dict also written to ``OUT/results.json``.
 
     Answers already in ``OUT/samples.jsonl`` (same id and prompt) are not generated again. Every stored
     response is scored again against the items' current accepted answers, so a corrected answer list
     applies to a finished run on the next invocation (``samples.jsonl`` is rewritten when a verdict changes).
+    ``source``: the :class:`~aligntax.generation.source.GenerationSource` of ``cfg.backend`` (picked
+    from it, and closed at the end, when not given); ``lm`` / ``intervention``: loaded by the caller.
     """
-    from aligntax.activations.decisions import PrefillDecider
-    from aligntax.backends import check_backend
-    from aligntax.generation import iter_generate
+    from aligntax.runs.sources import check_source, generation_source
+
+    own = source is None
+    source = source or generation_source(cfg.backend)
+    try:
+        check_source(source, cfg.backend)
+        return _run_knowns(cfg, lm, intervention, source)
+    finally:
+        if own:
+            source.close()
+
+
+def _run_knowns(cfg: KnownsConfig, lm, intervention, source) -> dict:
+    from aligntax.generation.source import SourceSpec
     from aligntax.runs.eval import _previous, _read_intervention, _record_intervention
     from aligntax.runs.jsonl import append_jsonl, read_jsonl
 
@@ -137,46 +149,31 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None) -> dict:
     t0 = time.perf_counter()
     gen_seconds, n_tokens, n_reused = 0.0, 0, 0
     if todo:
-        engine = None  # the vLLM backend's generation source
-        if check_backend(cfg.backend) == "vllm":
-            if intervention is not None:
-                raise AligntaxError("The vLLM backend loads the intervention from its settings: no loaded "
-                                    "intervention.")
-            from aligntax.backends.vllm.evaluate import VllmEvalSource
-
-            engine = VllmEvalSource(cfg.model, cfg.dtype, cfg.intervention, cfg.intervention_args, cfg.batch_size,
-                                    vm=lm)
-            lm, intervention = engine.vm, engine.intervention
-        if lm is None:
-            from aligntax.models import load_model
-
-            lm = load_model(cfg.model, dtype=cfg.dtype)
-        if intervention is None and cfg.intervention and cfg.intervention != "none":
-            from aligntax.interventions.registry import make_intervention
-
-            intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
-        _record_intervention(out, intervention)
-        decider = engine.decider() if engine is not None else PrefillDecider(lm, intervention)
-        info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
-            if intervention is not None and decider is not None else None
-        steering = {it.id: r for it, r in zip(todo, info, strict=True)} if info is not None else {}
-        if cfg.reuse_unsteered and intervention is not None and decider is not None:
-            before = len(todo)
-            todo = _reuse_unsteered(cfg, decider, todo, samples_path, steering)
-            n_reused = before - len(todo)
-        gen_over = engine.iter_generate if engine is not None else partial(iter_generate, lm,
-                                                                           intervention=intervention)
-        tb = time.perf_counter()
-        for idx, gens in gen_over([it.prompt for it in todo], cfg.generation(), progress=cfg.progress,
-                                  desc="knowns"):
-            gen_seconds += time.perf_counter() - tb
-            n_tokens += sum(g.n_tokens for g in gens)
-            append_jsonl(samples_path, [
-                {**todo[i].to_dict(), "response": g.response, "correct": todo[i].check(g.response),
-                 "n_tokens": g.n_tokens, "finish_reason": g.finish_reason,
-                 **({"steering": steering[todo[i].id]} if todo[i].id in steering else {})}
-                for i, g in zip(idx, gens, strict=True)])
+        source.check(loaded_intervention=intervention is not None)
+        name = cfg.intervention if cfg.intervention != "none" else None
+        spec = SourceSpec(cfg.model, cfg.dtype, name, dict(cfg.intervention_args or {}), cfg.batch_size)
+        with source.open(spec, lm, intervention) as gen:
+            lm, intervention = gen.lm, gen.intervention
+            _record_intervention(out, intervention)
+            decider = gen.decider()
+            info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
+                if intervention is not None and decider is not None else None
+            steering = {it.id: r for it, r in zip(todo, info, strict=True)} if info is not None else {}
+            if cfg.reuse_unsteered and intervention is not None and decider is not None:
+                before = len(todo)
+                todo = _reuse_unsteered(cfg, decider, todo, samples_path, steering)
+                n_reused = before - len(todo)
             tb = time.perf_counter()
+            for idx, gens in gen.iter_generate([it.prompt for it in todo], cfg.generation(), progress=cfg.progress,
+                                               desc="knowns"):
+                gen_seconds += time.perf_counter() - tb
+                n_tokens += sum(g.n_tokens for g in gens)
+                append_jsonl(samples_path, [
+                    {**todo[i].to_dict(), "response": g.response, "correct": todo[i].check(g.response),
+                     "n_tokens": g.n_tokens, "finish_reason": g.finish_reason,
+                     **({"steering": steering[todo[i].id]} if todo[i].id in steering else {})}
+                    for i, g in zip(idx, gens, strict=True)])
+                tb = time.perf_counter()
     rows = _rescore(samples_path, by_id)
     flags = [rows[it.id]["correct"] for it in items]
     cut = [not rows[it.id]["correct"] and rows[it.id].get("finish_reason") == "length" for it in items]

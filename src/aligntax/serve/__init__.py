@@ -5,7 +5,8 @@ uvicorn; ``aligntax.cli.serve.serve_command`` is the ``aligntax serve`` command.
 """
 
 from aligntax.serve.app import create_app, default_model_name, serve
-from aligntax.serve.engine import BatchEngine, Job, SamplingParams
+from aligntax.serve.engine import BatchEngine
+from aligntax.serve.jobs import Job, SamplingParams
 from aligntax.serve.metrics import ServeMetrics
 from aligntax.serve.protocol import APIError, ChatCompletionRequest
 

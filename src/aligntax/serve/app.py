@@ -47,8 +47,9 @@ from aligntax.errors import AligntaxError
 from aligntax.generation.chat import build_messages, render_chat
 from aligntax.interventions.base import Intervention
 from aligntax.models.loader import prepare_tokenizer
-from aligntax.serve.engine import (
-    BatchEngine,
+from aligntax.serve.base import EngineFactory, ServeEngine
+from aligntax.serve.engine import BatchEngine
+from aligntax.serve.jobs import (
     Delta,
     EngineClosed,
     EngineOverloaded,
@@ -244,7 +245,7 @@ class _RequestGuard:
 class _Server:
     """Request handling shared by the routes: validation, prompt building and answering."""
 
-    def __init__(self, lm, intervention: Intervention | None, engine: BatchEngine, settings: ServeSettings,
+    def __init__(self, lm, intervention: Intervention | None, engine: ServeEngine, settings: ServeSettings,
                  steering: RequestSteering | None = None):
         self.lm = lm
         self.intervention = intervention
@@ -596,7 +597,7 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
                allow_unknown_fields: bool = False, request_timeout_s: float | None = None,
                shutdown_timeout_s: float | None = None, max_queue_wait_ms: float | None = None,
                steer_method: str | None = None, steer_options: dict | None = None,
-               options_cache_size: int = 16, engine_factory=None,
+               options_cache_size: int = 16, engine_factory: EngineFactory | None = None,
                max_latency_ms: float | None = None) -> FastAPI:
     """Build the OpenAI-compatible app for a loaded model (``aligntax.models.load_model``).
 
@@ -616,7 +617,8 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     intervention built for them is cached (the ``options_cache_size`` most recently used option sets).
     With ``steer_method`` and no ``intervention``, the intervention is built from ``steer_options``.
     ``engine_factory`` (default :class:`BatchEngine`) builds the generation engine from ``BatchEngine``'s
-    arguments (another backend's engine: :mod:`aligntax.backends.vllm.serving`).
+    arguments: any :class:`~aligntax.serve.base.ServeEngine` (another backend's engine:
+    :mod:`aligntax.backends.vllm.serving`); the app talks to that protocol only.
 
     Admission: a request counts as waiting from its arrival (tokenisation included) until a batch
     takes it; at most ``max_queue`` wait (more get 429 ``queue_full``), and with ``max_queue_wait_ms`` a
@@ -624,7 +626,7 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     gets 503 ``overloaded``; both with ``Retry-After``. With ``max_latency_ms`` a request whose
     predicted completion latency (the running batch's rest, the batches ahead and its own, from
     measured per-step times; see :meth:`BatchEngine.predicted_latency`) is over that target gets 503
-    ``overloaded`` too. See :meth:`BatchEngine.admit`.
+    ``overloaded`` too. See :class:`~aligntax.serve.base.Admission`.
     """
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError("request_timeout_s must be > 0")

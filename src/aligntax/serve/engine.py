@@ -56,91 +56,24 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from aligntax.generation.generate import decode_batch, eos_token_ids
 from aligntax.interventions.base import Intervention, NoIntervention
+from aligntax.serve.base import Admission
+from aligntax.serve.jobs import (
+    EngineOverloaded,
+    Failed,
+    Job,
+    RowText,
+    finish_events,
+)
 from aligntax.serve.metrics import ServeMetrics
 
 log = logging.getLogger("aligntax.serve")
 
 _STOP = object()
-
-
-class EngineClosed(RuntimeError):
-    """The engine is shutting down and takes no new requests."""
-
-
-class EngineOverloaded(RuntimeError):
-    """The request queue is full (``code`` "queue_full", 429) or the expected wait is over the target
-    (``code`` "overloaded", 503); ``retry_after`` in whole seconds."""
-
-    def __init__(self, message: str, retry_after: int = 1, status: int = 429, code: str = "queue_full"):
-        super().__init__(message)
-        self.retry_after = max(1, int(retry_after))
-        self.status = status
-        self.code = code
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-
-@dataclass
-class Delta:
-    """New text for a streaming request."""
-
-    text: str
-
-
-@dataclass
-class Finished:
-    text: str  # the whole completion (for a stream: what the deltas add up to)
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class Failed:
-    message: str
-    status: int = 500
-    code: str | None = None
-
-
-@dataclass(eq=False)
-class Job:
-    """One chat completion request as the worker sees it."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    steer: bool = False
-    strength: float = 1.0
-    # steered with this instead of the engine's intervention (a request's own steering options); a batch
-    # holds steered rows of one intervention only
-    intervention: Intervention | None = None
-    # the request's checked steering options (``aligntax.options``) that built ``intervention``; an engine
-    # that steers elsewhere (the vLLM backend's) sets up its own steering from them
-    options: dict | None = None
-    stream: bool = False
-    arrived_at: float | None = None  # perf_counter() at admission (before tokenisation), when the server knows it
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
-    emitted: bool = False  # some text was already sent (a stream cannot be retried)
-    done: bool = False
 
 
 def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
@@ -166,90 +99,6 @@ class _Outbox:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
         self.items = {}
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
-
-    Decodes a short window (the previously emitted tokens plus the new ones) and emits only what the
-    new tokens added, holding text back while it ends in an incomplete character (U+FFFD). The deltas
-    add up to ``tokenizer.decode(ids, skip_special_tokens=True)``.
-    """
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0
-        self.read = 0
-        self._prefix_text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        new_text = self._decode(self.ids[self.prefix:])
-        if len(new_text) > len(self._prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(self._prefix_text):]
-            self.prefix, self.read = self.read, len(self.ids)
-            self._prefix_text = self._decode(self.ids[self.prefix:self.read])
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        new_text = self._decode(self.ids[self.prefix:])
-        delta = new_text[len(self._prefix_text):] if len(new_text) > len(self._prefix_text) else ""
-        self.prefix = self.read = len(self.ids)
-        self._prefix_text = ""
-        return delta
-
-
-class StopMatcher:
-    """Cuts text at the first stop string, holding back a tail that could still become one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.maxlen = max((len(s) for s in self.stops), default=0)
-        self.text = ""
-        self.sent = 0
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit now, whether a stop string was hit)."""
-        if not self.stops:
-            self.text += delta
-            self.sent = len(self.text)
-            return delta, False
-        start = max(0, len(self.text) - self.maxlen + 1)
-        self.text += delta
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            cut = min(hits)
-            self.text = self.text[:cut]
-            out, self.sent = self.text[self.sent:], cut
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
-        safe = len(self.text) - hold
-        if safe <= self.sent:
-            return "", False
-        out, self.sent = self.text[self.sent:safe], safe
-        return out, False
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
-
-
-class _RowText:
-    """Per-row text state for rows that stream or have stop strings."""
-
-    def __init__(self, tokenizer, stops: Sequence[str]):
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stop = StopMatcher(stops)
 
 
 class _RowSampler:
@@ -304,7 +153,7 @@ class _BatchController:
         self.eos = torch.tensor(engine.eos_ids or [-1], device=device)
         self.eos_set = set(engine.eos_ids)
         self.cancel_epoch = engine.cancel_epoch
-        self.text = {i: _RowText(engine.tokenizer, j.params.stop)
+        self.text = {i: RowText(engine.tokenizer, j.params.stop)
                      for i, j in enumerate(jobs) if j.stream or j.params.stop}
         self.finished = [False] * len(jobs)
         # each row's tokens: the decoding loop appends to these lists before it calls this controller
@@ -341,11 +190,10 @@ class _BatchController:
                 tok = self.tokens[i][-1]
                 if tok in self.eos_set:
                     continue  # finished below
-                row = self.text[i]
-                emit, stopped = row.stop.feed(row.detok.push(tok))
-                if emit and self.jobs[i].stream:
-                    self.jobs[i].emitted = True
-                    out.put(self.jobs[i], Delta(emit))
+                events: list = []
+                stopped = self.text[i].push(self.jobs[i], tok, events)
+                for ev in events:
+                    out.put(self.jobs[i], ev)
                 if stopped:
                     self._finish(i, "stop", t, out)
             if cancels:
@@ -385,25 +233,11 @@ class _BatchController:
         """Complete row i (caller holds the tokenizer lock)."""
         job = self.jobs[i]
         self.finished[i] = True
-        if i in self.text:
-            row = self.text[i]
-            if reason != "stop" or eos:
-                emit, stopped = row.stop.feed(row.detok.flush())
-                if stopped:
-                    reason = "stop"
-                else:
-                    emit += row.stop.flush()
-                if emit and job.stream:
-                    job.emitted = True
-                    out.put(job, Delta(emit))
-            text = row.stop.text
-        else:
-            ids = self.tokens[i][:n_generated - (1 if eos else 0)]
-            text = self.engine.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        events = finish_events(job, self.engine.tokenizer, self.tokens[i], n_generated, reason, eos, self.text.get(i))
         job.done = True
         self.engine.metrics.record_tokens(len(job.prompt_ids), n_generated)
-        out.put(job, Finished(text=text, finish_reason=reason, prompt_tokens=len(job.prompt_ids),
-                              completion_tokens=n_generated))
+        for ev in events:
+            out.put(job, ev)
 
     def finish_rest(self) -> None:
         """After decoding: complete any row that stopped without us (should not happen)."""
@@ -473,7 +307,7 @@ class StepTimeModel:
         return None if per is None else per * max(1, steps)
 
 
-class BatchEngine:
+class BatchEngine(Admission):
     """Owns the model in one worker thread and generates queued :class:`Job` s in dynamic batches.
 
     ``mix_steered=False`` keeps steered and unsteered requests in separate batches, for interventions
@@ -487,8 +321,7 @@ class BatchEngine:
                  max_queue_wait_ms: float | None = None, max_latency_ms: float | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        if max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
+        self._init_admission(max_queue, max_queue_wait_ms)
         self.max_batch_tokens = max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None
         self.lm = lm
         self.tokenizer = lm.tokenizer
@@ -503,18 +336,11 @@ class BatchEngine:
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.tokenizer_lock = threading.Lock()
         self.cancel_epoch = 0
-        self.max_queue = max_queue
-        if max_queue_wait_ms is not None and max_queue_wait_ms <= 0:
-            raise ValueError("max_queue_wait_ms must be > 0")
-        self.max_queue_wait = None if max_queue_wait_ms is None else max_queue_wait_ms / 1000.0
         if max_latency_ms is not None and max_latency_ms <= 0:
             raise ValueError("max_latency_ms must be > 0")
         self.max_latency = None if max_latency_ms is None else max_latency_ms / 1000.0
         self.step_model = StepTimeModel()
         self._batch_expected_end: float | None = None  # predicted perf_counter() end of the running batch
-        # admitted requests not submitted yet (their prompts are being tokenised); see admit()
-        self._arriving = 0
-        self._admit_lock = threading.Lock()
         self.batch_seconds: float | None = None  # moving average of recent batches' durations
         self._batch_started: float | None = None  # perf_counter() at the start of the running batch
         self._q: queue.Queue = queue.Queue()  # bounded by admit() / submit(), not by the queue itself
@@ -586,44 +412,17 @@ class BatchEngine:
         oldest = min((j.arrived_at if j.arrived_at is not None else j.enqueued_at for j in group), default=now)
         return total + max(0.0, now - oldest)
 
-    def admit(self, max_tokens: int | None = None) -> None:
-        """Count a new request as waiting from now on, or raise :class:`EngineOverloaded` (or
-        :class:`EngineClosed`). Each admission ends with :meth:`submit` (``admitted=True``) or
-        :meth:`withdraw`. ``max_tokens``: the request's completion limit, for the latency target
-        (``max_latency_ms``; without it the target is not checked)."""
-        if self._closed:
-            raise EngineClosed("The server is shutting down.")
-        with self._admit_lock:
-            ahead = self.waiting
-            if ahead >= self.max_queue:
-                raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
-                                       "retry later.", self._retry_after(ahead))
-            busy = ahead > 0 or self._batch_started is not None
-            if self.max_latency is not None and max_tokens is not None and busy:
-                latency = self.predicted_latency(max_tokens, ahead)
-                if latency is not None and latency > self.max_latency:
-                    raise EngineOverloaded(
-                        f"The server is overloaded: a new request would take about {latency:.2f} s to "
-                        f"complete (target {self.max_latency:.2f} s; {ahead} requests waiting); retry later.",
-                        self._retry_after(ahead), status=503, code="overloaded")
-            if self.max_queue_wait is not None and ahead > 0:
-                wait = self.expected_wait(ahead)
-                if wait is not None and wait > self.max_queue_wait:
-                    raise EngineOverloaded(
-                        f"The server is overloaded: a new request would wait about {wait:.2f} s for a batch "
-                        f"(target {self.max_queue_wait:.2f} s; {ahead} requests waiting); retry later.",
-                        self._retry_after(ahead), status=503, code="overloaded")
-            self._arriving += 1
-
-    def withdraw(self) -> None:
-        """An admitted request that will not be submitted (it failed validation or its client left)."""
-        with self._admit_lock:
-            self._arriving = max(0, self._arriving - 1)
-
-    def _retry_after(self, ahead: int) -> int:
-        """Whole seconds until about the work ahead has drained (at least 1)."""
-        wait = self.expected_wait(ahead)
-        return 1 if wait is None else max(1, int(wait + 0.999))
+    def _check_admission(self, ahead: int, max_tokens: int | None) -> None:
+        """The latency target (``max_latency_ms``; checked for a request that gives its ``max_tokens``
+        while the engine is busy): a request predicted to complete later is refused."""
+        busy = ahead > 0 or self._batch_started is not None
+        if self.max_latency is not None and max_tokens is not None and busy:
+            latency = self.predicted_latency(max_tokens, ahead)
+            if latency is not None and latency > self.max_latency:
+                raise EngineOverloaded(
+                    f"The server is overloaded: a new request would take about {latency:.2f} s to "
+                    f"complete (target {self.max_latency:.2f} s; {ahead} requests waiting); retry later.",
+                    self._retry_after(ahead), status=503, code="overloaded")
 
     @property
     def started(self) -> bool:
@@ -651,13 +450,7 @@ class BatchEngine:
         job.enqueued_at = time.perf_counter()
         with self._lock:  # so that nothing lands behind the stop marker of shutdown()
             with self._admit_lock:
-                if admitted:
-                    self._arriving = max(0, self._arriving - 1)
-                if self._closed:
-                    raise EngineClosed("The server is shutting down.")
-                if not admitted and self.waiting >= self.max_queue:
-                    raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
-                                           "retry later.", self._retry_after(self.waiting))
+                self._take(admitted)
                 self._q.put_nowait(job)
         return job
 

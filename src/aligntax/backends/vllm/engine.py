@@ -186,6 +186,7 @@ class VllmModel:
         self.eos_ids = _eos_ids(self.source, self.tokenizer)
         self.greedy_extras = _greedy_extras(self.source)
         self.presets: dict[str, dict] = {}
+        self.interventions: dict[str, object] = {}  # preset -> the intervention as built in this process
         # a Hugging Face copy of the model for the per-row decisions made before generating (loaded on
         # first need by aligntax.backends.vllm.evaluate, or set by a caller that holds one)
         self.hf = None
@@ -216,12 +217,17 @@ class VllmModel:
         made for another model is refused). Returns its resolved config."""
         from aligntax.api import load_intervention
 
-        local = load_intervention(source, self.facts, **dict(options))
+        return self.register_built(preset, source, load_intervention(source, self.facts, **dict(options)), options)
+
+    def register_built(self, preset: str, source: str, local, options: dict) -> dict:
+        """:meth:`register` with the intervention already built here from ``source`` and ``options``
+        (``local``, kept in :attr:`interventions`): only the workers build it again."""
         if local.rewrites_messages():
             raise AligntaxError(f"Intervention '{local.name}' rewrites the chat messages: pass it to "
                                 "generate(intervention=...) instead of registering it.")
         configs = self.llm.collective_rpc("aligntax_register", args=(preset, str(source), dict(options)))
         self.presets[preset] = configs[0]
+        self.interventions[preset] = local
         return configs[0]
 
     def summary(self) -> dict:
@@ -308,8 +314,10 @@ class VllmModel:
 
 
 def prepare(vm: VllmModel, intervention: str | None, args: dict | None, preset: str = "steer"):
-    """The intervention a command names, on ``vm``: a steering method is registered as ``preset`` (returns
-    ``(preset, None)``); one that rewrites messages is built here (returns ``(None, intervention)``)."""
+    """The intervention a command names, on ``vm`` (a :class:`VllmModel` or an
+    :class:`~aligntax.backends.vllm.serving.AsyncVllm`), built once here: a steering method is
+    registered as ``preset`` (returns ``(preset, None)``; the built intervention is
+    ``vm.interventions[preset]``); one that rewrites messages is returned (``(None, intervention)``)."""
     from aligntax.interventions.options import split_path
     from aligntax.interventions.registry import make_intervention
 
@@ -322,5 +330,5 @@ def prepare(vm: VllmModel, intervention: str | None, args: dict | None, preset: 
     source, rest = split_path(args, intervention)
     if source is None:
         raise AligntaxError(f"Intervention '{intervention}' needs its folder (--steer or --vectors).")
-    vm.register(preset, str(source), name=intervention, **rest)
+    vm.register_built(preset, str(source), local, {"name": intervention, **rest})
     return preset, None

@@ -1,4 +1,5 @@
-"""The vLLM backend as the generation source of an evaluation (``aligntax eval --backend vllm``).
+"""The vLLM backend's generation for one run (an evaluation, a known-answer check; opened by
+:class:`~aligntax.backends.vllm.source.VllmSource`).
 
 :class:`VllmEvalSource` holds a :class:`~aligntax.backends.vllm.engine.VllmModel` with the run's
 intervention registered as a steering preset (or, for a method that rewrites the chat messages, applied
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from aligntax.backends.vllm.engine import VllmModel, VllmOptions, prepare
+from aligntax.backends.vllm.engine import VllmModel, prepare
 from aligntax.generation.generate import Generation, GenerationConfig
 
 PRESET = "eval"
@@ -27,26 +28,15 @@ CHUNK_SLOTS = 4  # prompts per engine call: this many times the engine's sequenc
 
 
 class VllmEvalSource:
-    """Generation for one evaluation on a vLLM engine (started here unless ``vm`` is given)."""
+    """Generation for one evaluation on a started vLLM engine (a
+    :class:`~aligntax.generation.source.Generator`): the run's intervention is built once, when it is
+    registered (or, for a method that rewrites the chat messages, applied to the messages)."""
 
-    def __init__(self, model: str, dtype: str, intervention: str | None = None,
-                 intervention_args: dict | None = None, batch_size: int = 32, vm: VllmModel | None = None) -> None:
-        from aligntax.errors import AligntaxError
-        from aligntax.interventions.registry import make_intervention
-
-        if vm is not None and not isinstance(vm, VllmModel):
-            raise AligntaxError("The vLLM backend takes a started VllmModel as its model (or none).")
-        self.vm = vm or VllmModel(model, dtype=dtype, options=VllmOptions(max_num_seqs=max(1, batch_size)))
-        self.preset, rewriting = prepare(self.vm, intervention, intervention_args, preset=PRESET)
-        self.rewriting = rewriting
-        self.intervention = rewriting
-        if self.intervention is None and self.preset is not None:
-            self.intervention = make_intervention(intervention, self.vm.facts, **dict(intervention_args or {}))
+    def __init__(self, vm: VllmModel, intervention: str | None = None, intervention_args: dict | None = None) -> None:
+        self.vm = self.lm = vm
+        self.preset, self.rewriting = prepare(vm, intervention, intervention_args, preset=PRESET)
+        self.intervention = self.rewriting if self.preset is None else vm.interventions[self.preset]
         self.decided: dict[int, dict] = {}  # prompt index -> the engine's decision record
-
-    @property
-    def fingerprint(self) -> dict | None:
-        return self.vm.fingerprint
 
     def decider(self):
         """Where the intervention's per-row decisions are made before generating: a
@@ -64,9 +54,10 @@ class VllmEvalSource:
         return PrefillDecider(self.vm.hf, self.intervention)
 
     def iter_generate(self, prompts: Sequence, cfg: GenerationConfig, progress: bool = True,
-                      desc: str = "generate") -> Iterator[tuple[list[int], list[Generation]]]:
+                      desc: str = "generate", recorder=None) -> Iterator[tuple[list[int], list[Generation]]]:
         """Like :func:`aligntax.generation.iter_generate`: ``(indices, generations)`` per chunk of
-        prompts, each chunk one continuously batched engine call."""
+        prompts, each chunk one continuously batched engine call (no prompt states are recorded:
+        :meth:`~aligntax.backends.vllm.source.VllmSource.check` refuses a recorder)."""
         prompts = list(prompts)
         chunk = max(1, CHUNK_SLOTS * self.vm.options.max_num_seqs)
         for start in range(0, len(prompts), chunk):
@@ -75,6 +66,9 @@ class VllmEvalSource:
                                              intervention=self.rewriting, progress=progress)
             self.decided.update({i: d for i, d in zip(idx, decided, strict=True) if d is not None})
             yield idx, gens
+
+    def prompt_lengths(self, prompts: Sequence, system: str | None = None) -> list[int]:
+        return [len(ids) for ids in self.vm.encode(prompts, system, self.rewriting)[1]]
 
     def stats(self) -> dict:
         """The steering statistics of the preset since it was registered (the format of

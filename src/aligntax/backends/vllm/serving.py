@@ -3,10 +3,11 @@
 
 The routes, request checks, errors, admission answers (429 / 503) and the answers themselves are the
 server's own (:func:`aligntax.serve.app.create_app`); only the generation engine differs.
-:class:`VllmServeEngine` offers the interface the app uses of
-:class:`aligntax.serve.engine.BatchEngine` (``admit`` / ``withdraw`` / ``submit`` / ``cancel`` /
+:class:`VllmServeEngine` is a :class:`~aligntax.serve.base.ServeEngine`, as
+:class:`aligntax.serve.engine.BatchEngine` is (``admit`` / ``withdraw`` / ``submit`` / ``cancel`` /
 ``start`` / ``shutdown``, and ``Delta`` / ``Finished`` / ``Failed`` events on each :class:`Job`'s
-queue) and is handed to ``create_app(..., engine_factory=...)`` by :func:`create_vllm_app`.
+queue), and is handed to ``create_app(..., engine_factory=...)`` by :func:`create_vllm_app`;
+:func:`serving` starts the engine for ``aligntax serve --backend vllm``.
 
 - **Continuous batching.** A request goes to the engine as soon as it is submitted (nothing is
   gathered): vLLM schedules it into the running batch at its next step, and a request that ends leaves
@@ -30,7 +31,7 @@ queue) and is handed to ``create_app(..., engine_factory=...)`` by :func:`create
   refuse fails that request alone (500 naming the options); the engine keeps serving.
 - **Tokens to text.** The engine returns token ids only (``detokenize=False``, ``output_kind=DELTA``);
   text, stop strings and streamed deltas are made here with the server's own
-  :class:`~aligntax.serve.engine.IncrementalDetokenizer` and :class:`~aligntax.serve.engine.StopMatcher`,
+  :class:`~aligntax.serve.jobs.IncrementalDetokenizer` and :class:`~aligntax.serve.jobs.StopMatcher`,
   and end tokens, ``max_tokens`` and ``completion_tokens`` (the end token counted) follow
   :class:`BatchEngine`, so both backends answer the same text for the same tokens. A request hit by a
   stop string is aborted in the engine.
@@ -62,7 +63,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,17 +77,10 @@ from aligntax.backends.vllm.engine import (
 )
 from aligntax.backends.vllm.steering import EXTRA_STEER, EXTRA_STRENGTH, MAX_STRENGTH
 from aligntax.errors import AligntaxError
+from aligntax.generation.source import Serving
 from aligntax.models.loader import LoadedModel
-from aligntax.serve.engine import (
-    Delta,
-    EngineClosed,
-    EngineOverloaded,
-    Failed,
-    Finished,
-    IncrementalDetokenizer,
-    Job,
-    StopMatcher,
-)
+from aligntax.serve.base import Admission
+from aligntax.serve.jobs import Failed, Job, RowText, finish_events
 from aligntax.serve.metrics import ServeMetrics
 
 log = logging.getLogger("aligntax.serve")
@@ -113,6 +107,7 @@ class AsyncVllm:
         self.max_model_len = min(options.max_model_len, self.facts.max_positions or options.max_model_len)
         self.eos_ids = _eos_ids(self.source, self.tokenizer)
         self.presets: dict[str, dict] = {}
+        self.interventions: dict[str, object] = {}  # preset -> the intervention as built in this process
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="aligntax-vllm", daemon=True)
         self._thread.start()
@@ -156,13 +151,17 @@ class AsyncVllm:
         fingerprint and sizes). Returns its resolved config."""
         from aligntax.api import load_intervention
 
-        local = load_intervention(source, self.facts, **dict(options))
+        return self.register_built(preset, source, load_intervention(source, self.facts, **dict(options)), options)
+
+    def register_built(self, preset: str, source: str, local, options: dict) -> dict:
+        """:meth:`register` with the intervention already built here (kept in :attr:`interventions`)."""
         if local.rewrites_messages():
             raise AligntaxError(f"Intervention '{local.name}' rewrites the chat messages: it is applied to the "
                                 "messages, not registered as a steering preset.")
         configs = self.call(self.engine.collective_rpc("aligntax_register",
                                                        args=(preset, str(source), dict(options))))
         self.presets[preset] = configs[0]
+        self.interventions[preset] = local
         return configs[0]
 
     def summary(self) -> dict:
@@ -237,64 +236,40 @@ class _Request:
 
 @dataclass(eq=False)
 class _Answer:
-    """One request's tokens to events, with :class:`~aligntax.serve.engine.BatchEngine`'s rules: an end
-    token finishes with "stop" (counted in ``completion_tokens``, not in the text), a stop string with
-    "stop" (text cut before it), ``max_tokens`` with "length"."""
+    """One request's tokens to events, with :class:`~aligntax.serve.engine.BatchEngine`'s rules
+    (:func:`~aligntax.serve.jobs.finish_events`): an end token finishes with "stop" (counted in
+    ``completion_tokens``, not in the text), a stop string with "stop" (text cut before it),
+    ``max_tokens`` with "length"."""
 
     job: Job
     tokenizer: Any
     eos: set
     tokens: list = field(default_factory=list)
-    detok: IncrementalDetokenizer | None = None
-    stop: StopMatcher | None = None
+    row: RowText | None = None
     done: bool = False
 
     def __post_init__(self) -> None:
         if self.job.stream or self.job.params.stop:
-            self.detok = IncrementalDetokenizer(self.tokenizer)
-            self.stop = StopMatcher(self.job.params.stop)
+            self.row = RowText(self.tokenizer, self.job.params.stop)
 
     def feed(self, ids, events: list) -> None:
         """Take new token ids (appending events); sets ``done`` when the answer is complete."""
-        job = self.job
         for tok in ids:
             if self.done:
                 return
             self.tokens.append(int(tok))
-            n = len(self.tokens)
             if tok in self.eos:
                 self._finish("stop", events, eos=True)
                 continue
-            if self.stop is not None:
-                emit, stopped = self.stop.feed(self.detok.push(int(tok)))
-                if emit and job.stream:
-                    job.emitted = True
-                    events.append(Delta(emit))
-                if stopped:
-                    self._finish("stop", events)
-                    continue
-            if n >= job.params.max_tokens:
+            if self.row is not None and self.row.push(self.job, int(tok), events):
+                self._finish("stop", events)
+                continue
+            if len(self.tokens) >= self.job.params.max_tokens:
                 self._finish("length", events)
 
     def _finish(self, reason: str, events: list, eos: bool = False) -> None:
-        job, n = self.job, len(self.tokens)
-        if self.stop is not None:
-            if reason != "stop" or eos:
-                emit, stopped = self.stop.feed(self.detok.flush())
-                if stopped:
-                    reason = "stop"
-                else:
-                    emit += self.stop.flush()
-                if emit and job.stream:
-                    job.emitted = True
-                    events.append(Delta(emit))
-            text = self.stop.text
-        else:
-            ids = self.tokens[:n - (1 if eos else 0)]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        events.extend(finish_events(self.job, self.tokenizer, self.tokens, len(self.tokens), reason, eos, self.row))
         self.done = True
-        events.append(Finished(text=text, finish_reason=reason, prompt_tokens=len(job.prompt_ids),
-                               completion_tokens=n))
 
     def finish_rest(self, events: list) -> None:
         """The engine ended the request first (it should not): complete it with what came."""
@@ -340,12 +315,15 @@ class _OptionPreset:
 _ENGINES = itertools.count()  # distinguishes the option presets of engines sharing one AsyncVllm
 
 
-class VllmServeEngine:
+class VllmServeEngine(Admission):
     """The server's generation engine on an :class:`AsyncVllm` (see the module docstring). Built by
     ``create_app`` through ``engine_factory`` with the arguments it gives
     :class:`~aligntax.serve.engine.BatchEngine`; the batch-gathering ones (``batch_wait_ms``,
     ``max_batch_wait_ms``, ``mix_steered``, ``max_batch_tokens``) have no meaning here: vLLM's scheduler
-    forms every step's batch."""
+    forms every step's batch. Admission (:class:`~aligntax.serve.base.Admission`) counts a request as
+    waiting until its first tokens come."""
+
+    waits_for = "its first tokens"
 
     def __init__(self, lm, intervention=None, *, vm: AsyncVllm, preset: str | None = None,
                  max_batch_size: int = 32, max_queue: int = 1024, metrics: ServeMetrics | None = None,
@@ -357,10 +335,8 @@ class VllmServeEngine:
             raise AligntaxError("A completion-latency target (max_latency_ms) is not served by the vLLM backend.")
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        if max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
-        if max_queue_wait_ms is not None and max_queue_wait_ms <= 0:
-            raise ValueError("max_queue_wait_ms must be > 0")
+        self._lock = threading.Lock()
+        self._init_admission(max_queue, max_queue_wait_ms, lock=self._lock)
         if preset is not None and preset not in vm.presets:
             raise AligntaxError(f"Steering preset {preset!r} is not registered in the engine.")
         self.vm = vm
@@ -376,14 +352,10 @@ class VllmServeEngine:
         self.option_registrations = 0  # option presets registered in the workers (re-registrations too)
         self.option_unregistrations = 0
         self.max_batch_size = vm.options.max_num_seqs  # the engine's sequence slots (set when it started)
-        self.max_queue = max_queue
-        self.max_queue_wait = None if max_queue_wait_ms is None else max_queue_wait_ms / 1000.0
         self.metrics = metrics or ServeMetrics()
         self.eos_ids = set(vm.eos_ids)
         self.first_token_wait: float | None = None  # moving average: submit -> first tokens
         self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._arriving = 0  # admitted, not submitted yet
         self._queued = 0  # submitted, no tokens yet
         self._requests: dict[Job, _Request] = {}
         self._closed = False
@@ -439,31 +411,6 @@ class VllmServeEngine:
         ahead = self.waiting if ahead is None else ahead
         return d * (1 + ahead // self.max_batch_size)
 
-    def _retry_after(self, ahead: int) -> int:
-        wait = self.expected_wait(ahead)
-        return 1 if wait is None else max(1, int(wait + 0.999))
-
-    def admit(self) -> None:
-        if self._closed:
-            raise EngineClosed("The server is shutting down.")
-        with self._lock:
-            ahead = self.waiting
-            if ahead >= self.max_queue:
-                raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
-                                       "retry later.", self._retry_after(ahead))
-            if self.max_queue_wait is not None and ahead > 0:
-                wait = self.expected_wait(ahead)
-                if wait is not None and wait > self.max_queue_wait:
-                    raise EngineOverloaded(
-                        f"The server is overloaded: a new request would wait about {wait:.2f} s for its first "
-                        f"tokens (target {self.max_queue_wait:.2f} s; {ahead} requests waiting); retry later.",
-                        self._retry_after(ahead), status=503, code="overloaded")
-            self._arriving += 1
-
-    def withdraw(self) -> None:
-        with self._lock:
-            self._arriving = max(0, self._arriving - 1)
-
     def start(self) -> None:
         self._started = True
 
@@ -480,13 +427,7 @@ class VllmServeEngine:
         self._started = True
         job.enqueued_at = time.perf_counter()
         with self._lock:
-            if admitted:
-                self._arriving = max(0, self._arriving - 1)
-            if self._closed:
-                raise EngineClosed("The server is shutting down.")
-            if not admitted and self.waiting >= self.max_queue:
-                raise EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); "
-                                       "retry later.", self._retry_after(self.waiting))
+            self._take(admitted)
             req = _Request(job, f"aligntax-{next(self._ids)}")
             self._requests[job] = req
             self._queued += 1
@@ -736,40 +677,29 @@ def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None,
     return create_app(lm, intervention, model_name, engine_factory=factory, **app_kwargs)
 
 
-def serve_vllm(model: str, *, dtype: str = "bf16", intervention: str | None = None, iv_args: dict | None = None,
-               host: str = "127.0.0.1", port: int = 8000, insecure: bool = False, model_name: str | None = None,
-               max_batch_size: int = 32, threads: int | None = None, echo: Callable[[str], Any] = print,
-               **app_kwargs) -> None:
+@contextlib.contextmanager
+def serving(model: str, dtype: str = "bf16", intervention: str | None = None, iv_args: dict | None = None,
+            max_batch_size: int = 32, threads: int | None = None) -> Iterator[Serving]:
     """``aligntax serve --backend vllm``: start the engine (``max_batch_size`` sequence slots), register the
     intervention as the steered model's preset (or, for one that rewrites messages, apply it to the
-    steered model's prompts), serve until interrupted, then shut the engine down. ``threads`` sets
-    ``OMP_NUM_THREADS`` of the engine's process (unbound: ``VLLM_CPU_OMP_THREADS_BIND=nobind``)."""
+    steered model's prompts) and serve until the ``with`` block ends (SIGTERM ends it too), then shut the
+    engine down. ``threads`` sets ``OMP_NUM_THREADS`` of the engine's process (unbound:
+    ``VLLM_CPU_OMP_THREADS_BIND=nobind``)."""
     import os
+    from functools import partial
 
     from aligntax.backends.vllm.engine import prepare
-    from aligntax.interventions.registry import make_intervention
-    from aligntax.serve.app import serve
 
-    if app_kwargs.get("max_latency_ms") is not None:  # refused before the engine starts
-        raise AligntaxError("A completion-latency target (--max-latency-ms) is not served by the vLLM backend.")
-    app_kwargs.pop("max_latency_ms", None)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     vm = AsyncVllm(model, dtype, VllmOptions(max_num_seqs=max_batch_size))
     try:
         preset, iv = prepare(vm, intervention, iv_args, preset=PRESET)
-        if iv is None and preset is not None:
-            iv = make_intervention(intervention, vm.facts, **dict(iv_args or {}))
-        steer = intervention if (preset is not None or iv is not None) else None
-        app = create_vllm_app(vm, iv, preset, model_name, max_batch_size=max_batch_size, steer_method=steer,
-                              steer_options=iv_args, **app_kwargs)
-        settings = app.state.settings
-        names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
-        echo(f"Serving {names} at http://{host}:{port}/v1 from vLLM (sequence slots {max_batch_size}"
-             f"{', API key required' if settings.api_key else ''})")
+        iv = iv if preset is None else vm.interventions[preset]
         with _exit_on_sigterm():
-            serve(None, host=host, port=port, log_level="info", insecure=insecure, app=app)
+            yield Serving(partial(create_vllm_app, vm, iv, preset), iv,
+                          f" from vLLM (sequence slots {max_batch_size}")
     finally:
         vm.close()
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
-from aligntax.backends.vllm.engine import VllmModel, VllmOptions, prepare
+from aligntax.backends.vllm.engine import VllmModel, prepare
 from aligntax.generation.generate import Generation, GenerationConfig
 
 
 class VllmSweepSource:
-    """The sweep's vLLM engine (started here unless ``vm`` is given) and its registered settings."""
+    """The sweep's vLLM engine and its registered settings."""
 
-    def __init__(self, model: str, dtype: str, batch_size: int = 32, vm: VllmModel | None = None) -> None:
-        self.vm = vm or VllmModel(model, dtype=dtype, options=VllmOptions(max_num_seqs=max(1, batch_size)))
+    def __init__(self, vm: VllmModel) -> None:
+        self.vm = vm
         self._presets: dict[str, tuple[str | None, object]] = {}
 
     def setting(self, name: str, iv_args: dict) -> Callable[..., list[Generation]]:
