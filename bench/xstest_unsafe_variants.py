@@ -146,11 +146,12 @@ def gate_part(demo: Path, lm) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------ steer
 class RefusalOrthogonalELS(EnergySteering):
-    """ELS whose energy gradient has no component along the layer's true refusal direction."""
+    """ELS whose energy gradient has no component along the layer's true refusal direction (given by
+    :meth:`orthogonal_to` once loaded)."""
 
-    def __init__(self, *args, refusal: dict[int, torch.Tensor], **kwargs):
-        super().__init__(*args, **kwargs)
+    def orthogonal_to(self, refusal: dict[int, torch.Tensor]) -> RefusalOrthogonalELS:
         self.refusal = {layer: r / r.norm() for layer, r in refusal.items()}
+        return self
 
     def kernel(self, n_layers, hidden_size=None):
         kernel = super().kernel(n_layers, hidden_size)
@@ -198,8 +199,8 @@ def steer_part(demo: Path, lm) -> list[dict]:
     rows = []
     variants = {
         "selected setting": (EnergySteering.from_dir(els, lm, gate=True, **kw), False),
-        "gradient orthogonal to refusal": (RefusalOrthogonalELS.from_dir(els, lm, gate=True, refusal={
-            layer: vectors.get("refusal", layer) for layer in kw["layers"]}, **kw), False),
+        "gradient orthogonal to refusal": (RefusalOrthogonalELS.from_dir(els, lm, gate=True, **kw).orthogonal_to({
+            layer: vectors.get("refusal", layer) for layer in kw["layers"]}), False),
         "soft gate (strength 1 - p/threshold)": (EnergySteering.from_dir(els, lm, gate="none", **kw), True),
     }
     n_benign = sum(it.label == "benign" for it in val)

@@ -92,19 +92,20 @@ def check_files(folder: str | Path) -> list[str]:
 
 
 def _els_setting(source: Path, options: dict) -> dict:
-    from aligntax.interventions.els import resolve_settings
+    """The ELS setting a bundle records: the options a sweep tunes, and any other one given."""
+    from aligntax.interventions.els import TUNED_KEYS, resolve_settings
 
     setting, _ = resolve_settings(source, **options)
-    return setting
+    return {k: v for k, v in setting.items() if k in TUNED_KEYS or k in options}
 
 
 def _els_best(source: Path, setting: dict) -> dict:
     """``sweep/best.json`` of the bundle: the setting, with the source sweep's validation scores when the
     sweep selected exactly this setting."""
-    from aligntax.interventions.els import resolve_settings, tuned_settings
+    from aligntax.interventions.els import tuned_settings
 
     path = source / "sweep" / "best.json"
-    if path.is_file() and tuned_settings(source) is not None and resolve_settings(source)[0] == setting:
+    if path.is_file() and tuned_settings(source) is not None and _els_setting(source, {}) == setting:
         src = json.loads(path.read_text())
         row = {k: v for k, v in (src.get("best") or {}).items() if k != "key"}
         return {"best": {**row, "args": dict(setting)}, "selected": "on validation data by aligntax els sweep",

@@ -38,6 +38,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,21 +50,80 @@ from aligntax.errors import AligntaxError
 from aligntax.interventions.base import Intervention
 from aligntax.interventions.els_kernel import ElsKernel
 from aligntax.interventions.kernels import POSITION_MODES, check_positions
-from aligntax.interventions.options import need_path, option, register
+from aligntax.interventions.options import need_path, option, register, spec_of
 
-__all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "ElsKernel", "ElsOptions", "EnergySteering", "check_positions",
-           "resolve_settings", "tuned_settings"]
-# Settings used when neither the caller nor the folder's sweep (``DIR/sweep/best.json``) gives one: the
-# demo's safe rule (the validation grid of ``aligntax demo`` is built around it): the bank's best
-# validated layer, eta 0.35, the harm gate at its saved threshold (when the folder has one), the row energy
-# decision at 0 (steer a row only when its last prompt token's energy says the model is about to end
-# badly) and only the first 16 generated tokens. Steering every token of every row, as a bare energy
-# bank would, pushes answers off the model's manifold. ``layers`` (a list) names the steered layers;
-# None steers the bank's ``top_k`` best.
-DEFAULT_SETTINGS = {"top_k": 1, "layers": None, "eta": 0.35, "steps": 3, "threshold": None, "gate": True,
-                    "horizon": 16, "row_threshold": 0.0, "gate_ramp": None, "harm_orth": None,
-                    "row_strength": None}
-TUNED_KEYS = tuple(DEFAULT_SETTINGS)
+__all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "TUNED_KEYS", "VALUE_KEYS", "ElsKernel", "ElsOptions",
+           "EnergySteering", "check_positions", "resolve_settings", "tuned_settings"]
+
+
+@dataclass
+class ElsOptions:
+    """Every ELS option, declared once: its command-line flag, YAML / server key and sweep grid axis
+    (:func:`~aligntax.interventions.options.option`), and ``fallback``, the value taken when neither
+    the caller nor the folder's sweep gives one (:data:`DEFAULT_SETTINGS`). A field left None is not
+    given. The fallbacks are the demo's safe rule (the validation grid of ``aligntax demo`` is built
+    around it): the bank's best validated layer, eta 0.35, the harm gate at its saved threshold (when the
+    folder has one), the row energy decision at 0 (steer a row only when its last prompt token's energy
+    says the model is about to end badly) and only the first 16 generated tokens. Steering every token of
+    every row, as a bare energy bank would, pushes answers off the model's manifold."""
+
+    path: str | None = option("energy model folder (implies --intervention els; an `aligntax els distill` "
+                              "folder implies els-lora)", flag="--steer")
+    eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", check="positive",
+                               grid=True, grid_default=(0.2, 0.3, 0.5), request=True, fallback=0.35)
+    steps: int | None = option("ELS descent steps", parse="int", check="count", grid=True, grid_default=(3,),
+                               request=True, fallback=3)
+    layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
+                                      grid=True, grid_default=(), request=True)
+    top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", check="positive_count",
+                                grid=True, grid_default=(1, 2), request=True, fallback=1)
+    threshold: float | str | None = option(
+        "ELS: move a position only while its energy is above this ('none': off, even if tuned)",
+        flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", check="finite", grid=True,
+        grid_default=(None, 0.0), request=True)
+    gate: float | bool | str | None = option(
+        "ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
+        "threshold; 'none': off, even if tuned)", parse="gate", check="probability", grid=True, optional=True,
+        request=True, fallback=True)
+    horizon: int | str | None = option("ELS: steer only the first N generated tokens ('none': all)",
+                                       parse="int_or_none", check="count", grid=True, optional=True, request=True,
+                                       fallback=16)
+    row_threshold: float | str | None = option(
+        "ELS: steer a row only when its last prompt token's energy is above this ('none': off, even if tuned)",
+        parse="float_or_none", check="finite", grid=True, optional=True, request=True, fallback=0.0)
+    gate_ramp: float | str | None = option(
+        "ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)",
+        parse="float_or_none", check="probability", grid=True, optional=True, request=True)
+    harm_orth: int | str | None = option(
+        "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
+        parse="int_or_none", check="count", grid=True, off=0, optional=True)
+    row_strength: bool | str | None = option(
+        "ELS: the folder's learned per-row strength instead of the gate's and the row energy's cut-offs "
+        "('on' or 'off')", parse="switch", grid=True, optional=True)
+    positions: str | None = option("last_and_generated, generated or all", cli=False, fallback="last_and_generated")
+    scale_by_norm: bool | None = option("step size in units of the layer's median residual norm", cli=False,
+                                        fallback=True)
+    grad_method: str | None = option("closed (the energy model's own backward) or autograd", cli=False,
+                                     fallback="closed")
+
+
+_SETTING_FIELDS = [f for f in dataclasses.fields(ElsOptions) if f.name != "path"]
+# The settings: every option of ElsOptions but the folder, at its fallback (used when neither the caller
+# nor the folder's sweep gives one; ``layers`` None steers the bank's ``top_k`` best).
+DEFAULT_SETTINGS: dict[str, Any] = {f.name: spec_of(f).fallback for f in _SETTING_FIELDS}
+# What ``aligntax els sweep`` tunes and ``DIR/sweep/best.json`` holds: the axes of its grid.
+TUNED_KEYS = tuple(f.name for f in _SETTING_FIELDS if spec_of(f).grid)
+# The options from_dir turns into loaded parts (which layers' energy models, the harm gate, the harm
+# basis, the row strength model); every other option is a plain value that EnergySteering keeps in its
+# ``settings`` and its kernel reads.
+_LOADED = ("layers", "top_k", "gate", "harm_orth", "row_strength")
+VALUE_KEYS = tuple(k for k in DEFAULT_SETTINGS if k not in _LOADED)
+# Value options that turn something on: off (None) when not given to the constructor. The others (eta,
+# steps, positions, ...) take their fallback.
+_SWITCHABLE = {f.name for f in _SETTING_FIELDS if spec_of(f).parse in ("float_or_none", "int_or_none", "gate", "switch")}
+# config() shows a value option only when it is set, so a run folder made before the option existed
+# resumes unchanged; these two it has shown from the start, unset included.
+_SHOWN_UNSET = ("threshold", "horizon")
 _UNTUNED_NOTED: set[str] = set()
 
 
@@ -78,14 +138,24 @@ def tuned_settings(directory: str | Path) -> dict | None:
     return {k: args[k] for k in TUNED_KEYS if k in args} or None
 
 
-def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
-    """ELS settings: values given (not None) win, then the folder's tuned setting, then the defaults.
+def _check_known(given: dict, what: str) -> None:
+    """Refuse keys that are not ELS options."""
+    unknown = sorted(set(given) - set(DEFAULT_SETTINGS))
+    if unknown:
+        raise AligntaxError(f"Unknown ELS options for {what}: {', '.join(unknown)} (it takes "
+                            f"{', '.join(DEFAULT_SETTINGS)}).")
 
-    The defaults (:data:`DEFAULT_SETTINGS`, the demo's safe rule) hold the harm gate only where the folder
-    has one. Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. A sweep selects either a
-    ``top_k`` or a ``layers`` list; ``top_k`` given (and no ``layers``) replaces tuned ``layers``.
-    Returns the settings and a note saying where they came from.
+
+def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
+    """ELS settings: values given (not None) win, then the folder's tuned setting, then the fallbacks.
+
+    The fallbacks (:data:`DEFAULT_SETTINGS`, the demo's safe rule) hold the harm gate only where the
+    folder has one. Pass ``threshold="none"`` / ``gate="none"`` to turn a tuned gate off. A sweep selects
+    either a ``top_k`` or a ``layers`` list; ``top_k`` given (and no ``layers``) replaces tuned ``layers``.
+    ``given`` takes the fields of :class:`ElsOptions` (but the folder). Returns every setting and a note
+    saying where they came from.
     """
+    _check_known(given, "resolve_settings")
     settings, origin = dict(DEFAULT_SETTINGS), "defaults"
     tuned = tuned_settings(directory) if directory is not None else None
     if tuned:
@@ -120,39 +190,47 @@ def _note_untuned(directory: str | Path, settings: dict) -> None:
 
 
 class EnergySteering(Intervention):
-    """ELS on a set of layers, each with its own energy model."""
+    """ELS on a set of layers, each with its own energy model.
+
+    ``options``: the plain value options of :class:`ElsOptions` (:data:`VALUE_KEYS`: ``threshold``,
+    ``horizon``, ``row_threshold``, ``gate_ramp``, ``positions``, ``scale_by_norm``, ``grad_method``,
+    ...); one not given is off, or at its fallback where it cannot be off. They are kept in ``settings``
+    (also readable as attributes: ``st.horizon``), which the kernel reads. The loaded parts are explicit:
+    ``gate`` (a :class:`HarmGate`) with ``gate_threshold``, ``harm_dirs`` (layer -> ``[k, d]``),
+    ``row_strength`` (a :class:`RowStrength`), ``norms`` / ``layer_eta`` (the step size per layer)."""
 
     name = "els"
     cacheable = False  # config() names the bank's folder, not its content
 
-    def __init__(self, models: dict[int, EnergyModel], eta: float = 0.3, steps: int = 3,
-                 positions: str = "last_and_generated", scale_by_norm: bool = True,
-                 norms: dict[int, float] | None = None, threshold: float | None = None,
-                 layer_eta: dict[int, float] | None = None, source: str | None = None,
-                 grad_method: str = "closed", gate: HarmGate | None = None,
-                 gate_threshold: float | None = None, horizon: int | None = None,
-                 row_threshold: float | None = None, gate_ramp: float | None = None,
-                 harm_dirs: dict[int, torch.Tensor] | None = None, row_strength: RowStrength | None = None):
+    def __init__(self, models: dict[int, EnergyModel], eta: float = 0.3, steps: int = 3, *,
+                 norms: dict[int, float] | None = None, layer_eta: dict[int, float] | None = None,
+                 source: str | None = None, gate: HarmGate | None = None, gate_threshold: float | None = None,
+                 harm_dirs: dict[int, torch.Tensor] | None = None, row_strength: RowStrength | None = None,
+                 **options: Any):
+        unknown = sorted(set(options) - set(VALUE_KEYS))
+        if unknown:
+            raise AligntaxError(f"EnergySteering takes no option {', '.join(unknown)} (its options: "
+                                f"{', '.join(VALUE_KEYS)}; the loaded parts gate, harm_dirs, row_strength).")
         if not models:
             raise AligntaxError("Energy steering needs at least one layer's energy model.")
-        if steps < 0:
+        s = {k: options.get(k) if k in _SWITCHABLE or options.get(k) is not None else DEFAULT_SETTINGS[k]
+             for k in VALUE_KEYS}
+        s["eta"], s["steps"] = float(eta), int(steps)
+        if s["steps"] < 0:
             raise AligntaxError("steps must be >= 0.")
-        if horizon is not None and int(horizon) < 0:
-            raise AligntaxError(f"horizon must be >= 0 generated tokens (or None for all); got {horizon}.")
-        self.horizon = None if horizon is None else int(horizon)
+        for key, kind in (("threshold", float), ("row_threshold", float), ("gate_ramp", float), ("horizon", int)):
+            s[key] = None if s[key] is None else kind(s[key])
+        if s["horizon"] is not None and s["horizon"] < 0:
+            raise AligntaxError(f"horizon must be >= 0 generated tokens (or None for all); got {s['horizon']}.")
+        s["positions"] = check_positions(s["positions"])
+        s["scale_by_norm"] = bool(s["scale_by_norm"])
+        if s["grad_method"] not in ("closed", "autograd"):
+            raise AligntaxError("grad_method must be 'closed' or 'autograd'.")
+        self.settings: dict[str, Any] = s
         self.models = {int(k): m.eval() for k, m in models.items()}
-        self.eta = float(eta)
-        self.steps = int(steps)
-        self.positions = check_positions(positions)
-        self.scale_by_norm = bool(scale_by_norm)
         self.norms = {int(k): float(v) for k, v in (norms or {}).items()}
-        self.threshold = None if threshold is None else float(threshold)
-        self.row_threshold = None if row_threshold is None else float(row_threshold)
         self.layer_eta = {int(k): float(v) for k, v in (layer_eta or {}).items()}
         self.source = source
-        if grad_method not in ("closed", "autograd"):
-            raise AligntaxError("grad_method must be 'closed' or 'autograd'.")
-        self.grad_method = grad_method
         if self.scale_by_norm:
             missing = [layer for layer in self.models if layer not in self.norms and layer not in self.layer_eta]
             if missing:
@@ -167,7 +245,6 @@ class EnergySteering(Intervention):
             if gate.layer > min(self.models):
                 raise AligntaxError(f"The harm gate reads layer {gate.layer}, after the first steered layer "
                                     f"{min(self.models)}; it must decide before steering starts.")
-        self.gate_ramp = None if gate_ramp is None else float(gate_ramp)
         if self.gate_ramp is not None and (gate is None or not 0.0 <= self.gate_ramp < self.gate_threshold):
             raise AligntaxError("gate_ramp needs a harm gate and must lie in [0, gate threshold); got "
                                 f"{self.gate_ramp} (gate threshold {self.gate_threshold}).")
@@ -191,6 +268,13 @@ class EnergySteering(Intervention):
         self._kernel: ElsKernel | None = None
         self.settings_from: str | None = None
 
+    def __getattr__(self, name: str) -> Any:
+        """A value option read as an attribute (``st.eta``, ``st.horizon``): its entry in ``settings``."""
+        settings = self.__dict__.get("settings") or {}
+        if name in settings:
+            return settings[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def harm_orth(self) -> int:
         """How many harm directions each step is projected off (0: none)."""
@@ -211,59 +295,47 @@ class EnergySteering(Intervention):
         return cls({layer: bank[layer] for layer in chosen}, **kwargs)
 
     @classmethod
-    def from_dir(cls, directory: str | Path, lm=None, layers: Sequence[int] | None = None,
-                 eta: float | None = None, steps: int | None = None, top_k: int | None = None,
-                 threshold: float | str | None = None, gate: bool | float | str | None = None,
-                 horizon: int | str | None = None, row_threshold: float | str | None = None,
-                 gate_ramp: float | str | None = None, harm_orth: int | str | None = None,
-                 row_strength: bool | str | None = None, **kwargs) -> EnergySteering:
+    def from_dir(cls, directory: str | Path, lm=None, **options: Any) -> EnergySteering:
         """Load a saved :class:`EnergyBank` (checked against ``lm.fingerprint``) and steer its best layers.
 
-        Settings not given (None) come from the setting tuned by ``aligntax els sweep`` in
-        ``DIR/sweep/best.json`` when there is one, else from ``DEFAULT_SETTINGS`` (see
-        :func:`resolve_settings`; ``"none"`` turns a tuned energy or harm gate off). ``gate``: None/False
-        steers every row; True holds back rows the folder's harm gate
-        (:class:`aligntax.energy.gate.HarmGate`) calls harmful at its saved threshold; a float in (0, 1)
-        uses that threshold. ``horizon``: steer only the first N generated tokens (``"none"``: all).
-        ``row_threshold``: steer a row only when its last prompt token's energy is above it;
-        ``gate_ramp``: graded strength below the gate's threshold (see the module docstring).
-        ``layers`` (given, else the tuned setting's) wins over ``top_k``. ``harm_orth`` k > 0: project
-        each step off the first k directions of the folder's harm basis (``harm_basis.json``);
-        ``row_strength`` True: the folder's learned per-row strength (``row_strength.json``) instead of
-        the gate's and the row energy's cut-offs (the gate is loaded for its logit).
+        ``options``: the fields of :class:`ElsOptions` but the folder (any other key is refused). Those
+        not given (None) come from the setting tuned by ``aligntax els sweep`` in ``DIR/sweep/best.json``
+        when there is one, else from ``DEFAULT_SETTINGS`` (see :func:`resolve_settings`; ``"none"`` turns
+        a tuned energy or harm gate off). ``gate``: None/False steers every row; True holds back rows the
+        folder's harm gate (:class:`aligntax.energy.gate.HarmGate`) calls harmful at its saved threshold;
+        a float in (0, 1) uses that threshold. ``layers`` (given, else the tuned setting's) wins over
+        ``top_k``. ``harm_orth`` k > 0: project each step off the first k directions of the folder's harm
+        basis (``harm_basis.json``); ``row_strength`` True: the folder's learned per-row strength
+        (``row_strength.json``) instead of the gate's and the row energy's cut-offs (the gate is loaded
+        for its logit). The other options are plain values (see the module docstring).
         """
-        given = dict(eta=eta, steps=steps, threshold=threshold, gate=gate, top_k=top_k, horizon=horizon,
-                     layers=layers, row_threshold=row_threshold, gate_ramp=gate_ramp, harm_orth=harm_orth,
-                     row_strength=row_strength)
-        settings, origin = resolve_settings(directory, **given)
+        _check_known(options, "from_dir")
+        settings, origin = resolve_settings(directory, **options)
         untuned = tuned_settings(directory) is None
-        if untuned and any(given[k] is None for k in ("gate", "horizon", "row_threshold")):
+        if untuned and any(options.get(k) is None for k in ("gate", "horizon", "row_threshold")):
             _note_untuned(directory, settings)
         layers = settings["layers"]
-        top_k = settings["top_k"] if layers is None else top_k
-        eta, steps, threshold, gate = settings["eta"], settings["steps"], settings["threshold"], settings["gate"]
-        kwargs["threshold"] = threshold
-        kwargs["horizon"] = settings["horizon"]
-        kwargs["row_threshold"] = settings["row_threshold"]
-        kwargs["gate_ramp"] = settings["gate_ramp"]
+        top_k = settings["top_k"] if layers is None else options.get("top_k")
+        gate = settings["gate"]
+        values = {k: settings[k] for k in VALUE_KEYS}
+        loaded: dict[str, Any] = {}
         fp = dict(lm.fingerprint) if lm is not None and getattr(lm, "fingerprint", None) else None
         hs = lm.hidden_size if lm is not None else None
         bank = EnergyBank.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
-        strength = settings["row_strength"] not in (None, False, 0)
-        if strength:
+        if settings["row_strength"] not in (None, False, 0):
             if not RowStrength.exists(directory):
                 raise AligntaxError(f"{directory} has no row strength model (row_strength.json); fit one with "
                                     f"`aligntax els row-strength --steer {directory}`.")
-            kwargs["row_strength"] = RowStrength.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
-            kwargs["row_threshold"] = kwargs["gate_ramp"] = None  # the learned strength replaces both cut-offs
+            loaded["row_strength"] = RowStrength.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
+            values["row_threshold"] = values["gate_ramp"] = None  # the learned strength replaces both cut-offs
             gate = True if gate in (None, False) else gate
         if gate is not None and gate is not False:
             if not HarmGate.exists(directory):
                 raise AligntaxError(f"{directory} has no harm gate (gate.json); train one with "
                                     "`aligntax els train` (it writes one unless --no-gate).")
-            kwargs["gate"] = HarmGate.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
+            loaded["gate"] = HarmGate.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
             if gate is not True:
-                kwargs["gate_threshold"] = float(gate)
+                loaded["gate_threshold"] = float(gate)
         if lm is not None:
             n = lm.num_layers
             bad = [layer for layer in bank.models if layer >= n]
@@ -280,19 +352,20 @@ class EnergySteering(Intervention):
             chosen = [int(x) for x in layers] if layers is not None else bank.layers
             if top_k is not None:
                 chosen = [layer for layer in bank.layers if layer in chosen][:top_k]
-            kwargs["harm_dirs"] = {layer: basis.get(layer, k) for layer in chosen}
-        iv = cls.from_bank(bank, layers=layers, top_k=top_k, eta=eta, steps=steps, source=str(directory), **kwargs)
+            loaded["harm_dirs"] = {layer: basis.get(layer, k) for layer in chosen}
+        iv = cls.from_bank(bank, layers=layers, top_k=top_k, source=str(directory), **loaded, **values)
         iv.settings_from = origin
         return iv
 
     def config(self) -> dict:
-        return {"name": self.name, "layers": sorted(self.models), "eta": self.eta, "steps": self.steps,
-                "positions": self.positions, "horizon": self.horizon, "scale_by_norm": self.scale_by_norm, "threshold": self.threshold,
+        """The resolved setting: the value options (each only when set, but ``threshold`` and ``horizon``,
+        so a run folder made before an option existed resumes unchanged; ``gate_ramp`` inside ``gate``),
+        the steered layers and their step sizes, the gate, harm basis and row strength model."""
+        values = {k: v for k, v in self.settings.items() if k != "gate_ramp" and (v is not None or k in _SHOWN_UNSET)}
+        return {"name": self.name, "layers": sorted(self.models), **values,
                 "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
-                "grad_method": self.grad_method, "source": self.source, "settings_from": self.settings_from,
+                "source": self.source, "settings_from": self.settings_from,
                 "gate": None if self.gate is None else self._gate_config(),
-                # only when set: a run folder made before these options existed resumes unchanged
-                **({"row_threshold": self.row_threshold} if self.row_threshold is not None else {}),
                 **({"harm_orth": self.harm_orth} if self.harm_orth else {}),
                 **({"row_strength": {"layer": self.row_strength.layer, "floor": self.row_strength.floor}}
                    if self.row_strength is not None else {})}
@@ -319,55 +392,15 @@ class EnergySteering(Intervention):
         once: it keeps its energy models' copies on other devices."""
         if self._kernel is None:
             self._kernel = ElsKernel(
-                self.models, {layer: self.step_size(layer) for layer in self.models}, self.steps,
-                threshold=self.threshold, positions=self.positions, horizon=self.horizon,
-                grad_method=self.grad_method, gate=self.gate, gate_threshold=self.gate_threshold,
-                gate_ramp=self.gate_ramp, row_threshold=self.row_threshold, harm_dirs=self.harm_dirs,
+                self.models, {layer: self.step_size(layer) for layer in self.models}, self.settings,
+                gate=self.gate, gate_threshold=self.gate_threshold, harm_dirs=self.harm_dirs,
                 row_strength=self.row_strength)
         self._kernel.check(n_layers)
         return self._kernel
 
 
-@dataclass
-class ElsOptions:
-    path: str | None = option("energy model folder (implies --intervention els; an `aligntax els distill` "
-                              "folder implies els-lora)", flag="--steer")
-    eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", check="positive",
-                               grid=True, grid_default=(0.2, 0.3, 0.5), request=True)
-    steps: int | None = option("ELS descent steps", parse="int", check="count", grid=True, grid_default=(3,),
-                               request=True)
-    layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
-                                      grid=True, grid_default=(), request=True)
-    top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", check="positive_count",
-                                grid=True, grid_default=(1, 2), request=True)
-    threshold: float | str | None = option(
-        "ELS: move a position only while its energy is above this ('none': off, even if tuned)",
-        flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", check="finite", grid=True,
-        grid_default=(None, 0.0), request=True)
-    gate: float | bool | str | None = option(
-        "ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
-        "threshold; 'none': off, even if tuned)", parse="gate", check="probability", grid=True, request=True)
-    horizon: int | str | None = option("ELS: steer only the first N generated tokens ('none': all)",
-                                       parse="int_or_none", check="count", grid=True, request=True)
-    row_threshold: float | str | None = option(
-        "ELS: steer a row only when its last prompt token's energy is above this ('none': off, even if tuned)",
-        parse="float_or_none", check="finite", grid=True, request=True)
-    gate_ramp: float | str | None = option(
-        "ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)",
-        parse="float_or_none", check="probability", grid=True, request=True)
-    harm_orth: int | str | None = option(
-        "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
-        parse="int_or_none", check="count", grid=True, off=0)
-    row_strength: bool | str | None = option(
-        "ELS: the folder's learned per-row strength instead of the gate's and the row energy's cut-offs "
-        "('on' or 'off')", parse="switch", grid=True)
-    positions: str | None = option("last_and_generated, generated or all", cli=False)
-    scale_by_norm: bool | None = option("step size in units of the layer's median residual norm", cli=False)
-    grad_method: str | None = option("closed (the energy model's own backward) or autograd", cli=False)
-
-
 @register("els", ElsOptions, "energy landscape steering from an energy bank folder")
 def _els(lm, o: ElsOptions) -> EnergySteering:
     path = need_path("els", o.path)
-    kwargs = {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name != "path"}
+    kwargs = {f.name: getattr(o, f.name) for f in _SETTING_FIELDS}
     return EnergySteering.from_dir(path, lm, **{k: v for k, v in kwargs.items() if v is not None})

@@ -19,6 +19,8 @@ settings, which :class:`~aligntax.interventions.els.EnergySteering` resolves.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -32,26 +34,27 @@ __all__ = ["ElsKernel"]
 
 class ElsKernel(RowKernel):
     """ELS on the blocks of ``models`` (block -> energy model), each with its step size ``eta`` (block ->
-    step, already in units of the residual norm where scaled). ``gate`` (a
-    :class:`~aligntax.energy.gate.HarmGate`) with ``gate_threshold`` and ``gate_ramp``, ``row_threshold``,
-    ``row_strength`` (a :class:`~aligntax.energy.front.RowStrength`) make the per-row decision;
+    step, already in units of the residual norm where scaled). ``settings``: the value options of
+    :class:`~aligntax.interventions.els.ElsOptions` as resolved (``steps``, ``threshold``, ``positions``,
+    ``horizon``, ``grad_method``, ``gate_ramp``, ``row_threshold``, ...), kept as ``self.settings``.
+    ``gate`` (a :class:`~aligntax.energy.gate.HarmGate`) with ``gate_threshold``, ``row_strength`` (a
+    :class:`~aligntax.energy.front.RowStrength`) make the per-row decision with the settings' cut-offs;
     ``harm_dirs`` (block -> ``[k, d]`` orthonormal) the directions each step is projected off. The
     arguments are taken as given: :class:`~aligntax.interventions.els.EnergySteering` checks them."""
 
-    def __init__(self, models: dict[int, EnergyModel], eta: dict[int, float], steps: int, *,
-                 threshold: float | None = None, positions: str = "last_and_generated", horizon: int | None = None,
-                 grad_method: str = "closed", gate=None, gate_threshold: float | None = None,
-                 gate_ramp: float | None = None, row_threshold: float | None = None,
-                 harm_dirs: dict[int, torch.Tensor] | None = None, row_strength=None):
-        self.models, self.eta, self.steps = models, eta, steps
-        self.threshold, self.grad_method = threshold, grad_method
-        self.positions, self.horizon = positions, horizon
-        self.gate, self.gate_threshold, self.gate_ramp = gate, gate_threshold, gate_ramp
-        self.row_threshold, self.row_strength = row_threshold, row_strength
+    def __init__(self, models: dict[int, EnergyModel], eta: dict[int, float], settings: Mapping[str, Any], *,
+                 gate=None, gate_threshold: float | None = None, harm_dirs: dict[int, torch.Tensor] | None = None,
+                 row_strength=None):
+        self.settings = dict(settings)
+        self.models, self.eta, self.steps = models, eta, settings["steps"]
+        self.threshold, self.grad_method = settings["threshold"], settings["grad_method"]
+        self.positions, self.horizon = settings["positions"], settings["horizon"]
+        self.gate, self.gate_threshold, self.gate_ramp = gate, gate_threshold, settings["gate_ramp"]
+        self.row_threshold, self.row_strength = settings["row_threshold"], row_strength
         self.harm_dirs = harm_dirs or {}
-        self.sites = [Site(layer) for layer in sorted(models)] if steps > 0 else []
+        self.sites = [Site(layer) for layer in sorted(models)] if self.steps > 0 else []
         decision = list(gate.layers) if gate is not None else []
-        if row_threshold is not None or row_strength is not None:
+        if self.row_threshold is not None or row_strength is not None:
             decision.append(self.first_layer)
         self.decision_layers = sorted(set(decision))
         self._device_models: dict[tuple[int, str], EnergyModel] = {}

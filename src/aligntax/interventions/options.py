@@ -37,7 +37,10 @@ class OptionSpec:
     options); ``none`` / ``saved`` pass. ``cli``: offered on the command line; ``grid``: an axis of the
     ELS sweep (comma-separated values), ``grid_default`` its values when a sweep does not give them, and
     ``off`` a value that means the same as none (left out of a sweep setting, as none is);
-    ``request``: a server client may set it per request."""
+    ``optional``: added after the first sweeps, so a sweep setting leaves it out of its key when unset
+    (None or ``off``) and rows scored before it existed keep theirs; ``request``: a server client may set
+    it per request. ``fallback``: the value a builder takes when no one gives the option (ELS: neither
+    the caller nor the folder's tuned setting; ``DEFAULT_SETTINGS`` is read from it)."""
 
     help: str
     flag: str | None = None
@@ -48,7 +51,9 @@ class OptionSpec:
     grid: bool = False
     grid_default: tuple = (None,)
     off: Any = None
+    optional: bool = False
     request: bool = False
+    fallback: Any = None
 
     @property
     def value_type(self) -> Any:

@@ -18,9 +18,10 @@ from aligntax.backends.hf import HFSource
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
 from aligntax.generation.source import SourceSpec
+from aligntax.interventions.els import DEFAULT_SETTINGS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
-from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, train_els
+from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, sweep_settings, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
 from aligntax.runs.fsio import write_json_atomic
 from aligntax.runs.sources import check_source, generation_source
@@ -97,8 +98,9 @@ FULL_PROFILE = {"limit_benign_train": 600, "limit_gate_harmful": 600, "limit_gat
                 "mechanisms": ["harm-orth", "row-strength"]}
 MECHANISMS = ("harm-orth", "row-strength", "els-lora")
 # the ELS setting the demo's grid is built around (and that els-lora distils): the best energy layer, three
-# steps of eta 0.35, the harm gate at its saved threshold, the row energy decision at -2, 16 tokens
-_CORE = {"top_k": 1, "eta": 0.35, "steps": 3, "threshold": None, "gate": True, "horizon": 16}
+# steps of eta 0.35, the harm gate at its saved threshold, 16 tokens: the untuned fallbacks of the ELS
+# options (DEFAULT_SETTINGS); the grid adds the row energy decision at 0 and -2
+_CORE = {k: DEFAULT_SETTINGS[k] for k in ("top_k", "eta", "steps", "threshold", "gate", "horizon")}
 
 
 def demo_config(full: bool = False, **settings) -> DemoConfig:
@@ -180,10 +182,9 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
         _front_mechanisms(cfg, out, lm)
         clock.lap()
     sweep_cfg = demo_sweep_config(cfg, out / "els")
-    n_settings = (len(sweep_cfg.top_k) + len(sweep_cfg.layers)) * len(sweep_cfg.row_threshold) + len(sweep_cfg.extra)
+    n_settings = sum(name in ("els", "els-lora") for name, _ in sweep_settings(sweep_cfg))
     rounds = (f" on a stratified 1/{sweep_cfg.halving} of the validation prompts, the {sweep_cfg.halving_keep} "
               "best on all of them" if sweep_cfg.halving else "")
-    n_settings += len(sweep_cfg.lora) * len(sweep_cfg.lora_scales)
     clock.begin(stages.index("validation sweep") + 1, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
                    f"(validation: {', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
                    "pick the best eligible one")

@@ -468,11 +468,10 @@ class SweepConfig(_SweepGrid):
     backend: str = "hf"
 
 
-# ELS settings added after the first sweeps (every grid axis but those of the first sweeps): left out of a
+# ELS settings added after the first sweeps (grid axes declared ``optional=True``): left out of a
 # setting's args (and so its key) when unset, so that rows scored before they existed keep their keys.
 # Unset means off, never "take the tuned value".
-_FIRST_AXES = ("top_k", "layers", "eta", "steps", "threshold")
-_OPTIONAL_ELS_KEYS = tuple(f.name for f in _GRID if f.name not in _FIRST_AXES)
+_OPTIONAL_ELS_KEYS = tuple(f.name for f in _GRID if spec_of(f).optional)
 
 
 _OFF = {f.name: spec_of(f).off for f in _GRID}
