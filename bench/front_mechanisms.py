@@ -153,7 +153,7 @@ def main() -> None:
 
     from aligntax.reports.plots import pareto_plot
 
-    pareto_plot([{"name": r["label"], "harmful_refusal": r["harmful_refusal"],
+    pareto_plot([{"name": "none" if r["label"] == "unsteered" else r["label"], "harmful_refusal": r["harmful_refusal"],
                   "benign_compliance": r["benign_compliance"]} for r in rows], out / "front.png",
                 title="test sets: each mechanism against unsteered")
     shorts = [s for *_, s in BENIGN + HARMFUL]

@@ -353,19 +353,21 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, source, base: dict, steered: di
 # first estimate scales them by this machine's calibration time; later ones by how long the stages done
 # so far took against theirs.
 STAGE_MINUTES = {
-    # fresh clone of 0e03b2f, nothing else running (its calibration forward: 0.225 s)
-    "quick": {"model load": 0.05, "baseline evaluation": 1.57,
-              "ELS training (labels, activations, energy models, vectors, harm gate)": 3.29,
-              "validation sweep": 3.45, "steered evaluation": 0.45, "known-answer check": 0.34,
+    # fresh clone of aaa03a0, nothing else running (its calibration forward: 0.225 s)
+    "quick": {"model load": 0.07, "baseline evaluation": 1.55,
+              "ELS training (labels, activations, energy models, vectors, harm gate)": 4.11,
+              "validation sweep": 3.62, "steered evaluation": 0.42, "known-answer check": 0.32,
               "baselines on the test sets": 1.48},
     # the quiet fresh-clone run of the complete evaluation at 731509c (docs/RESULTS.md 3.1), scaled by the
-    # ratio of its baseline stage to the quick run's (1.57 / 3.7 minutes)
+    # ratio of its baseline stage to the quick run's (1.57 / 3.7 minutes); training plus the 0.82 minutes
+    # the harm basis (the contrast pairs' states) added to the quick run's, the sweep plus its one
+    # harm-orthogonal setting (9 settings for 8)
     "full": {"model load": 0.05, "baseline evaluation": 1.57,
-             "ELS training (labels, activations, energy models, vectors, harm gate)": 5.39,
-             "validation sweep": 5.77, "steered evaluation": 0.47, "known-answer check": 0.42,
+             "ELS training (labels, activations, energy models, vectors, harm gate)": 6.21,
+             "validation sweep": 6.49, "steered evaluation": 0.47, "known-answer check": 0.42,
              "baselines on the test sets": 5.73,
-             # the row-strength fit on 300 training prompts at 32 new tokens (docs/RESULTS.md 3.5: 2.5 min
-             # of steered generation, then the fit)
+             # the row-strength fit: 300 steered training answers at 32 new tokens took 2.5 minutes
+             # (docs/journal.md, "Front mechanisms on validation"), then the fit
              "front mechanisms": 2.7},
 }
 CALIBRATION_SECONDS = 0.225
