@@ -25,7 +25,11 @@ def test_the_option_picks_the_source():
 
 
 def test_each_source_refuses_what_it_cannot_take():
-    HFSource().check(recorder=True, loaded_intervention=True, loaded_model=True, device_map=True)
+    HFSource().check(recorder=True, loaded_intervention=True, loaded_model=True, device_map=True, adapters=True)
+    with pytest.raises(AligntaxError, match="Hugging Face backend only"):
+        VllmSource().check(adapters=True)
+    with pytest.raises(AligntaxError, match="Hugging Face backend only"):
+        RaySource(RayConfig(), VllmSource()).check(adapters=True)
     with pytest.raises(AligntaxError, match="records no prompt states"):
         VllmSource().check(recorder=True)
     with pytest.raises(AligntaxError, match="no loaded intervention"):

@@ -61,7 +61,7 @@ class HFSource:
         self.lm = lm
 
     def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
-              device_map: bool = False) -> None:
+              device_map: bool = False, adapters: bool = False) -> None:
         """Everything is taken: a loaded model and intervention are used as given."""
 
     def _model(self, spec: SourceSpec, lm=None):

@@ -106,9 +106,10 @@ class GenerationSource(Protocol):
     backend: str  # the backend a run folder records ("hf", "vllm"); a folder never mixes backends
 
     def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
-              device_map: bool = False) -> None:
+              device_map: bool = False, adapters: bool = False) -> None:
         """Refuse (AligntaxError) what this source cannot take, before anything is loaded: a prompt
-        state recorder, an intervention or a model loaded by the caller, a model split over devices."""
+        state recorder, an intervention or a model loaded by the caller, a model split over devices,
+        adapters applied by hooks on the model's linear layers (``els-lora``)."""
 
     def open(self, spec: SourceSpec, lm=None, intervention=None) -> AbstractContextManager[Generator]:
         """The source for one run (``lm`` / ``intervention``: loaded by the caller, where the source

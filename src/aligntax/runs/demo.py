@@ -139,10 +139,12 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     unknown = sorted(set(cfg.mechanisms) - set(MECHANISMS))
     if unknown:
         raise AligntaxError(f"Unknown front mechanism(s) {unknown}; choose from {', '.join(MECHANISMS)}.")
-    if cfg.backend != "hf" and "els-lora" in cfg.mechanisms:
-        cfg.mechanisms = [m for m in cfg.mechanisms if m != "els-lora"]
-        print("[demo] els-lora runs on the Hugging Face backend only (hooks on linear layers): left out of the "
-              "sweep", file=sys.stderr, flush=True)
+    if "els-lora" in cfg.mechanisms:
+        try:
+            source.check(adapters=True)
+        except AligntaxError as exc:
+            cfg.mechanisms = [m for m in cfg.mechanisms if m != "els-lora"]
+            print(f"[demo] els-lora left out of the sweep: {exc}", file=sys.stderr, flush=True)
     fitted = [m for m in cfg.mechanisms if m in ("row-strength", "els-lora")]
     stages[2:2] = ["front mechanisms"] if fitted else []
     stages += ["known-answer check"] if cfg.knowns else []

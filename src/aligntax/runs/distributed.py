@@ -386,11 +386,11 @@ class RaySource:
         self.backend = self.local.backend
 
     def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
-              device_map: bool = False) -> None:
+              device_map: bool = False, adapters: bool = False) -> None:
         if loaded_model or loaded_intervention:
             raise AligntaxError("A run on Ray loads the model on its replicas: give the model and intervention "
                                 "settings, not loaded objects.")
-        self.local.check(recorder=recorder, device_map=device_map)
+        self.local.check(recorder=recorder, device_map=device_map, adapters=adapters)
 
     def replicas(self, spec: SourceSpec):
         """The replicas of a run of ``spec`` (a context manager)."""

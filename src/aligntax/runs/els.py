@@ -780,7 +780,7 @@ def run_sweep(cfg: SweepConfig, lm=None, ray=None, source=None) -> dict:
     source = source or generation_source(cfg.backend, ray)
     try:
         check_source(source, cfg.backend)
-        source.check(loaded_model=lm is not None)
+        source.check(loaded_model=lm is not None, adapters=bool(cfg.lora))
         cfg.backend = source.backend
         with source.sweep(SourceSpec(cfg.model, cfg.dtype, batch_size=cfg.batch_size,
                                      device_map=cfg.device_map)) as sweep:
@@ -817,9 +817,6 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     data = {"benign": list(cfg.benign), "harmful": list(cfg.harmful), "knowns": cfg.knowns}
     if cfg.limit is not None:  # rows scored on all the prompts are not these
         data["limit"] = cfg.limit
-    if cfg.lora and cfg.backend != "hf":
-        raise AligntaxError("els-lora settings are generated on the Hugging Face backend only (hooks on the "
-                            "model's linear layers); leave out --lora or the vLLM backend.")
     other = "" if cfg.backend == "hf" else f"-{cfg.backend}"  # another backend's rows and answers are its own
     if other:
         data["backend"] = cfg.backend

@@ -31,7 +31,10 @@ class VllmSource:
         self.hf = None  # a Hugging Face copy of the model adopted from the caller
 
     def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
-              device_map: bool = False) -> None:
+              device_map: bool = False, adapters: bool = False) -> None:
+        if adapters:
+            raise AligntaxError("els-lora settings are generated on the Hugging Face backend only (hooks on the "
+                                "model's linear layers); leave out the adapters or the vLLM backend.")
         if device_map:
             raise AligntaxError("--device-map is for the Hugging Face backend; a vLLM replica places its model "
                                 "itself.")
