@@ -68,35 +68,28 @@ def evaluate(label: str, name: str, args: dict, demo: Path, out: Path, batch_siz
     return run, kn
 
 
-def _rate(results: dict, source: str, label: str) -> float | None:
-    block = results.get("datasets", {}).get(source, {}).get(label)
-    if not block:
-        return None
-    return block["refusal_rate"] if label == "harmful" else block["compliance_rate"]
-
-
 def _change(results: dict, source: str, label: str) -> dict | None:
     return results.get("paired", {}).get("datasets", {}).get(source, {}).get(label)
 
 
 def point_row(label: str, run: Path, knowns: Path | None) -> dict:
     """One point's numbers from its run folders."""
+    from aligntax.runs.demo import pareto_point, set_rate
+    from aligntax.runs.jsonl import read_jsonl
+
     res = _json(run / "results.json")
     row = {"label": label, "run": str(run), "rates": {}, "changes": {}}
     for source, lab, short in BENIGN + HARMFUL:
-        row["rates"][short] = _rate(res, source, lab)
+        row["rates"][short] = set_rate(res, f"{source}/{lab}")
         row["changes"][short] = _change(res, source, lab)
-    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run / "samples.jsonl")
     # rows with a per-row decision count when steered; an intervention without one (a prompt, a LoRA
     # adapter) acts on every row it generated
     intervened = bool((_json(run / "config.json")).get("intervention"))
     row["rows_steered"] = sum(1 for r in rows if (r["steering"].get("steered") if "steering" in r
                                                   else intervened and not r.get("reused")))
     row["rows"] = len(rows)
-    benign = [row["rates"][s] for *_, s in BENIGN if row["rates"][s] is not None]
-    harmful = [row["rates"][s] for *_, s in HARMFUL if row["rates"][s] is not None]
-    row["benign_compliance"] = sum(benign) / len(benign)
-    row["harmful_refusal"] = sum(harmful) / len(harmful)
+    row["harmful_refusal"], row["benign_compliance"] = pareto_point(res)  # the demo's test-set plot axes
     if knowns is not None and (knowns / "results.json").is_file():
         k = _json(knowns / "results.json")
         row["known_accuracy"] = k.get("accuracy")

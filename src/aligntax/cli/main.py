@@ -505,6 +505,12 @@ def fluency(
     print(json.dumps(res, indent=2))
 
 
+def _check_builtin_or_file(data: str) -> None:
+    """``--data`` of the question sets that ship with aligntax: 'builtin' or an existing file."""
+    if data != "builtin" and not Path(data).is_file():
+        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
+
+
 @app.command("mc")
 @steering_options
 def mc_cmd(
@@ -525,8 +531,7 @@ def mc_cmd(
     try:
         check_out_folder(out)
         check_range(batch_size, "positive_count", "--batch-size")
-        if data != "builtin" and not Path(data).is_file():
-            raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
+        _check_builtin_or_file(data)
         cfg = MCConfig(out=str(out), model=model, data=data, limit=limit, system=system, batch_size=batch_size,
                        dtype=dtype, intervention=intervention, intervention_args=iv_args,
                        progress=progress)
@@ -565,8 +570,7 @@ def knowns_cmd(
         check_out_folder(out)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
-        if data != "builtin" and not Path(data).is_file():
-            raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
+        _check_builtin_or_file(data)
         if compare_to and not Path(compare_to).is_dir():
             raise UsageError(f"--compare-to {compare_to}: no such run folder.")
         cfg = KnownsConfig(out=str(out), model=model, data=data, split=split, limit=limit,
@@ -890,7 +894,7 @@ def demo(
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
-    from aligntax.runs.demo import MECHANISMS, demo_config, run_demo
+    from aligntax.runs.demo import check_mechanisms, demo_config, run_demo
     from aligntax.runs.sources import generation_source
 
     out = out or Path(("runs/demo" if backend == "hf" else f"runs/demo-{backend}") + ("-full" if full else ""))
@@ -902,10 +906,7 @@ def demo(
         check_range(batch_size, "positive_count", "--batch-size")
         picked = None if mechanisms is None else [m.strip() for m in mechanisms.split(",")
                                                    if m.strip() and m.strip() != "none"]
-        unknown = sorted(set(picked or []) - set(MECHANISMS))
-        if unknown:
-            raise UsageError(f"--mechanisms: unknown {', '.join(unknown)}; choose from {', '.join(MECHANISMS)} "
-                             f"or 'none'.")
+        check_mechanisms(picked or [])
         cfg = demo_config(full, out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
                           judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend, progress=progress,
                           mechanisms=picked)

@@ -16,6 +16,7 @@ against ``lm.fingerprint``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from aligntax.errors import AligntaxError
 from aligntax.interventions import base, els, lora, prompting, vectors
@@ -24,6 +25,7 @@ from aligntax.interventions.els import ElsOptions
 from aligntax.interventions.lora import ElsLoraOptions
 from aligntax.interventions.options import (
     METHODS,
+    Method,
     cli_options,
     grid_fields,
     grid_values,
@@ -58,10 +60,10 @@ def make_intervention(name: str, lm=None, **kwargs) -> Intervention:
     return METHODS[name].make(lm, **kwargs)
 
 
-def describe() -> str:
-    """A table of the registered methods and their options."""
+def describe(methods: Mapping[str, Method] | None = None) -> str:
+    """A table of the registered methods (or of ``methods``) and their options."""
     lines = []
-    for m in METHODS.values():
+    for m in (METHODS if methods is None else methods).values():
         lines.append(f"{m.name}: {m.help}")
         for f in dataclasses.fields(m.options):
             lines.append(f"    {f.name}: {spec_of(f).help}")

@@ -16,7 +16,7 @@ from pathlib import Path
 from aligntax.backends import LABELS
 from aligntax.backends.hf import HFSource
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
-from aligntax.errors import AligntaxError
+from aligntax.errors import AligntaxError, UsageError
 from aligntax.generation.source import SourceSpec
 from aligntax.interventions.els import DEFAULT_SETTINGS
 from aligntax.models.spec import DEFAULT_MODEL
@@ -136,9 +136,7 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stages = ["baseline evaluation", "ELS training (labels, activations, energy models, vectors, harm gate)",
               "validation sweep", "steered evaluation"]
-    unknown = sorted(set(cfg.mechanisms) - set(MECHANISMS))
-    if unknown:
-        raise AligntaxError(f"Unknown front mechanism(s) {unknown}; choose from {', '.join(MECHANISMS)}.")
+    check_mechanisms(cfg.mechanisms)
     if "els-lora" in cfg.mechanisms:
         try:
             source.check(adapters=True)
@@ -225,6 +223,14 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     return summary
 
 
+def check_mechanisms(names: list[str]) -> None:
+    """Every name is one of :data:`MECHANISMS` (a usage error names the others)."""
+    unknown = sorted(set(names) - set(MECHANISMS))
+    if unknown:
+        raise UsageError(f"--mechanisms: unknown {', '.join(unknown)}; choose from {', '.join(MECHANISMS)} "
+                         f"or 'none'.")
+
+
 def selected(sweep: dict) -> dict | None:
     """The sweep's choice: its best ELS setting, or its best els-lora setting when that one is eligible too
     and complies more on validation (ties go to ELS, which steers only the rows it decides to)."""
@@ -260,8 +266,13 @@ def _front_mechanisms(cfg: DemoConfig, out: Path, lm) -> None:
                                        dtype=cfg.dtype, progress=cfg.progress), lm=lm)
 
 
+def _ranked_layers(els_dir: Path) -> list[int]:
+    """The bank's layers, the most accurate energy model first."""
+    return [int(layer) for layer in json.loads((els_dir / "energy.json").read_text())["layers"]]
+
+
 def _best_layer(els_dir: Path) -> int:
-    return int(json.loads((els_dir / "energy.json").read_text())["layers"][0])
+    return _ranked_layers(els_dir)[0]
 
 
 def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
@@ -312,17 +323,20 @@ def _knowns(cfg: DemoConfig, out: Path, lm, source, name: str, args: dict) -> di
     return {"baseline": before, "steered": after}
 
 
+def set_rate(results: dict, key: str) -> float | None:
+    """The rate of one ``source/label`` block of a results file: refusal for harmful prompts, compliance
+    for benign ones (None when the run has no such block)."""
+    source, label = key.split("/")
+    block = results.get("datasets", {}).get(source, {}).get(label)
+    if not block:
+        return None
+    return block["refusal_rate"] if label == "harmful" else block["compliance_rate"]
+
+
 def pareto_point(results: dict) -> tuple[float, float]:
     """(mean harmful refusal, mean benign compliance) over the demo's test sets, from a results file."""
-    def rate(key: str) -> float | None:
-        source, label = key.split("/")
-        block = results.get("datasets", {}).get(source, {}).get(label)
-        if not block:
-            return None
-        return block["refusal_rate"] if label == "harmful" else block["compliance_rate"]
-
     def mean(keys: list[str]) -> float:
-        vals = [v for v in map(rate, keys) if v is not None]
+        vals = [v for v in (set_rate(results, k) for k in keys) if v is not None]
         return sum(vals) / len(vals) if vals else float("nan")
 
     return mean(PARETO_HARMFUL), mean(PARETO_BENIGN)
@@ -439,8 +453,7 @@ class _Clock:
 def _runner_up_layers(bank_dir: Path, n: int) -> list[list[int]]:
     """The 2nd..(n+1)th layers of the bank by validation accuracy, each as its own layer set: the most
     accurate energy model is not always the one that steers best."""
-    ranked = json.loads((bank_dir / "energy.json").read_text())["layers"]
-    return [[int(layer)] for layer in ranked[1:n + 1]]
+    return [[layer] for layer in _ranked_layers(bank_dir)[1:n + 1]]
 
 
 def _set_aside_if_changed(run: Path, args: dict) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from aligntax.errors import AligntaxError
 from aligntax.interventions.base import Intervention
-from aligntax.interventions.options import spec_of
+from aligntax.interventions.registry import describe
 from aligntax.vat.items import ValueItem
 from aligntax.vat.judge import JudgeConfig
 from aligntax.vat.methods import dpo, lora, prompting, steer  # noqa: F401 - importing a module registers its methods
@@ -46,12 +46,7 @@ INTERVENTIONS = tuple(dict.fromkeys(
 
 def describe_vat() -> str:
     """The value-targeted methods and their options, one block each."""
-    lines = []
-    for m in VAT_METHODS.values():
-        lines.append(f"{m.name}: {m.help}")
-        for f in dataclasses.fields(m.options):
-            lines.append(f"    {f.name}: {spec_of(f).help}")
-    return "\n".join(lines)
+    return describe(VAT_METHODS)
 
 
 def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueItem] = (),
