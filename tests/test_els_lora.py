@@ -340,3 +340,57 @@ def test_cli_sweep_takes_lora_options(distilled, monkeypatch):
     assert res.exit_code == 0, res.output
     cfg = seen["cfg"]
     assert cfg.lora == ["A", "B"] and cfg.lora_scales == [0.5, 1.0] and cfg.limit == 60 and cfg.eta == [0.35]
+
+
+def test_label_targets_steer_benign_rows_the_gate_holds_back(distilled, tmp_path):
+    """A gate that holds back every row: with ELS's own decision the benign targets are the unsteered
+    states (nothing to learn), with label targets ELS steers each benign row (its label says benign);
+    harmful rows keep the unsteered state either way."""
+    from aligntax.energy.gate import HarmGate
+    from aligntax.runs.els_lora import DistillConfig, distill_els_lora
+
+    lm, els, _, _ = distilled
+    folder = tmp_path / "els"
+    folder.mkdir()
+    for f in els.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    h = lm.model.config.hidden_size
+    HarmGate([0], torch.zeros(1, h), torch.full((1,), 10.0), torch.zeros(1, h), torch.ones(1, h), threshold=0.5,
+             fingerprint=lm.fingerprint).save(folder)
+    metas = {}
+    for target in ("els", "label"):
+        cfg = DistillConfig(steer=str(folder), out=str(tmp_path / f"lora-{target}"), epochs=1, batch_size=4, rank=4,
+                            els={"layers": [1], "eta": 0.5, "horizon": 3, "gate": True, "row_threshold": "none"},
+                            benign_target=target, answer_tokens=3, harmful_answer_tokens=4, progress=False,
+                            dtype="fp32", pairs=[])
+        metas[target] = distill_els_lora(cfg, lm, benign=_items(BENIGN, "benign"), harmful=_items(HARMFUL, "harmful"))
+    held, label = metas["els"], metas["label"]
+    assert held["data"]["benign_steered_by_els"] == 0 and held["loss"]["before"]["benign"] < 1e-8
+    assert label["data"]["benign_steered_by_els"] == len(BENIGN) and label["loss"]["before"]["benign"] > 1e-3
+    assert label["hyper"]["benign_target"] == "label"
+    for meta in metas.values():
+        assert meta["data"]["harmful_steered_by_els"] == 0 and meta["loss"]["before"]["harmful"] < 1e-8
+    with pytest.raises(AligntaxError, match="benign_target"):
+        distill_els_lora(DistillConfig(steer=str(folder), out=str(tmp_path / "bad"), benign_target="gate"), lm,
+                         benign=_items(BENIGN, "benign"), harmful=_items(HARMFUL, "harmful"))
+
+
+def test_distill_prompts_keep_every_harmful_twin_of_the_contrast_pairs(tmp_path, monkeypatch):
+    """Each benign contrast half comes with its harmful twin, whatever limit_harmful says; the limit
+    caps the other harmful prompts."""
+    import aligntax.runs.els as run_els
+    import aligntax.runs.eval as run_eval_module
+    from aligntax.runs.els import ELSTrainConfig
+    from aligntax.runs.els_lora import DistillConfig, distill_prompts
+
+    (tmp_path / "train_config.json").write_text(json.dumps({"out": str(tmp_path), "gate": False}))
+    pairs = [PromptItem(id=f"p{i}-{lab}", prompt=f"pair {i} {lab}", label=lab, source="pairs")
+             for i in range(5) for lab in ("benign", "harmful")]
+    monkeypatch.setattr(run_els, "_training_items", lambda cfg: (_items(BENIGN, "benign"), _items(HARMFUL, "harmful")))
+    monkeypatch.setattr(run_eval_module, "load_prompt_sets", lambda names: pairs)
+    assert isinstance(ELSTrainConfig(out=str(tmp_path)), ELSTrainConfig)
+    benign, harmful = distill_prompts(DistillConfig(steer=str(tmp_path), limit_benign=2, limit_harmful=3,
+                                                    pairs=["pairs"]))
+    assert [it.prompt for it in benign][2:] == [f"pair {i} benign" for i in range(5)] and len(benign) == 7
+    assert [it.prompt for it in harmful] == [f"pair {i} harmful" for i in range(5)] + HARMFUL[:3]

@@ -706,8 +706,12 @@ def els_distill(
     batch_size: int | None = typer.Option(None),
     limit_benign: int | None = typer.Option(None, help="benign training prompts, sampled (default 300), plus the "
                                                        "benign contrast halves"),
-    limit_harmful: int | None = typer.Option(None, help="harmful prompts in all (default 600)"),
+    limit_harmful: int | None = typer.Option(None, help="harmful prompts besides the harmful contrast halves, which "
+                                                        "are all kept (default 600)"),
     preserve_weight: float | None = typer.Option(None, help="weight of the harmful rows' unsteered targets (default 3)"),
+    benign_target: str | None = typer.Option(None, help="benign rows' target: 'els' (ELS's own decision, its harm "
+                                                        "gate included) or 'label' (the gate left out: the label "
+                                                        "says benign) (default els)"),
     pairs: list[str] = typer.Option(None, help="contrast pairs (default contrast-pairs; 'none': none)"),
     answer_tokens: int | None = typer.Option(None, help="steered answer tokens when the ELS setting has no horizon "
                                                         "(default 16)"),
@@ -737,8 +741,8 @@ def els_distill(
         cfg = load_config(DistillConfig, config, steer=str(steer), out=str(out), model=model,
                           layers=[int(x) for x in layers.split(",")] if layers else None, before=before, rank=rank,
                           alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size, limit_benign=limit_benign,
-                          limit_harmful=limit_harmful, preserve_weight=preserve_weight, pairs=_split_list(pairs),
-                          answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None,
+                          limit_harmful=limit_harmful, preserve_weight=preserve_weight,
+                          benign_target=benign_target, pairs=_split_list(pairs), answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None,
                           progress=progress)
         meta = distill_els_lora(cfg)
     except AligntaxError as exc:

@@ -4,11 +4,14 @@ A small LoRA on the attention and MLP of the blocks ELS steers (and ``before`` b
 trained so that the state leaving the last steered block matches, teacher-forced:
 
 - on benign prompts (the ELS folder's benign training prompts and the benign halves of the contrast
-  pairs), the state *with the ELS intervention applied* (its tuned setting: harm gate, row energy
-  decision, horizon), over the prompt tokens and the first ``horizon`` tokens of the ELS-steered answer;
-- on harmful prompts (the folder's harmful training prompts, the harmful halves of the contrast pairs,
-  then the harm gate's extra harmful prompts, up to ``limit_harmful``), the *unsteered* state, over the
-  prompt and the model's whole (unsteered) answer, weighted ``preserve_weight`` times.
+  pairs), the state *with the ELS intervention applied* (its tuned setting: row energy decision,
+  horizon, and with ``benign_target="els"`` its harm gate; with ``"label"`` the gate is left out on
+  these rows, whose label already says benign), over the prompt tokens and the first ``horizon``
+  tokens of the ELS-steered answer;
+- on harmful prompts (every harmful half of the contrast pairs, the twin of each benign half, then
+  the folder's harmful training prompts and the harm gate's extra harmful prompts, ``limit_harmful``
+  of these), the *unsteered* state, over the prompt and the model's whole (unsteered) answer,
+  weighted ``preserve_weight`` times.
 
 The loss is the squared error of the states divided by the median squared norm of the unsteered ones.
 Both targets and the input of the first adapted block are captured in one forward per batch (ELS
@@ -37,8 +40,9 @@ from torch import nn
 from aligntax.errors import AligntaxError
 from aligntax.runs.fsio import write_json_atomic
 
-__all__ = ["DEFAULT_MODULES", "DistillConfig", "distill_els_lora", "distill_prompts"]
+__all__ = ["BENIGN_TARGETS", "DEFAULT_MODULES", "DistillConfig", "distill_els_lora", "distill_prompts"]
 
+BENIGN_TARGETS = ("els", "label")
 DEFAULT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -58,9 +62,10 @@ class DistillConfig:
     lr: float = 1e-3
     batch_size: int = 16
     limit_benign: int | None = 300  # benign training prompts (sampled), plus the benign contrast halves
-    limit_harmful: int | None = 600  # harmful prompts in all
+    limit_harmful: int | None = 600  # harmful prompts besides the contrast halves (which are all kept)
     pairs: list[str] = field(default_factory=lambda: ["contrast-pairs"])
     preserve_weight: float = 3.0  # weight of the harmful rows' (unsteered) targets
+    benign_target: str = "els"  # benign rows: "els" (ELS's own decision, harm gate included) or "label" (no gate)
     answer_tokens: int = 16  # benign: ELS-steered answer tokens when the ELS setting has no horizon
     harmful_answer_tokens: int = 32  # unsteered answers generated for harmful prompts the label run lacks
     els: dict = field(default_factory=dict)  # ELS options over the folder's tuned setting (eta=, gate=, ...)
@@ -99,14 +104,15 @@ def distill_prompts(cfg: DistillConfig) -> tuple[list, list]:
     pairs = load_prompt_sets(cfg.pairs) if cfg.pairs else []
     seen: set = set()
     b = _dedupe(_sampled(benign, cfg.limit_benign, cfg.seed) + [it for it in pairs if it.label == "benign"], seen)
-    h = _dedupe(harmful + [it for it in pairs if it.label == "harmful"], seen)
+    twins = _dedupe([it for it in pairs if it.label == "harmful"], seen)
+    h = _dedupe(harmful, seen)
     limit = cfg.limit_harmful
     if limit is None or len(h) < limit:
         extra = [it for it in gate_items(tcfg)[2] if it.label == "harmful"] if tcfg.gate else []
         extra = _dedupe(extra, set(seen))
         need = None if limit is None else limit - len(h)
         h += _dedupe(_sampled(extra, need, cfg.seed), seen)
-    return b, h[:limit] if limit is not None else h
+    return b, twins + (h[:limit] if limit is not None else h)
 
 
 class _Pass(nn.Module):
@@ -273,6 +279,8 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     if not (cfg.rank >= 1 and cfg.epochs >= 1 and cfg.batch_size >= 1 and cfg.preserve_weight >= 0
             and math.isfinite(cfg.preserve_weight) and cfg.lr > 0):
         raise AligntaxError("rank, epochs and batch_size must be at least 1, lr positive and preserve_weight >= 0.")
+    if cfg.benign_target not in BENIGN_TARGETS:
+        raise AligntaxError(f"benign_target must be one of {', '.join(BENIGN_TARGETS)}; got {cfg.benign_target!r}.")
     if lm is None:
         model = cfg.model
         if model is None:
@@ -282,6 +290,9 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
             raise AligntaxError("Give --model: the ELS folder names no model.")
         lm = load_model(model, dtype=cfg.dtype)
     els = make_intervention("els", lm, path=str(steer), **cfg.els)
+    # the benign rows' teacher: ELS as tuned, or (label) the same setting without its harm gate
+    els_b = els if cfg.benign_target == "els" else \
+        make_intervention("els", lm, path=str(steer), **{**cfg.els, "gate": "none"})
     steered = sorted(els.models)
     n = len(decoder_layers(lm.model))
     target = max(steered)
@@ -309,7 +320,7 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
                                              GenerationConfig(max_new_tokens=n_tokens, batch_size=32), iv,
                                              progress=cfg.progress, desc=desc)]
 
-    b_answers = gen(benign, horizon, els, "distill: steered answers")
+    b_answers = gen(benign, horizon, els_b, "distill: steered answers")
     labels = steer / "labels" / "samples.jsonl"
     known = {(r["source"], r["id"]): r["response"] for r in read_jsonl(labels)} if labels.is_file() else {}
     missing = [it for it in harmful if (it.source, it.id) not in known]
@@ -322,12 +333,12 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     h_seqs, h_plens = chat_ids(lm, [it.prompt for it in harmful], responses=h_answers)
 
     # targets: the state leaving the last steered block, ELS on (benign) and off (harmful)
-    b_rows = _capture(lm, b_seqs, b_plens, first, target, els, 16, cfg.progress, "distill: steered states")
+    b_rows = _capture(lm, b_seqs, b_plens, first, target, els_b, 16, cfg.progress, "distill: steered states")
     h_rows = _capture(lm, h_seqs, h_plens, first, target, None, 16, cfg.progress, "distill: unsteered states")
     norms = torch.cat([y.float().norm(dim=-1) for _, y in h_rows])
     norm2 = float(norms.median()) ** 2
     # which rows ELS steers (its harm gate and row energy decision), for the summary
-    info_b = row_info(els, lm, [it.prompt for it in benign]) or [{"steered": True}] * len(benign)
+    info_b = row_info(els_b, lm, [it.prompt for it in benign]) or [{"steered": True}] * len(benign)
     info_h = row_info(els, lm, [it.prompt for it in harmful]) or [{"steered": True}] * len(harmful)
 
     # train: the adapted blocks only, from the captured inputs
@@ -388,7 +399,8 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
         "format": FORMAT, "fingerprint": dict(lm.fingerprint or {}), "layers": layers, "target_block": target,
         "steered_layers": steered, "modules": names, "horizon": horizon,
         "hyper": {"rank": cfg.rank, "alpha": alpha, "epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size,
-                  "preserve_weight": cfg.preserve_weight, "limit_benign": cfg.limit_benign,
+                  "preserve_weight": cfg.preserve_weight, "benign_target": cfg.benign_target,
+                  "limit_benign": cfg.limit_benign,
                   "limit_harmful": cfg.limit_harmful, "answer_tokens": cfg.answer_tokens,
                   "harmful_answer_tokens": cfg.harmful_answer_tokens, "seed": cfg.seed, "dtype": cfg.dtype,
                   "modules": cfg.modules, "before": cfg.before},
