@@ -299,7 +299,7 @@ def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     side = json.loads((out / "els_lora.json").read_text())
     assert side["data"]["benign"] == len(BENIGN) and side["data"]["harmful"] == 4
-    assert side["data"]["harmful_answers_generated"] == 3  # one came from the label run
+    assert side["data"]["answers_generated"] == 3  # one came from the label run
     assert side["horizon"] == 2 and side["source"]["els"]["eta"] == 0.5 and side["layers"] == [0, 1]
     res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(out)])
     assert res.exit_code == 2 and "not empty" in res.output
@@ -364,13 +364,15 @@ def test_label_targets_steer_benign_rows_the_gate_holds_back(distilled, tmp_path
                             els={"layers": [1], "eta": 0.5, "horizon": 3, "gate": True, "row_threshold": "none"},
                             benign_target=target, answer_tokens=3, harmful_answer_tokens=4, progress=False,
                             dtype="fp32", pairs=[])
-        metas[target] = distill_els_lora(cfg, lm, benign=_items(BENIGN, "benign"), harmful=_items(HARMFUL, "harmful"))
+        metas[target] = distill_els_lora(cfg, lm, benign=_items(BENIGN, "benign"), harmful=_items(HARMFUL, "harmful"),
+                                         retain=_items(["what is two plus two", "name a colour"], "harmless"))
     held, label = metas["els"], metas["label"]
     assert held["data"]["benign_steered_by_els"] == 0 and held["loss"]["before"]["benign"] < 1e-8
     assert label["data"]["benign_steered_by_els"] == len(BENIGN) and label["loss"]["before"]["benign"] > 1e-3
     assert label["hyper"]["benign_target"] == "label"
     for meta in metas.values():
         assert meta["data"]["harmful_steered_by_els"] == 0 and meta["loss"]["before"]["harmful"] < 1e-8
+        assert meta["data"]["retain"] == 2 and meta["loss"]["before"]["retain"] < 1e-8  # kept unsteered
     with pytest.raises(AligntaxError, match="benign_target"):
         distill_els_lora(DistillConfig(steer=str(folder), out=str(tmp_path / "bad"), benign_target="gate"), lm,
                          benign=_items(BENIGN, "benign"), harmful=_items(HARMFUL, "harmful"))
@@ -388,9 +390,15 @@ def test_distill_prompts_keep_every_harmful_twin_of_the_contrast_pairs(tmp_path,
     pairs = [PromptItem(id=f"p{i}-{lab}", prompt=f"pair {i} {lab}", label=lab, source="pairs")
              for i in range(5) for lab in ("benign", "harmful")]
     monkeypatch.setattr(run_els, "_training_items", lambda cfg: (_items(BENIGN, "benign"), _items(HARMFUL, "harmful")))
-    monkeypatch.setattr(run_eval_module, "load_prompt_sets", lambda names: pairs)
-    assert isinstance(ELSTrainConfig(out=str(tmp_path)), ELSTrainConfig)
-    benign, harmful = distill_prompts(DistillConfig(steer=str(tmp_path), limit_benign=2, limit_harmful=3,
-                                                    pairs=["pairs"]))
+    everyday = _items([f"everyday {i}" for i in range(6)], "benign")
+    monkeypatch.setattr(run_eval_module, "load_prompt_sets",
+                        lambda names, limit=None: pairs if names == ["pairs"] else everyday[:limit])
+    assert ELSTrainConfig(out=str(tmp_path)).harmless == ["harmless-train"]
+    cfg = DistillConfig(steer=str(tmp_path), limit_benign=2, limit_harmful=3, pairs=["pairs"])
+    benign, harmful, retain = distill_prompts(cfg)
     assert [it.prompt for it in benign][2:] == [f"pair {i} benign" for i in range(5)] and len(benign) == 7
     assert [it.prompt for it in harmful] == [f"pair {i} harmful" for i in range(5)] + HARMFUL[:3]
+    assert retain == []  # none by default
+    cfg.limit_retain = 4
+    retain = distill_prompts(cfg)[2]
+    assert len(retain) == 4 and {it.prompt for it in retain} <= {it.prompt for it in everyday}

@@ -709,6 +709,9 @@ def els_distill(
     limit_harmful: int | None = typer.Option(None, help="harmful prompts besides the harmful contrast halves, which "
                                                         "are all kept (default 600)"),
     preserve_weight: float | None = typer.Option(None, help="weight of the harmful rows' unsteered targets (default 3)"),
+    limit_retain: int | None = typer.Option(None, help="everyday instructions (the folder's harmless prompts) kept "
+                                                       "unsteered (default 0)"),
+    retain_weight: float | None = typer.Option(None, help="weight of their unsteered targets (default 1)"),
     benign_target: str | None = typer.Option(None, help="benign rows' target: 'els' (ELS's own decision, its harm "
                                                         "gate included) or 'label' (the gate left out: the label "
                                                         "says benign) (default els)"),
@@ -742,7 +745,8 @@ def els_distill(
                           layers=[int(x) for x in layers.split(",")] if layers else None, before=before, rank=rank,
                           alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size, limit_benign=limit_benign,
                           limit_harmful=limit_harmful, preserve_weight=preserve_weight,
-                          benign_target=benign_target, pairs=_split_list(pairs), answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None,
+                          benign_target=benign_target, limit_retain=limit_retain, retain_weight=retain_weight,
+                          pairs=_split_list(pairs), answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None,
                           progress=progress)
         meta = distill_els_lora(cfg)
     except AligntaxError as exc:

@@ -11,7 +11,10 @@ trained so that the state leaving the last steered block matches, teacher-forced
 - on harmful prompts (every harmful half of the contrast pairs, the twin of each benign half, then
   the folder's harmful training prompts and the harm gate's extra harmful prompts, ``limit_harmful``
   of these), the *unsteered* state, over the prompt and the model's whole (unsteered) answer,
-  weighted ``preserve_weight`` times.
+  weighted ``preserve_weight`` times;
+- on everyday instructions (the folder's harmless prompts, ``limit_retain`` of them), the *unsteered*
+  state over the prompt and the model's answer, weighted ``retain_weight``: what the model does where
+  it never refused is kept (known answers, ordinary help).
 
 The loss is the squared error of the states divided by the median squared norm of the unsteered ones.
 Both targets and the input of the first adapted block are captured in one forward per batch (ELS
@@ -67,7 +70,9 @@ class DistillConfig:
     preserve_weight: float = 3.0  # weight of the harmful rows' (unsteered) targets
     benign_target: str = "els"  # benign rows: "els" (ELS's own decision, harm gate included) or "label" (no gate)
     answer_tokens: int = 16  # benign: ELS-steered answer tokens when the ELS setting has no horizon
-    harmful_answer_tokens: int = 32  # unsteered answers generated for harmful prompts the label run lacks
+    harmful_answer_tokens: int = 32  # unsteered answers generated for kept prompts the label run lacks
+    limit_retain: int | None = 0  # everyday instructions kept unsteered (the folder's harmless prompts)
+    retain_weight: float = 1.0
     els: dict = field(default_factory=dict)  # ELS options over the folder's tuned setting (eta=, gate=, ...)
     dtype: str = "bf16"
     seed: int = 0
@@ -90,8 +95,9 @@ def _dedupe(items: list, seen: set) -> list:
     return out
 
 
-def distill_prompts(cfg: DistillConfig) -> tuple[list, list]:
-    """The benign and the harmful prompts of a distillation (see the module docstring), without repeats."""
+def distill_prompts(cfg: DistillConfig) -> tuple[list, list, list]:
+    """The benign, the harmful and the retained (everyday) prompts of a distillation (see the module
+    docstring), without repeats."""
     from aligntax.config import load_config
     from aligntax.runs.els import ELSTrainConfig, _training_items, gate_items
     from aligntax.runs.eval import load_prompt_sets
@@ -112,7 +118,11 @@ def distill_prompts(cfg: DistillConfig) -> tuple[list, list]:
         extra = _dedupe(extra, set(seen))
         need = None if limit is None else limit - len(h)
         h += _dedupe(_sampled(extra, need, cfg.seed), seen)
-    return b, twins + (h[:limit] if limit is not None else h)
+    retain = []
+    if cfg.limit_retain is None or cfg.limit_retain > 0:
+        retain = _dedupe(_sampled(load_prompt_sets(tcfg.harmless, tcfg.limit_harmless), cfg.limit_retain, cfg.seed),
+                         seen)
+    return b, twins + (h[:limit] if limit is not None else h), retain
 
 
 class _Pass(nn.Module):
@@ -256,7 +266,8 @@ def _sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, harmful: list | None = None) -> dict:
+def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, harmful: list | None = None,
+                     retain: list | None = None) -> dict:
     """Train the adapter (see the module docstring), write it to ``cfg.out`` and return the summary
     written to its ``els_lora.json``. ``benign`` / ``harmful``: prompt items (``.prompt``, ``.source``,
     ``.id``) instead of :func:`distill_prompts`."""
@@ -276,9 +287,10 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     steer, out = Path(cfg.steer), Path(cfg.out)
     if out.exists() and any(out.iterdir()):
         raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the adapter.")
-    if not (cfg.rank >= 1 and cfg.epochs >= 1 and cfg.batch_size >= 1 and cfg.preserve_weight >= 0
-            and math.isfinite(cfg.preserve_weight) and cfg.lr > 0):
-        raise AligntaxError("rank, epochs and batch_size must be at least 1, lr positive and preserve_weight >= 0.")
+    if not (cfg.rank >= 1 and cfg.epochs >= 1 and cfg.batch_size >= 1 and cfg.lr > 0
+            and all(w >= 0 and math.isfinite(w) for w in (cfg.preserve_weight, cfg.retain_weight))):
+        raise AligntaxError("rank, epochs and batch_size must be at least 1, lr positive and preserve_weight and "
+                            "retain_weight finite and >= 0.")
     if cfg.benign_target not in BENIGN_TARGETS:
         raise AligntaxError(f"benign_target must be one of {', '.join(BENIGN_TARGETS)}; got {cfg.benign_target!r}.")
     if lm is None:
@@ -309,7 +321,8 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
                             "the adapter must start at or before it.")
     horizon = els.horizon if els.horizon is not None else int(cfg.answer_tokens)
     if benign is None or harmful is None:
-        benign, harmful = distill_prompts(cfg)
+        benign, harmful, retain = distill_prompts(cfg)
+    retain = list(retain or [])
     if not benign or not harmful:
         raise AligntaxError("Distillation needs benign and harmful prompts.")
 
@@ -323,14 +336,14 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     b_answers = gen(benign, horizon, els_b, "distill: steered answers")
     labels = steer / "labels" / "samples.jsonl"
     known = {(r["source"], r["id"]): r["response"] for r in read_jsonl(labels)} if labels.is_file() else {}
-    missing = [it for it in harmful if (it.source, it.id) not in known]
+    missing = [it for it in harmful + retain if (it.source, it.id) not in known]
     new = dict(zip([(it.source, it.id) for it in missing],
                    gen(missing, cfg.harmful_answer_tokens, None, "distill: unsteered answers"), strict=True)) \
         if missing else {}
-    h_answers = [known.get((it.source, it.id), new.get((it.source, it.id))) for it in harmful]
+    h_answers = [known.get((it.source, it.id), new.get((it.source, it.id))) for it in harmful + retain]
     b_seqs, b_plens = chat_ids(lm, [it.prompt for it in benign], responses=b_answers)
     b_seqs = [s[:p + horizon] for s, p in zip(b_seqs, b_plens, strict=True)]
-    h_seqs, h_plens = chat_ids(lm, [it.prompt for it in harmful], responses=h_answers)
+    h_seqs, h_plens = chat_ids(lm, [it.prompt for it in harmful + retain], responses=h_answers)
 
     # targets: the state leaving the last steered block, ELS on (benign) and off (harmful)
     b_rows = _capture(lm, b_seqs, b_plens, first, target, els_b, 16, cfg.progress, "distill: steered states")
@@ -351,7 +364,9 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
                                                   target_modules=names, task_type="CAUSAL_LM"))
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    rows = [(r, 1.0, "benign") for r in b_rows] + [(r, float(cfg.preserve_weight), "harmful") for r in h_rows]
+    kinds = [(1.0, "benign")] * len(b_rows) + [(float(cfg.preserve_weight), "harmful")] * len(harmful) + \
+        [(float(cfg.retain_weight), "retain")] * len(retain)
+    rows = [(r, w, kind) for r, (w, kind) in zip(b_rows + h_rows, kinds, strict=True)]
     rng = random.Random(cfg.seed)
     dtype = next(p for p in lm.model.parameters()).dtype
     history = []
@@ -368,8 +383,8 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
             batches += [c[i:i + cfg.batch_size] for i in range(0, len(c), cfg.batch_size)]
         if train:
             rng.shuffle(batches)
-        sums = {"benign": 0.0, "harmful": 0.0}
-        counts = {"benign": 0, "harmful": 0}
+        sums = {"benign": 0.0, "harmful": 0.0, "retain": 0.0}
+        counts = {"benign": 0, "harmful": 0, "retain": 0}
         for idx in tqdm(batches, disable=not cfg.progress, desc="distill: train" if train else "distill: eval"):
             x, y, mask, pos = _batch([rows[i][0] for i in idx], lm.device, dtype)
             w = torch.tensor([rows[i][1] for i in idx], device=lm.device)
@@ -402,16 +417,18 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
                   "preserve_weight": cfg.preserve_weight, "benign_target": cfg.benign_target,
                   "limit_benign": cfg.limit_benign,
                   "limit_harmful": cfg.limit_harmful, "answer_tokens": cfg.answer_tokens,
-                  "harmful_answer_tokens": cfg.harmful_answer_tokens, "seed": cfg.seed, "dtype": cfg.dtype,
+                  "harmful_answer_tokens": cfg.harmful_answer_tokens, "limit_retain": cfg.limit_retain,
+                  "retain_weight": cfg.retain_weight, "seed": cfg.seed, "dtype": cfg.dtype,
                   "modules": cfg.modules, "before": cfg.before},
         "source": {"path": str(steer), "els": els.config(),
                    "energy_sha256": _sha256(steer / "energy.safetensors"),
                    "gate_sha256": _sha256(steer / "gate.safetensors")},
-        "data": {"benign": len(benign), "harmful": len(harmful), "pairs": cfg.pairs,
+        "data": {"benign": len(benign), "harmful": len(harmful), "retain": len(retain), "pairs": cfg.pairs,
                  "benign_sources": _count(benign), "harmful_sources": _count(harmful),
+                 "retain_sources": _count(retain),
                  "benign_steered_by_els": sum(bool(r["steered"]) for r in info_b),
                  "harmful_steered_by_els": sum(bool(r["steered"]) for r in info_h),
-                 "harmful_answers_generated": len(missing), "tokens": sum(len(s) for s in b_seqs + h_seqs)},
+                 "answers_generated": len(missing), "tokens": sum(len(s) for s in b_seqs + h_seqs)},
         "loss": {"norm2": norm2, "before": before, "after": after, "epochs": history},
         "seconds": round(time.perf_counter() - t0, 1), "config": asdict(cfg),
     }
