@@ -402,3 +402,32 @@ def test_distill_prompts_keep_every_harmful_twin_of_the_contrast_pairs(tmp_path,
     cfg.limit_retain = 4
     retain = distill_prompts(cfg)[2]
     assert len(retain) == 4 and {it.prompt for it in retain} <= {it.prompt for it in everyday}
+
+
+def test_refusal_targets_move_harmful_rows_along_the_refusal_vector(distilled, tmp_path):
+    """harmful_target='refusal': the harmful rows' targets are the states with the folder's refusal vector
+    added at the last steered block (far from the unsteered ones before training, closer after); the
+    everyday rows keep the unsteered state; a folder without vectors is refused before any work."""
+    from aligntax.interventions import SteeringVectors
+    from aligntax.runs.els_lora import DistillConfig, distill_els_lora
+
+    lm, els, _, _ = distilled
+    folder = tmp_path / "els"
+    folder.mkdir()
+    for f in els.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    cfg = DistillConfig(steer=str(folder), out=str(tmp_path / "lora"), epochs=3, batch_size=4, rank=4,
+                        els={"layers": [1], "eta": 0.5, "horizon": 3}, harmful_target="refusal", refusal_coeff=2.0,
+                        answer_tokens=3, harmful_answer_tokens=4, progress=False, dtype="fp32", pairs=[])
+    args = dict(benign=_items(BENIGN, "benign"), harmful=_items(HARMFUL, "harmful"),
+                retain=_items(["what is two plus two", "name a colour"], "harmless"))
+    with pytest.raises(AligntaxError, match="refusal vectors"):
+        distill_els_lora(cfg, lm, **args)
+    torch.manual_seed(5)
+    SteeringVectors({"refusal": {1: torch.randn(lm.hidden_size)}}, lm.fingerprint, {"layer": 1}).save(folder / "vectors")
+    meta = distill_els_lora(cfg, lm, **args)
+    loss = meta["loss"]
+    assert meta["hyper"]["harmful_target"] == "refusal" and meta["hyper"]["refusal_coeff"] == 2.0
+    assert loss["before"]["harmful"] > 1e-3 and loss["after"]["harmful"] < loss["before"]["harmful"]
+    assert loss["before"]["retain"] < 1e-8

@@ -715,6 +715,10 @@ def els_distill(
     benign_target: str | None = typer.Option(None, help="benign rows' target: 'els' (ELS's own decision, its harm "
                                                         "gate included) or 'label' (the gate left out: the label "
                                                         "says benign) (default els)"),
+    harmful_target: str | None = typer.Option(None, help="harmful rows' target: 'unsteered' or 'refusal' (the "
+                                                         "folder's refusal vector added) (default unsteered)"),
+    refusal_coeff: float | None = typer.Option(None, help="the refusal vector's strength for --harmful-target "
+                                                          "refusal (default 1)"),
     pairs: list[str] = typer.Option(None, help="contrast pairs (default contrast-pairs; 'none': none)"),
     answer_tokens: int | None = typer.Option(None, help="steered answer tokens when the ELS setting has no horizon "
                                                         "(default 16)"),
@@ -746,6 +750,7 @@ def els_distill(
                           alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size, limit_benign=limit_benign,
                           limit_harmful=limit_harmful, preserve_weight=preserve_weight,
                           benign_target=benign_target, limit_retain=limit_retain, retain_weight=retain_weight,
+                          harmful_target=harmful_target, refusal_coeff=refusal_coeff,
                           pairs=_split_list(pairs), answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None,
                           progress=progress)
         meta = distill_els_lora(cfg)

@@ -11,7 +11,10 @@ trained so that the state leaving the last steered block matches, teacher-forced
 - on harmful prompts (every harmful half of the contrast pairs, the twin of each benign half, then
   the folder's harmful training prompts and the harm gate's extra harmful prompts, ``limit_harmful``
   of these), the *unsteered* state, over the prompt and the model's whole (unsteered) answer,
-  weighted ``preserve_weight`` times;
+  weighted ``preserve_weight`` times; with ``harmful_target="refusal"`` the state with the folder's
+  refusal vector added at the last steered block (``refusal_coeff`` times), over the prompt and the
+  answer the model gives so (the per-query target of ACTOR: refusal removed where the label says
+  benign, added where it says harmful);
 - on everyday instructions (the folder's harmless prompts, ``limit_retain`` of them), the *unsteered*
   state over the prompt and the model's answer, weighted ``retain_weight``: what the model does where
   it never refused is kept (known answers, ordinary help).
@@ -43,9 +46,10 @@ from torch import nn
 from aligntax.errors import AligntaxError
 from aligntax.runs.fsio import write_json_atomic
 
-__all__ = ["BENIGN_TARGETS", "DEFAULT_MODULES", "DistillConfig", "distill_els_lora", "distill_prompts"]
+__all__ = ["BENIGN_TARGETS", "DEFAULT_MODULES", "HARMFUL_TARGETS", "DistillConfig", "distill_els_lora", "distill_prompts"]
 
 BENIGN_TARGETS = ("els", "label")
+HARMFUL_TARGETS = ("unsteered", "refusal")
 DEFAULT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -69,6 +73,8 @@ class DistillConfig:
     pairs: list[str] = field(default_factory=lambda: ["contrast-pairs"])
     preserve_weight: float = 3.0  # weight of the harmful rows' (unsteered) targets
     benign_target: str = "els"  # benign rows: "els" (ELS's own decision, harm gate included) or "label" (no gate)
+    harmful_target: str = "unsteered"  # harmful rows: "unsteered" or "refusal" (the refusal vector added)
+    refusal_coeff: float = 1.0  # the refusal vector's strength for harmful_target="refusal"
     answer_tokens: int = 16  # benign: ELS-steered answer tokens when the ELS setting has no horizon
     harmful_answer_tokens: int = 32  # unsteered answers generated for kept prompts the label run lacks
     limit_retain: int | None = 0  # everyday instructions kept unsteered (the folder's harmless prompts)
@@ -293,6 +299,12 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
                             "retain_weight finite and >= 0.")
     if cfg.benign_target not in BENIGN_TARGETS:
         raise AligntaxError(f"benign_target must be one of {', '.join(BENIGN_TARGETS)}; got {cfg.benign_target!r}.")
+    if cfg.harmful_target not in HARMFUL_TARGETS:
+        raise AligntaxError(f"harmful_target must be one of {', '.join(HARMFUL_TARGETS)}; "
+                            f"got {cfg.harmful_target!r}.")
+    if cfg.harmful_target == "refusal" and not (steer / "vectors" / "vectors.safetensors").is_file():
+        raise AligntaxError(f"harmful_target 'refusal' needs the refusal vectors of {steer}/vectors "
+                            "(written by `aligntax els train`).")
     if lm is None:
         model = cfg.model
         if model is None:
@@ -327,28 +339,39 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
         raise AligntaxError("Distillation needs benign and harmful prompts.")
 
     # answers: benign ones ELS-steered (the first `horizon` tokens); harmful ones unsteered, from the
-    # label run where it answered them, else generated
+    # label run where it answered them, else generated (or, for refusal targets, with the refusal vector
+    # added); everyday ones unsteered, generated
     def gen(items, n_tokens, iv, desc):
         return [g.response for g in generate(lm, [it.prompt for it in items],
                                              GenerationConfig(max_new_tokens=n_tokens, batch_size=32), iv,
                                              progress=cfg.progress, desc=desc)]
 
+    refuse = make_intervention("refusal-add", lm, path=str(steer / "vectors"), layers=[target],
+                               coeff=float(cfg.refusal_coeff)) if cfg.harmful_target == "refusal" else None
+    kept = retain if refuse is not None else harmful + retain  # rows whose target is the unsteered state
     b_answers = gen(benign, horizon, els_b, "distill: steered answers")
     labels = steer / "labels" / "samples.jsonl"
     known = {(r["source"], r["id"]): r["response"] for r in read_jsonl(labels)} if labels.is_file() else {}
-    missing = [it for it in harmful + retain if (it.source, it.id) not in known]
+    missing = [it for it in kept if (it.source, it.id) not in known]
     new = dict(zip([(it.source, it.id) for it in missing],
                    gen(missing, cfg.harmful_answer_tokens, None, "distill: unsteered answers"), strict=True)) \
         if missing else {}
-    h_answers = [known.get((it.source, it.id), new.get((it.source, it.id))) for it in harmful + retain]
+    k_answers = [known.get((it.source, it.id), new.get((it.source, it.id))) for it in kept]
     b_seqs, b_plens = chat_ids(lm, [it.prompt for it in benign], responses=b_answers)
     b_seqs = [s[:p + horizon] for s, p in zip(b_seqs, b_plens, strict=True)]
-    h_seqs, h_plens = chat_ids(lm, [it.prompt for it in harmful + retain], responses=h_answers)
+    k_seqs, k_plens = chat_ids(lm, [it.prompt for it in kept], responses=k_answers) if kept else ([], [])
 
-    # targets: the state leaving the last steered block, ELS on (benign) and off (harmful)
+    # targets: the state leaving the last steered block, ELS on (benign), off (kept rows), the refusal
+    # vector added (harmful rows, refusal targets)
     b_rows = _capture(lm, b_seqs, b_plens, first, target, els_b, 16, cfg.progress, "distill: steered states")
-    h_rows = _capture(lm, h_seqs, h_plens, first, target, None, 16, cfg.progress, "distill: unsteered states")
-    norms = torch.cat([y.float().norm(dim=-1) for _, y in h_rows])
+    k_rows = _capture(lm, k_seqs, k_plens, first, target, None, 16, cfg.progress, "distill: unsteered states")
+    r_seqs = []
+    if refuse is not None:
+        r_answers = gen(harmful, cfg.harmful_answer_tokens, refuse, "distill: refusal answers")
+        r_seqs, r_plens = chat_ids(lm, [it.prompt for it in harmful], responses=r_answers)
+        k_rows = _capture(lm, r_seqs, r_plens, first, target, refuse, 16, cfg.progress,
+                          "distill: refusal states") + k_rows
+    norms = torch.cat([y.float().norm(dim=-1) for _, y in k_rows])
     norm2 = float(norms.median()) ** 2
     # which rows ELS steers (its harm gate and row energy decision), for the summary
     info_b = row_info(els_b, lm, [it.prompt for it in benign]) or [{"steered": True}] * len(benign)
@@ -366,7 +389,7 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     kinds = [(1.0, "benign")] * len(b_rows) + [(float(cfg.preserve_weight), "harmful")] * len(harmful) + \
         [(float(cfg.retain_weight), "retain")] * len(retain)
-    rows = [(r, w, kind) for r, (w, kind) in zip(b_rows + h_rows, kinds, strict=True)]
+    rows = [(r, w, kind) for r, (w, kind) in zip(b_rows + k_rows, kinds, strict=True)]
     rng = random.Random(cfg.seed)
     dtype = next(p for p in lm.model.parameters()).dtype
     history = []
@@ -415,6 +438,7 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
         "steered_layers": steered, "modules": names, "horizon": horizon,
         "hyper": {"rank": cfg.rank, "alpha": alpha, "epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size,
                   "preserve_weight": cfg.preserve_weight, "benign_target": cfg.benign_target,
+                  "harmful_target": cfg.harmful_target, "refusal_coeff": cfg.refusal_coeff,
                   "limit_benign": cfg.limit_benign,
                   "limit_harmful": cfg.limit_harmful, "answer_tokens": cfg.answer_tokens,
                   "harmful_answer_tokens": cfg.harmful_answer_tokens, "limit_retain": cfg.limit_retain,
@@ -428,7 +452,7 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
                  "retain_sources": _count(retain),
                  "benign_steered_by_els": sum(bool(r["steered"]) for r in info_b),
                  "harmful_steered_by_els": sum(bool(r["steered"]) for r in info_h),
-                 "answers_generated": len(missing), "tokens": sum(len(s) for s in b_seqs + h_seqs)},
+                 "answers_generated": len(missing), "tokens": sum(len(s) for s in b_seqs + k_seqs + r_seqs)},
         "loss": {"norm2": norm2, "before": before, "after": after, "epochs": history},
         "seconds": round(time.perf_counter() - t0, 1), "config": asdict(cfg),
     }
