@@ -67,6 +67,8 @@ EXPECTED = {
     "contrast-benign": (1030, 1030, 0),
     "contrast-harmful": (1030, 0, 1030),
     "contrast-pairs-val": (358, 179, 179),
+    "contrast-benign-val": (179, 179, 0),
+    "contrast-harmful-val": (179, 0, 179),
 }
 
 

@@ -256,6 +256,10 @@ DATASETS: dict[str, DatasetSpec] = {
                  f"harm-gate contrast pairs, train split, harmful side: {_PAIRS_TRAIN:,} harmful"),
                 ("contrast-pairs-val", None, "val", 2 * _PAIRS_VAL,
                  f"harm-gate contrast pairs, val split (held out from els train): {_PAIRS_VAL} pairs"),
+                ("contrast-benign-val", "benign", "val", _PAIRS_VAL,
+                 f"harm-gate contrast pairs, val split, benign side: {_PAIRS_VAL} benign"),
+                ("contrast-harmful-val", "harmful", "val", _PAIRS_VAL,
+                 f"harm-gate contrast pairs, val split, harmful side: {_PAIRS_VAL} harmful"),
             ]
         ),
         _spec(
