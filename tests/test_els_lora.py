@@ -12,6 +12,7 @@ import torch
 
 from aligntax.data.base import PromptItem
 from aligntax.errors import AligntaxError, CompatibilityError
+from aligntax.interventions import SteeringVectors
 from tiny import PROMPTS, hook_counts, run_steered, save_tiny_bank, tiny_lm, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,7 +36,11 @@ def distilled(tmp_path_factory):
     lm = tiny_lm("qwen2", hidden=32, layers=3)
     root = tmp_path_factory.mktemp("els-lora")
     els = save_tiny_bank(lm, root / "els")
+    torch.manual_seed(5)  # refusal vectors, as els train writes them (the default harmful target reads them)
+    SteeringVectors({"refusal": {1: torch.randn(lm.hidden_size)}}, lm.fingerprint, {"layer": 1}).save(els / "vectors")
+    # the plain distillation: ELS's own decisions on benign rows, unsteered targets on harmful ones
     cfg = DistillConfig(steer=str(els), out=str(root / "lora"), els={"layers": [1], "eta": 0.5, "horizon": 3},
+                        benign_target="els", harmful_target="unsteered",
                         epochs=2, batch_size=4, rank=4, answer_tokens=3, harmful_answer_tokens=4, progress=False,
                         dtype="fp32", pairs=[])
     meta = distill_els_lora(cfg, lm, benign=_items(BENIGN, "benign"), harmful=_items(HARMFUL, "harmful"))
@@ -283,11 +288,13 @@ def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
     lm, els, _, _ = distilled
     folder = tmp_path / "els"
     shutil.copytree(els, folder)
-    for name, prompts, label in (("b", BENIGN, "benign"), ("h", HARMFUL, "harmful")):
+    for name, prompts, label in (("b", BENIGN, "benign"), ("h", HARMFUL, "harmful"),
+                                 ("e", ["what is two plus two", "name a colour", "say hello"], "benign")):
         (tmp_path / f"{name}.jsonl").write_text("".join(
             json.dumps({"id": f"{name}{i}", "prompt": p, "label": label}) + "\n" for i, p in enumerate(prompts)))
     write_json_atomic(folder / "train_config.json", asdict(ELSTrainConfig(
-        model="tiny", benign=[str(tmp_path / "b.jsonl")], harmful=[str(tmp_path / "h.jsonl")], gate=False)))
+        model="tiny", benign=[str(tmp_path / "b.jsonl")], harmful=[str(tmp_path / "h.jsonl")],
+        harmless=[str(tmp_path / "e.jsonl")], gate=False)))
     (folder / "labels").mkdir()
     (folder / "labels" / "samples.jsonl").write_text(json.dumps(
         {"source": "h", "id": "h0", "response": "I cannot help with that."}) + "\n")
@@ -295,7 +302,8 @@ def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
     out = tmp_path / "lora"
     res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(out), "--epochs", "1",
                                        "--rank", "2", "--limit-harmful", "4", "--pairs", "none", "--els-set", "layers=1",
-                                       "--els-set", "eta=0.5", "--els-set", "horizon=2", "--els-set", "gate=none"])
+                                       "--els-set", "eta=0.5", "--els-set", "horizon=2", "--els-set", "gate=none",
+                                       "--harmful-target", "unsteered", "--limit-retain", "0"])
     assert res.exit_code == 0, res.output
     side = json.loads((out / "els_lora.json").read_text())
     assert side["data"]["benign"] == len(BENIGN) and side["data"]["harmful"] == 4
@@ -303,6 +311,15 @@ def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
     assert side["horizon"] == 2 and side["source"]["els"]["eta"] == 0.5 and side["layers"] == [0, 1]
     res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(out)])
     assert res.exit_code == 2 and "not empty" in res.output
+    # the defaults: harmful answers generated with the refusal vector added, everyday rows kept
+    res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(tmp_path / "lora2"),
+                                       "--epochs", "1", "--rank", "2", "--pairs", "none", "--els-set", "layers=1",
+                                       "--els-set", "horizon=2", "--limit-retain", "3"])
+    assert res.exit_code == 0, res.output
+    side = json.loads((tmp_path / "lora2" / "els_lora.json").read_text())
+    assert side["hyper"]["benign_target"] == "label" and side["hyper"]["harmful_target"] == "refusal"
+    assert side["data"]["retain"] == 3 and side["data"]["answers_generated"] == 3  # the everyday rows'
+    assert side["loss"]["before"]["harmful"] > 1e-4  # the refusal vector moved the harmful targets
 
 
 def test_eval_run_with_els_lora(distilled, tmp_path, parity_judge):
@@ -362,8 +379,8 @@ def test_label_targets_steer_benign_rows_the_gate_holds_back(distilled, tmp_path
     for target in ("els", "label"):
         cfg = DistillConfig(steer=str(folder), out=str(tmp_path / f"lora-{target}"), epochs=1, batch_size=4, rank=4,
                             els={"layers": [1], "eta": 0.5, "horizon": 3, "gate": True, "row_threshold": "none"},
-                            benign_target=target, answer_tokens=3, harmful_answer_tokens=4, progress=False,
-                            dtype="fp32", pairs=[])
+                            benign_target=target, harmful_target="unsteered", answer_tokens=3,
+                            harmful_answer_tokens=4, progress=False, dtype="fp32", pairs=[])
         metas[target] = distill_els_lora(cfg, lm, benign=_items(BENIGN, "benign"), harmful=_items(HARMFUL, "harmful"),
                                          retain=_items(["what is two plus two", "name a colour"], "harmless"))
     held, label = metas["els"], metas["label"]
@@ -398,7 +415,9 @@ def test_distill_prompts_keep_every_harmful_twin_of_the_contrast_pairs(tmp_path,
     benign, harmful, retain = distill_prompts(cfg)
     assert [it.prompt for it in benign][2:] == [f"pair {i} benign" for i in range(5)] and len(benign) == 7
     assert [it.prompt for it in harmful] == [f"pair {i} harmful" for i in range(5)] + HARMFUL[:3]
-    assert retain == []  # none by default
+    assert len(retain) == 6  # up to 300 by default
+    cfg.limit_retain = 0
+    assert distill_prompts(cfg)[2] == []
     cfg.limit_retain = 4
     retain = distill_prompts(cfg)[2]
     assert len(retain) == 4 and {it.prompt for it in retain} <= {it.prompt for it in everyday}
@@ -408,7 +427,6 @@ def test_refusal_targets_move_harmful_rows_along_the_refusal_vector(distilled, t
     """harmful_target='refusal': the harmful rows' targets are the states with the folder's refusal vector
     added at the last steered block (far from the unsteered ones before training, closer after); the
     everyday rows keep the unsteered state; a folder without vectors is refused before any work."""
-    from aligntax.interventions import SteeringVectors
     from aligntax.runs.els_lora import DistillConfig, distill_els_lora
 
     lm, els, _, _ = distilled
@@ -424,8 +442,9 @@ def test_refusal_targets_move_harmful_rows_along_the_refusal_vector(distilled, t
                 retain=_items(["what is two plus two", "name a colour"], "harmless"))
     with pytest.raises(AligntaxError, match="refusal vectors"):
         distill_els_lora(cfg, lm, **args)
-    torch.manual_seed(5)
-    SteeringVectors({"refusal": {1: torch.randn(lm.hidden_size)}}, lm.fingerprint, {"layer": 1}).save(folder / "vectors")
+    (folder / "vectors").mkdir()
+    for f in (els / "vectors").iterdir():
+        (folder / "vectors" / f.name).write_bytes(f.read_bytes())
     meta = distill_els_lora(cfg, lm, **args)
     loss = meta["loss"]
     assert meta["hyper"]["harmful_target"] == "refusal" and meta["hyper"]["refusal_coeff"] == 2.0

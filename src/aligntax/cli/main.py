@@ -707,16 +707,16 @@ def els_distill(
     limit_benign: int | None = typer.Option(None, help="benign training prompts, sampled (default 300), plus the "
                                                        "benign contrast halves"),
     limit_harmful: int | None = typer.Option(None, help="harmful prompts besides the harmful contrast halves, which "
-                                                        "are all kept (default 600)"),
+                                                        "are all kept (default 300)"),
     preserve_weight: float | None = typer.Option(None, help="weight of the harmful rows' unsteered targets (default 3)"),
     limit_retain: int | None = typer.Option(None, help="everyday instructions (the folder's harmless prompts) kept "
-                                                       "unsteered (default 0)"),
+                                                       "unsteered (default 300)"),
     retain_weight: float | None = typer.Option(None, help="weight of their unsteered targets (default 1)"),
     benign_target: str | None = typer.Option(None, help="benign rows' target: 'els' (ELS's own decision, its harm "
                                                         "gate included) or 'label' (the gate left out: the label "
-                                                        "says benign) (default els)"),
+                                                        "says benign) (default label)"),
     harmful_target: str | None = typer.Option(None, help="harmful rows' target: 'unsteered' or 'refusal' (the "
-                                                         "folder's refusal vector added) (default unsteered)"),
+                                                         "folder's refusal vector added) (default refusal)"),
     refusal_coeff: float | None = typer.Option(None, help="the refusal vector's strength for --harmful-target "
                                                           "refusal (default 1)"),
     pairs: list[str] = typer.Option(None, help="contrast pairs (default contrast-pairs; 'none': none)"),

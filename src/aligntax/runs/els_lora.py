@@ -69,15 +69,15 @@ class DistillConfig:
     lr: float = 1e-3
     batch_size: int = 16
     limit_benign: int | None = 300  # benign training prompts (sampled), plus the benign contrast halves
-    limit_harmful: int | None = 600  # harmful prompts besides the contrast halves (which are all kept)
+    limit_harmful: int | None = 300  # harmful prompts besides the contrast halves (which are all kept)
     pairs: list[str] = field(default_factory=lambda: ["contrast-pairs"])
     preserve_weight: float = 3.0  # weight of the harmful rows' (unsteered) targets
-    benign_target: str = "els"  # benign rows: "els" (ELS's own decision, harm gate included) or "label" (no gate)
-    harmful_target: str = "unsteered"  # harmful rows: "unsteered" or "refusal" (the refusal vector added)
+    benign_target: str = "label"  # benign rows: "els" (ELS's own decision, harm gate included) or "label" (no gate)
+    harmful_target: str = "refusal"  # harmful rows: "unsteered" or "refusal" (the refusal vector added)
     refusal_coeff: float = 1.0  # the refusal vector's strength for harmful_target="refusal"
     answer_tokens: int = 16  # benign: ELS-steered answer tokens when the ELS setting has no horizon
     harmful_answer_tokens: int = 32  # unsteered answers generated for kept prompts the label run lacks
-    limit_retain: int | None = 0  # everyday instructions kept unsteered (the folder's harmless prompts)
+    limit_retain: int | None = 300  # everyday instructions kept unsteered (the folder's harmless prompts)
     retain_weight: float = 1.0
     els: dict = field(default_factory=dict)  # ELS options over the folder's tuned setting (eta=, gate=, ...)
     dtype: str = "bf16"
