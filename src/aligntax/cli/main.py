@@ -711,7 +711,7 @@ def els_distill(
     preserve_weight: float | None = typer.Option(None, help="weight of the harmful rows' unsteered targets (default 3)"),
     limit_retain: int | None = typer.Option(None, help="everyday instructions (the folder's harmless prompts) kept "
                                                        "unsteered (default 300)"),
-    retain_weight: float | None = typer.Option(None, help="weight of their unsteered targets (default 1)"),
+    retain_weight: float | None = typer.Option(None, help="weight of their unsteered targets (default 3)"),
     benign_target: str | None = typer.Option(None, help="benign rows' target: 'els' (ELS's own decision, its harm "
                                                         "gate included) or 'label' (the gate left out: the label "
                                                         "says benign) (default label)"),

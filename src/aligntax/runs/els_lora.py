@@ -78,7 +78,7 @@ class DistillConfig:
     answer_tokens: int = 16  # benign: ELS-steered answer tokens when the ELS setting has no horizon
     harmful_answer_tokens: int = 32  # unsteered answers generated for kept prompts the label run lacks
     limit_retain: int | None = 300  # everyday instructions kept unsteered (the folder's harmless prompts)
-    retain_weight: float = 1.0
+    retain_weight: float = 3.0  # as the harmful rows' preserve weight
     els: dict = field(default_factory=dict)  # ELS options over the folder's tuned setting (eta=, gate=, ...)
     dtype: str = "bf16"
     seed: int = 0
