@@ -6,6 +6,8 @@ sweep's leak prompts sampled after the gate's training prompts are left out."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -359,6 +361,11 @@ def test_cli_sweep_takes_lora_options(distilled, monkeypatch):
     assert cfg.lora == ["A", "B"] and cfg.lora_scales == [0.5, 1.0] and cfg.limit == 60 and cfg.eta == [0.35]
 
 
+def _bank_files(els, folder):
+    """A copy of the fixture's ELS folder without its refusal vectors (the files at its top level)."""
+    return shutil.copytree(els, folder, ignore=lambda d, names: [n for n in names if (Path(d) / n).is_dir()])
+
+
 def test_label_targets_steer_benign_rows_the_gate_holds_back(distilled, tmp_path):
     """A gate that holds back every row: with ELS's own decision the benign targets are the unsteered
     states (nothing to learn), with label targets ELS steers each benign row (its label says benign);
@@ -367,11 +374,7 @@ def test_label_targets_steer_benign_rows_the_gate_holds_back(distilled, tmp_path
     from aligntax.runs.els_lora import DistillConfig, distill_els_lora
 
     lm, els, _, _ = distilled
-    folder = tmp_path / "els"
-    folder.mkdir()
-    for f in els.iterdir():
-        if f.is_file():
-            (folder / f.name).write_bytes(f.read_bytes())
+    folder = _bank_files(els, tmp_path / "els")
     h = lm.model.config.hidden_size
     HarmGate([0], torch.zeros(1, h), torch.full((1,), 10.0), torch.zeros(1, h), torch.ones(1, h), threshold=0.5,
              fingerprint=lm.fingerprint).save(folder)
@@ -430,11 +433,7 @@ def test_refusal_targets_move_harmful_rows_along_the_refusal_vector(distilled, t
     from aligntax.runs.els_lora import DistillConfig, distill_els_lora
 
     lm, els, _, _ = distilled
-    folder = tmp_path / "els"
-    folder.mkdir()
-    for f in els.iterdir():
-        if f.is_file():
-            (folder / f.name).write_bytes(f.read_bytes())
+    folder = _bank_files(els, tmp_path / "els")
     cfg = DistillConfig(steer=str(folder), out=str(tmp_path / "lora"), epochs=3, batch_size=4, rank=4,
                         els={"layers": [1], "eta": 0.5, "horizon": 3}, harmful_target="refusal", refusal_coeff=2.0,
                         answer_tokens=3, harmful_answer_tokens=4, progress=False, dtype="fp32", pairs=[])
@@ -442,9 +441,7 @@ def test_refusal_targets_move_harmful_rows_along_the_refusal_vector(distilled, t
                 retain=_items(["what is two plus two", "name a colour"], "harmless"))
     with pytest.raises(AligntaxError, match="refusal vectors"):
         distill_els_lora(cfg, lm, **args)
-    (folder / "vectors").mkdir()
-    for f in (els / "vectors").iterdir():
-        (folder / "vectors" / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(els / "vectors", folder / "vectors")
     meta = distill_els_lora(cfg, lm, **args)
     loss = meta["loss"]
     assert meta["hyper"]["harmful_target"] == "refusal" and meta["hyper"]["refusal_coeff"] == 2.0

@@ -19,7 +19,8 @@ trained so that the state leaving the last steered block matches, teacher-forced
   state over the prompt and the model's answer, weighted ``retain_weight``: what the model does where
   it never refused is kept (known answers, ordinary help).
 
-The loss is the squared error of the states divided by the median squared norm of the unsteered ones.
+The loss is the squared error of the states divided by the median squared norm of the harmful and
+everyday rows' targets.
 Both targets and the input of the first adapted block are captured in one forward per batch (ELS
 hooks on), so training runs only the adapted blocks (the input of the first adapted block does not
 depend on the adapter). The ELS rule reads a harm gate the adapter cannot see; the adapter must learn
@@ -275,8 +276,8 @@ def _sha256(path: Path) -> str | None:
 def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, harmful: list | None = None,
                      retain: list | None = None) -> dict:
     """Train the adapter (see the module docstring), write it to ``cfg.out`` and return the summary
-    written to its ``els_lora.json``. ``benign`` / ``harmful``: prompt items (``.prompt``, ``.source``,
-    ``.id``) instead of :func:`distill_prompts`."""
+    written to its ``els_lora.json``. ``benign`` / ``harmful`` (and ``retain``, default none): prompt items
+    (``.prompt``, ``.source``, ``.id``) instead of :func:`distill_prompts`."""
     from peft import LoraConfig, get_peft_model
     from tqdm.auto import tqdm
 
