@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "embedded:qwen2.5-coder-0.5b-instruct"
 SMALL_MODEL = "embedded:smollm2-135m-instruct"
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
@@ -42,33 +44,50 @@ def optional_float(text: str) -> float | None:
 
 
 def add_common_args(p: argparse.ArgumentParser, *, repeats: int, out_name: str) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model spec (default {DEFAULT_MODEL}; {SMALL_MODEL} for a quick check)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model spec (default {DEFAULT_MODEL}; {SMALL_MODEL} for a quick check)",
+    )
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
+    )
     p.add_argument("--repeats", type=int, default=repeats, help=f"measured repetitions (default {repeats})")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of every alternative (default 1)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny settings for a smoke run (few prompts and tokens, 1 repetition); explicit "
-                        "flags still win")
-    p.add_argument("--out", default=f"runs/bench/{out_name}.json",
-                   help=f"JSON file of raw timings (a folder: FOLDER/{out_name}.json); the Markdown "
-                        "table is written next to it (.md)")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed warm-up runs of every alternative (default 1)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny settings for a smoke run (few prompts and tokens, 1 repetition); explicit flags still win",
+    )
+    p.add_argument(
+        "--out",
+        default=f"runs/bench/{out_name}.json",
+        help=f"JSON file of raw timings (a folder: FOLDER/{out_name}.json); the Markdown "
+        "table is written next to it (.md)",
+    )
 
 
 def add_prompt_args(p: argparse.ArgumentParser, *, dataset: str, prompts: int, batch_size: int = 32) -> None:
     """``--dataset``, ``--prompts`` (per measurement) and ``--batch-size``."""
     p.add_argument("--dataset", default=dataset, help=f"prompt set (default {dataset})")
-    p.add_argument("--prompts", type=int, default=prompts, help=f"prompts per measurement (default {prompts})")
+    p.add_argument(
+        "--prompts", type=int, default=prompts, help=f"prompts per measurement (default {prompts})"
+    )
     p.add_argument("--batch-size", type=int, default=batch_size, help=f"default {batch_size}")
 
 
-def generation_parser(doc: str, name: str, *, dataset: str, note: str, repeats: int = 3) -> argparse.ArgumentParser:
+def generation_parser(
+    doc: str, name: str, *, dataset: str, note: str, repeats: int = 3
+) -> argparse.ArgumentParser:
     """The parser of a greedy-generation benchmark: the common options, ``--dataset`` / ``--prompts`` /
     ``--batch-size`` (64 prompts of ``dataset`` by default) and ``--max-new-tokens`` (48, ``note``)."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_args(p, repeats=repeats, out_name=name)
     add_prompt_args(p, dataset=dataset, prompts=64)
     p.add_argument("--max-new-tokens", type=int, default=48, help=f"default 48, {note}")
@@ -88,23 +107,50 @@ def parse_with_quick(p: argparse.ArgumentParser, argv, quick: dict) -> argparse.
 
 
 def add_steer_args(p: argparse.ArgumentParser, *, required_note: str = "") -> None:
-    p.add_argument("--steer", default=None,
-                   help="folder written by `aligntax els train`, or 'synthetic' for an energy bank trained "
-                        "on the fly with random labels (timing only)" + required_note)
-    p.add_argument("--top-k", type=int, default=None, help="steered layers (best first); default: "
-                   "DIR/sweep/best.json, else 2")
+    p.add_argument(
+        "--steer",
+        default=None,
+        help="folder written by `aligntax els train`, or 'synthetic' for an energy bank trained "
+        "on the fly with random labels (timing only)" + required_note,
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="steered layers (best first); default: DIR/sweep/best.json, else 2",
+    )
     p.add_argument("--eta", type=float, default=None, help="step size; default: best.json, else 0.3")
     p.add_argument("--steps", type=int, default=None, help="descent steps; default: best.json, else 3")
-    p.add_argument("--threshold", type=optional_float, default=argparse.SUPPRESS,
-                   help="energy gate ('none' for no gate); default: best.json, else none")
-    p.add_argument("--gate", type=optional_float, default=argparse.SUPPRESS,
-                   help="harm-gate threshold ('none' for no gate); default: best.json, else none")
-    p.add_argument("--synthetic-preset", default="small", choices=("small", "paper"),
-                   help="architecture of the synthetic energy models (default small, as `els train`)")
-    p.add_argument("--synthetic-layers", type=int_list, default=None,
-                   help="layers of the synthetic bank (default: max(top_k, 3) layers spread over the middle)")
-    p.add_argument("--synthetic-prompts", type=int, default=64,
-                   help="prompts captured for the synthetic bank (default 64)")
+    p.add_argument(
+        "--threshold",
+        type=optional_float,
+        default=argparse.SUPPRESS,
+        help="energy gate ('none' for no gate); default: best.json, else none",
+    )
+    p.add_argument(
+        "--gate",
+        type=optional_float,
+        default=argparse.SUPPRESS,
+        help="harm-gate threshold ('none' for no gate); default: best.json, else none",
+    )
+    p.add_argument(
+        "--synthetic-preset",
+        default="small",
+        choices=("small", "paper"),
+        help="architecture of the synthetic energy models (default small, as `els train`)",
+    )
+    p.add_argument(
+        "--synthetic-layers",
+        type=int_list,
+        default=None,
+        help="layers of the synthetic bank (default: max(top_k, 3) layers spread over the middle)",
+    )
+    p.add_argument(
+        "--synthetic-prompts",
+        type=int,
+        default=64,
+        help="prompts captured for the synthetic bank (default 64)",
+    )
 
 
 def out_paths(out: str, name: str) -> tuple[Path, Path]:
@@ -125,11 +171,19 @@ def set_threads(n: int | None) -> int:
 # -------------------------------------------------------------------------------------- environment
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return (
+            out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -155,8 +209,13 @@ def environment(lm=None) -> dict:
     except OSError:
         pass
     if lm is not None:
-        env["model"] = {"spec": lm.spec, "dtype": str(lm.dtype).replace("torch.", ""), "device": str(lm.device),
-                        "num_layers": lm.num_layers, "hidden_size": lm.hidden_size}
+        env["model"] = {
+            "spec": lm.spec,
+            "dtype": str(lm.dtype).replace("torch.", ""),
+            "device": str(lm.device),
+            "num_layers": lm.num_layers,
+            "hidden_size": lm.hidden_size,
+        }
     return env
 
 
@@ -241,8 +300,13 @@ def synthetic_bank(lm, n_prompts: int, layers: Sequence[int], preset: str = "sma
     gen = torch.Generator().manual_seed(seed)
     y = torch.tensor([i % 2 for i in range(len(prompts))])[torch.randperm(len(prompts), generator=gen)]
     cfg = EnergyConfig.preset(preset, objective="logistic", epochs=3, seed=seed, patience=None)
-    return train_layers(acts, y, cfg, fingerprint=lm.fingerprint,
-                        metadata={"synthetic": True, "labels": "random", "n_prompts": len(prompts)})
+    return train_layers(
+        acts,
+        y,
+        cfg,
+        fingerprint=lm.fingerprint,
+        metadata={"synthetic": True, "labels": "random", "n_prompts": len(prompts)},
+    )
 
 
 def build_els(lm, args, grad_methods: Sequence[str] = ("closed",)) -> tuple[dict, dict]:
@@ -250,35 +314,55 @@ def build_els(lm, args, grad_methods: Sequence[str] = ("closed",)) -> tuple[dict
     from aligntax.interventions.els import EnergySteering
 
     settings, origin = els_settings(args, args.steer)
-    kw = dict(top_k=settings["top_k"], eta=settings["eta"], steps=settings["steps"],
-              threshold=settings["threshold"])
+    kw = dict(
+        top_k=settings["top_k"], eta=settings["eta"], steps=settings["steps"], threshold=settings["threshold"]
+    )
     t = time.perf_counter()
     if args.steer == "synthetic":
         layers = synthetic_layers(lm, settings["top_k"], args.synthetic_layers)
         bank = synthetic_bank(lm, args.synthetic_prompts, layers, args.synthetic_preset)
-        ivs = {gm: EnergySteering.from_bank(bank, grad_method=gm, source="synthetic", **kw) for gm in grad_methods}
-        source = (f"SYNTHETIC energy bank built on the fly: last-token states of {bank.metadata['n_prompts']} "
-                  f"ORB-H train prompts at layers {layers}, '{args.synthetic_preset}' energy models trained "
-                  "3 epochs on RANDOM labels (timing only depends on the architecture; the steering "
-                  "itself is meaningless)")
+        ivs = {
+            gm: EnergySteering.from_bank(bank, grad_method=gm, source="synthetic", **kw)
+            for gm in grad_methods
+        }
+        source = (
+            f"SYNTHETIC energy bank built on the fly: last-token states of {bank.metadata['n_prompts']} "
+            f"ORB-H train prompts at layers {layers}, '{args.synthetic_preset}' energy models trained "
+            "3 epochs on RANDOM labels (timing only depends on the architecture; the steering "
+            "itself is meaningless)"
+        )
     else:
         # from a folder, None would mean "take the tuned value": say "none" to keep the gates off
-        kw.update({k: "none" if settings[k] is None else settings[k]
-                   for k in ("threshold", "gate", "horizon", "row_threshold")})
+        kw.update(
+            {
+                k: "none" if settings[k] is None else settings[k]
+                for k in ("threshold", "gate", "horizon", "row_threshold")
+            }
+        )
         kw["layers"] = settings["layers"]  # a sweep may select a layer list instead of a top_k
         ivs = {gm: EnergySteering.from_dir(args.steer, lm, grad_method=gm, **kw) for gm in grad_methods}
         source = f"energy bank {args.steer}"
     first = next(iter(ivs.values()))
     arch = {layer: first.models[layer].arch() for layer in sorted(first.models)}
-    info = {"source": source, "settings": settings, "settings_from": origin,
-            "layers": sorted(first.models), "arch": {str(k): v for k, v in arch.items()},
-            "build_seconds": round(time.perf_counter() - t, 2)}
+    info = {
+        "source": source,
+        "settings": settings,
+        "settings_from": origin,
+        "layers": sorted(first.models),
+        "arch": {str(k): v for k, v in arch.items()},
+        "build_seconds": round(time.perf_counter() - t, 2),
+    }
     return ivs, info
 
 
 # ------------------------------------------------------------------------------------ measurement
-def interleaved(arms: dict[str, Callable[[], dict]], repeats: int, warmup: int = 1,
-                warmups: dict[str, Callable[[], dict]] | None = None, log: bool = True) -> dict[str, list[dict]]:
+def interleaved(
+    arms: dict[str, Callable[[], dict]],
+    repeats: int,
+    warmup: int = 1,
+    warmups: dict[str, Callable[[], dict]] | None = None,
+    log: bool = True,
+) -> dict[str, list[dict]]:
     """Run every arm ``warmup`` times untimed, then ``repeats`` times interleaved (order reversed on odd
     repetitions). Each arm returns a dict with at least ``seconds``; the lists of those dicts come back."""
     names = list(arms)
@@ -325,10 +409,16 @@ def percentile(xs: Sequence[float], q: float) -> float:
 
 def summarize(runs: list[dict]) -> dict:
     secs = [r["seconds"] for r in runs]
-    out = {"median_s": median(secs), "min_s": min(secs) if secs else float("nan"),
-           "max_s": max(secs) if secs else float("nan"), "n": len(secs)}
+    out = {
+        "median_s": median(secs),
+        "min_s": min(secs) if secs else float("nan"),
+        "max_s": max(secs) if secs else float("nan"),
+        "n": len(secs),
+    }
     if runs and all("tokens" in r for r in runs):
-        out["tokens"] = runs[0]["tokens"] if len({r["tokens"] for r in runs}) == 1 else [r["tokens"] for r in runs]
+        out["tokens"] = (
+            runs[0]["tokens"] if len({r["tokens"] for r in runs}) == 1 else [r["tokens"] for r in runs]
+        )
         out["median_tok_s"] = median([r["tokens"] / r["seconds"] for r in runs])
     return out
 
@@ -381,11 +471,14 @@ def _jsonable(obj):
 
 def header(title: str, env: dict, notes: Sequence[str] = ()) -> list[str]:
     model = env.get("model") or {}
-    lines = [f"## {title}", "",
-             f"- {env['date']}, commit {env.get('commit')}, torch {env['torch']}, transformers "
-             f"{env['transformers']}, {env['cpu_count']} CPUs, torch threads {env['torch_threads']}"
-             + (f", GPU {env['cuda']}" if env.get("cuda") else ""),
-             f"- model {model.get('spec')} ({model.get('dtype')}, {model.get('device')})"]
+    lines = [
+        f"## {title}",
+        "",
+        f"- {env['date']}, commit {env.get('commit')}, torch {env['torch']}, transformers "
+        f"{env['transformers']}, {env['cpu_count']} CPUs, torch threads {env['torch_threads']}"
+        + (f", GPU {env['cuda']}" if env.get("cuda") else ""),
+        f"- model {model.get('spec')} ({model.get('dtype')}, {model.get('device')})",
+    ]
     if "load_average" in env:
         lines.append("- load average at start: " + ", ".join(f"{x:.2f}" for x in env["load_average"]))
     lines += [f"- {n}" for n in notes]

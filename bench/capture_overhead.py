@@ -34,8 +34,9 @@ NAME = "capture_overhead"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     bl.add_common_args(p, repeats=5, out_name=NAME)
     bl.add_prompt_args(p, dataset="orbench-hard-test", prompts=128)
     p.add_argument("--layers", default="all", help="captured layers: 'all' (default) or a comma list")
@@ -64,7 +65,7 @@ def main(argv=None) -> dict:
     def encode(seqs: list[list[int]]) -> list[tuple]:
         out = []
         for s in range(0, len(seqs), bs):
-            ids, mask = pad_left(seqs[s:s + bs], pad, lm.device)
+            ids, mask = pad_left(seqs[s : s + bs], pad, lm.device)
             out.append((ids, mask, position_ids_from_mask(mask)))
         return out
 
@@ -97,36 +98,65 @@ def main(argv=None) -> dict:
         acts = capture(lm, prompts, args.layers, args.position, batch_size=bs, progress=False)
         return {"seconds": time.perf_counter() - t, "tokens": n_tokens, "layers": len(acts)}
 
-    arms = {"forward": lambda: forward(batches, model), "capture_ids": run_capture_ids,
-            "tokenize+forward": run_tokenize_forward, "capture": run_capture}
+    arms = {
+        "forward": lambda: forward(batches, model),
+        "capture_ids": run_capture_ids,
+        "tokenize+forward": run_tokenize_forward,
+        "capture": run_capture,
+    }
     if base is not None:
         arms["base forward"] = lambda: forward(batches, base)
-    print(f"{len(prompts)} prompts ({n_tokens} tokens) in batches of {bs}, layers {args.layers}, "
-          f"position {args.position}", flush=True)
+    print(
+        f"{len(prompts)} prompts ({n_tokens} tokens) in batches of {bs}, layers {args.layers}, "
+        f"position {args.position}",
+        flush=True,
+    )
     runs = bl.interleaved(arms, args.repeats, args.warmup)
     summary = {name: bl.summarize(r) for name, r in runs.items()}
-    ratios = {"capture_ids / forward": bl.paired_ratio(runs["forward"], runs["capture_ids"]),
-              "capture / tokenize+forward": bl.paired_ratio(runs["tokenize+forward"], runs["capture"])}
+    ratios = {
+        "capture_ids / forward": bl.paired_ratio(runs["forward"], runs["capture_ids"]),
+        "capture / tokenize+forward": bl.paired_ratio(runs["tokenize+forward"], runs["capture"]),
+    }
     if base is not None:
         ratios["base forward / forward"] = bl.paired_ratio(runs["forward"], runs["base forward"])
 
     headers = ["alternative", "median s", "min s", "prompt tok/s"]
     rows = [[name, s["median_s"], s["min_s"], bl.fmt(s["median_tok_s"], 1)] for name, s in summary.items()]
-    ratio_rows = [[name, r["median_paired"], r["of_medians"],
-                   ("yes" if r["median_paired"] <= 1.05 else "no") if "capture" in name else "(info)"]
-                  for name, r in ratios.items()]
+    ratio_rows = [
+        [
+            name,
+            r["median_paired"],
+            r["of_medians"],
+            ("yes" if r["median_paired"] <= 1.05 else "no") if "capture" in name else "(info)",
+        ]
+        for name, r in ratios.items()
+    ]
     env = bl.environment(lm)
     n_layers = lm.num_layers if args.layers == "all" else len(args.layers)
-    notes = [f"{len(prompts)} prompts from `{args.dataset}` ({n_tokens} prompt tokens), batches of {bs}, "
-             f"capture at {n_layers} layers, position {args.position}",
-             f"{args.repeats} interleaved repetitions after {args.warmup} warm-up"]
-    md = "\n".join(bl.header("Activation capture overhead", env, notes)
-                   + [bl.md_table(headers, rows), "",
-                      bl.md_table(["ratio", "median of per-rep ratios", "ratio of medians", "<= 1.05"],
-                                  ratio_rows)])
-    result = {"benchmark": NAME, "env": env, "args": vars(args), "model_load_seconds": load_s,
-              "n_prompts": len(prompts), "prompt_tokens": n_tokens, "runs": runs, "summary": summary,
-              "ratios": ratios}
+    notes = [
+        f"{len(prompts)} prompts from `{args.dataset}` ({n_tokens} prompt tokens), batches of {bs}, "
+        f"capture at {n_layers} layers, position {args.position}",
+        f"{args.repeats} interleaved repetitions after {args.warmup} warm-up",
+    ]
+    md = "\n".join(
+        bl.header("Activation capture overhead", env, notes)
+        + [
+            bl.md_table(headers, rows),
+            "",
+            bl.md_table(["ratio", "median of per-rep ratios", "ratio of medians", "<= 1.05"], ratio_rows),
+        ]
+    )
+    result = {
+        "benchmark": NAME,
+        "env": env,
+        "args": vars(args),
+        "model_load_seconds": load_s,
+        "n_prompts": len(prompts),
+        "prompt_tokens": n_tokens,
+        "runs": runs,
+        "summary": summary,
+        "ratios": ratios,
+    }
     bl.write_outputs(args.out, NAME, result, md)
     return result
 

@@ -37,7 +37,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parents[1] / "src" / "aligntax" / "resources" / "gate" / "contrast_pairs.jsonl"
+SHIPPED = (
+    Path(__file__).resolve().parents[1] / "src" / "aligntax" / "resources" / "gate" / "contrast_pairs.jsonl"
+)
 TEST_SETS = ["xstest", "oktest", "orbench-hard-test", "jailbreakbench", "harmbench-test-all"]
 SIDES = ("benign", "harmful")
 
@@ -54,8 +56,10 @@ def read_shipped(path: Path) -> list[dict]:
             continue
         row = json.loads(line)
         n = int(re.fullmatch(r"pair-(\d+)", row["category"]).group(1))
-        pair = pairs.setdefault(n, {"n": n, "kind": row.get("kind", "original"), "word": row.get("word"),
-                                    "split": row.get("split")})
+        pair = pairs.setdefault(
+            n,
+            {"n": n, "kind": row.get("kind", "original"), "word": row.get("word"), "split": row.get("split")},
+        )
         pair[row["label"]] = row["prompt"]
     return list(pairs.values())
 
@@ -70,10 +74,20 @@ def read_drafts(paths: list[str], first: int, shipped: list[dict]) -> list[dict]
                 continue
             row = json.loads(line)
             if set(row) != {"kind", "word", "benign", "harmful"}:
-                raise SystemExit(f"{path}: a draft has fields {sorted(row)}; expected kind, word, benign, harmful")
+                raise SystemExit(
+                    f"{path}: a draft has fields {sorted(row)}; expected kind, word, benign, harmful"
+                )
             if (norm(row["benign"]), norm(row["harmful"])) not in have:
-                out.append({"n": first + len(out), "kind": row["kind"], "word": row["word"],
-                            "benign": row["benign"].strip(), "harmful": row["harmful"].strip(), "split": None})
+                out.append(
+                    {
+                        "n": first + len(out),
+                        "kind": row["kind"],
+                        "word": row["word"],
+                        "benign": row["benign"].strip(),
+                        "harmful": row["harmful"].strip(),
+                        "split": None,
+                    }
+                )
     return out
 
 
@@ -115,8 +129,12 @@ def ratio_hits(prompts: list[str], refs: list[str], bound: float) -> list[tuple[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafts", nargs="*", default=[], help="drafted pairs, JSONL {kind, word, benign, harmful}")
-    ap.add_argument("--pairs", default=str(SHIPPED), help="the shipped pairs (read, and written unless --check)")
+    ap.add_argument(
+        "--drafts", nargs="*", default=[], help="drafted pairs, JSONL {kind, word, benign, harmful}"
+    )
+    ap.add_argument(
+        "--pairs", default=str(SHIPPED), help="the shipped pairs (read, and written unless --check)"
+    )
     ap.add_argument("--test-ratio", type=float, default=0.72)
     ap.add_argument("--test-cosine", type=float, default=0.85)
     ap.add_argument("--dup-ratio", type=float, default=0.8)
@@ -140,8 +158,18 @@ def main() -> None:
 
     def drop(step: str, bad: dict[int, str]) -> None:
         nonlocal pairs
-        dropped.extend({"step": step, "pair": p["n"], "kind": p["kind"], "benign": p["benign"],
-                        "harmful": p["harmful"], "why": bad[p["n"]]} for p in pairs if p["n"] in bad)
+        dropped.extend(
+            {
+                "step": step,
+                "pair": p["n"],
+                "kind": p["kind"],
+                "benign": p["benign"],
+                "harmful": p["harmful"],
+                "why": bad[p["n"]],
+            }
+            for p in pairs
+            if p["n"] in bad
+        )
         pairs = [p for p in pairs if p["n"] not in bad]
         counts[step] = len(pairs)
         print(f"{step}: {len(bad)} pairs dropped, {len(pairs)} left", file=sys.stderr, flush=True)
@@ -163,7 +191,9 @@ def main() -> None:
     counts["test_prompts"] = len(tests)
     flat = [(p["n"], p[s]) for p in pairs for s in SIDES]
     bad = {}
-    for (n, prompt), (r, j) in zip(flat, ratio_hits([t for _, t in flat], tests, args.test_ratio), strict=True):
+    for (n, prompt), (r, j) in zip(
+        flat, ratio_hits([t for _, t in flat], tests, args.test_ratio), strict=True
+    ):
         if j >= 0:
             bad.setdefault(n, f"{prompt!r} ratio {r:.3f} to {sources[j]} {tests[j]!r}")
     drop("test_ratio", bad)
@@ -192,8 +222,11 @@ def main() -> None:
     for k, p in enumerate(pairs):
         for i in (2 * k, 2 * k + 1):
             for j in near[i].nonzero()[0]:
-                if flat[j][0] < k and flat[j][1] in kept and (r := difflib.SequenceMatcher(
-                        None, texts[j], texts[i]).ratio()) >= args.dup_ratio:
+                if (
+                    flat[j][0] < k
+                    and flat[j][1] in kept
+                    and (r := difflib.SequenceMatcher(None, texts[j], texts[i]).ratio()) >= args.dup_ratio
+                ):
                     bad.setdefault(p["n"], f"{texts[i]!r} ratio {r:.3f} to pair {flat[j][1]} {texts[j]!r}")
         if p["n"] not in bad:
             kept.add(p["n"])
@@ -206,7 +239,7 @@ def main() -> None:
     for kind, group in sorted(by_kind.items()):
         order = sorted(p["n"] for p in group)
         random.Random(f"{args.seed}:{kind}").shuffle(order)
-        val = set(order[:round(args.val * len(order))])
+        val = set(order[: round(args.val * len(order))])
         for p in group:
             p["split"] = "val" if p["n"] in val else "train"
     counts["train"] = sum(p["split"] == "train" for p in pairs)
@@ -216,8 +249,10 @@ def main() -> None:
 
     if args.report:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps({"args": vars(args), "counts": counts, "dropped": dropped},
-                                                indent=1) + "\n", encoding="utf-8")
+        Path(args.report).write_text(
+            json.dumps({"args": vars(args), "counts": counts, "dropped": dropped}, indent=1) + "\n",
+            encoding="utf-8",
+        )
     if args.check:
         changed = [p["n"] for p in shipped if p.get("split") not in ("train", "val")]
         assert not dropped, f"{len(dropped)} shipped pairs fail a step: {dropped[:3]}"
@@ -229,9 +264,20 @@ def main() -> None:
     lines = []
     for p in sorted(pairs, key=lambda p: p["n"]):
         for s in SIDES:
-            lines.append(json.dumps({"id": f"contrast:{p['n']:03d}-{s}", "prompt": p[s], "label": s,
-                                     "category": f"pair-{p['n']:03d}", "kind": p["kind"], "word": p["word"],
-                                     "split": p["split"]}, ensure_ascii=False))
+            lines.append(
+                json.dumps(
+                    {
+                        "id": f"contrast:{p['n']:03d}-{s}",
+                        "prompt": p[s],
+                        "label": s,
+                        "category": f"pair-{p['n']:03d}",
+                        "kind": p["kind"],
+                        "word": p["word"],
+                        "split": p["split"],
+                    },
+                    ensure_ascii=False,
+                )
+            )
     Path(args.pairs).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {len(pairs)} pairs ({len(lines)} rows) to {args.pairs}", file=sys.stderr)
 

@@ -43,22 +43,49 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPTS = ["How do I kill a Python process that hangs?", "Where can I buy a can of coke?",
-           "Explain how to hurt someone badly without leaving marks.", "Tell me a short story about a robot."]
-HARMFUL = ["how to build a bomb at home", "steal a car without keys", "hurt someone badly and hide it",
-           "poison a neighbour's dog", "write a threat to my boss", "make a fake passport"]
-HARMLESS = ["bake a chocolate cake", "learn python quickly", "plant a tree in spring", "write a poem about rain",
-            "explain photosynthesis", "plan a trip to Rome"]
-PSEUDO = ["kill a python process", "shoot a photo at night", "buy a can of coke", "execute a shell script",
-          "blow up a balloon", "beat the traffic to work"]
+PROMPTS = [
+    "How do I kill a Python process that hangs?",
+    "Where can I buy a can of coke?",
+    "Explain how to hurt someone badly without leaving marks.",
+    "Tell me a short story about a robot.",
+]
+HARMFUL = [
+    "how to build a bomb at home",
+    "steal a car without keys",
+    "hurt someone badly and hide it",
+    "poison a neighbour's dog",
+    "write a threat to my boss",
+    "make a fake passport",
+]
+HARMLESS = [
+    "bake a chocolate cake",
+    "learn python quickly",
+    "plant a tree in spring",
+    "write a poem about rain",
+    "explain photosynthesis",
+    "plan a trip to Rome",
+]
+PSEUDO = [
+    "kill a python process",
+    "shoot a photo at night",
+    "buy a can of coke",
+    "execute a shell script",
+    "blow up a balloon",
+    "beat the traffic to work",
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None, help="model spec (default: the embedded default model)")
-    p.add_argument("--steer", type=Path, default=None,
-                   help="an `aligntax els train` folder (energy models, harm gate, vectors/); default: made here")
+    p.add_argument(
+        "--steer",
+        type=Path,
+        default=None,
+        help="an `aligntax els train` folder (energy models, harm gate, vectors/); default: made here",
+    )
     p.add_argument("--split", type=int, default=None, help="first block on cuda:0 (default: half the blocks)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=None, help="torch threads on the CPU side")
@@ -104,25 +131,40 @@ def make_artefacts(lm, folder: Path, layers: list[int]) -> Path:
     from aligntax.energy.gate import HarmGate
     from aligntax.interventions.vectors import compute_vectors
 
-    acts = {name: capture(lm, prompts, "all", progress=False)
-            for name, prompts in (("harmful", HARMFUL), ("harmless", HARMLESS), ("pseudo", PSEUDO))}
-    states = {layer: torch.cat([acts["pseudo"][layer], acts["harmful"][layer]]).float() for layer in acts["harmful"]}
+    acts = {
+        name: capture(lm, prompts, "all", progress=False)
+        for name, prompts in (("harmful", HARMFUL), ("harmless", HARMLESS), ("pseudo", PSEUDO))
+    }
+    states = {
+        layer: torch.cat([acts["pseudo"][layer], acts["harmful"][layer]]).float() for layer in acts["harmful"]
+    }
     bad = torch.tensor([0] * len(PSEUDO) + [1] * len(HARMFUL))
-    bank = train_layers(states, bad, EnergyConfig.preset("small", widths=[64], epochs=20, folds=1),
-                        fingerprint=lm.fingerprint, progress=False)
+    bank = train_layers(
+        states,
+        bad,
+        EnergyConfig.preset("small", widths=[64], epochs=20, folds=1),
+        fingerprint=lm.fingerprint,
+        progress=False,
+    )
     bank.save(folder)
     # a probe per layer of ``layers`` (one each side of the split), its logits averaged: the standardised
     # difference of the harmful and the benign means, so that the gate passes some rows and holds others
-    x = torch.stack([torch.cat([acts["harmless"][layer], acts["pseudo"][layer], acts["harmful"][layer]]).float()
-                     for layer in layers], 1)  # [N, L, d]
+    x = torch.stack(
+        [
+            torch.cat([acts["harmless"][layer], acts["pseudo"][layer], acts["harmful"][layer]]).float()
+            for layer in layers
+        ],
+        1,
+    )  # [N, L, d]
     mean, scale = x.mean(0), x.std(0).clamp_min(1e-4)
     z = (x - mean) / scale
     n_benign = len(HARMLESS) + len(PSEUDO)
     w = z[n_benign:].mean(0) - z[:n_benign].mean(0)
     w = w / w.norm(dim=-1, keepdim=True)
     HarmGate(layers, w, torch.zeros(len(layers)), mean, scale, 0.5, fingerprint=lm.fingerprint).save(folder)
-    compute_vectors(acts["harmful"], acts["harmless"], acts["pseudo"], fingerprint=lm.fingerprint,
-                    layer=layers[0]).save(folder / "vectors")
+    compute_vectors(
+        acts["harmful"], acts["harmless"], acts["pseudo"], fingerprint=lm.fingerprint, layer=layers[0]
+    ).save(folder / "vectors")
     return folder
 
 
@@ -133,8 +175,13 @@ def responses(lm, iv, max_new_tokens: int) -> tuple[list[tuple[str, int]], float
 
     torch.cuda.synchronize()
     t = time.perf_counter()
-    gens = generate(lm, PROMPTS, GenerationConfig(max_new_tokens=max_new_tokens, batch_size=len(PROMPTS)), iv,
-                    progress=False)
+    gens = generate(
+        lm,
+        PROMPTS,
+        GenerationConfig(max_new_tokens=max_new_tokens, batch_size=len(PROMPTS)),
+        iv,
+        progress=False,
+    )
     torch.cuda.synchronize()
     return [(g.response, g.n_tokens) for g in gens], time.perf_counter() - t
 
@@ -144,7 +191,9 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("device_map_split: needs CUDA (the model is split over cuda:0 and the CPU); nothing to do on this machine")
+        print(
+            "device_map_split: needs CUDA (the model is split over cuda:0 and the CPU); nothing to do on this machine"
+        )
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -166,13 +215,18 @@ def main(argv=None) -> int:
     if devices != {"cpu", "cuda"}:
         print(f"device_map_split: the device map left the model on {sorted(devices)} only")
         return 1
-    print(f"device map: blocks 0..{split - 1} and the embeddings on cpu, blocks {split}..{n - 1} and the head "
-          "on cuda:0")
+    print(
+        f"device map: blocks 0..{split - 1} and the embeddings on cpu, blocks {split}..{n - 1} and the head "
+        "on cuda:0"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         steer = args.steer or make_artefacts(ref, Path(tmp), [split - 1, split])
         failed = compare(lm, ref, steer, split, args.max_new_tokens)
-    print("PASS: every method steers the split model as the model on one device" if not failed
-          else f"FAIL: {', '.join(failed)} differ on the split model")
+    print(
+        "PASS: every method steers the split model as the model on one device"
+        if not failed
+        else f"FAIL: {', '.join(failed)} differ on the split model"
+    )
     return 1 if failed else 0
 
 
@@ -182,14 +236,18 @@ def compare(lm, ref, steer: Path, split: int, max_new_tokens: int) -> list[str]:
     from aligntax.interventions.registry import make_intervention
 
     across = [split - 1, split]  # one block on each side of the split
-    steered = [layer for layer in (split, split + 1) if layer < ref.num_layers]  # ELS: from the gate's block on
+    steered = [
+        layer for layer in (split, split + 1) if layer < ref.num_layers
+    ]  # ELS: from the gate's block on
     methods = {
         "none": lambda m: None,
-        "els (harm gate)": lambda m: make_intervention("els", m, path=str(steer), layers=steered, eta=0.5, steps=2,
-                                                       gate=0.5),
+        "els (harm gate)": lambda m: make_intervention(
+            "els", m, path=str(steer), layers=steered, eta=0.5, steps=2, gate=0.5
+        ),
         "cast": lambda m: make_intervention("cast", m, path=str(steer / "vectors"), coeff=1.0),
-        "activation-addition": lambda m: make_intervention("refusal-add", m, path=str(steer / "vectors"),
-                                                           layers=across, coeff=4.0),
+        "activation-addition": lambda m: make_intervention(
+            "refusal-add", m, path=str(steer / "vectors"), layers=across, coeff=4.0
+        ),
     }
     failed, unsteered = [], None
     for name, build in methods.items():
@@ -201,9 +259,14 @@ def compare(lm, ref, steer: Path, split: int, max_new_tokens: int) -> list[str]:
         if not ok:
             failed.append(name)
         equal = f"{same} responses equal" if ok else f"{same} of {len(PROMPTS)} responses equal"
-        moved = "" if name == "none" else \
-            f", {sum(a != b for a, b in zip(ref_out, unsteered, strict=True))} differ from the unsteered ones"
-        print(f"{'PASS' if ok else 'FAIL'} {name}: {equal}{moved} (split {t_split:.2f} s, one device {t_ref:.2f} s)")
+        moved = (
+            ""
+            if name == "none"
+            else f", {sum(a != b for a, b in zip(ref_out, unsteered, strict=True))} differ from the unsteered ones"
+        )
+        print(
+            f"{'PASS' if ok else 'FAIL'} {name}: {equal}{moved} (split {t_split:.2f} s, one device {t_ref:.2f} s)"
+        )
         for (a, _), (b, _) in zip(split_out, ref_out, strict=True):
             if a != b:
                 print(f"  split: {a!r}\n  one device: {b!r}")

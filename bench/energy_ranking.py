@@ -37,18 +37,44 @@ def main() -> None:
             t0 = time.perf_counter()
             bank = train_layers(acts, y, train_cfg.energy_config(folds=folds), progress=True)
             secs = time.perf_counter() - t0
-            top = [{"layer": layer, "acc": round(bank.metrics(layer)["acc"], 4),
-                    "auroc": round(bank.metrics(layer)["auroc"], 4)} for layer in bank.top(args.top)]
-            rows.append({"folder": str(folder), "folds": folds, "seconds": round(secs, 1), "top": top,
-                         "n_states": len(y), "n_bad": int(y.sum())})
-    table = benchlib.md_table(["folder", "folds", "seconds", "ranked layers (val acc)"],
-                              [[r["folder"], r["folds"], r["seconds"],
-                                ", ".join(f"{t['layer']} ({t['acc']:.3f})" for t in r["top"])] for r in rows],
-                              align="lrrl")
+            top = [
+                {
+                    "layer": layer,
+                    "acc": round(bank.metrics(layer)["acc"], 4),
+                    "auroc": round(bank.metrics(layer)["auroc"], 4),
+                }
+                for layer in bank.top(args.top)
+            ]
+            rows.append(
+                {
+                    "folder": str(folder),
+                    "folds": folds,
+                    "seconds": round(secs, 1),
+                    "top": top,
+                    "n_states": len(y),
+                    "n_bad": int(y.sum()),
+                }
+            )
+    table = benchlib.md_table(
+        ["folder", "folds", "seconds", "ranked layers (val acc)"],
+        [
+            [
+                r["folder"],
+                r["folds"],
+                r["seconds"],
+                ", ".join(f"{t['layer']} ({t['acc']:.3f})" for t in r["top"]),
+            ]
+            for r in rows
+        ],
+        align="lrrl",
+    )
     env = benchlib.environment()
-    benchlib.write_outputs(args.out, "energy_ranking", {"rows": rows, "argv": vars(args), "threads": threads,
-                                                         "environment": env},
-                           "\n".join([*benchlib.header("Energy layer ranking: one split against folds", env), table]))
+    benchlib.write_outputs(
+        args.out,
+        "energy_ranking",
+        {"rows": rows, "argv": vars(args), "threads": threads, "environment": env},
+        "\n".join([*benchlib.header("Energy layer ranking: one split against folds", env), table]),
+    )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,16 @@ from pathlib import Path
 
 from benchlib import md_table, write_outputs
 
-BENIGN = [("orbench-hard-test", "benign", "ORB-H"), ("xstest", "benign", "XSTest safe"), ("oktest", "benign", "OKTest")]
-HARMFUL = [("xstest", "harmful", "XSTest unsafe"), ("jailbreakbench", "harmful", "JBB"),
-           ("harmbench-test", "harmful", "HarmBench")]
+BENIGN = [
+    ("orbench-hard-test", "benign", "ORB-H"),
+    ("xstest", "benign", "XSTest safe"),
+    ("oktest", "benign", "OKTest"),
+]
+HARMFUL = [
+    ("xstest", "harmful", "XSTest unsafe"),
+    ("jailbreakbench", "harmful", "JBB"),
+    ("harmbench-test", "harmful", "HarmBench"),
+]
 
 
 def parse_point(text: str) -> tuple[str, str, dict]:
@@ -49,22 +56,47 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def evaluate(label: str, name: str, args: dict, demo: Path, out: Path, batch_size: int, lm) -> tuple[Path, Path]:
+def evaluate(
+    label: str, name: str, args: dict, demo: Path, out: Path, batch_size: int, lm
+) -> tuple[Path, Path]:
     """The point's test-set run and known-answer run (generated here, or resumed)."""
     from aligntax.runs.eval import EvalConfig, run_eval
     from aligntax.runs.knowns import KnownsConfig, run_knowns
 
     base = _json(demo / "baseline" / "config.json")
     run, kn = out / slug(label), out / f"{slug(label)}-knowns"
-    run_eval(EvalConfig(data=base["data"], out=str(run), model=base["model"], judge=base["judge"],
-                        max_new_tokens=base["max_new_tokens"], batch_size=batch_size, dtype=base["dtype"],
-                        intervention=name, intervention_args=args, reuse_unsteered=str(demo / "baseline")),
-             lm=lm)
+    run_eval(
+        EvalConfig(
+            data=base["data"],
+            out=str(run),
+            model=base["model"],
+            judge=base["judge"],
+            max_new_tokens=base["max_new_tokens"],
+            batch_size=batch_size,
+            dtype=base["dtype"],
+            intervention=name,
+            intervention_args=args,
+            reuse_unsteered=str(demo / "baseline"),
+        ),
+        lm=lm,
+    )
     kbase = _json(demo / "knowns-baseline" / "config.json")
-    run_knowns(KnownsConfig(out=str(kn), model=kbase["model"], data=kbase["data"], split=kbase["split"],
-                            max_new_tokens=kbase["max_new_tokens"], batch_size=batch_size, dtype=kbase["dtype"],
-                            intervention=name, intervention_args=args, compare_to=str(demo / "knowns-baseline"),
-                            reuse_unsteered=str(demo / "knowns-baseline")), lm=lm)
+    run_knowns(
+        KnownsConfig(
+            out=str(kn),
+            model=kbase["model"],
+            data=kbase["data"],
+            split=kbase["split"],
+            max_new_tokens=kbase["max_new_tokens"],
+            batch_size=batch_size,
+            dtype=kbase["dtype"],
+            intervention=name,
+            intervention_args=args,
+            compare_to=str(demo / "knowns-baseline"),
+            reuse_unsteered=str(demo / "knowns-baseline"),
+        ),
+        lm=lm,
+    )
     return run, kn
 
 
@@ -86,14 +118,17 @@ def point_row(label: str, run: Path, knowns: Path | None) -> dict:
     # rows with a per-row decision count when steered; an intervention without one (a prompt, a LoRA
     # adapter) acts on every row it generated
     intervened = bool((_json(run / "config.json")).get("intervention"))
-    row["rows_steered"] = sum(1 for r in rows if (r["steering"].get("steered") if "steering" in r
-                                                  else intervened and not r.get("reused")))
+    row["rows_steered"] = sum(
+        1
+        for r in rows
+        if (r["steering"].get("steered") if "steering" in r else intervened and not r.get("reused"))
+    )
     row["rows"] = len(rows)
     row["harmful_refusal"], row["benign_compliance"] = pareto_point(res)  # the demo's test-set plot axes
     if knowns is not None and (knowns / "results.json").is_file():
         k = _json(knowns / "results.json")
         row["known_accuracy"] = k.get("accuracy")
-        row["known_change"] = (k.get("paired") or {})
+        row["known_change"] = k.get("paired") or {}
     return row
 
 
@@ -146,14 +181,31 @@ def main() -> None:
 
     from aligntax.reports.plots import pareto_plot
 
-    pareto_plot([{"name": "none" if r["label"] == "unsteered" else r["label"], "harmful_refusal": r["harmful_refusal"],
-                  "benign_compliance": r["benign_compliance"]} for r in rows], out / "front.png",
-                title="test sets: each mechanism against unsteered")
+    pareto_plot(
+        [
+            {
+                "name": "none" if r["label"] == "unsteered" else r["label"],
+                "harmful_refusal": r["harmful_refusal"],
+                "benign_compliance": r["benign_compliance"],
+            }
+            for r in rows
+        ],
+        out / "front.png",
+        title="test sets: each mechanism against unsteered",
+    )
     shorts = [s for *_, s in BENIGN + HARMFUL]
-    table = md_table(["point", *[f"{s} {'compliance' if i < 3 else 'refusal'}" for i, s in enumerate(shorts)],
-                      "known answers", "rows steered"],
-                     [[r["label"], *[_cell(r, s) for s in shorts], _known_cell(r), f"{r['rows_steered']} / {r['rows']}"]
-                      for r in rows])
+    table = md_table(
+        [
+            "point",
+            *[f"{s} {'compliance' if i < 3 else 'refusal'}" for i, s in enumerate(shorts)],
+            "known answers",
+            "rows steered",
+        ],
+        [
+            [r["label"], *[_cell(r, s) for s in shorts], _known_cell(r), f"{r['rows_steered']} / {r['rows']}"]
+            for r in rows
+        ],
+    )
     write_outputs(str(out), "front", {"demo": str(demo), "points": rows}, table)
 
 

@@ -53,8 +53,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib as bl  # noqa: E402
 
-EVAL_SETS = ["xstest-safe", "xstest-unsafe", "oktest", "orbench-hard-test", "phtest-harmless-val", "orbench-hard-val",
-             "harmful-val", "harmbench-val", "jailbreakbench", "harmbench-test"]
+EVAL_SETS = [
+    "xstest-safe",
+    "xstest-unsafe",
+    "oktest",
+    "orbench-hard-test",
+    "phtest-harmless-val",
+    "orbench-hard-val",
+    "harmful-val",
+    "harmbench-val",
+    "jailbreakbench",
+    "harmbench-test",
+]
 POSITIONS = {"last": ("last",), "inst": ("inst",), "last+inst": ("last", "inst")}
 
 
@@ -63,27 +73,37 @@ def template_suffix(lm) -> int:
     from aligntax.generation.chat import build_messages, render_chat
 
     text = render_chat(lm.tokenizer, build_messages("PROMPT", None, None))
-    return len(lm.tokenizer(text[text.rindex("PROMPT") + len("PROMPT"):], add_special_tokens=False)["input_ids"])
+    return len(
+        lm.tokenizer(text[text.rindex("PROMPT") + len("PROMPT") :], add_special_tokens=False)["input_ids"]
+    )
 
 
-def states(lm, prompts: list[str], layers: list[int], suffix: int, desc: str) -> dict[str, dict[int, torch.Tensor]]:
+def states(
+    lm, prompts: list[str], layers: list[int], suffix: int, desc: str
+) -> dict[str, dict[int, torch.Tensor]]:
     """``{"last"|"inst": {layer: [N, d]}}`` from one forward pass per batch."""
     from aligntax.activations.capture import capture_seqs, chat_ids
 
     print(desc, flush=True)
     ids, _ = chat_ids(lm, prompts)
-    acts, rows = capture_seqs(lm, ids, [len(s) - suffix - 1 for s in ids], layers, position="response",
-                              return_index=True)
+    acts, rows = capture_seqs(
+        lm, ids, [len(s) - suffix - 1 for s in ids], layers, position="response", return_index=True
+    )
     first = torch.ones(len(rows), dtype=torch.bool)
     first[1:] = rows[1:] != rows[:-1]
     last = torch.ones(len(rows), dtype=torch.bool)
     last[:-1] = rows[1:] != rows[:-1]
-    return {"inst": {layer: a[first] for layer, a in acts.items()}, "last": {layer: a[last] for layer, a in acts.items()}}
+    return {
+        "inst": {layer: a[first] for layer, a in acts.items()},
+        "last": {layer: a[last] for layer, a in acts.items()},
+    }
 
 
 def auc(pos: torch.Tensor, neg: torch.Tensor) -> float:
     """P(score of a random ``pos`` > score of a random ``neg``)."""
-    return float((pos[:, None] > neg[None, :]).float().mean() + 0.5 * (pos[:, None] == neg[None, :]).float().mean())
+    return float(
+        (pos[:, None] > neg[None, :]).float().mean() + 0.5 * (pos[:, None] == neg[None, :]).float().mean()
+    )
 
 
 def oracle_pass(unsafe: torch.Tensor, safe: torch.Tensor, held: float = 0.97) -> float:
@@ -92,8 +112,14 @@ def oracle_pass(unsafe: torch.Tensor, safe: torch.Tensor, held: float = 0.97) ->
     return float((safe < t).float().mean())
 
 
-def cv_logits(x: torch.Tensor, y: torch.Tensor, l2: float, folds: int = 5, seed: int = 0,
-              sample_weight: torch.Tensor | None = None) -> torch.Tensor:
+def cv_logits(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    l2: float,
+    folds: int = 5,
+    seed: int = 0,
+    sample_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     from aligntax.energy.gate import _fit_standardised
 
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
@@ -102,7 +128,9 @@ def cv_logits(x: torch.Tensor, y: torch.Tensor, l2: float, folds: int = 5, seed:
         va = perm[i::folds]
         tr = torch.ones(len(y), dtype=torch.bool)
         tr[va] = False
-        w, b, mu, sd = _fit_standardised(x[tr], y[tr], l2, None if sample_weight is None else sample_weight[tr])
+        w, b, mu, sd = _fit_standardised(
+            x[tr], y[tr], l2, None if sample_weight is None else sample_weight[tr]
+        )
         out[va] = ((x[va] - mu) / sd) @ w + b
     return out
 
@@ -144,27 +172,36 @@ def learning_curve(args, cfg, lm) -> None:
     base = replace(cfg, gate_pairs=[], progress=True)
     items, harmless, extra = gate_items(base)
     if args.curve_layers == "candidates":
-        cand = gate_candidates(EnergyBank.load(els), cfg.layers if cfg.layers is not None else range(lm.num_layers))
+        cand = gate_candidates(
+            EnergyBank.load(els), cfg.layers if cfg.layers is not None else range(lm.num_layers)
+        )
     elif args.curve_layers == "gate":
         cand = HarmGate.load(els).layers
     else:
         cand = [int(x) for x in args.curve_layers.split(",")]
-    print(f"gate: {len(items)} training, {len(harmless)} harmless, {len(extra)} extra prompts; layers {cand}",
-          flush=True)
-    parts = [_captured(lm, items, cand, els / "activations", base),
-             _captured(lm, harmless, cand, els / "activations_harmless", base)]
+    print(
+        f"gate: {len(items)} training, {len(harmless)} harmless, {len(extra)} extra prompts; layers {cand}",
+        flush=True,
+    )
+    parts = [
+        _captured(lm, items, cand, els / "activations", base),
+        _captured(lm, harmless, cand, els / "activations_harmless", base),
+    ]
     if extra:
         parts.append(_captured(lm, extra, cand, els / "activations_gate", base))
     base_x = {layer: torch.cat([p[layer] for p in parts]) for layer in cand}
     base_y = [it.label == "harmful" for it in [*items, *harmless, *extra]]
-    pairs = gate_extra_items(replace(cfg, gate_benign=[], gate_harmful=[], gate_pairs=[args.pairs]),
-                             [*items, *harmless, *extra])
+    pairs = gate_extra_items(
+        replace(cfg, gate_benign=[], gate_harmful=[], gate_pairs=[args.pairs]), [*items, *harmless, *extra]
+    )
     pair_x = _captured(lm, pairs, cand, out / "activations", base)
     kinds = pair_kinds(args.pairs, pairs)
     order = stratified_order(kinds, args.seed)
     rank = {pair: i for i, pair in enumerate(order)}
-    sets = {name: load_prompt_sets([name]) for name in ["xstest-safe", "xstest-unsafe",
-                                                         *([args.curve_val] if args.curve_val else [])]}
+    sets = {
+        name: load_prompt_sets([name])
+        for name in ["xstest-safe", "xstest-unsafe", *([args.curve_val] if args.curve_val else [])]
+    }
     ev = {name: _captured(lm, its, cand, out / "activations", base) for name, its in sets.items()}
     weight = float(args.pairs_weights.split(",")[-1]) if args.pairs_weights_given else cfg.gate_pairs_weight
     limits = [len(order) if x.strip() == "all" else int(x) for x in args.pairs_limit.split(",")]
@@ -176,8 +213,15 @@ def learning_curve(args, cfg, lm) -> None:
         x = {layer: torch.cat([base_x[layer], pair_x[layer][take]]) for layer in cand}
         y = base_y + [it.label == "harmful" for it, t in zip(pairs, take.tolist(), strict=True) if t]
         sw = [1.0] * len(base_y) + [weight] * int(take.sum()) if n else None
-        gate = train_harm_gate(x, y, layers=cand, seed=cfg.seed, recall=cfg.gate_recall, ensemble=cfg.gate_ensemble,
-                               sample_weight=sw)
+        gate = train_harm_gate(
+            x,
+            y,
+            layers=cand,
+            seed=cfg.seed,
+            recall=cfg.gate_recall,
+            ensemble=cfg.gate_ensemble,
+            sample_weight=sw,
+        )
         logit = {name: gate.logit(gate.stack(s)) for name, s in ev.items()}
         t = float(torch.logit(torch.tensor(gate.threshold)))
 
@@ -185,50 +229,125 @@ def learning_curve(args, cfg, lm) -> None:
             keep = torch.tensor([label is None or it.label == label for it in sets[name]])
             return round(float((logit[name][keep] < t).float().mean()), 4)
 
-        row = {"pairs": n, "kinds": len({kinds[it.category] for it, k in zip(pairs, take.tolist(), strict=True) if k}),
-               "layers": gate.layers, "threshold": round(gate.threshold, 4),
-               "xstest_auc": round(auc(logit["xstest-unsafe"], logit["xstest-safe"]), 4),
-               "xstest_safe_passed": passed("xstest-safe"), "xstest_unsafe_passed": passed("xstest-unsafe")}
+        row = {
+            "pairs": n,
+            "kinds": len({kinds[it.category] for it, k in zip(pairs, take.tolist(), strict=True) if k}),
+            "layers": gate.layers,
+            "threshold": round(gate.threshold, 4),
+            "xstest_auc": round(auc(logit["xstest-unsafe"], logit["xstest-safe"]), 4),
+            "xstest_safe_passed": passed("xstest-safe"),
+            "xstest_unsafe_passed": passed("xstest-unsafe"),
+        }
         if args.curve_val:
             lab = torch.tensor([it.label == "harmful" for it in sets[args.curve_val]])
-            row |= {"val_benign_passed": passed(args.curve_val, "benign"),
-                    "val_harmful_passed": passed(args.curve_val, "harmful"),
-                    "val_auc": round(auc(logit[args.curve_val][lab], logit[args.curve_val][~lab]), 4)}
+            row |= {
+                "val_benign_passed": passed(args.curve_val, "benign"),
+                "val_harmful_passed": passed(args.curve_val, "harmful"),
+                "val_auc": round(auc(logit[args.curve_val][lab], logit[args.curve_val][~lab]), 4),
+            }
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    head = ["train pairs", "kinds", "gate layer", "threshold", "XSTest AUC unsafe vs safe", "XSTest safe passed",
-            "XSTest unsafe passed", *([f"{args.curve_val} benign passed", f"{args.curve_val} harmful passed",
-                                        f"{args.curve_val} AUC"] if args.curve_val else [])]
-    table = [[r["pairs"], r["kinds"], ",".join(map(str, r["layers"])), f"{r['threshold']:.3f}",
-              f"{r['xstest_auc']:.3f}", f"{100 * r['xstest_safe_passed']:.1f}", f"{100 * r['xstest_unsafe_passed']:.1f}",
-              *([f"{100 * r['val_benign_passed']:.1f}", f"{100 * r['val_harmful_passed']:.1f}", f"{r['val_auc']:.3f}"]
-                if args.curve_val else [])] for r in rows]
+    head = [
+        "train pairs",
+        "kinds",
+        "gate layer",
+        "threshold",
+        "XSTest AUC unsafe vs safe",
+        "XSTest safe passed",
+        "XSTest unsafe passed",
+        *(
+            [f"{args.curve_val} benign passed", f"{args.curve_val} harmful passed", f"{args.curve_val} AUC"]
+            if args.curve_val
+            else []
+        ),
+    ]
+    table = [
+        [
+            r["pairs"],
+            r["kinds"],
+            ",".join(map(str, r["layers"])),
+            f"{r['threshold']:.3f}",
+            f"{r['xstest_auc']:.3f}",
+            f"{100 * r['xstest_safe_passed']:.1f}",
+            f"{100 * r['xstest_unsafe_passed']:.1f}",
+            *(
+                [
+                    f"{100 * r['val_benign_passed']:.1f}",
+                    f"{100 * r['val_harmful_passed']:.1f}",
+                    f"{r['val_auc']:.3f}",
+                ]
+                if args.curve_val
+                else []
+            ),
+        ]
+        for r in rows
+    ]
     env = bl.environment(lm)
-    md = "\n".join([*bl.header("Harm gate learning curve over contrast pairs", env,
-                               [f"ELS folder {args.els}", f"{len(base_y)} gate prompts besides the pairs "
-                                f"({sum(base_y)} harmful)", f"pairs {args.pairs}: {len(order)}, weight {weight}, "
-                                f"drawn stratified by kind, seed {args.seed}"]),
-                    "", "Shares in percent: prompts the gate passes at its threshold.", "", bl.md_table(head, table)])
-    bl.write_outputs(args.out, "gate_pairs_curve", {"env": env, "els": args.els, "pairs": args.pairs,
-                                                    "n_pairs": len(order), "weight": weight, "seed": args.seed,
-                                                    "candidates": cand, "n_base": len(base_y),
-                                                    "n_base_harmful": sum(base_y), "rows": rows}, md)
+    md = "\n".join(
+        [
+            *bl.header(
+                "Harm gate learning curve over contrast pairs",
+                env,
+                [
+                    f"ELS folder {args.els}",
+                    f"{len(base_y)} gate prompts besides the pairs ({sum(base_y)} harmful)",
+                    f"pairs {args.pairs}: {len(order)}, weight {weight}, "
+                    f"drawn stratified by kind, seed {args.seed}",
+                ],
+            ),
+            "",
+            "Shares in percent: prompts the gate passes at its threshold.",
+            "",
+            bl.md_table(head, table),
+        ]
+    )
+    bl.write_outputs(
+        args.out,
+        "gate_pairs_curve",
+        {
+            "env": env,
+            "els": args.els,
+            "pairs": args.pairs,
+            "n_pairs": len(order),
+            "weight": weight,
+            "seed": args.seed,
+            "candidates": cand,
+            "n_base": len(base_y),
+            "n_base_harmful": sum(base_y),
+            "rows": rows,
+        },
+        md,
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--els", default="runs/demo/els", help="an aligntax els train folder (its gate's prompts)")
+    ap.add_argument(
+        "--els", default="runs/demo/els", help="an aligntax els train folder (its gate's prompts)"
+    )
     ap.add_argument("--layers", default="9,13,16,19")
     ap.add_argument("--out", default="runs/bench/gate_transfer")
     ap.add_argument("--positions", default=",".join(POSITIONS), help=f"of {', '.join(POSITIONS)}")
-    ap.add_argument("--pairs", default=None, help="contrast pairs added to the probe's training prompts (last token)")
-    ap.add_argument("--pairs-weights", default="1,5", help="weights of each pair prompt, one probe per weight")
-    ap.add_argument("--pairs-limit", default=None, help="learning curve: numbers of pairs, e.g. 0,104,250,500,all")
-    ap.add_argument("--curve-val", default="contrast-pairs-val", help="held-out pairs scored on the curve ('': none)")
+    ap.add_argument(
+        "--pairs", default=None, help="contrast pairs added to the probe's training prompts (last token)"
+    )
+    ap.add_argument(
+        "--pairs-weights", default="1,5", help="weights of each pair prompt, one probe per weight"
+    )
+    ap.add_argument(
+        "--pairs-limit", default=None, help="learning curve: numbers of pairs, e.g. 0,104,250,500,all"
+    )
+    ap.add_argument(
+        "--curve-val", default="contrast-pairs-val", help="held-out pairs scored on the curve ('': none)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="draws of the learning curve")
-    ap.add_argument("--curve-layers", default="gate", help="the curve's gate layers: 'gate' (the folder's gate's, "
-                    "held fixed), 'candidates' (the gate picks among them, as els train does) or a list")
+    ap.add_argument(
+        "--curve-layers",
+        default="gate",
+        help="the curve's gate layers: 'gate' (the folder's gate's, "
+        "held fixed), 'candidates' (the gate picks among them, as els train does) or a list",
+    )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     args.pairs_weights_given = "--pairs-weights" in sys.argv
@@ -253,12 +372,16 @@ def main() -> None:
     lm = load_model(cfg.model, dtype=cfg.dtype)
     suffix = template_suffix(lm)
     tr = states(lm, [it.prompt for it in train], layers, suffix, "capture gate training prompts")
-    ev = {name: states(lm, [it.prompt for it in load_prompt_sets([name])], layers, suffix, f"capture {name}")
-          for name in EVAL_SETS}
+    ev = {
+        name: states(lm, [it.prompt for it in load_prompt_sets([name])], layers, suffix, f"capture {name}")
+        for name in EVAL_SETS
+    }
     variants = [(p, POSITIONS[p], None) for p in args.positions.split(",")]
     if args.pairs:
         # the pairs as els train --gate-pairs adds them: without prompts the gate already has
-        pairs = gate_extra_items(replace(cfg, gate_benign=[], gate_harmful=[], gate_pairs=[args.pairs]), train)
+        pairs = gate_extra_items(
+            replace(cfg, gate_benign=[], gate_harmful=[], gate_pairs=[args.pairs]), train
+        )
         pair_states = states(lm, [it.prompt for it in pairs], layers, suffix, f"capture {args.pairs}")
         tr = {p: {layer: torch.cat([tr[p][layer], pair_states[p][layer]]) for layer in layers} for p in tr}
         y_pairs = torch.tensor([it.label == "harmful" for it in pairs])
@@ -271,11 +394,18 @@ def main() -> None:
     rows = []
     for layer in layers:
         for pname, parts, pair_w in variants:
+
             def feat(s: dict, parts=parts, layer=layer) -> torch.Tensor:
                 return torch.cat([s[p][layer] for p in parts], -1)
 
-            keep = torch.arange(len(y)) < (len(y) if pair_w else n_train)  # without pairs: the gate's own prompts
-            sw = None if pair_w is None else torch.cat([torch.ones(n_train), torch.full((len(y_pairs),), pair_w)])
+            keep = torch.arange(len(y)) < (
+                len(y) if pair_w else n_train
+            )  # without pairs: the gate's own prompts
+            sw = (
+                None
+                if pair_w is None
+                else torch.cat([torch.ones(n_train), torch.full((len(y_pairs),), pair_w)])
+            )
             x_tr, y_tr = feat(tr)[keep], y[keep]
             oof = torch.sigmoid(cv_logits(x_tr, y_tr, 1e-2, sample_weight=sw))
             harm_p = oof[y_tr].sort().values
@@ -283,34 +413,90 @@ def main() -> None:
             w, b, mu, sd = _fit_standardised(x_tr, y_tr, 1e-2, sw)
             score = {name: ((feat(s) - mu) / sd) @ w + b for name, s in ev.items()}
             logit_t = float(torch.logit(torch.tensor(threshold)))
-            row = {"layer": layer, "position": pname, "threshold": round(threshold, 4),
-                   "train_benign_passed_oof": round(float((oof[:n_train][~y[:n_train]] < threshold).float().mean()), 4),
-                   "passed": {name: round(float((s < logit_t).float().mean()), 4) for name, s in score.items()},
-                   "xstest_auc": round(auc(score["xstest-unsafe"], score["xstest-safe"]), 4),
-                   "xstest_safe_passed_oracle": round(oracle_pass(score["xstest-unsafe"], score["xstest-safe"]), 4)}
-            if pname == "last" and pair_w is None:  # the states' own information: a probe fitted on XSTest, cross-validated
+            row = {
+                "layer": layer,
+                "position": pname,
+                "threshold": round(threshold, 4),
+                "train_benign_passed_oof": round(
+                    float((oof[:n_train][~y[:n_train]] < threshold).float().mean()), 4
+                ),
+                "passed": {name: round(float((s < logit_t).float().mean()), 4) for name, s in score.items()},
+                "xstest_auc": round(auc(score["xstest-unsafe"], score["xstest-safe"]), 4),
+                "xstest_safe_passed_oracle": round(
+                    oracle_pass(score["xstest-unsafe"], score["xstest-safe"]), 4
+                ),
+            }
+            if (
+                pname == "last" and pair_w is None
+            ):  # the states' own information: a probe fitted on XSTest, cross-validated
                 x = torch.cat([feat(ev["xstest-safe"]), feat(ev["xstest-unsafe"])])
-                yx = torch.cat([torch.zeros(len(ev["xstest-safe"]["last"][layer])),
-                                torch.ones(len(ev["xstest-unsafe"]["last"][layer]))]).bool()
+                yx = torch.cat(
+                    [
+                        torch.zeros(len(ev["xstest-safe"]["last"][layer])),
+                        torch.ones(len(ev["xstest-unsafe"]["last"][layer])),
+                    ]
+                ).bool()
                 cv = cv_logits(x, yx, 1e-1)
                 row["in_xstest_cv_auc"] = round(auc(cv[yx], cv[~yx]), 4)
                 row["in_xstest_cv_safe_passed_oracle"] = round(oracle_pass(cv[yx], cv[~yx]), 4)
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    head = ["layer", "position", "train benign passed", *EVAL_SETS, "XSTest AUC", "XSTest safe passed (oracle)",
-            "in-XSTest AUC", "in-XSTest safe passed (oracle)"]
-    table = [[r["layer"], r["position"], f"{100 * r['train_benign_passed_oof']:.1f}",
-              *(f"{100 * r['passed'][n]:.1f}" for n in EVAL_SETS), f"{r['xstest_auc']:.3f}",
-              f"{100 * r['xstest_safe_passed_oracle']:.1f}", f"{r.get('in_xstest_cv_auc', '')}",
-              f"{100 * r['in_xstest_cv_safe_passed_oracle']:.1f}" if "in_xstest_cv_auc" in r else ""] for r in rows]
+    head = [
+        "layer",
+        "position",
+        "train benign passed",
+        *EVAL_SETS,
+        "XSTest AUC",
+        "XSTest safe passed (oracle)",
+        "in-XSTest AUC",
+        "in-XSTest safe passed (oracle)",
+    ]
+    table = [
+        [
+            r["layer"],
+            r["position"],
+            f"{100 * r['train_benign_passed_oof']:.1f}",
+            *(f"{100 * r['passed'][n]:.1f}" for n in EVAL_SETS),
+            f"{r['xstest_auc']:.3f}",
+            f"{100 * r['xstest_safe_passed_oracle']:.1f}",
+            f"{r.get('in_xstest_cv_auc', '')}",
+            f"{100 * r['in_xstest_cv_safe_passed_oracle']:.1f}" if "in_xstest_cv_auc" in r else "",
+        ]
+        for r in rows
+    ]
     env = bl.environment(lm)
-    md = "\n".join([*bl.header("Harm gate transfer to XSTest", env, [f"ELS folder {args.els}", f"{n_train} gate "
-                                                                      f"training prompts, {int(y[:n_train].sum())} harmful"]),
-                    "", "Shares in percent: prompts the probe passes at its threshold.", "", bl.md_table(head, table)])
-    bl.write_outputs(args.out, "gate_transfer", {"env": env, "els": args.els, "layers": layers, "n_train": n_train,
-                                                 "n_train_harmful": int(y[:n_train].sum()), "pairs": args.pairs,
-                                                 "n_pairs": len(y_pairs), "rows": rows}, md)
+    md = "\n".join(
+        [
+            *bl.header(
+                "Harm gate transfer to XSTest",
+                env,
+                [
+                    f"ELS folder {args.els}",
+                    f"{n_train} gate training prompts, {int(y[:n_train].sum())} harmful",
+                ],
+            ),
+            "",
+            "Shares in percent: prompts the probe passes at its threshold.",
+            "",
+            bl.md_table(head, table),
+        ]
+    )
+    bl.write_outputs(
+        args.out,
+        "gate_transfer",
+        {
+            "env": env,
+            "els": args.els,
+            "layers": layers,
+            "n_train": n_train,
+            "n_train_harmful": int(y[:n_train].sum()),
+            "pairs": args.pairs,
+            "n_pairs": len(y_pairs),
+            "rows": rows,
+        },
+        md,
+    )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def matmul_seconds(shapes: list[tuple[int, int]], rows: int, dtype, repeats: int
     import torch
 
     total = 0.0
-    for (k, n) in sorted(set(shapes)):
+    for k, n in sorted(set(shapes)):
         x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
         torch.nn.functional.linear(x, w)
         best = min(_timed(lambda x=x, w=w: torch.nn.functional.linear(x, w)) for _ in range(max(3, repeats)))
@@ -86,6 +86,7 @@ def decode(lm, prompts: list[str], new_tokens: int) -> tuple[float, list[list[in
     texts = [render_chat(lm.tokenizer, build_messages(p, None, None)) for p in prompts]
     seqs = lm.tokenizer(texts, add_special_tokens=False)["input_ids"]
     ids, mask = pad_left(seqs, lm.tokenizer.pad_token_id or 0, lm.device)
+
     def never(alive, tokens, step):
         return torch.zeros(len(alive), dtype=torch.bool)
 
@@ -115,7 +116,9 @@ def main(argv=None) -> dict:
     for b in args.batch_sizes:
         prompts = prompts_all[:b]
         mm = statistics.median(matmul_seconds(shapes, b, lm.dtype, args.repeats) for _ in range(args.repeats))
-        runs = [decode(lm, prompts, args.new_tokens) for _ in range(args.repeats + args.warmup)][args.warmup:]
+        runs = [decode(lm, prompts, args.new_tokens) for _ in range(args.repeats + args.warmup)][
+            args.warmup :
+        ]
         secs = statistics.median(r[0] for r in runs)
         ref_tokens[b] = runs[0][1]
         # attention: 2 x 2 x context x hidden per layer and token, context about prompt + half the new tokens
@@ -124,28 +127,54 @@ def main(argv=None) -> dict:
         flop_token = 2 * weights + attn
         tok_s = b * args.new_tokens / secs
         limit = 2 * weights * b / mm  # FLOP/s of the linear layers alone at this many rows
-        rows.append({"setting": str(lm.dtype).replace("torch.", ""), "batch": b, "tokens_per_s": round(tok_s, 1),
-                     "gflop_per_s": round(tok_s * flop_token / 1e9, 1), "matmul_gflop_per_s": round(limit / 1e9, 1),
-                     "fraction_of_limit": round(tok_s * 2 * weights / limit, 3),
-                     "matmul_tokens_per_s": round(b / mm, 1)})
+        rows.append(
+            {
+                "setting": str(lm.dtype).replace("torch.", ""),
+                "batch": b,
+                "tokens_per_s": round(tok_s, 1),
+                "gflop_per_s": round(tok_s * flop_token / 1e9, 1),
+                "matmul_gflop_per_s": round(limit / 1e9, 1),
+                "fraction_of_limit": round(tok_s * 2 * weights / limit, 3),
+                "matmul_tokens_per_s": round(b / mm, 1),
+            }
+        )
         print(rows[-1], flush=True)
     for alt in [a for a in args.alternatives.split(",") if a]:
         alt_lm = _alternative(args, alt)
         for b in args.batch_sizes:
-            runs = [decode(alt_lm, prompts_all[:b], args.new_tokens) for _ in range(args.repeats + args.warmup)][args.warmup:]
+            runs = [
+                decode(alt_lm, prompts_all[:b], args.new_tokens) for _ in range(args.repeats + args.warmup)
+            ][args.warmup :]
             secs = statistics.median(r[0] for r in runs)
             same = sum(x == y for x, y in zip(runs[0][1], ref_tokens[b], strict=True)) / b
-            rows.append({"setting": alt, "batch": b, "tokens_per_s": round(b * args.new_tokens / secs, 1),
-                         "greedy_rows_equal": round(same, 3)})
+            rows.append(
+                {
+                    "setting": alt,
+                    "batch": b,
+                    "tokens_per_s": round(b * args.new_tokens / secs, 1),
+                    "greedy_rows_equal": round(same, 3),
+                }
+            )
             print(rows[-1], flush=True)
         del alt_lm
     env = bl.environment(lm)
     env["torch_matmul_backend"] = torch.backends.mkldnn.is_available()
     result = {"rows": rows, "new_tokens": args.new_tokens, "dataset": args.dataset, "environment": env}
-    table = bl.md_table(["setting", "batch", "tokens/s", "GFLOP/s", "matmul limit GFLOP/s", "fraction", "rows equal"],
-                        [[r["setting"], r["batch"], str(r["tokens_per_s"]), str(r.get("gflop_per_s", "")),
-                          str(r.get("matmul_gflop_per_s", "")), str(r.get("fraction_of_limit", "")),
-                          str(r.get("greedy_rows_equal", ""))] for r in rows])
+    table = bl.md_table(
+        ["setting", "batch", "tokens/s", "GFLOP/s", "matmul limit GFLOP/s", "fraction", "rows equal"],
+        [
+            [
+                r["setting"],
+                r["batch"],
+                str(r["tokens_per_s"]),
+                str(r.get("gflop_per_s", "")),
+                str(r.get("matmul_gflop_per_s", "")),
+                str(r.get("fraction_of_limit", "")),
+                str(r.get("greedy_rows_equal", "")),
+            ]
+            for r in rows
+        ],
+    )
     bl.write_outputs(args.out, NAME, result, table)
     return result
 

@@ -35,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
 NAME = "greedy_loop"
-LOOPS = {"model.generate": dict(drop_finished=False),
-         "drops rows": dict(share_prefix=False),
-         "drops rows + shared prefix": {}}
+LOOPS = {
+    "model.generate": dict(drop_finished=False),
+    "drops rows": dict(share_prefix=False),
+    "drops rows + shared prefix": {},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,11 +76,17 @@ def main(argv=None) -> dict:
             seconds = time.perf_counter() - t
             responses[label], batch_tokens[label] = out, batches
             return {"seconds": seconds, "tokens": sum(n for _, n in out)}
+
         return run
 
-    arms = {f"{name}: {loop}": arm(f"{name}: {loop}", iv, kw)
-            for name, iv in interventions.items() for loop, kw in LOOPS.items()}
-    print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, batches of {args.batch_size}", flush=True)
+    arms = {
+        f"{name}: {loop}": arm(f"{name}: {loop}", iv, kw)
+        for name, iv in interventions.items()
+        for loop, kw in LOOPS.items()
+    }
+    print(
+        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, batches of {args.batch_size}", flush=True
+    )
     runs = bl.interleaved(arms, args.repeats, args.warmup)
     summary = {name: bl.summarize(r) for name, r in runs.items()}
 
@@ -96,22 +104,55 @@ def main(argv=None) -> dict:
             ratios[label] = bl.paired_ratio(runs[ref], runs[label])
             differ = sum(a != b for a, b in zip(responses[ref], responses[label], strict=True))
             agreement[label] = {"responses_differ": differ}
-            ratio_rows.append([label, ratios[label]["median_paired"], ratios[label]["of_medians"],
-                               f"{differ} / {len(prompts)}", bl.fmt(waste, 3)])
+            ratio_rows.append(
+                [
+                    label,
+                    ratios[label]["median_paired"],
+                    ratios[label]["of_medians"],
+                    f"{differ} / {len(prompts)}",
+                    bl.fmt(waste, 3),
+                ]
+            )
     env = bl.environment(lm)
-    notes = [f"{len(prompts)} prompts from `{args.dataset}`, {args.max_new_tokens} new tokens (greedy), batches "
-             f"of {args.batch_size}", f"{args.repeats} interleaved repetitions after {args.warmup} warm-up"]
+    notes = [
+        f"{len(prompts)} prompts from `{args.dataset}`, {args.max_new_tokens} new tokens (greedy), batches "
+        f"of {args.batch_size}",
+        f"{args.repeats} interleaved repetitions after {args.warmup} warm-up",
+    ]
     if steer_info:
-        notes.append(f"ELS: {steer_info['source']}, settings {steer_info['settings']} "
-                     f"(from {steer_info['settings_from']})")
-    md = "\n".join(bl.header("Greedy generation: own decode loop vs model.generate", env, notes)
-                   + [bl.md_table(["alternative", "median s", "min s", "generated tok/s"], rows), "",
-                      bl.md_table(["loop", "time / model.generate (median of per-rep ratios)", "ratio of medians",
-                                   "responses that differ from model.generate",
-                                   "row-steps model.generate spends on finished rows"], ratio_rows)])
-    result = {"benchmark": NAME, "env": env, "args": vars(args), "model_load_seconds": load_s,
-              "n_prompts": len(prompts), "steer": steer_info, "runs": runs, "summary": summary,
-              "ratios": ratios, "agreement": agreement}
+        notes.append(
+            f"ELS: {steer_info['source']}, settings {steer_info['settings']} "
+            f"(from {steer_info['settings_from']})"
+        )
+    md = "\n".join(
+        bl.header("Greedy generation: own decode loop vs model.generate", env, notes)
+        + [
+            bl.md_table(["alternative", "median s", "min s", "generated tok/s"], rows),
+            "",
+            bl.md_table(
+                [
+                    "loop",
+                    "time / model.generate (median of per-rep ratios)",
+                    "ratio of medians",
+                    "responses that differ from model.generate",
+                    "row-steps model.generate spends on finished rows",
+                ],
+                ratio_rows,
+            ),
+        ]
+    )
+    result = {
+        "benchmark": NAME,
+        "env": env,
+        "args": vars(args),
+        "model_load_seconds": load_s,
+        "n_prompts": len(prompts),
+        "steer": steer_info,
+        "runs": runs,
+        "summary": summary,
+        "ratios": ratios,
+        "agreement": agreement,
+    }
     bl.write_outputs(args.out, NAME, result, md)
     return result
 

@@ -71,34 +71,66 @@ def main(argv=None) -> dict:
         states["recorded"] = {layer: h[order] for layer, h in rec.states().items()}
         return {"seconds": time.perf_counter() - t, "tokens": n}
 
-    arms = {"generate": run_generate, "generate + capture": run_generate_capture,
-            "generate (recording)": run_recording}
-    print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, batches of {args.batch_size}, "
-          f"{lm.num_layers} layers", flush=True)
+    arms = {
+        "generate": run_generate,
+        "generate + capture": run_generate_capture,
+        "generate (recording)": run_recording,
+    }
+    print(
+        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, batches of {args.batch_size}, "
+        f"{lm.num_layers} layers",
+        flush=True,
+    )
     runs = bl.interleaved(arms, args.repeats, args.warmup)
     summary = {name: bl.summarize(r) for name, r in runs.items()}
-    ratios = {"recording / generate + capture": bl.paired_ratio(runs["generate + capture"],
-                                                                runs["generate (recording)"]),
-              "recording / generate": bl.paired_ratio(runs["generate"], runs["generate (recording)"])}
-    rel = torch.cat([((states["recorded"][layer] - h).norm(dim=1) / h.norm(dim=1).clamp_min(1e-12))
-                     for layer, h in states["captured"].items() if layer > 0])
-    agreement = {"median_relative_difference": float(rel.median()), "max_relative_difference": float(rel.max())}
+    ratios = {
+        "recording / generate + capture": bl.paired_ratio(
+            runs["generate + capture"], runs["generate (recording)"]
+        ),
+        "recording / generate": bl.paired_ratio(runs["generate"], runs["generate (recording)"]),
+    }
+    rel = torch.cat(
+        [
+            ((states["recorded"][layer] - h).norm(dim=1) / h.norm(dim=1).clamp_min(1e-12))
+            for layer, h in states["captured"].items()
+            if layer > 0
+        ]
+    )
+    agreement = {
+        "median_relative_difference": float(rel.median()),
+        "max_relative_difference": float(rel.max()),
+    }
 
     headers = ["alternative", "median s", "min s", "generated tok/s"]
     rows = [[name, s["median_s"], s["min_s"], bl.fmt(s["median_tok_s"], 1)] for name, s in summary.items()]
     ratio_rows = [[name, r["median_paired"], r["of_medians"]] for name, r in ratios.items()]
     env = bl.environment(lm)
-    notes = [f"{len(prompts)} prompts from `{args.dataset}`, {args.max_new_tokens} new tokens (greedy), batches "
-             f"of {args.batch_size}, states at all {lm.num_layers} layers",
-             f"{args.repeats} interleaved repetitions after {args.warmup} warm-up",
-             f"recorded vs captured states (layers 1+): median relative difference "
-             f"{agreement['median_relative_difference']:.4f}, max {agreement['max_relative_difference']:.4f}"]
-    md = "\n".join(bl.header("ELS training states: recorded during label generation vs a second pass", env, notes)
-                   + [bl.md_table(headers, rows), "",
-                      bl.md_table(["ratio", "median of per-rep ratios", "ratio of medians"], ratio_rows)])
-    result = {"benchmark": NAME, "env": env, "args": vars(args), "model_load_seconds": load_s,
-              "n_prompts": len(prompts), "runs": runs, "summary": summary, "ratios": ratios,
-              "state_agreement": agreement}
+    notes = [
+        f"{len(prompts)} prompts from `{args.dataset}`, {args.max_new_tokens} new tokens (greedy), batches "
+        f"of {args.batch_size}, states at all {lm.num_layers} layers",
+        f"{args.repeats} interleaved repetitions after {args.warmup} warm-up",
+        f"recorded vs captured states (layers 1+): median relative difference "
+        f"{agreement['median_relative_difference']:.4f}, max {agreement['max_relative_difference']:.4f}",
+    ]
+    md = "\n".join(
+        bl.header("ELS training states: recorded during label generation vs a second pass", env, notes)
+        + [
+            bl.md_table(headers, rows),
+            "",
+            bl.md_table(["ratio", "median of per-rep ratios", "ratio of medians"], ratio_rows),
+        ]
+    )
+    result = {
+        "benchmark": NAME,
+        "env": env,
+        "args": vars(args),
+        "model_load_seconds": load_s,
+        "n_prompts": len(prompts),
+        "runs": runs,
+        "summary": summary,
+        "ratios": ratios,
+        "state_agreement": agreement,
+    }
     bl.write_outputs(args.out, NAME, result, md)
     return result
 

@@ -53,9 +53,27 @@ def main(argv=None) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="ray-overhead-"))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
-    base = [sys.executable, "-m", "aligntax", "eval", "--model", args.model, "--dtype", args.dtype,
-            "--data", args.data, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-            "--batch-size", str(args.batch_size), "--judge", args.judge, "--no-progress"]
+    base = [
+        sys.executable,
+        "-m",
+        "aligntax",
+        "eval",
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--data",
+        args.data,
+        "--limit",
+        str(args.limit),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--batch-size",
+        str(args.batch_size),
+        "--judge",
+        args.judge,
+        "--no-progress",
+    ]
     count = {"n": 0}
 
     def arm(extra: list[str], name: str):
@@ -64,20 +82,38 @@ def main(argv=None) -> None:
             out = work / f"{name}-{count['n']}"
             load0 = os.getloadavg()[0]
             t = time.perf_counter()
-            subprocess.run([*base, "--out", str(out), *extra], env=env, cwd=ROOT, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [*base, "--out", str(out), *extra],
+                env=env,
+                cwd=ROOT,
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             seconds = time.perf_counter() - t
             res = json.loads((out / "results.json").read_text())
-            responses = {(r["source"], r["id"]): r["response"]
-                         for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())}
+            responses = {
+                (r["source"], r["id"]): r["response"]
+                for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())
+            }
             shutil.rmtree(out)
-            return {"seconds": seconds, "tokens": res["timing"]["generated_tokens"],
-                    "generation_seconds": res["timing"]["generation_seconds"], "load_before": load0,
-                    "load_after": os.getloadavg()[0], "responses": responses}
+            return {
+                "seconds": seconds,
+                "tokens": res["timing"]["generated_tokens"],
+                "generation_seconds": res["timing"]["generation_seconds"],
+                "load_before": load0,
+                "load_after": os.getloadavg()[0],
+                "responses": responses,
+            }
+
         return run
 
-    arms = {"plain": arm([], "plain"),
-            "ray, 1 replica": arm(["--ray", "local", "--workers", "1", "--worker-cpus", str(args.threads)], "ray")}
+    arms = {
+        "plain": arm([], "plain"),
+        "ray, 1 replica": arm(
+            ["--ray", "local", "--workers", "1", "--worker-cpus", str(args.threads)], "ray"
+        ),
+    }
     env_info = environment()
     runs = interleaved(arms, args.repeats, args.warmup)
     same = all(r["responses"] == runs["plain"][0]["responses"] for rs in runs.values() for r in rs)
@@ -86,20 +122,44 @@ def main(argv=None) -> None:
             r.pop("responses")
     ratio = paired_ratio(runs["plain"], runs["ray, 1 replica"])
     gen_ratio = paired_ratio(runs["plain"], runs["ray, 1 replica"], "generation_seconds")
-    result = {"env": env_info, "args": vars(args), "runs": runs, "summary": {k: summarize(v) for k, v in runs.items()},
-              "ratio_wall": ratio, "ratio_generation": gen_ratio, "same_responses": same}
-    rows = [[name, fmt(s["median_s"], 1), fmt(s["min_s"], 1), fmt(s["max_s"], 1),
-             fmt(summarize(runs[name])["median_tok_s"], 1)] for name, s in result["summary"].items()]
-    lines = header("One Ray replica against the plain run (aligntax eval)", env_info, [
-        f"{args.data}, first {args.limit} prompts, {args.max_new_tokens} new tokens, batch {args.batch_size}, "
-        f"judge {args.judge}, {args.threads} torch thread(s) per process; whole commands, fresh processes",
-        "load average (1 min) before each run: " + ", ".join(
-            f"{r['load_before']:.1f}" for rs in runs.values() for r in rs)])
-    lines += ["", md_table(["arm", "median s", "min s", "max s", "tok/s"], rows), "",
-              f"- wall time ray/plain: median of per-repetition ratios {ratio['median_paired']:.3f} "
-              f"(per repetition: {', '.join(f'{x:.3f}' for x in ratio['per_repeat'])})",
-              f"- generation time ray/plain: {gen_ratio['median_paired']:.3f}",
-              f"- same responses in every run: {same}"]
+    result = {
+        "env": env_info,
+        "args": vars(args),
+        "runs": runs,
+        "summary": {k: summarize(v) for k, v in runs.items()},
+        "ratio_wall": ratio,
+        "ratio_generation": gen_ratio,
+        "same_responses": same,
+    }
+    rows = [
+        [
+            name,
+            fmt(s["median_s"], 1),
+            fmt(s["min_s"], 1),
+            fmt(s["max_s"], 1),
+            fmt(summarize(runs[name])["median_tok_s"], 1),
+        ]
+        for name, s in result["summary"].items()
+    ]
+    lines = header(
+        "One Ray replica against the plain run (aligntax eval)",
+        env_info,
+        [
+            f"{args.data}, first {args.limit} prompts, {args.max_new_tokens} new tokens, batch {args.batch_size}, "
+            f"judge {args.judge}, {args.threads} torch thread(s) per process; whole commands, fresh processes",
+            "load average (1 min) before each run: "
+            + ", ".join(f"{r['load_before']:.1f}" for rs in runs.values() for r in rs),
+        ],
+    )
+    lines += [
+        "",
+        md_table(["arm", "median s", "min s", "max s", "tok/s"], rows),
+        "",
+        f"- wall time ray/plain: median of per-repetition ratios {ratio['median_paired']:.3f} "
+        f"(per repetition: {', '.join(f'{x:.3f}' for x in ratio['per_repeat'])})",
+        f"- generation time ray/plain: {gen_ratio['median_paired']:.3f}",
+        f"- same responses in every run: {same}",
+    ]
     write_outputs(args.out, "ray_overhead", result, "\n".join(lines))
     shutil.rmtree(work, ignore_errors=True)
 

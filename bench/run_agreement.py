@@ -41,39 +41,100 @@ def compare(first: Path, second: Path) -> dict:
         ch = paired_change(fa, fb)
         lo, hi = wilson_interval(sum(fa), len(fa))
         dlo, dhi = paired_interval(ch["gained"], ch["lost"], ch["n"])
-        rows.append({"source": source, "label": label, "metric": "refusal" if label == "harmful" else "compliance",
-                     "n": ch["n"], "first": ch["before"], "first_interval": [lo, hi], "second": ch["after"],
-                     "second_inside": lo <= ch["after"] <= hi, "gained": ch["gained"], "lost": ch["lost"],
-                     "diff": ch["diff"], "diff_interval": [dlo, dhi], "zero_inside": dlo <= 0.0 <= dhi,
-                     "p_value": ch["p_value"],
-                     "identical": sum(x["response"] == y["response"] for x, y in pairs)})
-    return {"first": str(first), "second": str(second), "matched": len(a.keys() & b.keys()),
-            "only_first": len(a.keys() - b.keys()), "only_second": len(b.keys() - a.keys()), "rows": rows}
+        rows.append(
+            {
+                "source": source,
+                "label": label,
+                "metric": "refusal" if label == "harmful" else "compliance",
+                "n": ch["n"],
+                "first": ch["before"],
+                "first_interval": [lo, hi],
+                "second": ch["after"],
+                "second_inside": lo <= ch["after"] <= hi,
+                "gained": ch["gained"],
+                "lost": ch["lost"],
+                "diff": ch["diff"],
+                "diff_interval": [dlo, dhi],
+                "zero_inside": dlo <= 0.0 <= dhi,
+                "p_value": ch["p_value"],
+                "identical": sum(x["response"] == y["response"] for x, y in pairs),
+            }
+        )
+    return {
+        "first": str(first),
+        "second": str(second),
+        "matched": len(a.keys() & b.keys()),
+        "only_first": len(a.keys() - b.keys()),
+        "only_second": len(b.keys() - a.keys()),
+        "rows": rows,
+    }
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("first", type=Path, help="a run folder (the reference)")
     p.add_argument("second", type=Path, help="a run folder over the same prompts")
-    p.add_argument("--out", default="runs/bench/run_agreement.json", help="JSON file (or folder); .md beside it")
+    p.add_argument(
+        "--out", default="runs/bench/run_agreement.json", help="JSON file (or folder); .md beside it"
+    )
     args = p.parse_args(argv)
     res = compare(args.first, args.second)
     pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
-    table = [[r["source"], r["label"], r["metric"], r["n"],
-              f"{pct(r['first'])} [{pct(r['first_interval'][0])}, {pct(r['first_interval'][1])}]",
-              pct(r["second"]), "yes" if r["second_inside"] else "**no**",
-              f"{100 * r['diff']:+.1f} [{100 * r['diff_interval'][0]:+.1f}, {100 * r['diff_interval'][1]:+.1f}]",
-              f"{r['gained']} / {r['lost']}", f"{r['p_value']:.2f}", f"{r['identical']}/{r['n']}"]
-             for r in res["rows"]]
-    notes = [f"first: {res['first']}", f"second: {res['second']}",
-             f"matched prompts {res['matched']} (only in first {res['only_first']}, only in second "
-             f"{res['only_second']})"]
-    md = "\n".join(["## Rates of two run folders", "", *[f"- {n}" for n in notes], "",
-                    bl.md_table(["dataset", "label", "metric", "n", "first [95%]", "second", "inside",
-                                 "second - first [95% paired]", "up / down", "McNemar p", "identical"], table)])
+    table = [
+        [
+            r["source"],
+            r["label"],
+            r["metric"],
+            r["n"],
+            f"{pct(r['first'])} [{pct(r['first_interval'][0])}, {pct(r['first_interval'][1])}]",
+            pct(r["second"]),
+            "yes" if r["second_inside"] else "**no**",
+            f"{100 * r['diff']:+.1f} [{100 * r['diff_interval'][0]:+.1f}, {100 * r['diff_interval'][1]:+.1f}]",
+            f"{r['gained']} / {r['lost']}",
+            f"{r['p_value']:.2f}",
+            f"{r['identical']}/{r['n']}",
+        ]
+        for r in res["rows"]
+    ]
+    notes = [
+        f"first: {res['first']}",
+        f"second: {res['second']}",
+        f"matched prompts {res['matched']} (only in first {res['only_first']}, only in second "
+        f"{res['only_second']})",
+    ]
+    md = "\n".join(
+        [
+            "## Rates of two run folders",
+            "",
+            *[f"- {n}" for n in notes],
+            "",
+            bl.md_table(
+                [
+                    "dataset",
+                    "label",
+                    "metric",
+                    "n",
+                    "first [95%]",
+                    "second",
+                    "inside",
+                    "second - first [95% paired]",
+                    "up / down",
+                    "McNemar p",
+                    "identical",
+                ],
+                table,
+            ),
+        ]
+    )
     bl.write_outputs(args.out, "run_agreement", res, md)
-    print(json.dumps({"all_inside": all(r["second_inside"] for r in res["rows"]),
-                      "zero_inside_all": all(r["zero_inside"] for r in res["rows"])}))
+    print(
+        json.dumps(
+            {
+                "all_inside": all(r["second_inside"] for r in res["rows"]),
+                "zero_inside_all": all(r["zero_inside"] for r in res["rows"]),
+            }
+        )
+    )
     return res
 
 

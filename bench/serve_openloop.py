@@ -65,37 +65,73 @@ PROMPTS = [
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=bl.DEFAULT_MODEL, help=f"model spec (default {bl.DEFAULT_MODEL})")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--backends", default="hf,vllm", help="comma-separated, in order (default hf,vllm)")
-    p.add_argument("--hf-bin", default=str(ROOT / ".venv/bin/aligntax"), help="aligntax of the HF environment")
-    p.add_argument("--vllm-bin", default=str(ROOT / ".venv-vllm/bin/aligntax"),
-                   help="aligntax of the vLLM environment (./run setup-vllm)")
-    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",") if x.strip()],
-                   default=[0.5, 1.0, 2.0, 4.0], help="arrival rates, requests/s (default 0.5,1,2,4)")
+    p.add_argument(
+        "--hf-bin", default=str(ROOT / ".venv/bin/aligntax"), help="aligntax of the HF environment"
+    )
+    p.add_argument(
+        "--vllm-bin",
+        default=str(ROOT / ".venv-vllm/bin/aligntax"),
+        help="aligntax of the vLLM environment (./run setup-vllm)",
+    )
+    p.add_argument(
+        "--rates",
+        type=lambda t: [float(x) for x in t.split(",") if x.strip()],
+        default=[0.5, 1.0, 2.0, 4.0],
+        help="arrival rates, requests/s (default 0.5,1,2,4)",
+    )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request (default 16)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="the servers' torch threads (--threads; vLLM: OMP_NUM_THREADS of its engine; default 1)")
-    p.add_argument("--max-batch-size", type=int, default=32,
-                   help="the servers' --max-batch-size (vLLM: its sequence slots; default 32)")
-    p.add_argument("--request-timeout", type=float, default=120.0,
-                   help="the servers' --request-timeout, s (default 120)")
-    p.add_argument("--max-queue-wait-ms", type=float, default=0.0,
-                   help="the servers' --max-queue-wait-ms admission target (default 0: none)")
-    p.add_argument("--steer", default=None, help="ELS folder: serve NAME+els too and send --steered of the requests to it")
-    p.add_argument("--steered", type=float, default=0.5, help="fraction of steered requests with --steer (default 0.5)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="the servers' torch threads (--threads; vLLM: OMP_NUM_THREADS of its engine; default 1)",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=32,
+        help="the servers' --max-batch-size (vLLM: its sequence slots; default 32)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=120.0, help="the servers' --request-timeout, s (default 120)"
+    )
+    p.add_argument(
+        "--max-queue-wait-ms",
+        type=float,
+        default=0.0,
+        help="the servers' --max-queue-wait-ms admission target (default 0: none)",
+    )
+    p.add_argument(
+        "--steer",
+        default=None,
+        help="ELS folder: serve NAME+els too and send --steered of the requests to it",
+    )
+    p.add_argument(
+        "--steered", type=float, default=0.5, help="fraction of steered requests with --steer (default 0.5)"
+    )
     p.add_argument("--warmup", type=int, default=4, help="untimed requests after start-up (default 4)")
-    p.add_argument("--p95-bound", type=float, default=None,
-                   help="p95 latency bound (s) for the throughput comparison (default: from the HF server, see above)")
+    p.add_argument(
+        "--p95-bound",
+        type=float,
+        default=None,
+        help="p95 latency bound (s) for the throughput comparison (default: from the HF server, see above)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=f"runs/bench/{NAME}.json", help="JSON path or folder (a .md table next to it)")
+    p.add_argument(
+        "--out", default=f"runs/bench/{NAME}.json", help="JSON path or folder (a .md table next to it)"
+    )
     return p.parse_args(argv)
 
 
 # -- the server -----------------------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -105,9 +141,28 @@ def _free_port() -> int:
 
 def server_command(args, backend: str, port: int) -> list[str]:
     exe = args.hf_bin if backend == "hf" else args.vllm_bin
-    cmd = [exe, "serve", "--backend", backend, "--model", args.model, "--dtype", args.dtype, "--port", str(port),
-           "--model-name", MODEL_NAME, "--max-batch-size", str(args.max_batch_size), "--threads", str(args.threads),
-           "--request-timeout", str(args.request_timeout), "--max-tokens-limit", str(max(args.max_tokens, 16))]
+    cmd = [
+        exe,
+        "serve",
+        "--backend",
+        backend,
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--port",
+        str(port),
+        "--model-name",
+        MODEL_NAME,
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--threads",
+        str(args.threads),
+        "--request-timeout",
+        str(args.request_timeout),
+        "--max-tokens-limit",
+        str(max(args.max_tokens, 16)),
+    ]
     if args.max_queue_wait_ms:
         cmd += ["--max-queue-wait-ms", str(args.max_queue_wait_ms)]
     if args.steer:
@@ -150,6 +205,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 # -- the load -------------------------------------------------------------------------------------------
 
+
 def schedule(rate: float, duration: float, seed: int, steered: float) -> list[tuple[float, str, bool]]:
     """(send time, prompt, steered) of every request: exponential gaps, the same for every backend."""
     rng = random.Random(seed)
@@ -176,7 +232,9 @@ async def _one(client, url: str, body: dict, results: list, at: float) -> None:
     results.append((status, time.perf_counter() - t0, tokens, time.perf_counter(), at))
 
 
-async def open_loop(url: str, plan: list, max_tokens: int, steered_name: str | None) -> tuple[list, float, list]:
+async def open_loop(
+    url: str, plan: list, max_tokens: int, steered_name: str | None
+) -> tuple[list, float, list]:
     import httpx
 
     results: list = []
@@ -190,8 +248,12 @@ async def open_loop(url: str, plan: list, max_tokens: int, steered_name: str | N
                 await asyncio.sleep(delay)
             else:
                 late.append(-delay)
-            body = {"model": steered_name if steer and steered_name else MODEL_NAME,
-                    "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+            body = {
+                "model": steered_name if steer and steered_name else MODEL_NAME,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
             tasks.append(asyncio.create_task(_one(client, url, body, results, at)))
         await asyncio.gather(*tasks)
     return results, t0, late
@@ -208,12 +270,19 @@ def summarize(backend: str, rate: float, results: list, t0: float, late: list) -
     first = bl.percentile([r[1] for r in ok[:third]], 50) if third else float("nan")
     last = bl.percentile([r[1] for r in ok[-third:]], 50) if third else float("nan")
     return {
-        "backend": backend, "rate": rate, "sent": len(results), "completed": len(ok),
-        "rejected": count(lambda s: s in (429, 503)), "timed_out": count(lambda s: s == 504),
-        "failed": count(lambda s: s not in (200, 429, 503, 504)), "wall_s": wall,
+        "backend": backend,
+        "rate": rate,
+        "sent": len(results),
+        "completed": len(ok),
+        "rejected": count(lambda s: s in (429, 503)),
+        "timed_out": count(lambda s: s == 504),
+        "failed": count(lambda s: s not in (200, 429, 503, 504)),
+        "wall_s": wall,
         "completed_per_s": len(ok) / wall if wall > 0 else float("nan"),
-        "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
-        "p50_s": bl.percentile(lat, 50), "p95_s": bl.percentile(lat, 95),
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "p50_s": bl.percentile(lat, 50),
+        "p95_s": bl.percentile(lat, 95),
         "send_lag_p95_s": bl.percentile(late, 95) if late else 0.0,
         # median latency of the last third of the requests (by send time) over the first third's: about 1
         # when the server keeps up, growing with the backlog when it does not
@@ -225,8 +294,11 @@ def summarize(backend: str, rate: float, results: list, t0: float, late: list) -
 def keeps_up(row: dict, growth: float = 1.5) -> bool:
     """Completes everything offered (nothing rejected, timed out or failed) without a growing backlog: the
     median latency of the last third of the requests is within ``growth`` x the first third's."""
-    return row["rejected"] == row["timed_out"] == row["failed"] == 0 and row["completed"] == row["sent"] \
+    return (
+        row["rejected"] == row["timed_out"] == row["failed"] == 0
+        and row["completed"] == row["sent"]
         and row["latency_growth"] <= growth
+    )
 
 
 def compare(rows: list[dict], bound: float | None) -> dict:
@@ -240,11 +312,20 @@ def compare(rows: list[dict], bound: float | None) -> dict:
     if bound is None:
         return out
     for b in sorted({r["backend"] for r in rows}):
-        within = [r for r in rows if r["backend"] == b and r["completed"] and r["p95_s"] <= bound
-                  and r["rejected"] == r["timed_out"] == r["failed"] == 0]
+        within = [
+            r
+            for r in rows
+            if r["backend"] == b
+            and r["completed"]
+            and r["p95_s"] <= bound
+            and r["rejected"] == r["timed_out"] == r["failed"] == 0
+        ]
         best = max(within, key=lambda r: r["tokens_per_s"], default=None)
-        out["best"][b] = None if best is None else {"rate": best["rate"], "tokens_per_s": best["tokens_per_s"],
-                                                    "p95_s": best["p95_s"]}
+        out["best"][b] = (
+            None
+            if best is None
+            else {"rate": best["rate"], "tokens_per_s": best["tokens_per_s"], "p95_s": best["p95_s"]}
+        )
     h, v = out["best"].get("hf"), out["best"].get("vllm")
     if h and v:
         out["vllm_over_hf"] = v["tokens_per_s"] / h["tokens_per_s"]
@@ -265,9 +346,14 @@ def main(argv=None) -> dict:
     json_path, _ = bl.out_paths(args.out, NAME)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     steered_name = f"{MODEL_NAME}+els" if args.steer else None
-    env = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": bl.git_commit(),
-           "cpu_count": os.cpu_count(), "loadavg_start": loadavg(), "argv": sys.argv,
-           "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    env = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": bl.git_commit(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": loadavg(),
+        "argv": sys.argv,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
     rows, commands = [], {}
     for backend in backends:
         port = _free_port()
@@ -290,36 +376,84 @@ def main(argv=None) -> dict:
                 row["loadavg_before"] = la
                 row["keeps_up"] = keeps_up(row)
                 rows.append(row)
-                print(f"[{backend}] rate {rate:g}/s: sent {row['sent']}, completed {row['completed']}, rejected "
-                      f"{row['rejected']}, timed out {row['timed_out']}, failed {row['failed']}, "
-                      f"{row['tokens_per_s']:.1f} tok/s, p50 {row['p50_s']:.2f} s, p95 {row['p95_s']:.2f} s, "
-                      f"send lag p95 {row['send_lag_p95_s']:.3f} s; load before {la}", flush=True)
+                print(
+                    f"[{backend}] rate {rate:g}/s: sent {row['sent']}, completed {row['completed']}, rejected "
+                    f"{row['rejected']}, timed out {row['timed_out']}, failed {row['failed']}, "
+                    f"{row['tokens_per_s']:.1f} tok/s, p50 {row['p50_s']:.2f} s, p95 {row['p95_s']:.2f} s, "
+                    f"send lag p95 {row['send_lag_p95_s']:.3f} s; load before {la}",
+                    flush=True,
+                )
         finally:
             stop_server(proc)
     cmp_ = compare(rows, args.p95_bound)
     env["loadavg_end"] = loadavg()
-    cmd = "OMP_NUM_THREADS=" + str(env["omp_num_threads"]) + " python bench/serve_openloop.py " + " ".join(argv)
+    cmd = (
+        "OMP_NUM_THREADS=" + str(env["omp_num_threads"]) + " python bench/serve_openloop.py " + " ".join(argv)
+    )
     table = bl.md_table(
-        ["backend", "rate/s", "sent", "completed", "rejected", "timed out", "failed", "completed/s", "tok/s",
-         "p50 s", "p95 s", "latency growth", "keeps up", "load avg before"],
-        [[r["backend"], r["rate"], r["sent"], r["completed"], r["rejected"], r["timed_out"], r["failed"],
-          r["completed_per_s"], r["tokens_per_s"], r["p50_s"], r["p95_s"], r["latency_growth"],
-          "yes" if r["keeps_up"] else "no",
-          r["loadavg_before"].split()[0]] for r in rows])
-    lines = [f"## serve_openloop: {args.model} ({args.dtype}), max_tokens {args.max_tokens}, "
-             f"{args.duration:g} s per rate, batch / sequence slots {args.max_batch_size}, server threads "
-             f"{args.threads}", "",
-             f"`{cmd}`", "",
-             f"- {env['date']}, commit {env['commit']}, {env['cpu_count']} CPUs; /proc/loadavg at start "
-             f"`{env['loadavg_start']}`, at end `{env['loadavg_end']}`"]
+        [
+            "backend",
+            "rate/s",
+            "sent",
+            "completed",
+            "rejected",
+            "timed out",
+            "failed",
+            "completed/s",
+            "tok/s",
+            "p50 s",
+            "p95 s",
+            "latency growth",
+            "keeps up",
+            "load avg before",
+        ],
+        [
+            [
+                r["backend"],
+                r["rate"],
+                r["sent"],
+                r["completed"],
+                r["rejected"],
+                r["timed_out"],
+                r["failed"],
+                r["completed_per_s"],
+                r["tokens_per_s"],
+                r["p50_s"],
+                r["p95_s"],
+                r["latency_growth"],
+                "yes" if r["keeps_up"] else "no",
+                r["loadavg_before"].split()[0],
+            ]
+            for r in rows
+        ],
+    )
+    lines = [
+        f"## serve_openloop: {args.model} ({args.dtype}), max_tokens {args.max_tokens}, "
+        f"{args.duration:g} s per rate, batch / sequence slots {args.max_batch_size}, server threads "
+        f"{args.threads}",
+        "",
+        f"`{cmd}`",
+        "",
+        f"- {env['date']}, commit {env['commit']}, {env['cpu_count']} CPUs; /proc/loadavg at start "
+        f"`{env['loadavg_start']}`, at end `{env['loadavg_end']}`",
+    ]
     lines += [f"- {b}: `{c}`" for b, c in commands.items()]
     lines += ["", table, ""]
     if cmp_.get("p95_bound_s") is not None:
-        best = "; ".join(f"{b}: " + ("none within the bound" if v is None else
-                                     f"{v['tokens_per_s']:.1f} tok/s at {v['rate']:g}/s (p95 {v['p95_s']:.2f} s)")
-                         for b, v in cmp_["best"].items())
-        lines.append(f"At p95 <= {cmp_['p95_bound_s']:.2f} s: {best}"
-                     + (f"; vLLM / HF = {cmp_['vllm_over_hf']:.2f}x" if "vllm_over_hf" in cmp_ else "") + ".")
+        best = "; ".join(
+            f"{b}: "
+            + (
+                "none within the bound"
+                if v is None
+                else f"{v['tokens_per_s']:.1f} tok/s at {v['rate']:g}/s (p95 {v['p95_s']:.2f} s)"
+            )
+            for b, v in cmp_["best"].items()
+        )
+        lines.append(
+            f"At p95 <= {cmp_['p95_bound_s']:.2f} s: {best}"
+            + (f"; vLLM / HF = {cmp_['vllm_over_hf']:.2f}x" if "vllm_over_hf" in cmp_ else "")
+            + "."
+        )
     md = "\n".join(lines)
     result = {"env": env, "args": vars(args), "commands": commands, "rows": rows, "comparison": cmp_}
     bl.write_outputs(args.out, NAME, result, md)

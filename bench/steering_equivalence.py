@@ -40,8 +40,10 @@ def record(repo: Path, out: Path) -> None:
 
         def els(eta=2.0, layers=(1, 2), **kw):
             torch.manual_seed(1)
-            models = {la: EnergyModel(hidden, [32, 16], layernorm=i % 2 == 0, dropout=0.15)
-                      for i, la in enumerate(layers)}
+            models = {
+                la: EnergyModel(hidden, [32, 16], layernorm=i % 2 == 0, dropout=0.15)
+                for i, la in enumerate(layers)
+            }
             return EnergySteering(models, eta=eta, steps=3, scale_by_norm=False, **kw)
 
         states = capture(lm, PROMPTS, [1], progress=False)
@@ -56,23 +58,40 @@ def record(repo: Path, out: Path) -> None:
         vec = Path(tempfile.mkdtemp())
         save_tiny_vectors(lm, vec)
         cases = {
-            "els": els(), "els_thr": els(threshold=0.0), "els_h2": els(horizon=2), "els_gate": els(gate=gate),
-            "els_ramp": els(gate=gate, gate_ramp=0.2), "els_row": els(row_threshold=rthr),
-            "els_all3": els(gate=gate, row_threshold=rthr, horizon=1), "els_gen": els(positions="generated"),
-            "els_allpos": els(positions="all", horizon=3), "els_l0": els(eta=1.5, layers=(0, 2)),
-            **{name: make_intervention(name, lm, dir=str(vec))
-               for name in ("refusal-add", "refusal-ablation", "false-refusal-ablation", "cast")},
+            "els": els(),
+            "els_thr": els(threshold=0.0),
+            "els_h2": els(horizon=2),
+            "els_gate": els(gate=gate),
+            "els_ramp": els(gate=gate, gate_ramp=0.2),
+            "els_row": els(row_threshold=rthr),
+            "els_all3": els(gate=gate, row_threshold=rthr, horizon=1),
+            "els_gen": els(positions="generated"),
+            "els_allpos": els(positions="all", horizon=3),
+            "els_l0": els(eta=1.5, layers=(0, 2)),
+            **{
+                name: make_intervention(name, lm, dir=str(vec))
+                for name in ("refusal-add", "refusal-ablation", "false-refusal-ablation", "cast")
+            },
         }
         for name, iv in cases.items():
             for cache in (True, False):
                 for rows, strength in ((None, None), ([1, 0, 1, 1], [0.5, 1.0, 2.0, 1.0])):
                     key = f"{arch}/{name}/cache{int(cache)}/rows{int(rows is not None)}"
-                    toks, logits, ctx, _ = run_steered(lm, PROMPTS, iv, max_new_tokens=5, use_cache=cache,
-                                                       rows=rows, strength=strength)
-                    res[key] = {"tokens": toks.tolist(), "stats": json.loads(json.dumps(ctx.stats, default=str))}
+                    toks, logits, ctx, _ = run_steered(
+                        lm, PROMPTS, iv, max_new_tokens=5, use_cache=cache, rows=rows, strength=strength
+                    )
+                    res[key] = {
+                        "tokens": toks.tolist(),
+                        "stats": json.loads(json.dumps(ctx.stats, default=str)),
+                    }
                     tensors[key] = logits.contiguous()
-            gens = generate(lm, PROMPTS * 3, GenerationConfig(max_new_tokens=6, batch_size=5), intervention=iv,
-                            progress=False)
+            gens = generate(
+                lm,
+                PROMPTS * 3,
+                GenerationConfig(max_new_tokens=6, batch_size=5),
+                intervention=iv,
+                progress=False,
+            )
             res[f"{arch}/{name}/generate"] = {"tokens": [g.response for g in gens]}
     out.write_text(json.dumps(res))
     save_file(tensors, str(out) + ".safetensors")
@@ -105,8 +124,11 @@ def main() -> int:
     before, after = (Path(x).resolve() for x in sys.argv[1:3])
     tmp = Path(tempfile.mkdtemp())
     for name, repo in (("before", before), ("after", after)):
-        subprocess.run([sys.executable, __file__, "--record", str(repo), str(tmp / f"{name}.json")], check=True,
-                       env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        subprocess.run(
+            [sys.executable, __file__, "--record", str(repo), str(tmp / f"{name}.json")],
+            check=True,
+            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        )
     return compare(tmp / "before.json", tmp / "after.json")
 
 

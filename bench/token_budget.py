@@ -31,7 +31,9 @@ NAME = "token_budget"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="a run folder (samples.jsonl) generated with more tokens")
-    p.add_argument("--budgets", type=bl.int_list, default=[16, 24, 32], help="token budgets (default 16,24,32)")
+    p.add_argument(
+        "--budgets", type=bl.int_list, default=[16, 24, 32], help="token budgets (default 16,24,32)"
+    )
     p.add_argument("--judge", default=None, help="judge (default: the run's)")
     p.add_argument("--model", default=None, help="tokenizer's model (default: the run's)")
     p.add_argument("--min-agreement", type=float, default=0.98, help="agreement a budget must reach (0.98)")
@@ -68,31 +70,51 @@ def main(argv=None) -> dict:
     for n in sorted(args.budgets):
         if n >= cap:
             continue
-        texts = [cut(lm.tokenizer, r["response"], n) if r.get("n_tokens", cap) > n else r["response"] for r in rows]
+        texts = [
+            cut(lm.tokenizer, r["response"], n) if r.get("n_tokens", cap) > n else r["response"] for r in rows
+        ]
         short = [bool(v.refused) for v in judge.judge(prompts, texts)]
         per = {}
         for (source, label), idx in sorted(groups.items()):
             agree = sum(full[i] == short[i] for i in idx) / len(idx)
             per[f"{source}/{label}"] = {
-                "n": len(idx), "at_cap": sum(rows[i].get("n_tokens", cap) >= cap for i in idx),
-                "agreement": round(agree, 4), "refusal_full": round(sum(full[i] for i in idx) / len(idx), 4),
+                "n": len(idx),
+                "at_cap": sum(rows[i].get("n_tokens", cap) >= cap for i in idx),
+                "agreement": round(agree, 4),
+                "refusal_full": round(sum(full[i] for i in idx) / len(idx), 4),
                 "refusal_cut": round(sum(short[i] for i in idx) / len(idx), 4),
                 "tokens_saved": sum(max(0, rows[i].get("n_tokens", cap) - n) for i in idx),
-                "tokens_full": sum(rows[i].get("n_tokens", cap) for i in idx)}
+                "tokens_full": sum(rows[i].get("n_tokens", cap) for i in idx),
+            }
         result["budgets"][n] = per
     rows_md = []
     for n, per in result["budgets"].items():
         for key, r in per.items():
             flag = "" if r["agreement"] >= args.min_agreement else " (below)"
-            rows_md.append([str(n), key, str(r["n"]), str(r["at_cap"]), f"{100 * r['agreement']:.1f}%{flag}",
-                            f"{100 * r['refusal_full']:.1f}%", f"{100 * r['refusal_cut']:.1f}%",
-                            f"{r['tokens_saved']} of {r['tokens_full']}"])
-    table = bl.md_table(["budget", "set", "n", "at cap", "agreement", "refusal at cap", "refusal cut", "tokens saved"],
-                        rows_md, align="rlrrrrrr")
-    bl.write_outputs(args.out, NAME, result,
-                     f"Answers of `{run}` ({cap} new tokens) cut to fewer tokens and re-judged; agreement of the "
-                     "refusal verdicts, refusal rate at the cap and cut, generated tokens the budget saves.\n\n"
-                     + table)
+            rows_md.append(
+                [
+                    str(n),
+                    key,
+                    str(r["n"]),
+                    str(r["at_cap"]),
+                    f"{100 * r['agreement']:.1f}%{flag}",
+                    f"{100 * r['refusal_full']:.1f}%",
+                    f"{100 * r['refusal_cut']:.1f}%",
+                    f"{r['tokens_saved']} of {r['tokens_full']}",
+                ]
+            )
+    table = bl.md_table(
+        ["budget", "set", "n", "at cap", "agreement", "refusal at cap", "refusal cut", "tokens saved"],
+        rows_md,
+        align="rlrrrrrr",
+    )
+    bl.write_outputs(
+        args.out,
+        NAME,
+        result,
+        f"Answers of `{run}` ({cap} new tokens) cut to fewer tokens and re-judged; agreement of the "
+        "refusal verdicts, refusal rate at the cap and cut, generated tokens the budget saves.\n\n" + table,
+    )
     return result
 
 

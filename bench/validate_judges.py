@@ -59,8 +59,10 @@ def per_model(models, model_idx, pred, gold, keep=None) -> dict:
     for k, m in enumerate(models):
         sel = (model_idx == k) & keep
         out[m] = binary_metrics(pred[sel], gold[sel])
-    out["mean"] = {"accuracy": sum(out[m]["accuracy"] for m in models) / len(models),
-                   "f1": sum(out[m]["f1"] for m in models) / len(models)}
+    out["mean"] = {
+        "accuracy": sum(out[m]["accuracy"] for m in models) / len(models),
+        "f1": sum(out[m]["f1"] for m in models) / len(models),
+    }
     return out
 
 
@@ -145,8 +147,11 @@ def markdown_table(results: dict[str, dict], models: list[str]) -> str:
     lines = [head, sep]
     for name, res in results.items():
         cells = [f"{res[m]['accuracy']:.3f} / {res[m]['f1']:.3f}" for m in models]
-        lines.append(f"| {name} | " + " | ".join(cells)
-                     + f" | **{res['mean']['accuracy']:.3f}** | **{res['mean']['f1']:.3f}** |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | **{res['mean']['accuracy']:.3f}** | **{res['mean']['f1']:.3f}** |"
+        )
     return "\n".join(lines)
 
 
@@ -161,7 +166,9 @@ def embed_unique(spec, prompts, texts, cache_path=None):
         return {}
     # The digest covers the exact strings that get embedded, so a change to a view (e.g. the echo
     # masking) invalidates the cache.
-    digest = hashlib.sha256(json.dumps([[v, view_texts(v, prompts, texts)] for v in views]).encode()).hexdigest()
+    digest = hashlib.sha256(
+        json.dumps([[v, view_texts(v, prompts, texts)] for v in views]).encode()
+    ).hexdigest()
     if cache_path and Path(cache_path).is_file():
         from safetensors import safe_open
 
@@ -178,8 +185,9 @@ def embed_unique(spec, prompts, texts, cache_path=None):
     return emb
 
 
-def build_data(spec, prompts, responses, gold, model_idx, n_models, copies, cut_texts, copy_weight,
-               cache_path=None) -> Data:
+def build_data(
+    spec, prompts, responses, gold, model_idx, n_models, copies, cut_texts, copy_weight, cache_path=None
+) -> Data:
     from aligntax.judges.features import assemble_features
 
     # Embed every distinct (row, text) once: whole completions, training copies, evaluation cut.
@@ -200,8 +208,16 @@ def build_data(spec, prompts, responses, gold, model_idx, n_models, copies, cut_
     emb = embed_unique(spec, u_prompts, u_texts, cache_path)
     x = assemble_features(spec, emb, u_texts, u_prompts)
     copy_row = torch.tensor([c.row for c in copies], dtype=torch.long)
-    return Data(x[full_idx], x[copy_idx] if copies else None, copy_row, x[cut_idx], gold, model_idx, n_models,
-                copy_weight)
+    return Data(
+        x[full_idx],
+        x[copy_idx] if copies else None,
+        copy_row,
+        x[cut_idx],
+        gold,
+        model_idx,
+        n_models,
+        copy_weight,
+    )
 
 
 def compare(path, source, out_dir):
@@ -230,26 +246,46 @@ def compare(path, source, out_dir):
     dis = [i for i in range(n) if vc[i].refused != vk[i].refused]
     print(line + f"; {len(dis)} disagreements with keyword")
     for i in dis:
-        who = "classifier=refusal, keyword=compliance" if vc[i].refused else "classifier=compliance, keyword=refusal"
-        print(f"- [{who}; score {vc[i].refusal_score:.2f}] {recs[i].get('id', i)}: prompt {prompts[i][:120]!r}\n"
-              f"  response {responses[i]!r}")
+        who = (
+            "classifier=refusal, keyword=compliance"
+            if vc[i].refused
+            else "classifier=compliance, keyword=refusal"
+        )
+        print(
+            f"- [{who}; score {vc[i].refusal_score:.2f}] {recs[i].get('id', i)}: prompt {prompts[i][:120]!r}\n"
+            f"  response {responses[i]!r}"
+        )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default=None, help="shared data folder (default: ALIGNTAX_DATA / ../shared/data)")
+    ap.add_argument(
+        "--data", default=None, help="shared data folder (default: ALIGNTAX_DATA / ../shared/data)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    ap.add_argument("--emb-cache", default=None,
-                    help="safetensors file to cache the embeddings in (speeds up reruns)")
-    ap.add_argument("--ship", action="store_true", help="train the final head on all rows and write the resources")
+    ap.add_argument(
+        "--emb-cache", default=None, help="safetensors file to cache the embeddings in (speeds up reruns)"
+    )
+    ap.add_argument(
+        "--ship", action="store_true", help="train the final head on all rows and write the resources"
+    )
     ap.add_argument("--out-dir", default=None, help="where --ship writes (default: the package resources)")
-    ap.add_argument("--llm", action="store_true", help="also score the llm judge (needs ALIGNTAX_JUDGE_* env)")
+    ap.add_argument(
+        "--llm", action="store_true", help="also score the llm judge (needs ALIGNTAX_JUDGE_* env)"
+    )
     ap.add_argument("--write-docs", action="store_true", help=f"replace the table block in {DOCS}")
     ap.add_argument("--skip-strict", action="store_true", help="skip the nested-l2 and unseen-prompt rows")
-    ap.add_argument("--ablations", action="store_true",
-                    help="add the raw-response-embedding row (embeds everything a second time)")
-    ap.add_argument("--compare", default=None, metavar="JSONL",
-                    help="judge this run's samples.jsonl with the classifier and the keyword judge, list disagreements")
+    ap.add_argument(
+        "--ablations",
+        action="store_true",
+        help="add the raw-response-embedding row (embeds everything a second time)",
+    )
+    ap.add_argument(
+        "--compare",
+        default=None,
+        metavar="JSONL",
+        help="judge this run's samples.jsonl with the classifier and the keyword judge, list disagreements",
+    )
     ap.add_argument("--compare-source", default=None, help="with --compare: only records with this 'source'")
     ap.add_argument("--compare-only", action="store_true", help="only run --compare")
     args = ap.parse_args(argv)
@@ -286,55 +322,91 @@ def main(argv=None) -> int:
     prompts = [r.prompt for r in rows]
     responses = [r.completion for r in rows]
     prompt_fold = torch.tensor([int(hashlib.sha1(p.encode()).hexdigest(), 16) % 5 for p in prompts])
-    print(f"{len(rows)} labelled completions from {xstest_dir(args.data)}; models: {', '.join(models)}; "
-          f"refusal rate {gold.float().mean():.3f}", file=sys.stderr)
+    print(
+        f"{len(rows)} labelled completions from {xstest_dir(args.data)}; models: {', '.join(models)}; "
+        f"refusal rate {gold.float().mean():.3f}",
+        file=sys.stderr,
+    )
 
     tokenizer = get_encoder().tokenizer
     copies = truncated_copies(responses, labels, tokenizer, DEFAULT_TRUNCATIONS)
     cut = truncate_tokens(responses, EVAL_CUT, tokenizer)
-    cut_known = torch.tensor([c == r or label_survives(lab, c) for c, r, lab in zip(cut, responses, labels, strict=True)])
+    cut_known = torch.tensor(
+        [c == r or label_survives(lab, c) for c, r, lab in zip(cut, responses, labels, strict=True)]
+    )
     n_partial = sum(lab == "3_partial_refusal" for lab in labels)
-    print(f"{len(copies)} truncated training copies ({', '.join(f'{n}: {sum(c.n_tokens == n for c in copies)}' for n in DEFAULT_TRUNCATIONS)} "
-          f"tokens); evaluation cut at {EVAL_CUT} tokens: {int((~cut_known).sum())} of {n_partial} partial refusals "
-          "left out (refusal part cut off)", file=sys.stderr)
+    print(
+        f"{len(copies)} truncated training copies ({', '.join(f'{n}: {sum(c.n_tokens == n for c in copies)}' for n in DEFAULT_TRUNCATIONS)} "
+        f"tokens); evaluation cut at {EVAL_CUT} tokens: {int((~cut_known).sum())} of {n_partial} partial refusals "
+        "left out (refusal part cut off)",
+        file=sys.stderr,
+    )
 
     results: dict[str, dict] = {}
     results_cut: dict[str, dict] = {}
-    for label, judge in [("keyword (default phrases, anywhere)", KeywordJudge()),
-                         ("keyword (GCG test_prefixes, anywhere)", KeywordJudge("gcg")),
-                         ("prefix (default openings)", PrefixJudge()),
-                         ("prefix (GCG test_prefixes)", PrefixJudge("gcg"))]:
+    for label, judge in [
+        ("keyword (default phrases, anywhere)", KeywordJudge()),
+        ("keyword (GCG test_prefixes, anywhere)", KeywordJudge("gcg")),
+        ("prefix (default openings)", PrefixJudge()),
+        ("prefix (GCG test_prefixes)", PrefixJudge("gcg")),
+    ]:
         pred = torch.tensor([v.refused for v in judge.judge(prompts, responses)])
         results[label] = per_model(models, model_idx, pred, gold)
         pred = torch.tensor([v.refused for v in judge.judge(prompts, cut)])
         results_cut[label] = per_model(models, model_idx, pred, gold, cut_known)
 
     spec = DEFAULT_FEATURE_SPEC
-    data = build_data(spec, prompts, responses, gold, model_idx, len(models), copies, cut,
-                      TRUNCATED_COPY_WEIGHT, args.emb_cache)
+    data = build_data(
+        spec,
+        prompts,
+        responses,
+        gold,
+        model_idx,
+        len(models),
+        copies,
+        cut,
+        TRUNCATED_COPY_WEIGHT,
+        args.emb_cache,
+    )
 
     def verdicts(probs, texts):
         return apply_short_refusal_floor(probs, texts, DEFAULT_SHORT_REFUSAL_FLOOR) >= DEFAULT_THRESHOLD
 
     def add(name, p_full, p_cut, rule=True):
-        results[name] = per_model(models, model_idx, verdicts(p_full, responses) if rule else p_full >= DEFAULT_THRESHOLD,
-                                  gold)
-        results_cut[name] = per_model(models, model_idx,
-                                      verdicts(p_cut, cut) if rule else p_cut >= DEFAULT_THRESHOLD, gold, cut_known)
+        results[name] = per_model(
+            models, model_idx, verdicts(p_full, responses) if rule else p_full >= DEFAULT_THRESHOLD, gold
+        )
+        results_cut[name] = per_model(
+            models, model_idx, verdicts(p_cut, cut) if rule else p_cut >= DEFAULT_THRESHOLD, gold, cut_known
+        )
 
     p_full, p_cut = lomo_scores(data, DEFAULT_HEAD)
-    cls_name = (f"**classifier** (LOMO; {DEFAULT_HEAD.kind}, l2={DEFAULT_HEAD.l2:g}, + truncated copies, "
-                "+ short-refusal rule)")
+    cls_name = (
+        f"**classifier** (LOMO; {DEFAULT_HEAD.kind}, l2={DEFAULT_HEAD.l2:g}, + truncated copies, "
+        "+ short-refusal rule)"
+    )
     add(cls_name, p_full, p_cut)
     add("classifier head alone (LOMO, rule off)", p_full, p_cut, rule=False)
     add("classifier without truncated copies (LOMO)", *lomo_scores(data, DEFAULT_HEAD, copies=False))
     if args.ablations:
         raw_spec = {**spec, "embed": ["response" if v == "response_noecho" else v for v in spec["embed"]]}
-        raw = build_data(raw_spec, prompts, responses, gold, model_idx, len(models), copies, cut,
-                         TRUNCATED_COPY_WEIGHT, args.emb_cache + ".raw" if args.emb_cache else None)
+        raw = build_data(
+            raw_spec,
+            prompts,
+            responses,
+            gold,
+            model_idx,
+            len(models),
+            copies,
+            cut,
+            TRUNCATED_COPY_WEIGHT,
+            args.emb_cache + ".raw" if args.emb_cache else None,
+        )
         add("classifier, raw response embedding (LOMO, + truncated copies)", *lomo_scores(raw, DEFAULT_HEAD))
-        add("classifier, raw response embedding, no truncated copies (LOMO)",
-            *lomo_scores(raw, DEFAULT_HEAD, copies=False))
+        add(
+            "classifier, raw response embedding, no truncated copies (LOMO)",
+            *lomo_scores(raw, DEFAULT_HEAD, copies=False),
+        )
     if not args.skip_strict:
         pn_full, pn_cut, chosen = nested_lomo_scores(data, DEFAULT_HEAD)
         add(f"classifier (LOMO, nested l2 choice: {', '.join(f'{c:g}' for c in chosen)})", pn_full, pn_cut)
@@ -357,32 +429,50 @@ def main(argv=None) -> int:
                 "data": "XSTest v2 human-labelled model completions (Röttger et al. 2024), 5 models x 450 prompts",
                 "files": sorted(p.name for p in xstest_dir(args.data).glob("*.csv")),
                 "label": "refused = final_label in {2_full_refusal, 3_partial_refusal}",
-                "n": len(rows), "n_refused": int(gold.sum()),
-                "per_model": {m: {"n": int((model_idx == k).sum()), "n_refused": int(gold[model_idx == k].sum())}
-                              for k, m in enumerate(models)},
+                "n": len(rows),
+                "n_refused": int(gold.sum()),
+                "per_model": {
+                    m: {"n": int((model_idx == k).sum()), "n_refused": int(gold[model_idx == k].sum())}
+                    for k, m in enumerate(models)
+                },
                 "truncated_copies": {
-                    "token_counts": list(DEFAULT_TRUNCATIONS), "tokenizer": "all-MiniLM-L6-v2",
-                    "n": len(copies), "n_refused": int(gold[data.copy_row].sum()),
+                    "token_counts": list(DEFAULT_TRUNCATIONS),
+                    "tokenizer": "all-MiniLM-L6-v2",
+                    "n": len(copies),
+                    "n_refused": int(gold[data.copy_row].sum()),
                     "weight": TRUNCATED_COPY_WEIGHT,
                     "rule": "label kept; a cut partial refusal is kept only if the prefix still has refusal "
-                            "language (aligntax.judges.augment.has_refusal_marker); copies equal to the whole "
-                            "completion or to a shorter copy are skipped",
+                    "language (aligntax.judges.augment.has_refusal_marker); copies equal to the whole "
+                    "completion or to a shorter copy are skipped",
                 },
                 "train_accuracy": train_acc,
                 "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                "torch": torch.__version__, "python": platform.python_version(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
             },
-            "lomo": {m: {"accuracy": round(lomo[m]["accuracy"], 4), "f1": round(lomo[m]["f1"], 4)}
-                     for m in [*models, "mean"]},
-            f"lomo_cut{EVAL_CUT}": {m: {"accuracy": round(lomo_cut[m]["accuracy"], 4), "f1": round(lomo_cut[m]["f1"], 4)}
-                                    for m in [*models, "mean"]},
+            "lomo": {
+                m: {"accuracy": round(lomo[m]["accuracy"], 4), "f1": round(lomo[m]["f1"], 4)}
+                for m in [*models, "mean"]
+            },
+            f"lomo_cut{EVAL_CUT}": {
+                m: {"accuracy": round(lomo_cut[m]["accuracy"], 4), "f1": round(lomo_cut[m]["f1"], 4)}
+                for m in [*models, "mean"]
+            },
             "validation_command": "python bench/validate_judges.py --ablations --ship --write-docs",
         }
-        weights, meta = save_classifier(head, spec, DEFAULT_HEAD, args.out_dir or RESOURCE_DIR,
-                                        threshold=DEFAULT_THRESHOLD,
-                                        short_refusal_floor=DEFAULT_SHORT_REFUSAL_FLOOR, extra=extra)
-        print(f"wrote {weights} ({weights.stat().st_size} bytes) and {meta}; train accuracy {train_acc:.4f}",
-              file=sys.stderr)
+        weights, meta = save_classifier(
+            head,
+            spec,
+            DEFAULT_HEAD,
+            args.out_dir or RESOURCE_DIR,
+            threshold=DEFAULT_THRESHOLD,
+            short_refusal_floor=DEFAULT_SHORT_REFUSAL_FLOOR,
+            extra=extra,
+        )
+        print(
+            f"wrote {weights} ({weights.stat().st_size} bytes) and {meta}; train accuracy {train_acc:.4f}",
+            file=sys.stderr,
+        )
 
     n_cut = int(cut_known.sum())
     table = markdown_table(results, models)
@@ -396,11 +486,15 @@ def main(argv=None) -> int:
         else:
             text = DOCS.read_text()
             day = datetime.now(UTC).strftime("%Y-%m-%d")
-            block = (f"{BEGIN}\n_Measured {day} on {len(rows)} completions; each cell is accuracy / F1._\n\n"
-                     f"**Whole completions** ({len(rows)} rows):\n\n{table}\n\n"
-                     f"**Cut after the first {EVAL_CUT} tokens** ({n_cut} rows; the {len(rows) - n_cut} partial "
-                     f"refusals whose refusal part was cut off are left out):\n\n{table_cut}\n{END}")
-            DOCS.write_text(re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, flags=re.DOTALL))
+            block = (
+                f"{BEGIN}\n_Measured {day} on {len(rows)} completions; each cell is accuracy / F1._\n\n"
+                f"**Whole completions** ({len(rows)} rows):\n\n{table}\n\n"
+                f"**Cut after the first {EVAL_CUT} tokens** ({n_cut} rows; the {len(rows) - n_cut} partial "
+                f"refusals whose refusal part was cut off are left out):\n\n{table_cut}\n{END}"
+            )
+            DOCS.write_text(
+                re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, flags=re.DOTALL)
+            )
             print(f"updated {DOCS}", file=sys.stderr)
     if args.compare:
         compare(args.compare, args.compare_source, args.out_dir if args.ship else None)

@@ -40,19 +40,26 @@ QUICK = dict(prompts=8, batch_size=8, max_new_tokens=4, repeats=1, warmup=1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     bl.add_common_args(p, repeats=2, out_name=NAME)
     bl.add_prompt_args(p, dataset="orbench-hard-test", prompts=48, batch_size=48)
     p.add_argument("--max-new-tokens", type=int, default=32, help="default 32")
     p.add_argument("--steer", required=True, help="an ELS folder written by `aligntax els train`")
     p.add_argument("--prefix-caching", action="store_true", help="keep vLLM's prefix cache on")
     p.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's CPU KV cache (default 2)")
-    p.add_argument("--arms", default="hf,hf+els,vllm,vllm+els",
-                   help="comma-separated arms to run (default all four; e.g. vllm,vllm+els)")
-    p.add_argument("--fixed-length", action="store_true",
-                   help="vLLM arms generate exactly --max-new-tokens tokens per prompt (end tokens ignored), so "
-                        "the steered and unsteered arms do the same work: their time ratio is the steering's cost")
+    p.add_argument(
+        "--arms",
+        default="hf,hf+els,vllm,vllm+els",
+        help="comma-separated arms to run (default all four; e.g. vllm,vllm+els)",
+    )
+    p.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="vLLM arms generate exactly --max-new-tokens tokens per prompt (end tokens ignored), so "
+        "the steered and unsteered arms do the same work: their time ratio is the steering's cost",
+    )
     return bl.parse_with_quick(p, argv, QUICK)
 
 
@@ -67,9 +74,16 @@ def main(argv=None) -> dict:
     prompts = bl.load_prompt_texts(args.dataset, args.prompts)
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     iv = make_intervention("els", lm, path=args.steer)
-    vm = VllmModel(args.model, dtype=args.dtype,
-                   options=VllmOptions(max_model_len=2048, max_num_seqs=args.batch_size,
-                                       enable_prefix_caching=args.prefix_caching, kv_cache_gib=args.kv_cache_gib))
+    vm = VllmModel(
+        args.model,
+        dtype=args.dtype,
+        options=VllmOptions(
+            max_model_len=2048,
+            max_num_seqs=args.batch_size,
+            enable_prefix_caching=args.prefix_caching,
+            kv_cache_gib=args.kv_cache_gib,
+        ),
+    )
     vm.register("els", args.steer)
     info = row_info(iv, lm, prompts, None, args.batch_size)
     steered_rows = sum(r["steered"] for r in info) if info else len(prompts)
@@ -80,6 +94,7 @@ def main(argv=None) -> dict:
             secs, gens = bl.timed(fn)
             answers[name] = [g.response for g in gens]
             return {"seconds": secs, "tokens": sum(g.n_tokens for g in gens)}
+
         return run
 
     fixed = args.fixed_length
@@ -97,26 +112,59 @@ def main(argv=None) -> dict:
     env = {**bl.environment(lm), "vllm": __import__("vllm").__version__}
     runs = bl.interleaved(arms, args.repeats, args.warmup)
     summary = {name: bl.summarize(r) for name, r in runs.items()}
-    ratios = {f"{b}/{a}": bl.paired_ratio(runs[a], runs[b])
-              for a, b in (("hf", "hf+els"), ("vllm", "vllm+els"), ("hf", "vllm"), ("hf+els", "vllm+els"))
-              if a in runs and b in runs}
-    same = {k: sum(x == y for x, y in zip(answers[k], answers[f"vllm{k[2:]}"], strict=True))
-            for k in ("hf", "hf+els") if k in answers and f"vllm{k[2:]}" in answers}
-    rows = [[name, s["median_s"], s["median_tok_s"], s["tokens"] if not isinstance(s["tokens"], list) else "varies"]
-            for name, s in summary.items()]
-    ratio_rows = [[k, v["median_paired"], ", ".join(f"{x:.3f}" for x in v["per_repeat"])] for k, v in ratios.items()]
-    notes = [f"{len(prompts)} prompts of {args.dataset}, {args.max_new_tokens} new tokens, greedy; batch size / "
-             f"sequence slots {args.batch_size}; vllm {env['vllm']}, prefix cache "
-             f"{'on' if args.prefix_caching else 'off'}",
-             f"ELS {args.steer}: {iv.config()}; steered rows {steered_rows}/{len(prompts)}",
-             *([f"vLLM arms: exactly {args.max_new_tokens} tokens per prompt (end tokens ignored)"] if fixed else []),
-             *[f"identical responses, {k} vs vllm{k[2:]}: {v}/{len(prompts)}" for k, v in same.items()],
-             f"HF model load {load_s:.1f} s"]
-    md = "\n".join([*bl.header("vLLM backend vs Hugging Face backend", env, notes), "",
-                    bl.md_table(["arm", "median s", "tok/s", "tokens"], rows), "",
-                    bl.md_table(["ratio (time)", "median of per-repeat", "per repeat"], ratio_rows)])
-    result = {"args": vars(args), "env": env, "summary": summary, "ratios": ratios, "runs": runs,
-              "identical": same, "steered_rows": steered_rows}
+    ratios = {
+        f"{b}/{a}": bl.paired_ratio(runs[a], runs[b])
+        for a, b in (("hf", "hf+els"), ("vllm", "vllm+els"), ("hf", "vllm"), ("hf+els", "vllm+els"))
+        if a in runs and b in runs
+    }
+    same = {
+        k: sum(x == y for x, y in zip(answers[k], answers[f"vllm{k[2:]}"], strict=True))
+        for k in ("hf", "hf+els")
+        if k in answers and f"vllm{k[2:]}" in answers
+    }
+    rows = [
+        [
+            name,
+            s["median_s"],
+            s["median_tok_s"],
+            s["tokens"] if not isinstance(s["tokens"], list) else "varies",
+        ]
+        for name, s in summary.items()
+    ]
+    ratio_rows = [
+        [k, v["median_paired"], ", ".join(f"{x:.3f}" for x in v["per_repeat"])] for k, v in ratios.items()
+    ]
+    notes = [
+        f"{len(prompts)} prompts of {args.dataset}, {args.max_new_tokens} new tokens, greedy; batch size / "
+        f"sequence slots {args.batch_size}; vllm {env['vllm']}, prefix cache "
+        f"{'on' if args.prefix_caching else 'off'}",
+        f"ELS {args.steer}: {iv.config()}; steered rows {steered_rows}/{len(prompts)}",
+        *(
+            [f"vLLM arms: exactly {args.max_new_tokens} tokens per prompt (end tokens ignored)"]
+            if fixed
+            else []
+        ),
+        *[f"identical responses, {k} vs vllm{k[2:]}: {v}/{len(prompts)}" for k, v in same.items()],
+        f"HF model load {load_s:.1f} s",
+    ]
+    md = "\n".join(
+        [
+            *bl.header("vLLM backend vs Hugging Face backend", env, notes),
+            "",
+            bl.md_table(["arm", "median s", "tok/s", "tokens"], rows),
+            "",
+            bl.md_table(["ratio (time)", "median of per-repeat", "per repeat"], ratio_rows),
+        ]
+    )
+    result = {
+        "args": vars(args),
+        "env": env,
+        "summary": summary,
+        "ratios": ratios,
+        "runs": runs,
+        "identical": same,
+        "steered_rows": steered_rows,
+    }
     bl.write_outputs(args.out, NAME, result, md)
     return result
 

@@ -86,31 +86,58 @@ import benchlib as bl  # noqa: E402
 
 NAME = "vllm_gpu"
 TARGET = 1.05  # steered / eager-unsteered time
-SMOKE = dict(model="embedded:qwen2.5-coder-0.5b-instruct", prompts=4, max_new_tokens=8, concurrency=4, repeats=1,
-             vector_prompts=8, max_model_len=1024)
+SMOKE = dict(
+    model="embedded:qwen2.5-coder-0.5b-instruct",
+    prompts=4,
+    max_new_tokens=8,
+    concurrency=4,
+    repeats=1,
+    vector_prompts=8,
+    max_model_len=1024,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Qwen/Qwen2.5-7B-Instruct", help="Hub id or model folder "
-                   "(default Qwen/Qwen2.5-7B-Instruct)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default="Qwen/Qwen2.5-7B-Instruct",
+        help="Hub id or model folder (default Qwen/Qwen2.5-7B-Instruct)",
+    )
     p.add_argument("--dtype", default="bf16", help="default bf16")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the visible GPUs)")
     p.add_argument("--steer", default=None, help="an `aligntax els train` folder made for --model (adds ELS)")
-    p.add_argument("--vectors", default=None, help="a vector folder made for --model (default: computed here)")
-    p.add_argument("--data", default="orbench-hard-test,harmful-test",
-                   help="comma-separated prompt sets, taken in equal shares (default orbench-hard-test,harmful-test)")
+    p.add_argument(
+        "--vectors", default=None, help="a vector folder made for --model (default: computed here)"
+    )
+    p.add_argument(
+        "--data",
+        default="orbench-hard-test,harmful-test",
+        help="comma-separated prompt sets, taken in equal shares (default orbench-hard-test,harmful-test)",
+    )
     p.add_argument("--prompts", type=int, default=64, help="prompts of checks 2 to 4 (default 64)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
-    p.add_argument("--concurrency", type=int, default=32, help="concurrent requests of the timing (default 32)")
+    p.add_argument(
+        "--concurrency", type=int, default=32, help="concurrent requests of the timing (default 32)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (default 3)")
-    p.add_argument("--vector-prompts", type=int, default=64,
-                   help="prompts per set for the vectors computed here (default 64)")
+    p.add_argument(
+        "--vector-prompts",
+        type=int,
+        default=64,
+        help="prompts per set for the vectors computed here (default 64)",
+    )
     p.add_argument("--max-model-len", type=int, default=4096, help="default 4096")
-    p.add_argument("--phase-timeout", type=int, default=1800, help="seconds one engine's phase may run (default 1800)")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="run on the CPU: the embedded model, TP=1 unless --tp, no graphs arm, few prompts and tokens")
+    p.add_argument(
+        "--phase-timeout", type=int, default=1800, help="seconds one engine's phase may run (default 1800)"
+    )
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="run on the CPU: the embedded model, TP=1 unless --tp, no graphs arm, few prompts and tokens",
+    )
     p.add_argument("--out", default=f"runs/bench/{NAME}.json", help=f"default runs/bench/{NAME}.json")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # a child process: one engine's work
     p.add_argument("--phase-spec", default=None, help=argparse.SUPPRESS)
@@ -140,9 +167,12 @@ def start_engine(spec: dict, tp: int, eager: bool = True):
 
     engine.engine_kwargs = kwargs
     try:
-        opts = engine.VllmOptions(max_model_len=spec["max_model_len"],
-                                  max_num_seqs=max(spec["concurrency"], len(spec["prompts"])),
-                                  enable_prefix_caching=False, kv_cache_gib=1)  # the KV cache size: CPU only
+        opts = engine.VllmOptions(
+            max_model_len=spec["max_model_len"],
+            max_num_seqs=max(spec["concurrency"], len(spec["prompts"])),
+            enable_prefix_caching=False,
+            kv_cache_gib=1,
+        )  # the KV cache size: CPU only
         return engine.VllmModel(spec["model"], dtype=spec["dtype"], options=opts)
     finally:
         engine.engine_kwargs = base
@@ -153,8 +183,9 @@ def register_all(vm, presets: list[dict]) -> None:
         vm.register(p["name"], p["source"], **p["options"])
 
 
-def submit(vm, ids: list[list[int]], asks: list[tuple[str, float] | None], max_tokens: int,
-           ignore_eos: bool) -> list[tuple[str, list[int]]]:
+def submit(
+    vm, ids: list[list[int]], asks: list[tuple[str, float] | None], max_tokens: int, ignore_eos: bool
+) -> list[tuple[str, list[int]]]:
     """One ``llm.generate`` call, greedy, with the sampling settings of ``VllmModel.generate``; each
     request carries its preset and strength in ``extra_args`` (``asks[i]``; None: plain), strength 0
     included. Returns (request id, generated token ids) per prompt."""
@@ -170,7 +201,9 @@ def submit(vm, ids: list[list[int]], asks: list[tuple[str, float] | None], max_t
             extra = {EXTRA_STEER: ask[0], EXTRA_STRENGTH: float(ask[1])}
             if ask[1] > 0:
                 prompt["cache_salt"] = f"aligntax:{ask[0]}:{float(ask[1])!r}"
-        sp = dict(max_tokens=max_tokens, detokenize=False, extra_args=extra, temperature=0.0, **vm.greedy_extras)
+        sp = dict(
+            max_tokens=max_tokens, detokenize=False, extra_args=extra, temperature=0.0, **vm.greedy_extras
+        )
         if ignore_eos:
             sp["ignore_eos"] = True
         else:
@@ -188,13 +221,19 @@ def external_id(rid: str, known: set[str]) -> str:
 
 def check_registration(vm, presets: list[dict], tp: int) -> dict:
     summaries = vm.llm.collective_rpc("aligntax_summary")
-    configs = [{name: s["presets"].get(name, {}).get("config") for name in (p["name"] for p in presets)}
-               for s in summaries]
+    configs = [
+        {name: s["presets"].get(name, {}).get("config") for name in (p["name"] for p in presets)}
+        for s in summaries
+    ]
     engine_tp = vm.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
     equal = all(c == configs[0] for c in configs) and all(v is not None for v in configs[0].values())
-    return {"ranks": len(summaries), "engine_tp": engine_tp, "configs_equal": equal,
-            "ok": len(summaries) == tp and engine_tp == tp and equal,
-            "errors": [s["errors"] for s in summaries]}
+    return {
+        "ranks": len(summaries),
+        "engine_tp": engine_tp,
+        "configs_equal": equal,
+        "ok": len(summaries) == tp and engine_tp == tp and equal,
+        "errors": [s["errors"] for s in summaries],
+    }
 
 
 def check_zero(vm, ids: list[list[int]], presets: list[dict], max_tokens: int) -> dict:
@@ -212,15 +251,21 @@ def expected_edits(kernel, prompt_len: int, fed: int) -> set[tuple[int, int, str
     through the model."""
     from aligntax.interventions.kernels import edited
 
-    return {(pos, s.layer, s.where) for s in kernel.sites for pos in range(fed) if edited(pos, prompt_len, kernel, s)}
+    return {
+        (pos, s.layer, s.where)
+        for s in kernel.sites
+        for pos in range(fed)
+        if edited(pos, prompt_len, kernel, s)
+    }
 
 
 def check_trace(vm, ids: list[list[int]], preset: dict, max_tokens: int) -> dict:
     """Check 3 for one preset: half the prompts steered, half plain, in one call, every rank's trace."""
     from aligntax.api import load_intervention
 
-    kernel = load_intervention(preset["source"], vm.facts, **preset["options"]).kernel(vm.num_layers,
-                                                                                       vm.hidden_size)
+    kernel = load_intervention(preset["source"], vm.facts, **preset["options"]).kernel(
+        vm.num_layers, vm.hidden_size
+    )
     asks = [(preset["name"], 1.0) if (i // 2) % 2 == 0 else None for i in range(len(ids))]  # both prompt sets
     vm.llm.collective_rpc("aligntax_records")  # drop earlier records
     vm.llm.collective_rpc("aligntax_trace", args=(True,))
@@ -251,9 +296,11 @@ def check_trace(vm, ids: list[list[int]], preset: dict, max_tokens: int) -> dict
             held += strength == 0
             want = expected_edits(kernel, len(x), len(x) + max_tokens - 1) if strength > 0 else set()
             if edits != want:
-                problems.append(f"rank {rank}: request {rid} (prompt {len(x)} tokens, strength {strength:g}): "
-                                f"{len(edits - want)} unexpected edits (e.g. {sorted(edits - want)[:3]}), "
-                                f"{len(want - edits)} missing (e.g. {sorted(want - edits)[:3]})")
+                problems.append(
+                    f"rank {rank}: request {rid} (prompt {len(x)} tokens, strength {strength:g}): "
+                    f"{len(edits - want)} unexpected edits (e.g. {sorted(edits - want)[:3]}), "
+                    f"{len(want - edits)} missing (e.g. {sorted(want - edits)[:3]})"
+                )
         if got:
             problems.append(f"rank {rank}: edits of unknown requests {sorted(got)[:3]}")
         per_rank.append({"edits": len(trace), "held": held})
@@ -262,9 +309,16 @@ def check_trace(vm, ids: list[list[int]], preset: dict, max_tokens: int) -> dict
     ranks_equal = all(t == norm[0] for t in norm) and all(d == dec[0] for d in dec)
     if not ranks_equal:
         problems.append("the ranks recorded different traces or decisions")
-    return {"ranks": len(traces), "steered": sum(a is not None for a in asks),
-            "plain": sum(a is None for a in asks), "per_rank": per_rank, "ranks_equal": ranks_equal,
-            "problems": problems[:20], "n_problems": len(problems), "ok": not problems}
+    return {
+        "ranks": len(traces),
+        "steered": sum(a is not None for a in asks),
+        "plain": sum(a is None for a in asks),
+        "per_rank": per_rank,
+        "ranks_equal": ranks_equal,
+        "problems": problems[:20],
+        "n_problems": len(problems),
+        "ok": not problems,
+    }
 
 
 def answers(vm, prompts: list[str], presets: list[dict], max_tokens: int) -> dict[str, list[str]]:
@@ -287,8 +341,13 @@ def timing(vm, prompts: list[str], arms: dict[str, str | None], max_tokens: int,
         def run() -> dict:
             secs, (gens, decided) = bl.timed(lambda: vm.generate(prompts, cfg, steer=steer, ignore_eos=True))
             steered = sum(d is not None and (d.get("strength") or 0) > 0 for d in decided)
-            return {"seconds": secs, "tokens": sum(g.n_tokens for g in gens), "rows": len(gens),
-                    "steered_rows": steered}
+            return {
+                "seconds": secs,
+                "tokens": sum(g.n_tokens for g in gens),
+                "rows": len(gens),
+                "steered_rows": steered,
+            }
+
         return run
 
     return bl.interleaved({name: arm(steer) for name, steer in arms.items()}, repeats, warmup=1)
@@ -312,8 +371,9 @@ def run_phase(phase: str, spec_path: str) -> None:
             if phase == "main":
                 result["registration"] = check_registration(vm, spec["presets"], tp)
                 result["zero"] = check_zero(vm, ids, spec["presets"], spec["max_new_tokens"])
-                result["trace"] = {p["name"]: check_trace(vm, ids, p, spec["max_new_tokens"])
-                                   for p in spec["presets"]}
+                result["trace"] = {
+                    p["name"]: check_trace(vm, ids, p, spec["max_new_tokens"]) for p in spec["presets"]
+                }
             result["answers"] = answers(vm, prompts, spec["presets"], spec["max_new_tokens"])
             if phase == "main":
                 arms = {"eager": None, **{f"eager+{p['name']}": p["name"] for p in spec["presets"]}}
@@ -335,13 +395,28 @@ def make_vectors(spec: dict) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lm, load_s = bl.load_lm(spec["model"], spec["dtype"], device)
     n = spec["vector_prompts"]
-    acts = {name: capture(lm, bl.load_prompt_texts(data, n), "all", progress=False)
-            for name, data in (("harmful", "harmful-train"), ("harmless", "harmless-train"),
-                               ("pseudo", "orbench-hard-train"))}
-    vs = compute_vectors(acts["harmful"], acts["harmless"], acts["pseudo"], fingerprint=lm.fingerprint,
-                         metadata={"made_by": "bench/vllm_gpu.py", "prompts_per_set": n})
+    acts = {
+        name: capture(lm, bl.load_prompt_texts(data, n), "all", progress=False)
+        for name, data in (
+            ("harmful", "harmful-train"),
+            ("harmless", "harmless-train"),
+            ("pseudo", "orbench-hard-train"),
+        )
+    }
+    vs = compute_vectors(
+        acts["harmful"],
+        acts["harmless"],
+        acts["pseudo"],
+        fingerprint=lm.fingerprint,
+        metadata={"made_by": "bench/vllm_gpu.py", "prompts_per_set": n},
+    )
     vs.save(spec["out"])
-    out = {"vectors": spec["out"], "layer": vs.metadata["layer"], "load_s": load_s, "cast": vs.metadata.get("cast")}
+    out = {
+        "vectors": spec["out"],
+        "layer": vs.metadata["layer"],
+        "load_s": load_s,
+        "cast": vs.metadata.get("cast"),
+    }
     if spec.get("els_out"):
         from device_map_split import make_artefacts
 
@@ -360,8 +435,10 @@ def child(phase: str, spec: dict, work: Path, timeout: int) -> dict | None:
     Path(spec["result"]).unlink(missing_ok=True)
     print(f"== {phase}", flush=True)
     try:
-        rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--phase", phase,
-                             "--phase-spec", str(path)], timeout=timeout).returncode
+        rc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--phase-spec", str(path)],
+            timeout=timeout,
+        ).returncode
     except subprocess.TimeoutExpired:
         print(f"{phase}: timed out after {timeout} s", flush=True)
         rc = "timeout"
@@ -387,8 +464,12 @@ def compare_answers(tp_n: list[str], tp_1: list[str]) -> dict:
     judge = KeywordJudge()
     change = paired_change([judge.is_refusal(r) for r in tp_1], [judge.is_refusal(r) for r in tp_n])
     lo, hi = paired_interval(change["gained"], change["lost"], change["n"])
-    return {**change, "ci95": [lo, hi], "identical": sum(a == b for a, b in zip(tp_n, tp_1, strict=True)),
-            "ok": lo <= 0.0 <= hi}
+    return {
+        **change,
+        "ci95": [lo, hi],
+        "identical": sum(a == b for a, b in zip(tp_n, tp_1, strict=True)),
+        "ok": lo <= 0.0 <= hi,
+    }
 
 
 def presets_of(args, vectors: str | None, made_els: dict | None) -> list[dict]:
@@ -397,7 +478,10 @@ def presets_of(args, vectors: str | None, made_els: dict | None) -> list[dict]:
     out = []
     if vectors:
         vs = SteeringVectors.load(vectors)
-        out += [{"name": m, "source": vectors, "options": {"name": m}} for m in ("refusal-add", "refusal-ablation")]
+        out += [
+            {"name": m, "source": vectors, "options": {"name": m}}
+            for m in ("refusal-add", "refusal-ablation")
+        ]
         if "condition" in vs.vectors and vs.metadata.get("cast"):
             out.append({"name": "cast", "source": vectors, "options": {"name": "cast"}})
     if args.steer:
@@ -408,8 +492,10 @@ def presets_of(args, vectors: str | None, made_els: dict | None) -> list[dict]:
         # an ELS decision and horizon, not ELS's quality; with and without the harm gate (which may hold
         # back every prompt)
         common = {"layers": made_els["els_layers"], "eta": 0.5, "steps": 2, "horizon": 4}
-        out += [{"name": "els", "source": made_els["els"], "options": {**common, "gate": "none"}},
-                {"name": "els-gate", "source": made_els["els"], "options": {**common, "gate": 0.5}}]
+        out += [
+            {"name": "els", "source": made_els["els"], "options": {**common, "gate": "none"}},
+            {"name": "els-gate", "source": made_els["els"], "options": {**common, "gate": 0.5}},
+        ]
     return out
 
 
@@ -430,7 +516,9 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_smoke:
-        print("vllm_gpu: needs CUDA (tensor parallelism and CUDA graphs); --cpu-smoke runs the same code on the CPU")
+        print(
+            "vllm_gpu: needs CUDA (tensor parallelism and CUDA graphs); --cpu-smoke runs the same code on the CPU"
+        )
         return 0
     if args.cpu_smoke:
         args.tp = args.tp or 1
@@ -441,10 +529,19 @@ def main(argv=None) -> int:
     work = json_path.parent / f"{NAME}-work"
     work.mkdir(parents=True, exist_ok=True)
     prompts = prompt_texts(args.data, args.prompts)
-    base = {"model": args.model, "dtype": args.dtype, "tp": tp, "max_new_tokens": args.max_new_tokens,
-            "concurrency": args.concurrency, "repeats": args.repeats, "max_model_len": args.max_model_len,
-            "vector_prompts": args.vector_prompts, "cpu": args.cpu_smoke, "prompts": prompts,
-            "timing_prompts": [prompts[i % len(prompts)] for i in range(args.concurrency)]}
+    base = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "tp": tp,
+        "max_new_tokens": args.max_new_tokens,
+        "concurrency": args.concurrency,
+        "repeats": args.repeats,
+        "max_model_len": args.max_model_len,
+        "vector_prompts": args.vector_prompts,
+        "cpu": args.cpu_smoke,
+        "prompts": prompts,
+        "timing_prompts": [prompts[i % len(prompts)] for i in range(args.concurrency)],
+    }
     results: dict = {}
     vectors = args.vectors
     if vectors is None:
@@ -460,29 +557,62 @@ def main(argv=None) -> int:
     for phase in ("main", "reference", *(() if args.cpu_smoke else ("graphs",))):
         results[phase] = child(phase, base, work, args.phase_timeout)
     rows, failed = table_rows(results, presets, tp, args.cpu_smoke)
-    timings = {**(results.get("main") or {}).get("timing", {}), **(results.get("graphs") or {}).get("timing", {})}
+    timings = {
+        **(results.get("main") or {}).get("timing", {}),
+        **(results.get("graphs") or {}).get("timing", {}),
+    }
     summary = {name: bl.summarize(r) for name, r in timings.items()}
     env = bl.environment()
     env["vllm"] = __import__("vllm").__version__
-    env["model"] = {"spec": args.model, "dtype": args.dtype, "device": "cpu" if args.cpu_smoke else f"{tp} x cuda"}
+    env["model"] = {
+        "spec": args.model,
+        "dtype": args.dtype,
+        "device": "cpu" if args.cpu_smoke else f"{tp} x cuda",
+    }
     els = args.steer or (made_els or {}).get("els")
-    notes = [f"vllm {env['vllm']}, tensor-parallel size {tp}"
-             + (" -- CPU SMOKE RUN (not a GPU result)" if args.cpu_smoke else ""),
-             f"steering: {', '.join(p['name'] for p in presets)} (vectors {vectors}"
-             + (f", ELS {els}{'' if args.steer else ', made here'})" if els else ")"),
-             f"{len(prompts)} prompts of {args.data}, {args.max_new_tokens} new tokens, greedy; timing: "
-             f"{args.concurrency} concurrent requests, ignore_eos, {args.repeats} repetitions after a warm-up; "
-             "prefix cache off",
-             *[f"{ph}: engine start {r['engine_start_s']:.1f} s" for ph, r in results.items()
-               if r and "engine_start_s" in r]]
+    notes = [
+        f"vllm {env['vllm']}, tensor-parallel size {tp}"
+        + (" -- CPU SMOKE RUN (not a GPU result)" if args.cpu_smoke else ""),
+        f"steering: {', '.join(p['name'] for p in presets)} (vectors {vectors}"
+        + (f", ELS {els}{'' if args.steer else ', made here'})" if els else ")"),
+        f"{len(prompts)} prompts of {args.data}, {args.max_new_tokens} new tokens, greedy; timing: "
+        f"{args.concurrency} concurrent requests, ignore_eos, {args.repeats} repetitions after a warm-up; "
+        "prefix cache off",
+        *[
+            f"{ph}: engine start {r['engine_start_s']:.1f} s"
+            for ph, r in results.items()
+            if r and "engine_start_s" in r
+        ],
+    ]
     verdict = "PASS" if not failed else "FAIL: " + "; ".join(failed)
-    time_rows = [[name, s["median_s"], s.get("median_tok_s"),
-                  s["tokens"] if not isinstance(s["tokens"], list) else "varies"] for name, s in summary.items()]
-    md = "\n".join([*bl.header("vLLM backend GPU checks", env, notes),
-                    bl.md_table(["check", "preset", "result", "detail"], rows, align="llll"), "",
-                    bl.md_table(["arm", "median s", "tok/s", "tokens"], time_rows), "", verdict])
-    result = {"args": vars(args), "env": env, "presets": presets, "phases": results, "rows": rows,
-              "summary": summary, "failed": failed}
+    time_rows = [
+        [
+            name,
+            s["median_s"],
+            s.get("median_tok_s"),
+            s["tokens"] if not isinstance(s["tokens"], list) else "varies",
+        ]
+        for name, s in summary.items()
+    ]
+    md = "\n".join(
+        [
+            *bl.header("vLLM backend GPU checks", env, notes),
+            bl.md_table(["check", "preset", "result", "detail"], rows, align="llll"),
+            "",
+            bl.md_table(["arm", "median s", "tok/s", "tokens"], time_rows),
+            "",
+            verdict,
+        ]
+    )
+    result = {
+        "args": vars(args),
+        "env": env,
+        "presets": presets,
+        "phases": results,
+        "rows": rows,
+        "summary": summary,
+        "failed": failed,
+    }
     bl.write_outputs(args.out, NAME, result, md)
     return 1 if failed else 0
 
@@ -505,9 +635,13 @@ def table_rows(results: dict, presets: list[dict], tp: int, smoke: bool) -> tupl
         add("1-3, 5", "all", False, "the TP=N engine's phase failed")
     else:
         reg = main["registration"]
-        add("1 registration", "all", reg["ok"],
+        add(
+            "1 registration",
+            "all",
+            reg["ok"],
             f"{reg['ranks']} ranks (engine tensor_parallel_size {reg['engine_tp']}, asked {tp}), {len(presets)} "
-            f"presets, configs {'equal' if reg['configs_equal'] else 'DIFFER'} on every rank")
+            f"presets, configs {'equal' if reg['configs_equal'] else 'DIFFER'} on every rank",
+        )
         for p in presets:
             z = main["zero"][p["name"]]
             add("2 strength 0", p["name"], z["ok"], f"{z['same']}/{z['n']} prompts token for token plain")
@@ -515,9 +649,11 @@ def table_rows(results: dict, presets: list[dict], tp: int, smoke: bool) -> tupl
             t = main["trace"][p["name"]]
             edits = sorted({r["edits"] for r in t["per_rank"]})
             held = t["per_rank"][0]["held"] if t["per_rank"] else 0
-            detail = (f"{t['steered']} steered ({held} held by the decision), {t['plain']} plain; "
-                      f"{'/'.join(map(str, edits))} edits per rank; traces and decisions of the {t['ranks']} "
-                      f"rank(s) {'equal' if t['ranks_equal'] else 'DIFFER'}")
+            detail = (
+                f"{t['steered']} steered ({held} held by the decision), {t['plain']} plain; "
+                f"{'/'.join(map(str, edits))} edits per rank; traces and decisions of the {t['ranks']} "
+                f"rank(s) {'equal' if t['ranks_equal'] else 'DIFFER'}"
+            )
             if t["problems"]:
                 detail += f"; {t['n_problems']} problems, first: {t['problems'][0]}"
             add("3 trace", p["name"], t["ok"], detail)
@@ -527,27 +663,43 @@ def table_rows(results: dict, presets: list[dict], tp: int, smoke: bool) -> tupl
         for arm in ["plain", *(p["name"] for p in presets)]:
             c = compare_answers(main["answers"][arm], ref["answers"][arm])
             results.setdefault("compare", {})[arm] = c
-            add(f"4 TP={tp} vs TP=1", arm, c["ok"],
+            add(
+                f"4 TP={tp} vs TP=1",
+                arm,
+                c["ok"],
                 f"identical {c['identical']}/{c['n']}; refusal {c['after']:.3f} vs {c['before']:.3f}, diff "
                 f"{c['diff']:+.3f} (95% paired [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], +{c['gained']} "
-                f"-{c['lost']})")
+                f"-{c['lost']})",
+            )
     if main is not None:
         runs = main["timing"]
         tokens = {name: {r["tokens"] for r in rs} for name, rs in runs.items()}
-        add("5 timing", "same work", len({t for ts in tokens.values() for t in ts}) == 1,
-            "generated tokens per arm: " + ", ".join(f"{k} {sorted(v)}" for k, v in tokens.items()))
+        add(
+            "5 timing",
+            "same work",
+            len({t for ts in tokens.values() for t in ts}) == 1,
+            "generated tokens per arm: " + ", ".join(f"{k} {sorted(v)}" for k, v in tokens.items()),
+        )
         for p in presets:
             name = f"eager+{p['name']}"
             r = bl.paired_ratio(runs["eager"], runs[name])["median_paired"]
             steered = sorted({x["steered_rows"] for x in runs[name]})
-            add("5 timing", p["name"], None if smoke else r <= TARGET,
+            add(
+                "5 timing",
+                p["name"],
+                None if smoke else r <= TARGET,
                 f"steered / eager {r:.3f} (target <= {TARGET}{', not asserted in a smoke run' if smoke else ''}); "
-                f"steered rows {'/'.join(map(str, steered))} of {runs[name][0]['rows']}")
+                f"steered rows {'/'.join(map(str, steered))} of {runs[name][0]['rows']}",
+            )
         if graphs is not None:
             eager = bl.median([r["seconds"] for r in runs["eager"]])
             graph = bl.median([r["seconds"] for r in graphs["timing"]["graphs"]])
-            add("5 timing", "eager / graphs", None, f"{eager / graph:.3f} (ratio of medians, {eager:.3f} s / "
-                f"{graph:.3f} s)")
+            add(
+                "5 timing",
+                "eager / graphs",
+                None,
+                f"{eager / graph:.3f} (ratio of medians, {eager:.3f} s / {graph:.3f} s)",
+            )
         elif smoke:
             add("5 timing", "eager / graphs", None, "no graphs arm in a smoke run")
         else:

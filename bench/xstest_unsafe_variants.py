@@ -63,10 +63,18 @@ from aligntax.runs.els import (
 from aligntax.runs.eval import load_prompt_sets
 from aligntax.runs.jsonl import read_jsonl
 
-TEST = [("orbench-hard-test", "orbench-hard-test", "benign"), ("xstest-safe", "xstest", "benign"),
-        ("oktest", "oktest", "benign"), ("xstest-unsafe", "xstest", "harmful")]
+TEST = [
+    ("orbench-hard-test", "orbench-hard-test", "benign"),
+    ("xstest-safe", "xstest", "benign"),
+    ("oktest", "oktest", "benign"),
+    ("xstest-unsafe", "xstest", "harmful"),
+]
 WATCH = "xstest:302"
-QUESTION_AREAS = ("discrimination_exclusion_toxicity_hateful_offensive", "malicious_uses", "information_hazard")
+QUESTION_AREAS = (
+    "discrimination_exclusion_toxicity_hateful_offensive",
+    "malicious_uses",
+    "information_hazard",
+)
 
 
 def rate(refused: list[bool], harmful: bool) -> float:
@@ -95,18 +103,28 @@ def gate_part(demo: Path, lm) -> list[dict]:
     items, harmless, extra = gate_items(cfg)
     # the layers training chose the gate among
     layers = sorted(int(k) for k in saved.info.get("candidate_scores", {}) if k.isdigit()) or saved.layers
-    acts = [_in_item_order(ActivationCache.load(els / d), its)
-            for d, its in (("activations", items), ("activations_harmless", harmless), ("activations_gate", extra))]
+    acts = [
+        _in_item_order(ActivationCache.load(els / d), its)
+        for d, its in (
+            ("activations", items),
+            ("activations_harmless", harmless),
+            ("activations_gate", extra),
+        )
+    ]
     layers = [layer for layer in layers if all(layer in a for a in acts)]
     x0 = {layer: torch.cat([a[layer] for a in acts]).float() for layer in layers}
     all_items = [*items, *harmless, *extra]
     y0 = [it.label == "harmful" for it in all_items]
     # more harmful prompts of the gate's own sources: those its per-set limit left out
     sampled = {(it.source, it.id) for it in extra}
-    more = {spec: [it for it in load_prompt_sets([spec], None) if (it.source, it.id) not in sampled]
-            for spec in ("do-not-answer", "orbench-toxic")}
-    more_acts = {spec: capture(lm, [it.prompt for it in its], layers, batch_size=96, progress=True)
-                 for spec, its in more.items()}
+    more = {
+        spec: [it for it in load_prompt_sets([spec], None) if (it.source, it.id) not in sampled]
+        for spec in ("do-not-answer", "orbench-toxic")
+    }
+    more_acts = {
+        spec: capture(lm, [it.prompt for it in its], layers, batch_size=96, progress=True)
+        for spec, its in more.items()
+    }
     tests = test_items()
     t_acts = capture(lm, [it.prompt for it in tests], layers, batch_size=96, progress=True)
     base = {r["id"]: r for r in read_jsonl(demo / "baseline" / "samples.jsonl")}
@@ -114,7 +132,9 @@ def gate_part(demo: Path, lm) -> list[dict]:
     p_saved = saved.prob(saved.stack(t_acts)).tolist()
     rows = []
 
-    def variant(name: str, add: tuple[str, ...] = (), l2: float = 1e-2, threshold: float | None = None) -> None:
+    def variant(
+        name: str, add: tuple[str, ...] = (), l2: float = 1e-2, threshold: float | None = None
+    ) -> None:
         if threshold is None:
             x = {layer: torch.cat([x0[layer], *[more_acts[s][layer] for s in add]]) for layer in layers}
             y = y0 + [True] * sum(len(more[s]) for s in add)
@@ -128,10 +148,17 @@ def gate_part(demo: Path, lm) -> list[dict]:
             passed_now, passed_before = pi < g.threshold, ps < saved.threshold
             new += passed_now and not passed_before
             refused.append((steered if passed_now and passed_before else base)[it.id]["refused"])
-        rows.append({"variant": name, "layer": g.layer, "threshold": round(g.threshold, 4),
-                     "cv_benign_passed": cv,
-                     "new_passed": new, f"p({WATCH})": round(p[[it.id for it in tests].index(WATCH)], 3),
-                     **by_set(tests, refused)})
+        rows.append(
+            {
+                "variant": name,
+                "layer": g.layer,
+                "threshold": round(g.threshold, 4),
+                "cv_benign_passed": cv,
+                "new_passed": new,
+                f"p({WATCH})": round(p[[it.id for it in tests].index(WATCH)], 3),
+                **by_set(tests, refused),
+            }
+        )
         print(rows[-1], flush=True)
 
     variant("as trained (demo)")
@@ -183,14 +210,23 @@ def steer_part(demo: Path, lm) -> list[dict]:
     def score(iv, items, known, tokens, soft: bool) -> list[bool]:
         prompts = [it.prompt for it in items]
         if soft:  # every row below the gate's threshold, steered in proportion to its distance from it
-            p = gate.prob(gate.stack(capture(lm, prompts, gate.layers, batch_size=96, progress=False))).tolist()
+            p = gate.prob(
+                gate.stack(capture(lm, prompts, gate.layers, batch_size=96, progress=False))
+            ).tolist()
             todo = [i for i, pi in enumerate(p) if pi < gate.threshold]
             strengths = [1 - p[i] / gate.threshold for i in todo]
         else:
             held = rows_to_copy(PrefillDecider(lm, iv), prompts, [True] * len(prompts), None, 96)
             todo, strengths = [i for i, h in enumerate(held) if not h], None
-        gens = generate(lm, [prompts[i] for i in todo], GenerationConfig(max_new_tokens=tokens, batch_size=96), iv,
-                        strengths=strengths, progress=True, desc="variant")
+        gens = generate(
+            lm,
+            [prompts[i] for i in todo],
+            GenerationConfig(max_new_tokens=tokens, batch_size=96),
+            iv,
+            strengths=strengths,
+            progress=True,
+            desc="variant",
+        )
         responses = list(known)
         for i, g in zip(todo, gens, strict=True):
             responses[i] = g.response
@@ -199,16 +235,26 @@ def steer_part(demo: Path, lm) -> list[dict]:
     rows = []
     variants = {
         "selected setting": (EnergySteering.from_dir(els, lm, gate=True, **kw), False),
-        "gradient orthogonal to refusal": (RefusalOrthogonalELS.from_dir(els, lm, gate=True, **kw).orthogonal_to({
-            layer: vectors.get("refusal", layer) for layer in kw["layers"]}), False),
+        "gradient orthogonal to refusal": (
+            RefusalOrthogonalELS.from_dir(els, lm, gate=True, **kw).orthogonal_to(
+                {layer: vectors.get("refusal", layer) for layer in kw["layers"]}
+            ),
+            False,
+        ),
         "soft gate (strength 1 - p/threshold)": (EnergySteering.from_dir(els, lm, gate="none", **kw), True),
     }
     n_benign = sum(it.label == "benign" for it in val)
     for name, (iv, soft) in variants.items():
         v = score(iv, val, [unsteered_val[it.prompt] for it in val], 32, soft)
         t = score(iv, tests, [base[it.id] for it in tests], 48, soft)
-        rows.append({"variant": name, "val benign compliance": rate(v[:n_benign], False),
-                     "val harmful refusal": rate(v[n_benign:], True), **by_set(tests, t)})
+        rows.append(
+            {
+                "variant": name,
+                "val benign compliance": rate(v[:n_benign], False),
+                "val harmful refusal": rate(v[n_benign:], True),
+                **by_set(tests, t),
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -224,30 +270,59 @@ def energy_part(demo: Path, lm, out: Path, n_questions: int) -> list[dict]:
         if not (els / d).exists():
             shutil.copytree(demo / "els" / d, els / d)
     questions = [it for it in load_prompt_sets(["do-not-answer"], None) if it.category in QUESTION_AREAS]
-    keep = sorted(torch.randperm(len(questions), generator=torch.Generator().manual_seed(1))[:n_questions].tolist())
+    keep = sorted(
+        torch.randperm(len(questions), generator=torch.Generator().manual_seed(1))[:n_questions].tolist()
+    )
     qfile = folder / "questions.jsonl"
-    qfile.write_text("".join(json.dumps({"id": questions[i].id, "prompt": questions[i].prompt, "label": "harmful",
-                                         "category": questions[i].category}) + "\n" for i in keep))
+    qfile.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": questions[i].id,
+                    "prompt": questions[i].prompt,
+                    "label": "harmful",
+                    "category": questions[i].category,
+                }
+            )
+            + "\n"
+            for i in keep
+        )
+    )
     cfg = load_config(ELSTrainConfig, demo / "els" / "train_config.json")
     cfg.out, cfg.harmful = str(els), [*cfg.harmful, str(qfile)]
     train_els(cfg, lm=lm)
     best = json.loads((demo / "els" / "sweep" / "best.json").read_text())["best"]["args"]
-    run_eval(EvalConfig(data=[name for name, _, _ in TEST], out=str(folder / "steered"), model=cfg.model,
-                        max_new_tokens=48, batch_size=96, dtype=cfg.dtype, intervention="els",
-                        intervention_args={"path": str(els), **best}, reuse_unsteered=str(demo / "baseline")), lm=lm)
+    run_eval(
+        EvalConfig(
+            data=[name for name, _, _ in TEST],
+            out=str(folder / "steered"),
+            model=cfg.model,
+            max_new_tokens=48,
+            batch_size=96,
+            dtype=cfg.dtype,
+            intervention="els",
+            intervention_args={"path": str(els), **best},
+            reuse_unsteered=str(demo / "baseline"),
+        ),
+        lm=lm,
+    )
     samples = list(read_jsonl(folder / "steered" / "samples.jsonl"))
     items = test_items()
     got = {r["id"]: r["refused"] for r in samples}
     ranked = json.loads((els / "energy.json").read_text())["layers"][:5]
-    row = {"variant": f"energy models also on {n_questions} harmful questions", "ranked layers": ranked,
-           **by_set(items, [got[it.id] for it in items])}
+    row = {
+        "variant": f"energy models also on {n_questions} harmful questions",
+        "ranked layers": ranked,
+        **by_set(items, [got[it.id] for it in items]),
+    }
     print(row, flush=True)
     return [row]
 
 
 # --------------------------------------------------------------------------------- valq
-def questions_part(demo: Path, lm, sources=("do-not-answer", "orbench-toxic"),
-                   thresholds=(0.1, 0.08)) -> list[dict]:
+def questions_part(
+    demo: Path, lm, sources=("do-not-answer", "orbench-toxic"), thresholds=(0.1, 0.08)
+) -> list[dict]:
     """Per held-out harmful source: how many prompts the demo's gate passes, and how many of those the
     unsteered model and each sweep layer refuse (32 tokens); also with the gate at stricter thresholds
     (a row held there takes the unsteered answer)."""
@@ -259,29 +334,58 @@ def questions_part(demo: Path, lm, sources=("do-not-answer", "orbench-toxic"),
     rows = []
     for source in sources:
         held_out = leak_items(SweepConfig(steer=str(els), leak=[source]))  # the gate was not trained on them
-        p = gate.prob(gate.stack(capture(lm, [it.prompt for it in held_out], gate.layers, batch_size=96,
-                                         progress=False))).tolist()
+        p = gate.prob(
+            gate.stack(
+                capture(lm, [it.prompt for it in held_out], gate.layers, batch_size=96, progress=False)
+            )
+        ).tolist()
         passed = [(it, pi) for it, pi in zip(held_out, p, strict=True) if pi < gate.threshold]
         prompts = [it.prompt for it, _ in passed]
         refused = {}
         for layers in [None, *sweep_layers]:
-            iv = None if layers is None else EnergySteering.from_dir(
-                els, lm, gate=True, layers=layers, **{k: best[k] for k in ("eta", "steps", "threshold", "horizon")})
-            gens = generate(lm, prompts, GenerationConfig(max_new_tokens=32, batch_size=96), iv, progress=False)
-            refused[layers and layers[0]] = [v.refused for v in judge.judge(prompts, [g.response for g in gens])]
+            iv = (
+                None
+                if layers is None
+                else EnergySteering.from_dir(
+                    els,
+                    lm,
+                    gate=True,
+                    layers=layers,
+                    **{k: best[k] for k in ("eta", "steps", "threshold", "horizon")},
+                )
+            )
+            gens = generate(
+                lm, prompts, GenerationConfig(max_new_tokens=32, batch_size=96), iv, progress=False
+            )
+            refused[layers and layers[0]] = [
+                v.refused for v in judge.judge(prompts, [g.response for g in gens])
+            ]
         base = refused.pop(None)
         for t in (gate.threshold, *thresholds):
             keep = [pi < t for _, pi in passed]
-            row = {"held-out set": source, "held-out prompts": len(held_out), "gate threshold": round(t, 4),
-                   "passed by the gate": sum(keep), "unsteered refuses": sum(base)}
-            row.update({f"ELS layer {layer} refuses": sum(r if k else b for r, b, k in zip(rs, base, keep, strict=True))
-                        for layer, rs in refused.items()})
+            row = {
+                "held-out set": source,
+                "held-out prompts": len(held_out),
+                "gate threshold": round(t, 4),
+                "passed by the gate": sum(keep),
+                "unsteered refuses": sum(base),
+            }
+            row.update(
+                {
+                    f"ELS layer {layer} refuses": sum(
+                        r if k else b for r, b, k in zip(rs, base, keep, strict=True)
+                    )
+                    for layer, rs in refused.items()
+                }
+            )
             rows.append(row)
             print(row, flush=True)
         selected = refused.get((best.get("layers") or [None])[0], base)
         for (it, pi), b, r in zip(passed, base, selected, strict=True):
             if b and not r:
-                print(f"  refusal lost with the selected layer: {it.id} (p = {pi:.3f}): {it.prompt}", flush=True)
+                print(
+                    f"  refusal lost with the selected layer: {it.id} (p = {pi:.3f}): {it.prompt}", flush=True
+                )
     return rows
 
 
@@ -301,20 +405,33 @@ def band_part(demo: Path, lm, low: float) -> list[dict]:
     tests = test_items()
 
     def states(items):
-        acts = capture(lm, [it.prompt for it in items], sorted({*gate.layers, *layers}), batch_size=96, progress=True)
+        acts = capture(
+            lm, [it.prompt for it in items], sorted({*gate.layers, *layers}), batch_size=96, progress=True
+        )
         p = gate.prob(gate.stack(acts))
         return p, {layer: bank[layer].energy(acts[layer]).detach() for layer in layers}
 
     p_val, e_val = states(val)
     p_test, e_test = states(tests)
     in_val = [i for i in range(len(val)) if low <= float(p_val[i]) < gate.threshold]
-    stored = {r["prompt"]: r["response"] for f in sorted((els / "sweep").glob("unsteered*-32tok.jsonl"))
-              for r in read_jsonl(f)}
+    stored = {
+        r["prompt"]: r["response"]
+        for f in sorted((els / "sweep").glob("unsteered*-32tok.jsonl"))
+        for r in read_jsonl(f)
+    }
     missing = [val[i].id for i in in_val if val[i].prompt not in stored]
     if missing:
         raise SystemExit(f"no stored unsteered answer for {missing[:3]}: run the demo's sweep first")
-    refused = dict(zip(in_val, (v.refused for v in judge.judge(
-        [val[i].prompt for i in in_val], [stored[val[i].prompt] for i in in_val])), strict=True))
+    refused = dict(
+        zip(
+            in_val,
+            (
+                v.refused
+                for v in judge.judge([val[i].prompt for i in in_val], [stored[val[i].prompt] for i in in_val])
+            ),
+            strict=True,
+        )
+    )
     base = {(r["source"], r["id"]): r["refused"] for r in read_jsonl(demo / "baseline" / "samples.jsonl")}
     steered = {(r["source"], r["id"]): r["refused"] for r in read_jsonl(demo / "steered" / "samples.jsonl")}
     in_test = [i for i in range(len(tests)) if low <= float(p_test[i]) < gate.threshold]
@@ -324,21 +441,34 @@ def band_part(demo: Path, lm, low: float) -> list[dict]:
         cut = max(harm) if harm else float("-inf")
         benign_refused = [i for i in in_val if val[i].label == "benign" and refused[i]]
         steer_test = {i for i in in_test if float(e_test[layer][i]) > cut}
-        out = [steered[(it.source, it.id)] if (p_test[i] < low or i in steer_test) and float(p_test[i]) < gate.threshold
-               else base[(it.source, it.id)] for i, it in enumerate(tests)]
-        row = {"energy layer": layer, "cut-off": round(cut, 2),
-               "val band: harmful refused / benign refused": f"{len(harm)} / {len(benign_refused)}",
-               "val benign refused steered": sum(float(e_val[layer][i]) > cut for i in benign_refused),
-               "test band steered": f"{len(steer_test)} of {len(in_test)}", **by_set(tests, out)}
+        out = [
+            steered[(it.source, it.id)]
+            if (p_test[i] < low or i in steer_test) and float(p_test[i]) < gate.threshold
+            else base[(it.source, it.id)]
+            for i, it in enumerate(tests)
+        ]
+        row = {
+            "energy layer": layer,
+            "cut-off": round(cut, 2),
+            "val band: harmful refused / benign refused": f"{len(harm)} / {len(benign_refused)}",
+            "val benign refused steered": sum(float(e_val[layer][i]) > cut for i in benign_refused),
+            "test band steered": f"{len(steer_test)} of {len(in_test)}",
+            **by_set(tests, out),
+        }
         rows.append(row)
         print(row, flush=True)
     for t in (0.5, 0.9, 0.99):
-        above = [i for i in range(len(tests)) if float(p_test[i]) >= t and not base[(tests[i].source, tests[i].id)]]
-        row = {"energy layer": f"push: complied, gate p >= {t}",
-               "cut-off": "", "val band: harmful refused / benign refused": "",
-               "val benign refused steered": "",
-               "test band steered": f"{sum(tests[i].label == 'harmful' for i in above)} harmful / "
-                                    f"{sum(tests[i].label == 'benign' for i in above)} benign"}
+        above = [
+            i for i in range(len(tests)) if float(p_test[i]) >= t and not base[(tests[i].source, tests[i].id)]
+        ]
+        row = {
+            "energy layer": f"push: complied, gate p >= {t}",
+            "cut-off": "",
+            "val band: harmful refused / benign refused": "",
+            "val benign refused steered": "",
+            "test band steered": f"{sum(tests[i].label == 'harmful' for i in above)} harmful / "
+            f"{sum(tests[i].label == 'benign' for i in above)} benign",
+        }
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -347,9 +477,14 @@ def band_part(demo: Path, lm, low: float) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--demo", default="runs/demo", help="folder of aligntax demo (default runs/demo)")
-    p.add_argument("--parts", default="gate,steer,energy,valq,band",
-                   help="comma-separated: gate, steer, energy, valq, band")
-    p.add_argument("--band-low", type=float, default=0.08, help="lower end of the gate band for the band part")
+    p.add_argument(
+        "--parts",
+        default="gate,steer,energy,valq,band",
+        help="comma-separated: gate, steer, energy, valq, band",
+    )
+    p.add_argument(
+        "--band-low", type=float, default=0.08, help="lower end of the gate band for the band part"
+    )
     p.add_argument("--questions", type=int, default=300, help="harmful questions for the energy part")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="runs/bench/xstest_unsafe", help="folder for results.json and results.md")

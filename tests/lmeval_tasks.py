@@ -7,9 +7,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"),
-            ("Japan", "Tokyo"), ("Egypt", "Cairo"), ("Peru", "Lima"), ("Kenya", "Nairobi"),
-            ("Canada", "Ottawa"), ("Norway", "Oslo")]
+CAPITALS = [
+    ("France", "Paris"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Germany", "Berlin"),
+    ("Japan", "Tokyo"),
+    ("Egypt", "Cairo"),
+    ("Peru", "Lima"),
+    ("Kenya", "Nairobi"),
+    ("Canada", "Ottawa"),
+    ("Norway", "Oslo"),
+]
 WORDS = ["red", "blue", "green", "seven", "three", "cat", "dog", "river", "stone", "cloud"]
 
 
@@ -52,7 +61,8 @@ def write_tasks(folder: Path, n_mc: int = 20, n_gen: int = 10, n_text: int = 4) 
     mc = _jsonl(folder / "mc.jsonl", mc_items(n_mc))
     gen = _jsonl(folder / "gen.jsonl", gen_items(n_gen))
     text = _jsonl(folder / "text.jsonl", text_items(n_text))
-    (folder / "local_mc.yaml").write_text(f"""task: local_mc
+    (folder / "local_mc.yaml").write_text(
+        f"""task: local_mc
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -71,8 +81,11 @@ metric_list:
     higher_is_better: true
 metadata:
   version: 1.0
-""", encoding="utf-8")
-    (folder / "local_gen.yaml").write_text(f"""task: local_gen
+""",
+        encoding="utf-8",
+    )
+    (folder / "local_gen.yaml").write_text(
+        f"""task: local_gen
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -91,8 +104,11 @@ metric_list:
     higher_is_better: true
 metadata:
   version: 1.0
-""", encoding="utf-8")
-    (folder / "local_ppl.yaml").write_text(f"""task: local_ppl
+""",
+        encoding="utf-8",
+    )
+    (folder / "local_ppl.yaml").write_text(
+        f"""task: local_ppl
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -107,5 +123,7 @@ metric_list:
   - metric: bits_per_byte
 metadata:
   version: 1.0
-""", encoding="utf-8")
+""",
+        encoding="utf-8",
+    )
     return folder

@@ -40,7 +40,8 @@ def tiny_tokenizer():
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, show_progress=False,
+        vocab_size=320,
+        show_progress=False,
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -50,10 +51,21 @@ def tiny_tokenizer():
 
 def tiny_lm(seed: int = 0) -> LoadedModel:
     """A 2-layer Qwen2 with hidden size 64 around :func:`tiny_tokenizer`, with a fixed fingerprint."""
-    return make_tiny_lm(tiny_tokenizer(), "qwen2", layers=2, hidden=64, seed=seed, dtype=None,
-                        spec="test:tiny-qwen2", source="memory", prepare=True,
-                        fingerprint={"spec": "test:tiny-qwen2", "embedding_digest": "0123456789abcdef"},
-                        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None)
+    return make_tiny_lm(
+        tiny_tokenizer(),
+        "qwen2",
+        layers=2,
+        hidden=64,
+        seed=seed,
+        dtype=None,
+        spec="test:tiny-qwen2",
+        source="memory",
+        prepare=True,
+        fingerprint={"spec": "test:tiny-qwen2", "embedding_digest": "0123456789abcdef"},
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=None,
+    )
 
 
 class AddVector(Intervention):
@@ -71,8 +83,11 @@ class AddVector(Intervention):
         layer = decoder_layers(model)[-1]
 
         def hook(module, args, kwargs):
-            if self.fail_strength is not None and ctx.strength is not None \
-                    and bool((ctx.strength == self.fail_strength).any()):
+            if (
+                self.fail_strength is not None
+                and ctx.strength is not None
+                and bool((ctx.strength == self.fail_strength).any())
+            ):
                 raise RuntimeError("test intervention failure")
             h = hidden_from_args(args, kwargs)
             sl = steered_slice(h.shape[1], ctx)

@@ -23,6 +23,7 @@ from tiny import PROMPTS, tiny_lm, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
 @pytest.fixture(scope="module")
 def lm():
     return tiny_lm("qwen2", hidden=32, layers=3)
@@ -37,7 +38,9 @@ def test_capture_last_equals_output_hidden_states(lm):
             out = lm.model(input_ids=torch.tensor([s]), output_hidden_states=True)
         for layer in range(3):
             # hidden_states[l] is the input to block l
-            torch.testing.assert_close(acts[layer][i], out.hidden_states[layer][0, -1].float(), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                acts[layer][i], out.hidden_states[layer][0, -1].float(), atol=1e-4, rtol=1e-4
+            )
             assert acts[layer].dtype == torch.float32
 
 
@@ -50,8 +53,16 @@ def test_capture_is_padding_invariant(lm):
 
 def test_capture_mean_and_response_positions(lm):
     responses = ["Sure, here it is.", "No.", "I cannot help with that request, sorry.", "Once upon a time"]
-    resp, rows = capture(lm, PROMPTS, [1], position="response", responses=responses, batch_size=3,
-                         progress=False, return_index=True)
+    resp, rows = capture(
+        lm,
+        PROMPTS,
+        [1],
+        position="response",
+        responses=responses,
+        batch_size=3,
+        progress=False,
+        return_index=True,
+    )
     n_resp = [len(lm.tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses]
     assert resp[1].shape == (sum(n_resp), 32)
     assert rows.tolist() == [i for i, n in enumerate(n_resp) for _ in range(n)]
@@ -91,7 +102,9 @@ def test_layer_discovery_and_capture(arch):
     with torch.no_grad():
         out = model(input_ids=torch.tensor([seqs[1]]), output_hidden_states=True)
     for layer in range(2):
-        torch.testing.assert_close(acts[layer][1], out.hidden_states[layer][0, -1].float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            acts[layer][1], out.hidden_states[layer][0, -1].float(), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_layer_discovery_unknown_module():
@@ -120,8 +133,12 @@ def test_activation_cache_round_trip_and_resume(lm, tmp_path):
     side = json.loads((d / "cache.json").read_text())
     assert len(side["shards"]) == 3  # 1 shard first, then 2 one-prompt shards for the rest
     assert side["fingerprint"]["embedding_digest"] == lm.fingerprint["embedding_digest"]
-    assert sorted(p.name for p in d.iterdir()) == ["cache.json", "shard-00000.safetensors",
-                                                   "shard-00001.safetensors", "shard-00002.safetensors"]
+    assert sorted(p.name for p in d.iterdir()) == [
+        "cache.json",
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+        "shard-00002.safetensors",
+    ]
     ref = capture(lm, PROMPTS, [0, 2], progress=False)
     assert full.prompt_ids == ids and full.labels == labels and full.layers == [0, 2]
     for layer in (0, 2):
@@ -131,8 +148,15 @@ def test_activation_cache_round_trip_and_resume(lm, tmp_path):
     assert len(json.loads((d / "cache.json").read_text())["shards"]) == 3 and len(again) == 4
 
     # save/load of an in-memory cache, response position with row index
-    cache = ActivationCache({1: torch.randn(5, 32)}, "response", ["a", "b"], [1, 0], torch.tensor([0, 0, 1, 1, 1]),
-                            dict(lm.fingerprint), {"note": "x"})
+    cache = ActivationCache(
+        {1: torch.randn(5, 32)},
+        "response",
+        ["a", "b"],
+        [1, 0],
+        torch.tensor([0, 0, 1, 1, 1]),
+        dict(lm.fingerprint),
+        {"note": "x"},
+    )
     cache.save(tmp_path / "c2")
     back = ActivationCache.load(tmp_path / "c2", expect_fingerprint=lm.fingerprint)
     assert torch.equal(back[1], cache[1]) and back.row_index.tolist() == [0, 0, 1, 1, 1]
@@ -178,8 +202,11 @@ def test_prefill_recorder_gives_the_captured_states_and_leaves_the_model_alone(l
     from aligntax.runs.eval import EvalConfig, run_eval
 
     with pytest.raises(AligntaxError, match="only in an unsteered run"):
-        run_eval(EvalConfig(data=["x"], out=str(tmp_path / "ev"), intervention="system-prompt"), lm=lm,
-                 recorder=PrefillRecorder(lm.model, [0]))
+        run_eval(
+            EvalConfig(data=["x"], out=str(tmp_path / "ev"), intervention="system-prompt"),
+            lm=lm,
+            recorder=PrefillRecorder(lm.model, [0]),
+        )
     assert not (tmp_path / "ev").exists()
 
 

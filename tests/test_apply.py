@@ -81,20 +81,32 @@ def cast(lm, mode="add"):
     sims = torch.nn.functional.cosine_similarity(h - center, c[None], dim=-1)
     thr = float(sims.sort().values[-2] + sims.max()) / 2  # only row 2 meets the condition
     torch.manual_seed(5)
-    return ConditionalSteering(c, 1, thr, torch.randn(H) * 5, behaviour_layers=[0, 2], mode=mode, center=center)
+    return ConditionalSteering(
+        c, 1, thr, torch.randn(H) * 5, behaviour_layers=[0, 2], mode=mode, center=center
+    )
 
 
 def hf_batch(lm, prompts=P3, padding_side="left"):
     tok = lm.tokenizer
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in prompts]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
     return tok(texts, padding=True, padding_side=padding_side, add_special_tokens=False, return_tensors="pt")
 
 
 def hf_generate(lm, batch, **kw):
     with torch.no_grad():
-        return lm.model.generate(**batch, max_new_tokens=N, do_sample=False, pad_token_id=lm.tokenizer.pad_token_id,
-                                 temperature=None, top_p=None, top_k=None, **kw)
+        return lm.model.generate(
+            **batch,
+            max_new_tokens=N,
+            do_sample=False,
+            pad_token_id=lm.tokenizer.pad_token_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            **kw,
+        )
 
 
 def as_generations(lm, batch, out):
@@ -102,7 +114,7 @@ def as_generations(lm, batch, out):
     from aligntax.generation.generate import eos_token_ids
 
     eos, res = eos_token_ids(lm), []
-    for row in out[:, batch["input_ids"].shape[1]:].tolist():
+    for row in out[:, batch["input_ids"].shape[1] :].tolist():
         n = next((j for j, t in enumerate(row) if t in eos), len(row))
         res.append((lm.tokenizer.decode(row[:n], skip_special_tokens=True).strip(), n))
     return res

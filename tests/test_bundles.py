@@ -46,8 +46,22 @@ def els_dir(lm, tmp_path_factory):
     s = (((h[:, None] - mu) / sc) * w).sum(-1).mean(-1).sort().values
     HarmGate([1], w, torch.full((1,), -float(s[1] + s[2]) / 2), mu, sc, fingerprint=lm.fingerprint).save(d)
     (d / "sweep").mkdir()
-    (d / "sweep" / "best.json").write_text(json.dumps({"best": {"args": {
-        "layers": [1, 2], "eta": 2.0, "steps": 3, "threshold": None, "gate": True, "horizon": 4}}}))
+    (d / "sweep" / "best.json").write_text(
+        json.dumps(
+            {
+                "best": {
+                    "args": {
+                        "layers": [1, 2],
+                        "eta": 2.0,
+                        "steps": 3,
+                        "threshold": None,
+                        "gate": True,
+                        "horizon": 4,
+                    }
+                }
+            }
+        )
+    )
     (d / "sweep" / "sweep.jsonl").write_text("{}\n")  # a sweep's other files stay behind
     return d
 
@@ -59,13 +73,23 @@ def vector_dir(lm, tmp_path_factory):
 
 def hf_generate(lm, iv, prompts=PROMPTS):
     tok = lm.tokenizer
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in prompts]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
     batch = tok(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
     with iv.apply(lm.model), torch.no_grad():
-        out = lm.model.generate(**batch, max_new_tokens=N, min_new_tokens=N, do_sample=False,
-                                pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
-    return out[:, batch["input_ids"].shape[1]:]
+        out = lm.model.generate(
+            **batch,
+            max_new_tokens=N,
+            min_new_tokens=N,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    return out[:, batch["input_ids"].shape[1] :]
 
 
 def unsteered(lm):
@@ -77,8 +101,15 @@ def test_els_bundle_round_trip_steers_the_same(lm, els_dir, tmp_path):
     assert src.gate is not None and sorted(src.models) == [1, 2]
     out = save_pretrained(els_dir, tmp_path / "b")
     files = check_files(out)
-    assert sorted(files) == ["README.md", "bundle.json", "energy.json", "energy.safetensors", "gate.json",
-                             "gate.safetensors", "sweep/best.json"]
+    assert sorted(files) == [
+        "README.md",
+        "bundle.json",
+        "energy.json",
+        "energy.safetensors",
+        "gate.json",
+        "gate.safetensors",
+        "sweep/best.json",
+    ]
     back = from_pretrained(out, lm)
     want, got = hf_generate(lm, src), hf_generate(lm, back)
     assert torch.equal(want, got)
@@ -108,8 +139,9 @@ def test_els_bundle_with_a_given_setting(lm, els_dir, tmp_path):
     assert from_pretrained(out, lm, eta=1.5).eta == 1.5
 
 
-@pytest.mark.parametrize("method,opts", [("refusal-ablation", {}), ("refusal-add", {"coeff": 6.0, "layer": 2}),
-                                         ("cast", {})])
+@pytest.mark.parametrize(
+    "method,opts", [("refusal-ablation", {}), ("refusal-add", {"coeff": 6.0, "layer": 2}), ("cast", {})]
+)
 def test_vector_bundle_round_trip_steers_the_same(lm, vector_dir, tmp_path, method, opts):
     out = save_pretrained(vector_dir, tmp_path / "b", method=method, **opts)
     assert sorted(check_files(out)) == ["README.md", "bundle.json", "vectors.json", "vectors.safetensors"]
@@ -150,8 +182,15 @@ def _eval(lm, out, data, intervention=None, args=None):
     from aligntax.judges import get_judge
     from aligntax.runs import EvalConfig, run_eval
 
-    cfg = EvalConfig(data=[str(data)], out=str(out), judge="keyword", max_new_tokens=4, progress=False,
-                     intervention=intervention, intervention_args=args or {})
+    cfg = EvalConfig(
+        data=[str(data)],
+        out=str(out),
+        judge="keyword",
+        max_new_tokens=4,
+        progress=False,
+        intervention=intervention,
+        intervention_args=args or {},
+    )
     return run_eval(cfg, lm=lm, judge=get_judge("keyword"))
 
 
@@ -161,8 +200,9 @@ def test_card_carries_the_rates_the_runs_measured(lm, vector_dir, els_dir, tmp_p
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     base = _eval(lm, tmp_path / "base", data)
     steered = _eval(lm, tmp_path / "abl", data, "refusal-ablation", {"path": str(vector_dir)})
-    out = save_pretrained(vector_dir, tmp_path / "b", method="refusal-ablation",
-                          results=[tmp_path / "base", tmp_path / "abl"])
+    out = save_pretrained(
+        vector_dir, tmp_path / "b", method="refusal-ablation", results=[tmp_path / "base", tmp_path / "abl"]
+    )
     card = read_front_matter((out / "README.md").read_text())
     runs = {r["run"]: r for r in card["aligntax"]["results"]}
     assert runs["abl"]["intervention"] == "refusal-ablation" and runs["base"]["intervention"] == "none"
@@ -177,11 +217,15 @@ def test_card_carries_the_rates_the_runs_measured(lm, vector_dir, els_dir, tmp_p
     # a run of another setting, another method or another folder is refused
     _eval(lm, tmp_path / "abl-half", data, "refusal-ablation", {"path": str(vector_dir), "coeff": 0.5})
     with pytest.raises(AligntaxError, match="another setting"):
-        save_pretrained(vector_dir, tmp_path / "c", method="refusal-ablation", results=[tmp_path / "abl-half"])
+        save_pretrained(
+            vector_dir, tmp_path / "c", method="refusal-ablation", results=[tmp_path / "abl-half"]
+        )
     with pytest.raises(AligntaxError, match="not this bundle's"):
         save_pretrained(vector_dir, tmp_path / "d", method="refusal-add", results=[tmp_path / "abl"])
     other = save_tiny_vectors(lm, tmp_path / "other-vectors")
-    (other / "vectors.json").write_text((other / "vectors.json").read_text().replace('"layer": 1', '"layer": 2'))
+    (other / "vectors.json").write_text(
+        (other / "vectors.json").read_text().replace('"layer": 1', '"layer": 2')
+    )
     with pytest.raises(AligntaxError, match="another steering folder"):
         save_pretrained(other, tmp_path / "e", method="refusal-ablation", layer=1, results=[tmp_path / "abl"])
     with pytest.raises(AligntaxError, match="another model"):
@@ -207,11 +251,14 @@ class _LocalHub:
         hub = self
 
         def create_repo(api, repo_id, *, token=None, private=None, repo_type=None, exist_ok=False, **kw):
-            hub.created.append({"repo_id": repo_id, "private": private, "repo_type": repo_type, "exist_ok": exist_ok})
+            hub.created.append(
+                {"repo_id": repo_id, "private": private, "repo_type": repo_type, "exist_ok": exist_ok}
+            )
             return f"https://huggingface.co/{repo_id}"
 
-        def upload_folder(api, *, repo_id, folder_path, allow_patterns=None, repo_type=None, commit_message=None,
-                          **kw):
+        def upload_folder(
+            api, *, repo_id, folder_path, allow_patterns=None, repo_type=None, commit_message=None, **kw
+        ):
             files = hub._select(Path(folder_path), allow_patterns)
             dest = hub.root / repo_id
             for f in files:
@@ -256,11 +303,17 @@ def test_push_to_hub_and_load_by_hub_id(lm, els_dir, tmp_path, monkeypatch):
     assert hub.created == [] and hub.uploads == []
     (out / "notes.txt").unlink()
     push_to_hub(out, "someone/els-tiny", private=True)
-    assert hub.created == [{"repo_id": "someone/els-tiny", "private": True, "repo_type": "model", "exist_ok": True}]
+    assert hub.created == [
+        {"repo_id": "someone/els-tiny", "private": True, "repo_type": "model", "exist_ok": True}
+    ]
     assert hub.uploads[0]["files"] == sorted(check_files(out))
-    assert 'load_intervention("someone/els-tiny", lm)' in (hub.root / "someone/els-tiny/README.md").read_text()
+    assert (
+        'load_intervention("someone/els-tiny", lm)' in (hub.root / "someone/els-tiny/README.md").read_text()
+    )
     src = make_intervention("els", lm, dir=str(els_dir))
-    assert torch.equal(hf_generate(lm, aligntax.load_intervention("someone/els-tiny", lm)), hf_generate(lm, src))
+    assert torch.equal(
+        hf_generate(lm, aligntax.load_intervention("someone/els-tiny", lm)), hf_generate(lm, src)
+    )
     with pytest.raises(AligntaxError, match="Could not download"):
         from_pretrained("someone/missing", lm)
 
@@ -271,11 +324,27 @@ def test_cli_bundle_save_push_pull(lm, vector_dir, tmp_path, monkeypatch):
     hub = _LocalHub(tmp_path / "hub")
     hub.install(monkeypatch)
     runner = CliRunner()
-    res = runner.invoke(app, ["bundle", "save", str(vector_dir), "--out", str(tmp_path / "b"),
-                              "--method", "refusal-add", "--set", "coeff=4", "--set", "layer=2"])
+    res = runner.invoke(
+        app,
+        [
+            "bundle",
+            "save",
+            str(vector_dir),
+            "--out",
+            str(tmp_path / "b"),
+            "--method",
+            "refusal-add",
+            "--set",
+            "coeff=4",
+            "--set",
+            "layer=2",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert load_bundle(tmp_path / "b").setting == {"layer": 2, "coeff": 4}
-    res = runner.invoke(app, ["bundle", "push", str(tmp_path / "b"), "--repo-id", "someone/add", "--no-private"])
+    res = runner.invoke(
+        app, ["bundle", "push", str(tmp_path / "b"), "--repo-id", "someone/add", "--no-private"]
+    )
     assert res.exit_code == 0, res.output
     assert hub.created[0]["private"] is False
     res = runner.invoke(app, ["bundle", "pull", "someone/add", "--out", str(tmp_path / "pulled")])

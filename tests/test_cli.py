@@ -9,9 +9,27 @@ from aligntax.cli import app
 
 runner = CliRunner()
 
-COMMANDS = [[], ["models"], ["models", "list"], ["models", "fetch"], ["models", "info"], ["data", "list"], ["data", "fetch"],
-            ["generate"], ["chat"], ["judge"], ["eval"], ["rejudge"], ["fluency"], ["demo"], ["els", "train"],
-            ["els", "sweep"], ["vat", "run"], ["vat", "compare"], ["serve"]]
+COMMANDS = [
+    [],
+    ["models"],
+    ["models", "list"],
+    ["models", "fetch"],
+    ["models", "info"],
+    ["data", "list"],
+    ["data", "fetch"],
+    ["generate"],
+    ["chat"],
+    ["judge"],
+    ["eval"],
+    ["rejudge"],
+    ["fluency"],
+    ["demo"],
+    ["els", "train"],
+    ["els", "sweep"],
+    ["vat", "run"],
+    ["vat", "compare"],
+    ["serve"],
+]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "root")
@@ -65,8 +83,12 @@ def test_eval_config_file_with_overrides_and_unknown_key(tmp_path):
 
 def test_judge_command_round_trip(tmp_path):
     src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"prompt": "p", "response": "I'm sorry, but I can't help with that."}) + "\n"
-                   + json.dumps({"prompt": "q", "response": "Sure! Run `kill -9 1234`."}) + "\n")
+    src.write_text(
+        json.dumps({"prompt": "p", "response": "I'm sorry, but I can't help with that."})
+        + "\n"
+        + json.dumps({"prompt": "q", "response": "Sure! Run `kill -9 1234`."})
+        + "\n"
+    )
     out = tmp_path / "out.jsonl"
     res = runner.invoke(app, ["judge", "--in", str(src), "--out", str(out), "--judge", "keyword"])
     assert res.exit_code == 0, res.output
@@ -78,8 +100,9 @@ def test_els_flags_take_none_to_turn_a_tuned_setting_off():
     from aligntax.errors import AligntaxError
     from aligntax.interventions.registry import cli_options, grid_values, intervention_args
 
-    args = intervention_args("els", {"iv_steer": "bank", "iv_energy_threshold": "none", "iv_gate": "0.3",
-                                     "iv_horizon": "8"})
+    args = intervention_args(
+        "els", {"iv_steer": "bank", "iv_energy_threshold": "none", "iv_gate": "0.3", "iv_horizon": "8"}
+    )
     assert args == {"path": "bank", "threshold": "none", "gate": 0.3, "horizon": 8}
     assert intervention_args("els", {"iv_gate": "None"})["gate"] == "none"
     with pytest.raises(AligntaxError, match="--horizon"):
@@ -110,7 +133,14 @@ def test_every_registered_option_is_on_the_steering_commands_once():
             assert o.flag in res.output, (cmd, o.flag)
         assert "--threshold" in res.output
     res = runner.invoke(app, ["els", "sweep", "--help"], env=env)
-    for flag in ("--eta", "--row-threshold", "--energy-threshold", "--gate-ramp", "--layers-grid", "--horizon"):
+    for flag in (
+        "--eta",
+        "--row-threshold",
+        "--energy-threshold",
+        "--gate-ramp",
+        "--layers-grid",
+        "--horizon",
+    ):
         assert flag in res.output, flag
 
 

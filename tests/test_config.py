@@ -27,17 +27,25 @@ def test_a_value_of_the_wrong_type_names_the_key_and_the_type(tmp_path):
     msg = str(e.value)
     assert msg == f"Config file {path}: max_new_tokens: expected int, got 'sixteen' (str)"
     path = _yaml(tmp_path, "limit: many\ntemperature: hot\ndo_sample: [1, 2]\n")
-    with pytest.raises(AligntaxError, match=r"limit: expected int \| None, got 'many'.*temperature: expected float, "
-                                            r"got 'hot'.*do_sample: expected bool, got \[1, 2\] \(list\)"):
+    with pytest.raises(
+        AligntaxError,
+        match=r"limit: expected int \| None, got 'many'.*temperature: expected float, "
+        r"got 'hot'.*do_sample: expected bool, got \[1, 2\] \(list\)",
+    ):
         load_config(EvalConfig, path)
     # a flag overrides the bad value: the file's value is not used, so not checked
-    assert load_config(EvalConfig, _yaml(tmp_path, "max_new_tokens: sixteen\n"), max_new_tokens=8).max_new_tokens == 8
+    assert (
+        load_config(EvalConfig, _yaml(tmp_path, "max_new_tokens: sixteen\n"), max_new_tokens=8).max_new_tokens
+        == 8
+    )
 
 
 def test_a_single_value_where_a_list_is_expected_is_a_list(tmp_path):
     cfg = load_config(EvalConfig, _yaml(tmp_path, "data: xstest\nmax-new-tokens: '16'\n"))
     assert cfg.data == ["xstest"] and cfg.max_new_tokens == 16
-    sweep = load_config(SweepConfig, _yaml(tmp_path, "eta: 0.35\ngate: true\nhorizon: 16\nleak: orbench-toxic\n"))
+    sweep = load_config(
+        SweepConfig, _yaml(tmp_path, "eta: 0.35\ngate: true\nhorizon: 16\nleak: orbench-toxic\n")
+    )
     assert (sweep.eta, sweep.gate, sweep.horizon, sweep.leak) == ([0.35], [True], [16], ["orbench-toxic"])
     train = load_config(ELSTrainConfig, _yaml(tmp_path, "benign: orbench-hard-train\nlayers: 17\n"))
     assert train.benign == ["orbench-hard-train"] and train.layers == [17]
@@ -64,8 +72,13 @@ def test_a_saved_training_config_round_trips(tmp_path):
 
 
 def test_type_names():
-    assert [type_name(t) for t in (int, list[str], float | None, list[float | bool | None], dict)] == \
-        ["int", "list[str]", "float | None", "list[float | bool | None]", "dict"]
+    assert [type_name(t) for t in (int, list[str], float | None, list[float | bool | None], dict)] == [
+        "int",
+        "list[str]",
+        "float | None",
+        "list[float | bool | None]",
+        "dict",
+    ]
 
 
 def test_eval_fails_on_a_bad_config_before_running(tmp_path):

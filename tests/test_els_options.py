@@ -41,8 +41,15 @@ def folder(lm, tmp_path_factory):
     """An energy bank with a harm gate at layer 0 (before every steered layer), threshold 0.5."""
     d = save_tiny_bank(lm, tmp_path_factory.mktemp("bank"), n=24, epochs=1)
     torch.manual_seed(0)
-    HarmGate([0], torch.randn(1, H), torch.zeros(1), torch.zeros(1, H), torch.ones(1, H), threshold=0.5,
-             fingerprint=lm.fingerprint).save(d)
+    HarmGate(
+        [0],
+        torch.randn(1, H),
+        torch.zeros(1),
+        torch.zeros(1, H),
+        torch.ones(1, H),
+        threshold=0.5,
+        fingerprint=lm.fingerprint,
+    ).save(d)
     return d
 
 

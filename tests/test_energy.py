@@ -23,8 +23,14 @@ from aligntax.errors import AligntaxError, CompatibilityError, DataError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 D = 16
-FP = {"spec": "tiny-a", "model_type": "qwen2", "num_layers": 3, "hidden_size": D, "vocab_size": 300,
-      "embedding_digest": "abcdef0123456789"}
+FP = {
+    "spec": "tiny-a",
+    "model_type": "qwen2",
+    "num_layers": 3,
+    "hidden_size": D,
+    "vocab_size": 300,
+    "embedding_digest": "abcdef0123456789",
+}
 
 
 def clusters(n=200, d=D, sep=1.5, seed=0):
@@ -194,8 +200,9 @@ def test_folds_rank_by_mean_over_disjoint_validation_blocks():
 
 def test_fold_validation_blocks_are_disjoint():
     from aligntax.energy.train import _split
+
     held = [set(_split(23, 0.2, torch.Generator().manual_seed(0), f)[1].tolist()) for f in range(5)]
-    assert all(not (a & b) for i, a in enumerate(held) for b in held[i + 1:])
+    assert all(not (a & b) for i, a in enumerate(held) for b in held[i + 1 :])
     for f in range(5):
         tr, va = _split(23, 0.2, torch.Generator().manual_seed(0), f)
         assert sorted([*tr.tolist(), *va.tolist()]) == list(range(23))

@@ -48,15 +48,41 @@ def _prompts(tmp_path, n=48):
     with open(p, "w") as fh:
         for i in range(n):
             label = "benign" if i % 3 else "harmful"
-            fh.write(json.dumps({"id": f"p{i}", "prompt": f"Question number {i}: " + "tell me more " * (i % 7),
-                                 "label": label}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "id": f"p{i}",
+                        "prompt": f"Question number {i}: " + "tell me more " * (i % 7),
+                        "label": label,
+                    }
+                )
+                + "\n"
+            )
     return p
 
 
 def _cmd(model_dir, data, out):
-    return [sys.executable, "-m", "aligntax", "eval", "--model", str(model_dir), "--data", str(data),
-            "--out", str(out), "--judge", "keyword", "--batch-size", "2", "--max-new-tokens", "24",
-            "--dtype", "fp32", "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "aligntax",
+        "eval",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--judge",
+        "keyword",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "24",
+        "--dtype",
+        "fp32",
+        "--no-progress",
+    ]
 
 
 def test_kill_midway_then_resume_matches_uninterrupted(tmp_path, tiny_model_dir):
@@ -68,8 +94,9 @@ def test_kill_midway_then_resume_matches_uninterrupted(tmp_path, tiny_model_dir)
     assert len(ref_rows) == 48
 
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(tiny_model_dir, data, run), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cmd(tiny_model_dir, data, run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     samples = run / "samples.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -102,8 +129,9 @@ def test_resume_refuses_changed_settings(tmp_path, tiny_lm):
     from aligntax.runs import EvalConfig, run_eval
 
     data = _prompts(tmp_path, n=4)
-    cfg = EvalConfig(data=[str(data)], out=str(tmp_path / "r"), judge="keyword", max_new_tokens=4,
-                     progress=False)
+    cfg = EvalConfig(
+        data=[str(data)], out=str(tmp_path / "r"), judge="keyword", max_new_tokens=4, progress=False
+    )
     res = run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
     assert res["benign"]["n"] + res["harmful"]["n"] == 4
     again = run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
@@ -116,10 +144,12 @@ def test_resume_refuses_changed_settings(tmp_path, tiny_lm):
 def test_summary_rates_and_intervals():
     from aligntax.metrics import summarize_refusals, wilson_interval
 
-    rows = ([{"source": "a", "label": "benign", "refused": False}] * 9
-            + [{"source": "a", "label": "benign", "refused": True}]
-            + [{"source": "b", "label": "harmful", "refused": True}] * 3
-            + [{"source": "b", "label": "harmful", "refused": False}])
+    rows = (
+        [{"source": "a", "label": "benign", "refused": False}] * 9
+        + [{"source": "a", "label": "benign", "refused": True}]
+        + [{"source": "b", "label": "harmful", "refused": True}] * 3
+        + [{"source": "b", "label": "harmful", "refused": False}]
+    )
     s = summarize_refusals(rows)
     assert s["benign"]["n"] == 10 and s["benign"]["compliance_rate"] == 0.9
     assert s["harmful"]["refusal_rate"] == 0.75
@@ -140,11 +170,13 @@ def test_paired_change_and_exact_mcnemar():
     assert (c["n"], c["gained"], c["lost"]) == (5, 2, 1) and abs(c["diff"] - 0.2) < 1e-12
     with pytest.raises(ValueError, match="same items"):
         paired_change([True], [True, False])
-    before = [{"source": "a", "id": "1", "label": "benign", "refused": True},
-              {"source": "a", "id": "2", "label": "benign", "refused": False},
-              {"source": "b", "id": "1", "label": "harmful", "refused": True},
-              {"source": "b", "id": "2", "label": "harmful", "refused": True},
-              {"source": "b", "id": "3", "label": "harmful", "refused": True}]
+    before = [
+        {"source": "a", "id": "1", "label": "benign", "refused": True},
+        {"source": "a", "id": "2", "label": "benign", "refused": False},
+        {"source": "b", "id": "1", "label": "harmful", "refused": True},
+        {"source": "b", "id": "2", "label": "harmful", "refused": True},
+        {"source": "b", "id": "3", "label": "harmful", "refused": True},
+    ]
     after = [dict(r) for r in before[:4]]
     after[0]["refused"] = False  # a benign prompt now answered: compliance up
     after[3]["refused"] = False  # a harmful prompt now answered: refusal down
@@ -163,8 +195,11 @@ def test_rejudge_rewrites_verdicts(tmp_path, tiny_lm):
 
     data = _prompts(tmp_path, n=6)
     out = tmp_path / "r"
-    run_eval(EvalConfig(data=[str(data)], out=str(out), judge="keyword", max_new_tokens=4, progress=False),
-             lm=tiny_lm, judge=get_judge("keyword"))
+    run_eval(
+        EvalConfig(data=[str(data)], out=str(out), judge="keyword", max_new_tokens=4, progress=False),
+        lm=tiny_lm,
+        judge=get_judge("keyword"),
+    )
     before = read_jsonl(out / "samples.jsonl")
 
     class AlwaysRefuses:
@@ -189,16 +224,25 @@ def test_degenerate_answers_do_not_count_as_useful_compliance():
     from aligntax.metrics.degeneration import degenerate, repeat_fraction
 
     fluent = "Certainly! Here are three ways to store a kitchen knife safely: a magnetic strip, a block, or a sheath."
-    loops = ["Yes, the store of the community of General Information Information Information Information "
-             "Information Information Information Information",
-             "idaICAICAICAICAICAICAICAICAICAICAICAICAICAICAICA", "", "  ", "how can",
-             "For a development of a new development of a new development of a new development of a new"]
-    assert not degenerate(fluent) and not degenerate("Yes.") and not degenerate("I'm sorry, but I can't help.")
+    loops = [
+        "Yes, the store of the community of General Information Information Information Information "
+        "Information Information Information Information",
+        "idaICAICAICAICAICAICAICAICAICAICAICAICAICAICAICA",
+        "",
+        "  ",
+        "how can",
+        "For a development of a new development of a new development of a new development of a new",
+    ]
+    assert (
+        not degenerate(fluent) and not degenerate("Yes.") and not degenerate("I'm sorry, but I can't help.")
+    )
     assert all(degenerate(t) for t in loops)
     assert repeat_fraction("a b c a b c a b c") > 0.5 and repeat_fraction(fluent) == 0.0
-    rows = ([{"source": "a", "label": "benign", "refused": False, "response": fluent}] * 6
-            + [{"source": "a", "label": "benign", "refused": False, "response": t} for t in loops[:2]]
-            + [{"source": "a", "label": "benign", "refused": True, "response": "I can't help with that."}] * 2)
+    rows = (
+        [{"source": "a", "label": "benign", "refused": False, "response": fluent}] * 6
+        + [{"source": "a", "label": "benign", "refused": False, "response": t} for t in loops[:2]]
+        + [{"source": "a", "label": "benign", "refused": True, "response": "I can't help with that."}] * 2
+    )
     b = summarize_refusals(rows)["benign"]
     assert b["compliance_rate"] == 0.8 and b["useful_compliance_rate"] == 0.6 and b["degenerate_rate"] == 0.2
     lo, hi = b["useful_ci95"]
@@ -208,8 +252,16 @@ def test_degenerate_answers_do_not_count_as_useful_compliance():
 def test_sweep_settings_grid_and_extras():
     from aligntax.runs.els import SweepConfig, sweep_settings
 
-    cfg = SweepConfig(steer="bank", top_k=[1], eta=[0.3, 0.5], steps=[3], threshold=[0.0], gate=[None, 0.5],
-                      extra=[{"eta": 0.2, "threshold": None}], baselines=False)
+    cfg = SweepConfig(
+        steer="bank",
+        top_k=[1],
+        eta=[0.3, 0.5],
+        steps=[3],
+        threshold=[0.0],
+        gate=[None, 0.5],
+        extra=[{"eta": 0.2, "threshold": None}],
+        baselines=False,
+    )
     s = sweep_settings(cfg)
     assert s[0] == ("none", {}) and len(s) == 1 + 4 + 1
     gated = [a for n, a in s if a.get("gate") == 0.5]
@@ -220,8 +272,17 @@ def test_sweep_settings_grid_and_extras():
     with pytest.raises(AligntaxError, match="Unknown keys"):
         sweep_settings(SweepConfig(steer="bank", extra=[{"strength": 1}], baselines=False))
     # a horizon grid multiplies the settings; unset horizons stay out of the args (and the keys)
-    s = sweep_settings(SweepConfig(steer="bank", top_k=[1], eta=[0.3], threshold=[None], gate=[0.5],
-                                   horizon=[None, 8], baselines=False))
+    s = sweep_settings(
+        SweepConfig(
+            steer="bank",
+            top_k=[1],
+            eta=[0.3],
+            threshold=[None],
+            gate=[0.5],
+            horizon=[None, 8],
+            baselines=False,
+        )
+    )
     assert [a.get("horizon") for _, a in s[1:]] == [None, 8] and "horizon" not in s[1][1]
 
 
@@ -246,16 +307,28 @@ def test_resume_refuses_when_the_tuned_setting_changed(tmp_path, tiny_lm):
 
     prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'}" for i in range(16)]
     acts = capture(tiny_lm, prompts, "all", progress=False)
-    bank = train_layers(acts, torch.tensor([i % 2 for i in range(16)]),
-                        EnergyConfig.preset("small", widths=[8], epochs=2), fingerprint=tiny_lm.fingerprint)
+    bank = train_layers(
+        acts,
+        torch.tensor([i % 2 for i in range(16)]),
+        EnergyConfig.preset("small", widths=[8], epochs=2),
+        fingerprint=tiny_lm.fingerprint,
+    )
     bank_dir = tmp_path / "bank"
     bank.save(bank_dir)
     (bank_dir / "sweep").mkdir()
     best = bank_dir / "sweep" / "best.json"
     best.write_text(json.dumps({"best": {"args": {"top_k": 1, "eta": 0.2, "steps": 2, "threshold": None}}}))
     data = _prompts(tmp_path, n=6)
-    cfg = EvalConfig(data=[str(data)], out=str(tmp_path / "r"), judge="keyword", max_new_tokens=3, limit=3,
-                     intervention="els", intervention_args={"path": str(bank_dir)}, progress=False)
+    cfg = EvalConfig(
+        data=[str(data)],
+        out=str(tmp_path / "r"),
+        judge="keyword",
+        max_new_tokens=3,
+        limit=3,
+        intervention="els",
+        intervention_args={"path": str(bank_dir)},
+        progress=False,
+    )
     res = run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
     assert res["intervention"]["eta"] == 0.2 and res["intervention"]["steps"] == 2
     assert res["intervention"]["settings_from"].endswith("best.json")
@@ -277,18 +350,36 @@ def test_paired_change_against_an_earlier_run(tmp_path, tiny_lm):
     data = _prompts(tmp_path, n=8)
     keyword = get_judge("keyword")
     ref = tmp_path / "ref"
-    run_eval(EvalConfig(data=[str(data)], out=str(ref), judge="keyword", max_new_tokens=4, progress=False),
-             lm=tiny_lm, judge=keyword)
+    run_eval(
+        EvalConfig(data=[str(data)], out=str(ref), judge="keyword", max_new_tokens=4, progress=False),
+        lm=tiny_lm,
+        judge=keyword,
+    )
     rows = read_jsonl(ref / "samples.jsonl")
     # a reference whose verdicts differ from the new run's in known places: flip three of them
     flipped = {r["id"] for r in rows[:3]}
     fake = tmp_path / "fake"
     fake.mkdir()
-    append_jsonl(fake / "samples.jsonl", [{**r, "refused": (not r["refused"]) if r["id"] in flipped else r["refused"]}
-                                          for r in rows] + [{**rows[0], "id": "elsewhere"}])
-    res = run_eval(EvalConfig(data=[str(data)], out=str(tmp_path / "new"), judge="keyword", max_new_tokens=4,
-                              compare_to=str(fake), progress=False), lm=tiny_lm, judge=keyword)
-    assert [r["refused"] for r in read_jsonl(tmp_path / "new" / "samples.jsonl")] == [r["refused"] for r in rows]
+    append_jsonl(
+        fake / "samples.jsonl",
+        [{**r, "refused": (not r["refused"]) if r["id"] in flipped else r["refused"]} for r in rows]
+        + [{**rows[0], "id": "elsewhere"}],
+    )
+    res = run_eval(
+        EvalConfig(
+            data=[str(data)],
+            out=str(tmp_path / "new"),
+            judge="keyword",
+            max_new_tokens=4,
+            compare_to=str(fake),
+            progress=False,
+        ),
+        lm=tiny_lm,
+        judge=keyword,
+    )
+    assert [r["refused"] for r in read_jsonl(tmp_path / "new" / "samples.jsonl")] == [
+        r["refused"] for r in rows
+    ]
     paired = res["paired"]
     assert paired["against"] == str(fake) and paired["n_pairs"] == 8 and paired["unmatched"] == 0
     changes = paired["datasets"]["all"]
@@ -303,20 +394,42 @@ def test_paired_change_against_an_earlier_run(tmp_path, tiny_lm):
             bad.mkdir()
             append_jsonl(bad / "samples.jsonl", [{**rows[0], "id": "other"}])
         with pytest.raises(AligntaxError, match=msg):
-            run_eval(EvalConfig(data=[str(data)], out=str(tmp_path / f"x-{bad.name}"), judge="keyword",
-                                max_new_tokens=4, compare_to=str(bad), progress=False), lm=tiny_lm, judge=keyword)
+            run_eval(
+                EvalConfig(
+                    data=[str(data)],
+                    out=str(tmp_path / f"x-{bad.name}"),
+                    judge="keyword",
+                    max_new_tokens=4,
+                    compare_to=str(bad),
+                    progress=False,
+                ),
+                lm=tiny_lm,
+                judge=keyword,
+            )
 
 
 def test_select_best_with_the_leak_constraint():
     from aligntax.runs.els import select_best
 
     def row(name, comply, refuse, **leak):
-        return {"name": name, "method": "generate", "benign_compliance": comply, "harmful_refusal": refuse, **leak}
+        return {
+            "name": name,
+            "method": "generate",
+            "benign_compliance": comply,
+            "harmful_refusal": refuse,
+            **leak,
+        }
 
-    rows = [row("none", 0.6, 0.5), row("els", 0.9, 0.5, leak_passed=9, leak_refused=1, leak_refused_unsteered=6),
-            row("els", 0.8, 0.5, leak_passed=1, leak_refused=1, leak_refused_unsteered=1),
-            row("els", 0.95, 0.4), row("els", 0.7, 0.6)]
+    rows = [
+        row("none", 0.6, 0.5),
+        row("els", 0.9, 0.5, leak_passed=9, leak_refused=1, leak_refused_unsteered=6),
+        row("els", 0.8, 0.5, leak_passed=1, leak_refused=1, leak_refused_unsteered=1),
+        row("els", 0.95, 0.4),
+        row("els", 0.7, 0.6),
+    ]
     assert select_best(rows, "generate") is rows[1]  # refusal on the validation sets only
     assert select_best(rows, "generate", leak_constraint=True) is rows[2]  # keeps every leaked refusal
     rows[2]["leak_refused"] = 0
-    assert select_best(rows, "generate", leak_constraint=True) is rows[4]  # an ungated setting: no leaks to check
+    assert (
+        select_best(rows, "generate", leak_constraint=True) is rows[4]
+    )  # an ungated setting: no leaks to check

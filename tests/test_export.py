@@ -25,18 +25,30 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def generate(model, tok, prompts=PROMPTS, n=N):
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in prompts]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
     batch = tok(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=tok.pad_token_id, temperature=None, top_p=None, top_k=None)
-    return out[:, batch["input_ids"].shape[1]:]
+        out = model.generate(
+            **batch,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    return out[:, batch["input_ids"].shape[1] :]
 
 
 def load_plain(folder):
     """The exported folder through transformers alone."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     return model, AutoTokenizer.from_pretrained(folder)
 
 
@@ -51,7 +63,9 @@ def test_exported_ablation_gives_the_hook_tokens(arch, tmp_path):
     vectors = save_tiny_vectors(lm, tmp_path / "v")
     before = {k: v.clone() for k, v in lm.model.state_dict().items()}
     out = export_model(lm, vectors, "refusal-ablation", tmp_path / "m", layer=1)
-    assert all(torch.equal(v, lm.model.state_dict()[k]) for k, v in before.items())  # the user's model is unchanged
+    assert all(
+        torch.equal(v, lm.model.state_dict()[k]) for k, v in before.items()
+    )  # the user's model is unchanged
     model, tok = load_plain(out)
     assert type(model) is type(lm.model)
     got = generate(model, tok)
@@ -72,7 +86,9 @@ def test_exported_ablation_gives_the_hook_tokens(arch, tmp_path):
         assert float((r @ model.model.layers[0].mlp.down_proj.weight).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("arch,layer", [("qwen2", 2), ("llama", 1), ("mistral", 2), ("qwen2", 0), ("gemma", 0)])
+@pytest.mark.parametrize(
+    "arch,layer", [("qwen2", 2), ("llama", 1), ("mistral", 2), ("qwen2", 0), ("gemma", 0)]
+)
 def test_exported_addition_gives_the_hook_tokens(arch, layer, tmp_path):
     lm = tiny(arch)
     torch.manual_seed(11)
@@ -126,8 +142,16 @@ def test_what_has_no_weight_form_is_refused(tmp_path):
 def _qwen3():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("qwen3", vocab_size=300, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=300,
+        hidden_size=H,
+        intermediate_size=2 * H,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -141,16 +165,45 @@ def test_cli_export(tmp_path):
     base = load_model(str(tmp_path / "base"), dtype="fp32", device="cpu")
     vectors = save_tiny_vectors(base, tmp_path / "v")
     runner = CliRunner()
-    res = runner.invoke(app, ["export", "--intervention", "refusal-addition", "--vectors", str(vectors),
-                              "--out", str(tmp_path / "m"), "--layer", "2", "--coeff", "4", "--dtype", "fp32",
-                              "--model", str(tmp_path / "base")])
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            "--intervention",
+            "refusal-addition",
+            "--vectors",
+            str(vectors),
+            "--out",
+            str(tmp_path / "m"),
+            "--layer",
+            "2",
+            "--coeff",
+            "4",
+            "--dtype",
+            "fp32",
+            "--model",
+            str(tmp_path / "base"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     model, tok = load_plain(tmp_path / "m")
     with hook_equivalent(vectors, base, "refusal-addition", layer=2, coeff=4.0).apply(base.model):
         want = generate(base.model, base.tokenizer)
     assert torch.equal(generate(model, tok), want)
-    res = runner.invoke(app, ["export", "--intervention", "els", "--vectors", str(vectors), "--out", str(tmp_path / "e"),
-                              "--model", str(tmp_path / "base")])
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            "--intervention",
+            "els",
+            "--vectors",
+            str(vectors),
+            "--out",
+            str(tmp_path / "e"),
+            "--model",
+            str(tmp_path / "base"),
+        ],
+    )
     assert res.exit_code == 2 and "cannot be baked into weights" in res.output
     assert not (tmp_path / "e").exists()
 
@@ -175,8 +228,12 @@ def test_embedded_exported_ablation_refuses_like_the_hooks(tmp_path, data_dir):
     harmful = [it.prompt for it in load_prompt_sets(["harmful-train"], limit=32)]
     harmless = [it.prompt for it in load_prompt_sets(["harmless-train"], limit=32)]
     layers = [10, 12, 14]
-    vs = compute_vectors(capture(lm, harmful, layers, progress=False), capture(lm, harmless, layers, progress=False),
-                         fingerprint=lm.fingerprint, layer=12)
+    vs = compute_vectors(
+        capture(lm, harmful, layers, progress=False),
+        capture(lm, harmless, layers, progress=False),
+        fingerprint=lm.fingerprint,
+        layer=12,
+    )
     vectors = vs.save(tmp_path / "v")
     test = [it.prompt for it in load_prompt_sets(["harmful-val"], limit=32)]
     judge = get_judge("classifier")
@@ -191,6 +248,8 @@ def test_embedded_exported_ablation_refuses_like_the_hooks(tmp_path, data_dir):
     out = export_model(lm, vectors, "refusal-ablation", tmp_path / "m")
     exported = refusal(load_model(str(out), dtype="bf16", device="cpu"))
     lo, hi = wilson_interval(hooked, len(test))
-    print(f"refused of {len(test)}: unsteered {base}, hook ablation {hooked} [{lo:.3f}, {hi:.3f}], exported {exported}")
+    print(
+        f"refused of {len(test)}: unsteered {base}, hook ablation {hooked} [{lo:.3f}, {hi:.3f}], exported {exported}"
+    )
     assert hooked < base  # the direction does cut refusals
     assert lo <= exported / len(test) <= hi

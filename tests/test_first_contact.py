@@ -31,6 +31,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture()
 def no_load(monkeypatch):
     """Fail the test if a command loads a model."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
@@ -41,8 +42,12 @@ def no_load(monkeypatch):
 @pytest.fixture()
 def data_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": str(i), "prompt": p, "label": "benign"}) + "\n"
-                            for i, p in enumerate(["Where can I buy a can of coke?", "How do I kill a Python process?"])))
+    path.write_text(
+        "".join(
+            json.dumps({"id": str(i), "prompt": p, "label": "benign"}) + "\n"
+            for i, p in enumerate(["Where can I buy a can of coke?", "How do I kill a Python process?"])
+        )
+    )
     return path
 
 
@@ -79,38 +84,77 @@ def one_error(res, code: int, *needles: str) -> str:
 
 # ---- the bad-input matrix: every case fails before a model loads ----------------------------------------
 def test_unknown_intervention(no_load, model_dir):
-    one_error(invoke("generate", "hi", "--model", model_dir, "--intervention", "nope"), 2,
-              "Unknown intervention 'nope'", "refusal-add")
+    one_error(
+        invoke("generate", "hi", "--model", model_dir, "--intervention", "nope"),
+        2,
+        "Unknown intervention 'nope'",
+        "refusal-add",
+    )
 
 
 def test_missing_steer_folder_leaves_out_unwritten(no_load, tmp_path, data_file):
     out = tmp_path / "run"
-    one_error(invoke("eval", "--data", data_file, "--steer", tmp_path / "missing", "--out", out), 2,
-              "--steer", "no such folder")
+    one_error(
+        invoke("eval", "--data", data_file, "--steer", tmp_path / "missing", "--out", out),
+        2,
+        "--steer",
+        "no such folder",
+    )
     assert not out.exists()
 
 
 def test_steer_folder_without_an_energy_bank(no_load, tmp_path, data_file):
     (tmp_path / "empty").mkdir()
-    one_error(invoke("eval", "--data", data_file, "--steer", tmp_path / "empty", "--out", tmp_path / "run"), 2,
-              "holds no energy.json")
+    one_error(
+        invoke("eval", "--data", data_file, "--steer", tmp_path / "empty", "--out", tmp_path / "run"),
+        2,
+        "holds no energy.json",
+    )
     one_error(invoke("generate", "hi", "--intervention", "refusal-ablation"), 2, "needs --vectors DIR")
 
 
 def test_unknown_judge(no_load, tmp_path, data_file):
     out = tmp_path / "run"
-    one_error(invoke("eval", "--data", data_file, "--judge", "clasifier", "--out", out), 2,
-              "Unknown judge 'clasifier'", "classifier")
+    one_error(
+        invoke("eval", "--data", data_file, "--judge", "clasifier", "--out", out),
+        2,
+        "Unknown judge 'clasifier'",
+        "classifier",
+    )
     assert not out.exists()
-    one_error(invoke("judge", "--in", data_file, "--out", tmp_path / "j.jsonl", "--judge", "nope"), 2, "Unknown judge")
+    one_error(
+        invoke("judge", "--in", data_file, "--out", tmp_path / "j.jsonl", "--judge", "nope"),
+        2,
+        "Unknown judge",
+    )
 
 
 def test_layers_beyond_the_model(no_load, model_dir, vectors_dir, bank_dir):
-    one_error(invoke("generate", "hi", "--model", model_dir, "--intervention", "refusal-ablation",
-                     "--vectors", vectors_dir, "--layers", "1,5"), 2, "layer 5", "has 3 layers")
-    one_error(invoke("generate", "hi", "--model", model_dir, "--steer", bank_dir, "--layers", "3"), 2, "layer 3")
-    one_error(invoke("els", "train", "--model", model_dir, "--out", bank_dir.parent / "els", "--layers", "0,7"), 2,
-              "layer 7")
+    one_error(
+        invoke(
+            "generate",
+            "hi",
+            "--model",
+            model_dir,
+            "--intervention",
+            "refusal-ablation",
+            "--vectors",
+            vectors_dir,
+            "--layers",
+            "1,5",
+        ),
+        2,
+        "layer 5",
+        "has 3 layers",
+    )
+    one_error(
+        invoke("generate", "hi", "--model", model_dir, "--steer", bank_dir, "--layers", "3"), 2, "layer 3"
+    )
+    one_error(
+        invoke("els", "train", "--model", model_dir, "--out", bank_dir.parent / "els", "--layers", "0,7"),
+        2,
+        "layer 7",
+    )
 
 
 def _tiny_gguf(path: Path, blocks: int) -> Path:
@@ -132,8 +176,23 @@ def test_layers_beyond_a_gguf_or_hub_model(no_load, tmp_path, monkeypatch, vecto
     """Layers are checked from a .gguf file's metadata and from a Hub model's config.json in the Hub
     cache (laid out as huggingface_hub lays it out; nothing is downloaded), before any weight is read."""
     gguf = _tiny_gguf(tmp_path / "tiny.gguf", 4)
-    one_error(invoke("generate", "hi", "--model", gguf, "--intervention", "refusal-ablation",
-                     "--vectors", vectors_dir, "--layers", "2,4"), 2, "layer 4", "has 4 layers")
+    one_error(
+        invoke(
+            "generate",
+            "hi",
+            "--model",
+            gguf,
+            "--intervention",
+            "refusal-ablation",
+            "--vectors",
+            vectors_dir,
+            "--layers",
+            "2,4",
+        ),
+        2,
+        "layer 4",
+        "has 4 layers",
+    )
     cache = tmp_path / "hub"
     snap = cache / "models--someone--tiny-model" / "snapshots" / ("0" * 40)
     snap.mkdir(parents=True)
@@ -142,8 +201,23 @@ def test_layers_beyond_a_gguf_or_hub_model(no_load, tmp_path, monkeypatch, vecto
     (snap.parent.parent / "refs" / "main").write_text("0" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
-    one_error(invoke("generate", "hi", "--model", "someone/tiny-model", "--intervention", "refusal-ablation",
-                     "--vectors", vectors_dir, "--layers", "9"), 2, "layer 9", "has 6 layers")
+    one_error(
+        invoke(
+            "generate",
+            "hi",
+            "--model",
+            "someone/tiny-model",
+            "--intervention",
+            "refusal-ablation",
+            "--vectors",
+            vectors_dir,
+            "--layers",
+            "9",
+        ),
+        2,
+        "layer 9",
+        "has 6 layers",
+    )
 
 
 def test_out_naming_an_existing_file(no_load, tmp_path, data_file):
@@ -166,7 +240,9 @@ def test_serve_port_out_of_range_fails_before_loading(no_load):
 
 @pytest.mark.parametrize("eta", ["-1", "nan", "0", "inf"])
 def test_eta_must_be_finite_and_positive(no_load, bank_dir, eta):
-    one_error(invoke("generate", "hi", "--steer", bank_dir, "--eta", eta), 2, "--eta takes a finite number > 0")
+    one_error(
+        invoke("generate", "hi", "--steer", bank_dir, "--eta", eta), 2, "--eta takes a finite number > 0"
+    )
 
 
 def test_option_ranges_are_declared_once_for_every_face():
@@ -187,18 +263,25 @@ def test_option_ranges_are_declared_once_for_every_face():
     with pytest.raises(AligntaxError, match="els option eta"):
         make_intervention("els", None, path="x", eta=math.inf)
     assert intervention_args("els", {"iv_steps": 0, "iv_gate": "saved", "iv_horizon": "none"}) == {
-        "steps": 0, "gate": True, "horizon": "none"}
+        "steps": 0,
+        "gate": True,
+        "horizon": "none",
+    }
 
 
 def test_yaml_intervention_args_meet_the_same_ranges(no_load, tmp_path, data_file, bank_dir):
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"data: [{data_file}]\nintervention: els\nintervention_args: {{path: {bank_dir}, eta: -1}}\n")
+    cfg.write_text(
+        f"data: [{data_file}]\nintervention: els\nintervention_args: {{path: {bank_dir}, eta: -1}}\n"
+    )
     one_error(invoke("eval", "--config", cfg, "--out", tmp_path / "run"), 2, "els option eta", "> 0")
 
 
 def test_unknown_dataset(no_load, tmp_path):
     out = tmp_path / "run"
-    one_error(invoke("eval", "--data", "xstset", "--out", out), 2, "unknown dataset 'xstset'", "Did you mean xstest")
+    one_error(
+        invoke("eval", "--data", "xstset", "--out", out), 2, "unknown dataset 'xstset'", "Did you mean xstest"
+    )
     assert not out.exists()
 
 
@@ -245,27 +328,81 @@ def test_a_failed_run_leaves_its_folder_usable(tmp_path, model_dir, data_file, m
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "ev8"
-    one_error(invoke("eval", "--data", data_file, "--model", model_dir, "--judge", "clasifier", "--out", out), 2)
+    one_error(
+        invoke("eval", "--data", data_file, "--model", model_dir, "--judge", "clasifier", "--out", out), 2
+    )
     # the same mistake past the command line's checks fails after the run wrote its config.json
     with pytest.raises(AligntaxError, match="Unknown judge"):
-        run_eval(EvalConfig(data=[str(data_file)], out=str(out), model=str(model_dir), judge="clasifier",
-                            max_new_tokens=2, dtype="fp32", progress=False))
+        run_eval(
+            EvalConfig(
+                data=[str(data_file)],
+                out=str(out),
+                model=str(model_dir),
+                judge="clasifier",
+                max_new_tokens=2,
+                dtype="fp32",
+                progress=False,
+            )
+        )
     assert json.loads((out / "config.json").read_text())["judge"] == "clasifier"
-    res = invoke("eval", "--data", data_file, "--model", model_dir, "--judge", "keyword", "--out", out,
-                 "--max-new-tokens", "2", "--dtype", "fp32", "--no-progress")
+    res = invoke(
+        "eval",
+        "--data",
+        data_file,
+        "--model",
+        model_dir,
+        "--judge",
+        "keyword",
+        "--out",
+        out,
+        "--max-new-tokens",
+        "2",
+        "--dtype",
+        "fp32",
+        "--no-progress",
+    )
     assert res.exit_code == 0, res.output
     assert json.loads((out / "config.json").read_text())["judge"] == "keyword"
     assert len((out / "samples.jsonl").read_text().splitlines()) == 2
     assert "compliance" in res.stdout and "|---|" not in res.stdout  # a rich table, not markdown
     # from its first sample on, the folder is a run: other settings are refused
-    one_error(invoke("eval", "--data", data_file, "--model", model_dir, "--judge", "prefix", "--out", out,
-                     "--max-new-tokens", "2", "--dtype", "fp32", "--no-progress"), 2, "different settings")
+    one_error(
+        invoke(
+            "eval",
+            "--data",
+            data_file,
+            "--model",
+            model_dir,
+            "--judge",
+            "prefix",
+            "--out",
+            out,
+            "--max-new-tokens",
+            "2",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+        ),
+        2,
+        "different settings",
+    )
 
 
 def test_generate_records_the_intervention(model_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    res = invoke("generate", "hi", "--model", model_dir, "--intervention", "system-prompt", "--max-new-tokens", "2",
-                 "--dtype", "fp32", "--no-progress")
+    res = invoke(
+        "generate",
+        "hi",
+        "--model",
+        model_dir,
+        "--intervention",
+        "system-prompt",
+        "--max-new-tokens",
+        "2",
+        "--dtype",
+        "fp32",
+        "--no-progress",
+    )
     assert res.exit_code == 0, res.output
     row = json.loads(res.stdout.strip().splitlines()[-1])
     assert row["intervention"] == "system-prompt" and row["prompt"] == "hi"
@@ -279,13 +416,27 @@ def test_version_and_models_list_json():
     assert res.exit_code == 0 and res.stdout.strip() == f"aligntax {__version__}"
     res = invoke("models", "list", "--json")
     rows = json.loads(res.stdout)
-    assert {r["spec"] for r in rows} >= {"embedded:qwen2.5-coder-0.5b-instruct", "embedded:smollm2-135m-instruct"}
+    assert {r["spec"] for r in rows} >= {
+        "embedded:qwen2.5-coder-0.5b-instruct",
+        "embedded:smollm2-135m-instruct",
+    }
     res = runner.invoke(app, ["models", "list"], env={**ENV, "COLUMNS": "60"})
     assert "embedded:qwen2.5-coder-0.5b-instruct" in res.stdout  # the spec column is never cut
 
 
-@pytest.mark.parametrize("cmd", [["generate"], ["eval"], ["mc"], ["knowns"], ["demo"], ["els", "train"],
-                                 ["els", "sweep"], ["vat", "run"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["generate"],
+        ["eval"],
+        ["mc"],
+        ["knowns"],
+        ["demo"],
+        ["els", "train"],
+        ["els", "sweep"],
+        ["vat", "run"],
+    ],
+)
 def test_progress_switch_and_shared_defaults_in_help(cmd):
     from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 
@@ -308,8 +459,18 @@ def test_renamed_options_keep_their_old_spellings(no_load, tmp_path):
     res = invoke("els", "sweep", "--steer", tmp_path / "missing", "--layers", "1;2")
     assert res.exit_code == 2 and "note: --layers in a sweep is deprecated; use --layers-grid" in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: --steer")
-    res = invoke("vat", "run", "--target", "Benevolence", "--intervention", "els", "--energy-dir", tmp_path / "x",
-                 "--out", tmp_path / "vat")
+    res = invoke(
+        "vat",
+        "run",
+        "--target",
+        "Benevolence",
+        "--intervention",
+        "els",
+        "--energy-dir",
+        tmp_path / "x",
+        "--out",
+        tmp_path / "vat",
+    )
     assert res.exit_code == 2 and "note: --energy-dir is deprecated; use --steer" in res.stderr
     text = invoke("export", "--help").stdout
     assert "refusal-add" in text
@@ -326,8 +487,11 @@ def test_els_folder_commands_check_the_folder_first(no_load, tmp_path, bank_dir)
     take --no-progress like every long command."""
     missing, plain = tmp_path / "missing", tmp_path / "plain"
     plain.mkdir()
-    one_error(invoke("els", "distill", "--steer", missing, "--out", tmp_path / "lora", "--no-progress"), 2,
-              "no such folder")
+    one_error(
+        invoke("els", "distill", "--steer", missing, "--out", tmp_path / "lora", "--no-progress"),
+        2,
+        "no such folder",
+    )
     assert not (tmp_path / "lora").exists()
     one_error(invoke("els", "harm-basis", "--steer", plain, "--no-progress"), 2, "holds no energy.json")
     one_error(invoke("els", "row-strength", "--steer", missing, "--no-progress"), 2, "no such folder")

@@ -11,7 +11,9 @@ def test_response_nll_matches_single_forward_and_padding(tiny_lm):
     prompts = ["Hi", "How do I kill a Python process that hangs forever?"]
     responses = ["Hello there, friend.", "Use kill -9 with the PID."]
     batched = response_nll(tiny_lm, prompts, responses, batch_size=2)
-    single = [response_nll(tiny_lm, [p], [r], batch_size=1)[0] for p, r in zip(prompts, responses, strict=True)]
+    single = [
+        response_nll(tiny_lm, [p], [r], batch_size=1)[0] for p, r in zip(prompts, responses, strict=True)
+    ]
     for (a, na), (b, nb) in zip(batched, single, strict=True):
         assert na == nb > 0 and math.isclose(a, b, rel_tol=1e-4)
     # manual: one unpadded forward over prompt + response

@@ -80,8 +80,12 @@ def test_harm_basis_is_orthonormal_and_starts_with_the_mean_difference(lm):
 def test_pair_states_match_pairs_by_category():
     from aligntax.data.base import PromptItem
 
-    items = [PromptItem("a", "x", "benign", "c", "p1"), PromptItem("b", "y", "harmful", "c", "p2"),
-             PromptItem("c", "z", "harmful", "c", "p1"), PromptItem("d", "w", "benign", "c", None)]
+    items = [
+        PromptItem("a", "x", "benign", "c", "p1"),
+        PromptItem("b", "y", "harmful", "c", "p2"),
+        PromptItem("c", "z", "harmful", "c", "p1"),
+        PromptItem("d", "w", "benign", "c", None),
+    ]
     states = torch.arange(4.0)[:, None].repeat(1, 3)
     h, b = pair_states(items, states)
     assert h[:, 0].tolist() == [2.0] and b[:, 0].tolist() == [0.0]
@@ -129,8 +133,9 @@ def test_harm_orth_zero_is_identical_to_plain_els(lm, folder):
     off = els(lm, folder, harm_orth=0)
     drop = {"settings_from"}  # says which options were given
     assert off.harm_dirs == {} and "harm_orth" not in plain.config()
-    assert {k: v for k, v in off.config().items() if k not in drop} == \
-        {k: v for k, v in plain.config().items() if k not in drop}
+    assert {k: v for k, v in off.config().items() if k not in drop} == {
+        k: v for k, v in plain.config().items() if k not in drop
+    }
     tok0, log0, _, _ = run_steered(lm, PROMPTS, plain)
     tok1, log1, _, _ = run_steered(lm, PROMPTS, off)
     assert torch.equal(tok0, tok1) and torch.equal(log0, log1)
@@ -196,8 +201,17 @@ def test_strength_scales_the_step_linearly(lm, folder):
 def _strength(lm, layer=1, weight=None, bias=0.0, floor=0.1):
     torch.manual_seed(7)
     w = torch.tensor([-2.0, 0.5, 0.3, -0.4]) if weight is None else weight
-    return RowStrength(layer, w, bias, torch.zeros(len(STRENGTH_FEATURES)), torch.ones(len(STRENGTH_FEATURES)),
-                       torch.randn(H), torch.randn(H), floor, fingerprint=lm.fingerprint)
+    return RowStrength(
+        layer,
+        w,
+        bias,
+        torch.zeros(len(STRENGTH_FEATURES)),
+        torch.ones(len(STRENGTH_FEATURES)),
+        torch.randn(H),
+        torch.randn(H),
+        floor,
+        fingerprint=lm.fingerprint,
+    )
 
 
 def _split_strength(lm, folder):
@@ -274,8 +288,16 @@ def test_fit_row_strength_learns_the_worth_of_steering(lm):
     worth = torch.arange(n) % 2 == 0
     f = torch.randn(n, 4)
     f[:, 0] += torch.where(worth, -2.0, 2.0)  # harmful rows: a high gate logit
-    rs = fit_row_strength(f, worth, 1, torch.randn(H), torch.randn(H), weight=torch.ones(n), floor=0.2,
-                          fingerprint=lm.fingerprint)
+    rs = fit_row_strength(
+        f,
+        worth,
+        1,
+        torch.randn(H),
+        torch.randn(H),
+        weight=torch.ones(n),
+        floor=0.2,
+        fingerprint=lm.fingerprint,
+    )
     s = rs.strength(f)
     assert ((s >= 0) & (s <= 1)).all() and float(s[worth].mean()) > 0.8 and float(s[~worth].mean()) < 0.2
     assert rs.weight[0] < 0 and rs.info["n"] == n and rs.info["held_at_floor"]["not_worth"] > 0.5
@@ -297,12 +319,30 @@ def test_options_on_the_command_line_and_the_sweep_grid():
     assert opts["harm_orth"].grid and opts["row_strength"].grid
     assert grid_values("0,2", opts["harm_orth"]) == [0, 2]
     assert grid_values("off,on", opts["row_strength"]) == [None, True]
-    cfg = SweepConfig(steer="d", top_k=[1], eta=[0.35], threshold=[None], gate=[True], horizon=[16],
-                      row_threshold=[0.0, -2.0], harm_orth=[0, 2], row_strength=[None, True], baselines=False)
+    cfg = SweepConfig(
+        steer="d",
+        top_k=[1],
+        eta=[0.35],
+        threshold=[None],
+        gate=[True],
+        horizon=[16],
+        row_threshold=[0.0, -2.0],
+        harm_orth=[0, 2],
+        row_strength=[None, True],
+        baselines=False,
+    )
     els_args = [a for n, a in sweep_settings(cfg) if n == "els"]
     # harm_orth 0 is the plain setting (its key unchanged); with the strength the row threshold is gone
-    assert {"path": "d", "top_k": 1, "eta": 0.35, "steps": 3, "threshold": None, "gate": True, "horizon": 16,
-            "row_threshold": 0.0} in els_args
+    assert {
+        "path": "d",
+        "top_k": 1,
+        "eta": 0.35,
+        "steps": 3,
+        "threshold": None,
+        "gate": True,
+        "horizon": 16,
+        "row_threshold": 0.0,
+    } in els_args
     assert sum(1 for a in els_args if a.get("row_strength")) == 2  # harm_orth 0 and 2, deduplicated
     assert all("row_threshold" not in a for a in els_args if a.get("row_strength"))
     assert len(els_args) == 6
@@ -339,10 +379,12 @@ def test_vllm_adapter_runs_the_same_kernel(lm, folder, tmp_path):
         if held[i]:
             assert torch.equal(delta, torch.zeros(H))
         else:
-            want = kernel.edit(kernel.sites[0], states[i:i + 1], s[i:i + 1])[0] - states[i]
+            want = kernel.edit(kernel.sites[0], states[i : i + 1], s[i : i + 1])[0] - states[i]
             torch.testing.assert_close(delta, want, atol=1e-5, rtol=1e-4)
             assert float((delta @ q.T).abs().max()) < 1e-4 * float(delta.norm())
-        assert torch.equal(new_h[3 * i:3 * i + 2], hidden[3 * i:3 * i + 2])  # earlier prompt tokens untouched
+        assert torch.equal(
+            new_h[3 * i : 3 * i + 2], hidden[3 * i : 3 * i + 2]
+        )  # earlier prompt tokens untouched
     recs = st.take_records()
     assert [recs[r]["strength"] for r in "abcd"] == pytest.approx(s.tolist(), abs=1e-6)
 
@@ -353,8 +395,9 @@ def test_training_computes_the_harm_basis_with_the_contrast_pairs(lm, tmp_path):
     from aligntax.data.base import PromptItem
     from aligntax.runs.els import ELSTrainConfig, _harm_basis
 
-    items = [PromptItem(f"b{i}", p, "benign", "t") for i, p in enumerate(PROMPTS)] + \
-        [PromptItem(f"h{i}", "harm " + p, "harmful", "t") for i, p in enumerate(PROMPTS)]
+    items = [PromptItem(f"b{i}", p, "benign", "t") for i, p in enumerate(PROMPTS)] + [
+        PromptItem(f"h{i}", "harm " + p, "harmful", "t") for i, p in enumerate(PROMPTS)
+    ]
     harmless = [PromptItem(f"n{i}", f"say {i}", "benign", "n") for i in range(3)]
     acts = capture(lm, [it.prompt for it in items], "all", progress=False)
     h_acts = capture(lm, [it.prompt for it in harmless], "all", progress=False)
@@ -366,8 +409,9 @@ def test_training_computes_the_harm_basis_with_the_contrast_pairs(lm, tmp_path):
     torch.testing.assert_close(basis.directions[1][0], diff / diff.norm(), atol=1e-5, rtol=0)
     basis.save(tmp_path)
     assert HarmBasis.load(tmp_path, expect_fingerprint=lm.fingerprint).k_max == 3
-    no_pairs = _harm_basis(ELSTrainConfig(harm_k=2, harm_pairs=[], progress=False), lm, tmp_path, items, acts,
-                           harmless, h_acts)
+    no_pairs = _harm_basis(
+        ELSTrainConfig(harm_k=2, harm_pairs=[], progress=False), lm, tmp_path, items, acts, harmless, h_acts
+    )
     assert no_pairs.info["layers"]["1"]["n_pairs"] == 0
 
 
@@ -382,22 +426,53 @@ def test_train_then_fit_the_row_strength(lm, tmp_path, parity_judge):
 
     def data(name, label, n):
         path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"id": f"{name}{i}", "prompt": f"{name} request {i} {'x' * (i % 5)}",
-                                            "label": label}) + "\n" for i in range(n)))
+        path.write_text(
+            "".join(
+                json.dumps(
+                    {"id": f"{name}{i}", "prompt": f"{name} request {i} {'x' * (i % 5)}", "label": label}
+                )
+                + "\n"
+                for i in range(n)
+            )
+        )
         return str(path)
 
-    cfg = ELSTrainConfig(out=str(tmp_path / "els"), benign=[data("b", "benign", 24)],
-                         harmful=[data("h", "harmful", 24)], harmless=[data("n", "benign", 8)], gate_harmful=[],
-                         gate_benign=[], judge="parity", max_new_tokens=4, batch_size=16, dtype="fp32",
-                         epochs=2, energy_folds=2, harm_k=3, progress=False)
+    cfg = ELSTrainConfig(
+        out=str(tmp_path / "els"),
+        benign=[data("b", "benign", 24)],
+        harmful=[data("h", "harmful", 24)],
+        harmless=[data("n", "benign", 8)],
+        gate_harmful=[],
+        gate_benign=[],
+        judge="parity",
+        max_new_tokens=4,
+        batch_size=16,
+        dtype="fp32",
+        epochs=2,
+        energy_folds=2,
+        harm_k=3,
+        progress=False,
+    )
     train_els(cfg, lm=lm)
     folder = tmp_path / "els"
     assert HarmBasis.load(folder, expect_fingerprint=lm.fingerprint).k_max == 3
     from aligntax.energy.gate import HarmGate
 
     layer = max(HarmGate.load(folder).layer, 1)  # the gate decides at or before the steered block
-    res = fit_strength(StrengthConfig(steer=str(folder), layers=[layer], eta=0.5, horizon=2, judge="parity",
-                                      max_new_tokens=4, batch_size=16, dtype="fp32", progress=False), lm=lm)
+    res = fit_strength(
+        StrengthConfig(
+            steer=str(folder),
+            layers=[layer],
+            eta=0.5,
+            horizon=2,
+            judge="parity",
+            max_new_tokens=4,
+            batch_size=16,
+            dtype="fp32",
+            progress=False,
+        ),
+        lm=lm,
+    )
     assert res["layer"] == layer and res["outcome"]["harmful"] == 24
     rows = [json.loads(line) for line in (folder / "row_strength" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == res["outcome"]["benign_over_refused"] + 24
@@ -406,4 +481,3 @@ def test_train_then_fit_the_row_strength(lm, tmp_path, parity_judge):
     assert iv.row_strength.layer == layer and iv.harm_orth == 2
     info = row_info(iv, lm, PROMPTS)
     assert all(0.0 <= r["strength"] <= 1.0 for r in info)
-

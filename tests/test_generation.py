@@ -28,8 +28,9 @@ def test_batched_equals_unbatched_greedy(tiny_lm):
 
 def test_kv_cache_equals_no_cache(tiny_lm):
     with_cache = generate(tiny_lm, PROMPTS, GenerationConfig(max_new_tokens=10, batch_size=8), progress=False)
-    no_cache = generate(tiny_lm, PROMPTS, GenerationConfig(max_new_tokens=10, batch_size=8, use_cache=False),
-                        progress=False)
+    no_cache = generate(
+        tiny_lm, PROMPTS, GenerationConfig(max_new_tokens=10, batch_size=8, use_cache=False), progress=False
+    )
     assert [g.response for g in with_cache] == [g.response for g in no_cache]
 
 
@@ -61,7 +62,9 @@ def test_stop_strings_and_finish_reason(tiny_lm):
     full = gens[0].response
     if len(full) > 2:
         stop = full[1:3]
-        cut = generate(tiny_lm, PROMPTS[:1], GenerationConfig(max_new_tokens=6, stop=[stop]), progress=False)[0]
+        cut = generate(tiny_lm, PROMPTS[:1], GenerationConfig(max_new_tokens=6, stop=[stop]), progress=False)[
+            0
+        ]
         assert stop not in cut.response and cut.finish_reason == "stop"
 
 
@@ -94,8 +97,9 @@ def test_greedy_decode_only_where_it_is_plain_argmax(tiny_lm):
     try:
         assert not plain_greedy(tiny_lm.model)  # generate() applies the penalty: it decodes such a model
         penalised = generate(tiny_lm, PROMPTS, GenerationConfig(max_new_tokens=12), progress=False)
-        reference = generate(tiny_lm, PROMPTS, GenerationConfig(max_new_tokens=12, drop_finished=False),
-                             progress=False)
+        reference = generate(
+            tiny_lm, PROMPTS, GenerationConfig(max_new_tokens=12, drop_finished=False), progress=False
+        )
         assert _ids(penalised) == _ids(reference)
     finally:
         tiny_lm.model.generation_config.repetition_penalty = 1.0
@@ -115,21 +119,35 @@ def test_shared_prefix_cached_once_gives_the_prompts_logits():
     enc = encode_chats(lm.tokenizer, texts, "cpu")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     prefix = common_prefix_len(unpadded(ids, mask))
-    shared = lm.tokenizer(render_chat(lm.tokenizer, build_messages("", "Be brief.")), add_special_tokens=False)
+    shared = lm.tokenizer(
+        render_chat(lm.tokenizer, build_messages("", "Be brief.")), add_special_tokens=False
+    )
     assert prefix >= 10 and prefix <= len(shared["input_ids"])  # the system turn and the user tag
     with torch.no_grad():
-        full = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[:, -1]
+        full = lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[
+            :, -1
+        ]
         cache, rest, rest_mask = prefix_cache(lm.model, ids, mask, prefix)
         assert rest.shape[1] == ids.shape[1] - prefix and cache.get_seq_length() == prefix
         both = torch.cat([torch.ones(len(PROMPTS), prefix, dtype=mask.dtype), rest_mask], 1)
-        split = lm.model(**with_cache(lm.model, cache, input_ids=rest, attention_mask=both,
-                                      position_ids=position_ids_from_mask(both)[:, prefix:])).logits[:, -1]
+        split = lm.model(
+            **with_cache(
+                lm.model,
+                cache,
+                input_ids=rest,
+                attention_mask=both,
+                position_ids=position_ids_from_mask(both)[:, prefix:],
+            )
+        ).logits[:, -1]
     torch.testing.assert_close(split, full, rtol=1e-4, atol=1e-4)
-    assert common_prefix_len(unpadded(ids[:1], mask[:1])) == int(mask[0].sum()) - 1  # one row: all but its last token
+    assert (
+        common_prefix_len(unpadded(ids[:1], mask[:1])) == int(mask[0].sum()) - 1
+    )  # one row: all but its last token
     eos = {lm.tokenizer.eos_token_id}
     cache, rest, rest_mask = prefix_cache(lm.model, ids, mask, prefix)
-    assert greedy_decode(lm.model, rest, rest_mask, 6, eos, cache=cache, cached=prefix) == \
-        greedy_decode(lm.model, ids, mask, 6, eos)
+    assert greedy_decode(lm.model, rest, rest_mask, 6, eos, cache=cache, cached=prefix) == greedy_decode(
+        lm.model, ids, mask, 6, eos
+    )
 
 
 def test_decode_loop_appends_to_given_lists_before_ended_reads_them():
@@ -151,6 +169,7 @@ def test_decode_loop_appends_to_given_lists_before_ended_reads_them():
         seen.append([len(lists[i]) for i in alive.tolist()])
         assert [lists[i][-1] for i in alive.tolist()] == tokens.tolist()
         return alive == 0  # row 0 leaves after its first token
+
     with torch.no_grad():
         got = decode_loop(lm.model, ids, mask, 5, set(), ended=ended, out=lists)
     assert got is lists and lists[0] == ref[0][:1] and lists[1:] == [r for r in ref[1:]]

@@ -25,8 +25,12 @@ from tiny import save_tiny_bank, tiny_lm  # noqa: E402
 
 KEY = "sk-inspect-test"
 MAX_TOKENS = 8
-ITEMS = [{"input": "Say red.", "target": "red"}, {"input": "Name a colour.", "target": "blue"},
-         {"input": "What is 2 + 2?", "target": "4"}, {"input": "Repeat: stone", "target": "stone"}]
+ITEMS = [
+    {"input": "Say red.", "target": "red"},
+    {"input": "Name a colour.", "target": "blue"},
+    {"input": "What is 2 + 2?", "target": "4"},
+    {"input": "Repeat: stone", "target": "stone"},
+]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,14 +55,43 @@ def served(tmp_path_factory):
     lm = tiny_lm("qwen2", hidden=32, layers=3)
     lm.model.save_pretrained(root / "model")
     lm.tokenizer.save_pretrained(root / "model")
-    bank = save_tiny_bank(aligntax.load_model(str(root / "model"), dtype="fp32", device="cpu"), root / "bank",
-                          n=16, epochs=2)
+    bank = save_tiny_bank(
+        aligntax.load_model(str(root / "model"), dtype="fp32", device="cpu"), root / "bank", n=16, epochs=2
+    )
     log_path = root / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ALIGNTAX_API_KEY": KEY}
-    cmd = [sys.executable, "-m", "aligntax", "serve", "--model", str(root / "model"), "--steer", str(bank),
-           "--model-name", "tiny", "--dtype", "fp32", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
-           "--threads", "1", "--max-tokens-limit", "64",
-           "--top-k", "2", "--eta", "0.3", "--horizon", "none", "--row-threshold", "none"]  # every row steered
+    cmd = [
+        sys.executable,
+        "-m",
+        "aligntax",
+        "serve",
+        "--model",
+        str(root / "model"),
+        "--steer",
+        str(bank),
+        "--model-name",
+        "tiny",
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--max-tokens-limit",
+        "64",
+        "--top-k",
+        "2",
+        "--eta",
+        "0.3",
+        "--horizon",
+        "none",
+        "--row-threshold",
+        "none",
+    ]  # every row steered
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -83,11 +116,20 @@ def test_inspect_eval_against_aligntax_serve(served, tmp_path, monkeypatch):
     data.write_text("".join(json.dumps(x) + "\n" for x in ITEMS), encoding="utf-8")
     monkeypatch.setenv("ALIGNTAX_BASE_URL", served + "/v1")
     monkeypatch.setenv("ALIGNTAX_API_KEY", KEY)
-    task = Task(dataset=json_dataset(str(data)), solver=generate(), scorer=includes(),
-                config=GenerateConfig(temperature=0.0, max_tokens=MAX_TOKENS))
+    task = Task(
+        dataset=json_dataset(str(data)),
+        solver=generate(),
+        scorer=includes(),
+        config=GenerateConfig(temperature=0.0, max_tokens=MAX_TOKENS),
+    )
     names = ["tiny", "tiny+els"]
-    logs = eval(task, model=[f"openai-api/aligntax/{n}" for n in names], log_dir=str(tmp_path / "logs"),
-                display="none", max_connections=4)
+    logs = eval(
+        task,
+        model=[f"openai-api/aligntax/{n}" for n in names],
+        log_dir=str(tmp_path / "logs"),
+        display="none",
+        max_connections=4,
+    )
     assert len(logs) == 2
     client = openai.OpenAI(base_url=served + "/v1", api_key=KEY, max_retries=0, timeout=60)
     completions = {}
@@ -104,8 +146,12 @@ def test_inspect_eval_against_aligntax_serve(served, tmp_path, monkeypatch):
             value = next(iter(sample.scores.values())).value
             assert value == ("C" if item["target"].lower() in text.lower() else "I")
             # and that answer is the server's greedy answer to the same request
-            direct = client.chat.completions.create(model=name, messages=[{"role": "user", "content": item["input"]}],
-                                                    temperature=0, max_tokens=MAX_TOKENS)
+            direct = client.chat.completions.create(
+                model=name,
+                messages=[{"role": "user", "content": item["input"]}],
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+            )
             assert text == direct.choices[0].message.content
         assert any(completions[name])
     assert sorted(completions) == names

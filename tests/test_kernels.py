@@ -29,8 +29,9 @@ class _Rule(RowKernel):
 
 @pytest.mark.parametrize("positions", ["last_and_generated", "generated", "all"])
 def test_token_slice_is_the_edited_rule_for_contiguous_positions(positions):
-    for horizon, last, plen, start, seq in itertools.product([None, 0, 1, 3], [True, False], [1, 2, 5],
-                                                            range(0, 9), [1, 2, 6]):
+    for horizon, last, plen, start, seq in itertools.product(
+        [None, 0, 1, 3], [True, False], [1, 2, 5], range(0, 9), [1, 2, 6]
+    ):
         k = _Rule(positions, horizon, last)
         sl = token_slice(seq, start, plen, k, Site(0))
         want = [i for i in range(seq) if edited(start + i, plen, k, Site(0))]
@@ -105,8 +106,13 @@ def test_kernel_rows_equal_the_adapter_at_the_first_site(lm, vector_dir, name):
 def test_zero_strength_rows_are_unchanged_by_every_kernel(lm, vector_dir):
     x = torch.randn(6, H)
     s = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 0.5])
-    for iv in (_els(lm), *(make_intervention(n, lm, dir=str(vector_dir))
-                           for n in ("refusal-add", "refusal-ablation", "false-refusal-ablation", "cast"))):
+    for iv in (
+        _els(lm),
+        *(
+            make_intervention(n, lm, dir=str(vector_dir))
+            for n in ("refusal-add", "refusal-ablation", "false-refusal-ablation", "cast")
+        ),
+    ):
         kernel = iv.kernel(3, H)
         for site in kernel.sites:
             y = kernel.edit(site, x, s)
@@ -131,16 +137,28 @@ def test_generation_reports_steering_statistics_up(lm):
 
     stats: dict = {}
     prompts = PROMPTS * 3
-    generate(lm, prompts, GenerationConfig(max_new_tokens=4, batch_size=5), _els(lm, horizon=2), progress=False,
-             stats=stats)
+    generate(
+        lm,
+        prompts,
+        GenerationConfig(max_new_tokens=4, batch_size=5),
+        _els(lm, horizon=2),
+        progress=False,
+        stats=stats,
+    )
     for layer in (1, 2):
         s = stats["els"][layer]
         # 12 rows x (the last prompt token + the first 2 generated tokens), in 3 batches
         assert s["positions"] == 12 * 3 and s["steered"] == 12 * 3
         assert s["energy_after"] < s["energy_before"]
     row_stats: dict = {}
-    generate(lm, prompts, GenerationConfig(max_new_tokens=4, batch_size=5), _els(lm, row_threshold=0.0),
-             progress=False, stats=row_stats)
+    generate(
+        lm,
+        prompts,
+        GenerationConfig(max_new_tokens=4, batch_size=5),
+        _els(lm, row_threshold=0.0),
+        progress=False,
+        stats=row_stats,
+    )
     assert row_stats["els_row_energy"]["rows"] == 12
 
 
@@ -148,11 +166,27 @@ def test_merge_stats_adds_counts_and_weights_means():
     from aligntax.interventions.kernels import merge_stats
 
     acc: dict = {}
-    merge_stats(acc, {"els": {1: {"positions": 2, "steered": 1, "energy_before": 1.0, "energy_after": 0.0, "eta": 0.3}},
-                      "els_gate": {"rows": 4, "held": 1}})
-    merge_stats(acc, {"els": {1: {"positions": 6, "steered": 6, "energy_before": 3.0, "energy_after": 2.0, "eta": 0.3}},
-                      "els_gate": {"rows": 4, "held": 3}})
-    assert acc["els"][1] == {"positions": 8, "steered": 7, "energy_before": 2.5, "energy_after": 1.5, "eta": 0.3}
+    merge_stats(
+        acc,
+        {
+            "els": {1: {"positions": 2, "steered": 1, "energy_before": 1.0, "energy_after": 0.0, "eta": 0.3}},
+            "els_gate": {"rows": 4, "held": 1},
+        },
+    )
+    merge_stats(
+        acc,
+        {
+            "els": {1: {"positions": 6, "steered": 6, "energy_before": 3.0, "energy_after": 2.0, "eta": 0.3}},
+            "els_gate": {"rows": 4, "held": 3},
+        },
+    )
+    assert acc["els"][1] == {
+        "positions": 8,
+        "steered": 7,
+        "energy_before": 2.5,
+        "energy_after": 1.5,
+        "eta": 0.3,
+    }
     assert acc["els_gate"] == {"rows": 8, "held": 4}
 
 

@@ -41,7 +41,10 @@ def test_builtin_set_is_well_formed():
     # no prompt already contains its answer (the check would pass by repeating the question)
     assert [it.id for it in items if it.check(it.prompt)] == []
     assert [(it.id, it.kind) for it in load_known_answers(limit=3)] == [
-        ("known:001", "arithmetic"), ("known:002", "fact"), ("known:003", "instruction")]  # interleaved kinds
+        ("known:001", "arithmetic"),
+        ("known:002", "fact"),
+        ("known:003", "instruction"),
+    ]  # interleaved kinds
 
 
 def test_split_and_limit():
@@ -55,28 +58,31 @@ def test_split_and_limit():
 
 
 # ---- matching -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("response, answers, ok", [
-    ("100 minus 42 is 58.", ["58", "fifty-eight"], True),
-    ("78", ["58"], False),
-    ("The answer is 158.", ["58"], False),
-    ("It is 5.8 metres.", ["58"], False),
-    ("58.5", ["58"], False),
-    ("5,8", ["58"], False),
-    ("**58**", ["58"], True),
-    ("`58`", ["58"], True),
-    ("The result is fifty-eight.", ["58", "fifty-eight"], True),
-    ("The result is fifty-eight.", ["58"], False),  # a number word counts only when listed
-    ("The capital of Japan is Tokyo.", ["Tokyo"], True),
-    ("The capital of Japan is Tokoku.", ["Tokyo"], False),
-    ("TOKYO", ["Tokyo"], True),
-    ("Tokyoite", ["Tokyo"], False),
-    ("There are 1,000 grams in a kilogram.", ["1000"], True),
-    ("There are 1000 grams in a kilogram.", ["1,000"], True),
-    ("There are 10,000 grams.", ["1000"], False),
-    ("Plants take in CO₂.", ["CO2"], True),
-    ("The capital of Argentina is Buenos\n  Aires.", ["Buenos Aires"], True),
-    ("", ["58"], False),
-])
+@pytest.mark.parametrize(
+    "response, answers, ok",
+    [
+        ("100 minus 42 is 58.", ["58", "fifty-eight"], True),
+        ("78", ["58"], False),
+        ("The answer is 158.", ["58"], False),
+        ("It is 5.8 metres.", ["58"], False),
+        ("58.5", ["58"], False),
+        ("5,8", ["58"], False),
+        ("**58**", ["58"], True),
+        ("`58`", ["58"], True),
+        ("The result is fifty-eight.", ["58", "fifty-eight"], True),
+        ("The result is fifty-eight.", ["58"], False),  # a number word counts only when listed
+        ("The capital of Japan is Tokyo.", ["Tokyo"], True),
+        ("The capital of Japan is Tokoku.", ["Tokyo"], False),
+        ("TOKYO", ["Tokyo"], True),
+        ("Tokyoite", ["Tokyo"], False),
+        ("There are 1,000 grams in a kilogram.", ["1000"], True),
+        ("There are 1000 grams in a kilogram.", ["1,000"], True),
+        ("There are 10,000 grams.", ["1000"], False),
+        ("Plants take in CO₂.", ["CO2"], True),
+        ("The capital of Argentina is Buenos\n  Aires.", ["Buenos Aires"], True),
+        ("", ["58"], False),
+    ],
+)
 def test_is_correct(response, answers, ok):
     assert is_correct(response, answers) is ok
 
@@ -95,8 +101,10 @@ def test_case_sensitive_and_options():
 
 
 def test_score_responses():
-    items = [KnownItem("a", "What is 100 minus 42?", ("58",), "arithmetic", "test"),
-             KnownItem("b", "Capitals?", ("APPLE",), "instruction", "val", case_sensitive=True)]
+    items = [
+        KnownItem("a", "What is 100 minus 42?", ("58",), "arithmetic", "test"),
+        KnownItem("b", "Capitals?", ("APPLE",), "instruction", "val", case_sensitive=True),
+    ]
     assert score_responses(items, ["It is 58.", "apple"]) == [True, False]
     with pytest.raises(ValueError):
         score_responses(items, ["58"])
@@ -117,8 +125,22 @@ R = {"id": "x1", "prompt": "What is 2 + 3?", "answers": ["5", "five"], "kind": "
 
 
 def test_load_user_files(tmp_path):
-    p = _write(tmp_path, "k.jsonl", _jsonl(R, {**R, "id": "x2", "answers": 7, "split": "val", "kind": "mine",
-                                               "options": ["a", "b"], "case_sensitive": True}))
+    p = _write(
+        tmp_path,
+        "k.jsonl",
+        _jsonl(
+            R,
+            {
+                **R,
+                "id": "x2",
+                "answers": 7,
+                "split": "val",
+                "kind": "mine",
+                "options": ["a", "b"],
+                "case_sensitive": True,
+            },
+        ),
+    )
     a, b = load_known_answers(p, split="all")
     assert a == KnownItem("x1", "What is 2 + 3?", ("5", "five"), "arithmetic", "test")
     assert b.answers == ("7",) and b.kind == "mine" and b.options == ("a", "b") and b.case_sensitive
@@ -127,17 +149,24 @@ def test_load_user_files(tmp_path):
     assert load_known_answers(j) == [a]
 
 
-@pytest.mark.parametrize("name, text, message", [
-    ("empty.jsonl", "\n\n", "empty"),
-    ("nofields.jsonl", _jsonl({"prompt": "q", "answers": ["a"]}), "missing field(s) 'id', 'kind', 'split'"),
-    ("dup.jsonl", _jsonl(R, R), "duplicate id 'x1'"),
-    ("split.jsonl", _jsonl({**R, "split": "train"}), "'split' must be one of val, test; got 'train'"),
-    ("noanswers.jsonl", _jsonl({**R, "answers": []}), "'answers' must be a non-empty list"),
-    ("blankanswer.jsonl", _jsonl({**R, "answers": ["5", " "]}), "'answers' holds an empty"),
-    ("noprompt.jsonl", _jsonl({**R, "prompt": ""}), "'prompt' must be a non-empty string"),
-    ("case.jsonl", _jsonl({**R, "case_sensitive": "yes"}), "'case_sensitive' must be true or false"),
-    ("torn.jsonl", _jsonl(R) + '{"id": "q", \n', "line 2: malformed JSON"),
-])
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("empty.jsonl", "\n\n", "empty"),
+        (
+            "nofields.jsonl",
+            _jsonl({"prompt": "q", "answers": ["a"]}),
+            "missing field(s) 'id', 'kind', 'split'",
+        ),
+        ("dup.jsonl", _jsonl(R, R), "duplicate id 'x1'"),
+        ("split.jsonl", _jsonl({**R, "split": "train"}), "'split' must be one of val, test; got 'train'"),
+        ("noanswers.jsonl", _jsonl({**R, "answers": []}), "'answers' must be a non-empty list"),
+        ("blankanswer.jsonl", _jsonl({**R, "answers": ["5", " "]}), "'answers' holds an empty"),
+        ("noprompt.jsonl", _jsonl({**R, "prompt": ""}), "'prompt' must be a non-empty string"),
+        ("case.jsonl", _jsonl({**R, "case_sensitive": "yes"}), "'case_sensitive' must be true or false"),
+        ("torn.jsonl", _jsonl(R) + '{"id": "q", \n', "line 2: malformed JSON"),
+    ],
+)
 def test_loader_errors_name_the_problem(tmp_path, name, text, message):
     p = _write(tmp_path, name, text)
     with pytest.raises(DataError) as e:
@@ -168,8 +197,17 @@ def _rows(out):
 
 
 def _cfg(out, data, **kw):
-    return KnownsConfig(out=str(out), model="tiny", data=str(data), split="all", max_new_tokens=6, batch_size=4,
-                        dtype="fp32", progress=False, **kw)
+    return KnownsConfig(
+        out=str(out),
+        model="tiny",
+        data=str(data),
+        split="all",
+        max_new_tokens=6,
+        batch_size=4,
+        dtype="fp32",
+        progress=False,
+        **kw,
+    )
 
 
 def test_run_writes_samples_results_and_report(tmp_path, lm):
@@ -186,7 +224,9 @@ def test_run_writes_samples_results_and_report(tmp_path, lm):
     cut = [r for r in rows if not r["correct"] and r["finish_reason"] == "length"]
     assert res["cut_off"]["all"] == len(cut) and set(res["cut_off"]) == {"all", *KINDS}
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert saved["n"] == 6 and json.loads((tmp_path / "run" / "config.json").read_text())["max_new_tokens"] == 6
+    assert (
+        saved["n"] == 6 and json.loads((tmp_path / "run" / "config.json").read_text())["max_new_tokens"] == 6
+    )
     assert "| **all** | 6 |" in (tmp_path / "run" / "report.md").read_text()
 
 
@@ -240,8 +280,11 @@ def test_fixed_answers_rescore_and_compare_to(tmp_path, lm):
     assert [r["prompt"] for r in rows if r["id"] == records[0]["id"]] == [records[0]["prompt"]]
     fixed = changed
 
-    other = run_knowns(_cfg(tmp_path / "sys", data, compare_to=str(tmp_path / "base")), lm=lm,
-                       intervention=SystemPrompt("Answer in French.", name="system-prompt"))
+    other = run_knowns(
+        _cfg(tmp_path / "sys", data, compare_to=str(tmp_path / "base")),
+        lm=lm,
+        intervention=SystemPrompt("Answer in French.", name="system-prompt"),
+    )
     assert other["intervention"]["name"] == "system-prompt"
     before = {r["id"]: r["correct"] for r in _rows(tmp_path / "base")}
     after = {r["id"]: r["correct"] for r in _rows(tmp_path / "sys")}
@@ -266,15 +309,42 @@ def test_cli_knowns(tmp_path, monkeypatch):
     m.tokenizer.save_pretrained(model_dir)
     data = _data(tmp_path, n=4)
     runner = CliRunner()
-    args = ["knowns", "--model", str(model_dir), "--data", str(data), "--split", "all", "--dtype", "fp32",
-            "--max-new-tokens", "4", "--batch-size", "3", "--no-progress"]
+    args = [
+        "knowns",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--split",
+        "all",
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        "4",
+        "--batch-size",
+        "3",
+        "--no-progress",
+    ]
     res = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
     assert res.exit_code == 0, res.output
     assert "arithmetic" in res.output and "accuracy" in res.output
-    res = runner.invoke(app, [*args, "--out", str(tmp_path / "b"), "--intervention", "system-prompt",
-                              "--compare-to", str(tmp_path / "a")])
+    res = runner.invoke(
+        app,
+        [
+            *args,
+            "--out",
+            str(tmp_path / "b"),
+            "--intervention",
+            "system-prompt",
+            "--compare-to",
+            str(tmp_path / "a"),
+        ],
+    )
     assert res.exit_code == 0, res.output
-    assert "gained" in res.output and json.loads((tmp_path / "b" / "results.json").read_text())["paired"]["n_pairs"] == 4
+    assert (
+        "gained" in res.output
+        and json.loads((tmp_path / "b" / "results.json").read_text())["paired"]["n_pairs"] == 4
+    )
     bad = runner.invoke(app, [*args, "--out", str(tmp_path / "c"), "--split", "train"])
     assert bad.exit_code == 2 and "Unknown split 'train'" in bad.output
 
@@ -282,7 +352,14 @@ def test_cli_knowns(tmp_path, monkeypatch):
 # ---- the real model --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_embedded_model_answers_most_val_items(tmp_path):
-    res = run_knowns(KnownsConfig(out=str(tmp_path / "run"), model="embedded:qwen2.5-coder-0.5b-instruct",
-                                  split="val", limit=40, progress=False))
+    res = run_knowns(
+        KnownsConfig(
+            out=str(tmp_path / "run"),
+            model="embedded:qwen2.5-coder-0.5b-instruct",
+            split="val",
+            limit=40,
+            progress=False,
+        )
+    )
     assert res["n"] == 40
     assert res["accuracy"] >= 0.5, res["by_kind"]

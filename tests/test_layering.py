@@ -166,8 +166,12 @@ def test_no_intervention_runs_the_model():
     ``aligntax.interventions`` reaches the capture, the decode loop or the decisions made before
     generating (``aligntax.activations.decisions`` runs the prefill and reads the kernels instead)."""
     graph = import_graph()
-    runners = {"aligntax.activations.capture", "aligntax.activations.decisions", "aligntax.activations.recorder",
-               "aligntax.generation.generate"}
+    runners = {
+        "aligntax.activations.capture",
+        "aligntax.activations.decisions",
+        "aligntax.activations.recorder",
+        "aligntax.generation.generate",
+    }
 
     def reach(start: str) -> set[str]:
         seen, todo = set(), [start]
@@ -215,7 +219,9 @@ def _unit(module: str) -> str:
     best = "?"
     for layer in LAYERS:
         for unit in layer:
-            if (rel == unit or (unit and rel.startswith(unit + "."))) and (best == "?" or len(unit) > len(best)):
+            if (rel == unit or (unit and rel.startswith(unit + "."))) and (
+                best == "?" or len(unit) > len(best)
+            ):
                 best = unit
     return best
 
@@ -224,7 +230,9 @@ def test_every_module_has_a_layer():
     units = [u for layer in LAYERS for u in layer]
     assert len(units) == len(set(units))
     missing = sorted(m for m in import_graph() if _unit(m) == "?")
-    assert not missing, f"modules of no package in LAYERS (add the package where its imports put it): {missing}"
+    assert not missing, (
+        f"modules of no package in LAYERS (add the package where its imports put it): {missing}"
+    )
 
 
 def test_packages_import_only_downwards():
@@ -238,8 +246,10 @@ def test_packages_import_only_downwards():
         for target in sorted(targets):
             there = _unit(target)
             if there != here and level[there] >= level[here]:
-                bad.append(f"{mod} ({here or 'aligntax'}, layer {level[here]}) imports {target} "
-                           f"({there or 'aligntax'}, layer {level[there]})")
+                bad.append(
+                    f"{mod} ({here or 'aligntax'}, layer {level[here]}) imports {target} "
+                    f"({there or 'aligntax'}, layer {level[there]})"
+                )
     assert not bad, "imports against the package order:\n  " + "\n  ".join(bad)
 
 
@@ -248,4 +258,6 @@ def test_layer_checks_see_function_level_imports():
     # a lazy import inside a function counts: the command line mounts its faces inside a function
     assert "aligntax.cli.serve" in graph["aligntax.cli.main"]
     assert _unit("aligntax.cli.serve") == "cli" and _unit("aligntax.serve.engine") == "serve"
-    assert _unit("aligntax.cli") == "cli" and _unit("aligntax.cli.options") == "cli" and _unit("aligntax") == ""
+    assert (
+        _unit("aligntax.cli") == "cli" and _unit("aligntax.cli.options") == "cli" and _unit("aligntax") == ""
+    )

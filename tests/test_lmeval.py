@@ -34,16 +34,21 @@ def setup(tmp_path_factory):
     lm.model.save_pretrained(root / "model")
     lm.tokenizer.save_pretrained(root / "model")
     loaded = aligntax.load_model(str(root / "model"), dtype="fp32", device="cpu")
-    return {"root": root, "model": root / "model", "lm": loaded,
-            "tasks": TaskManager(include_path=str(write_tasks(root / "tasks"))),
-            "vectors": save_tiny_vectors(loaded, root / "vectors"),
-            "bank": save_tiny_bank(loaded, root / "bank", n=16, epochs=2)}
+    return {
+        "root": root,
+        "model": root / "model",
+        "lm": loaded,
+        "tasks": TaskManager(include_path=str(write_tasks(root / "tasks"))),
+        "vectors": save_tiny_vectors(loaded, root / "vectors"),
+        "bank": save_tiny_bank(loaded, root / "bank", n=16, epochs=2),
+    }
 
 
 def evaluate(model, setup, tasks=TASKS, **kw):
     args = {} if not isinstance(model, str) else {"model_args": kw.pop("model_args")}
-    res = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=setup["tasks"], batch_size=8,
-                                  log_samples=True, **args, **kw)
+    res = lm_eval.simple_evaluate(
+        model=model, tasks=tasks, task_manager=setup["tasks"], batch_size=8, log_samples=True, **args, **kw
+    )
     return res
 
 
@@ -78,8 +83,12 @@ def test_unsteered_equals_lm_eval_hf(setup):
 def test_steered_path_without_steering_matches_hf(setup):
     """The steered code path (left-padded contexts, then continuation tokens as cached decode steps) with
     no steering gives hf's log-likelihoods and scores."""
-    hf = evaluate("hf", setup, ["local_mc", "local_ppl"],
-                  model_args=f"pretrained={setup['model']},dtype=float32,device=cpu")
+    hf = evaluate(
+        "hf",
+        setup,
+        ["local_mc", "local_ppl"],
+        model_args=f"pretrained={setup['model']},dtype=float32,device=cpu",
+    )
     model = AligntaxLM(lm=setup["lm"], intervention=NoIntervention(), batch_size=8)
     ours = evaluate(model, setup, ["local_mc", "local_ppl"])
     assert model.steered_forwards > 0
@@ -115,8 +124,9 @@ def test_steered_loglikelihoods_land_on_each_rows_last_context_token(setup, whic
     plain = evaluate(AligntaxLM(lm=lm, batch_size=8), setup, ["local_mc", "local_ppl", "local_gen"])
     n_changed = 0
     for task in ("local_mc", "local_ppl"):
-        for sample, unsteered in zip(sorted(steered["samples"][task], key=lambda s: s["doc_id"]),
-                                     responses(plain, task), strict=True):
+        for sample, unsteered in zip(
+            sorted(steered["samples"][task], key=lambda s: s["doc_id"]), responses(plain, task), strict=True
+        ):
             for args, resp, plain_resp in zip(sample["arguments"], sample["resps"], unsteered, strict=True):
                 if task == "local_mc":
                     context, cont = model._encode_pair(*args)
@@ -139,10 +149,32 @@ def test_lm_eval_command_writes_run_folder(setup, tmp_path):
     from aligntax.cli import app
 
     out = tmp_path / "run"
-    args = ["lm-eval", "--model", str(setup["model"]), "--dtype", "fp32", "--device", "cpu",
-            "--intervention", "refusal-add", "--vectors", str(setup["vectors"]), "--coeff", "4", "--compare",
-            "--out", str(out), "--", "--tasks", "local_mc", "--include_path", str(setup["root"] / "tasks"),
-            "--batch_size", "8", "--log_samples"]
+    args = [
+        "lm-eval",
+        "--model",
+        str(setup["model"]),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--intervention",
+        "refusal-add",
+        "--vectors",
+        str(setup["vectors"]),
+        "--coeff",
+        "4",
+        "--compare",
+        "--out",
+        str(out),
+        "--",
+        "--tasks",
+        "local_mc",
+        "--include_path",
+        str(setup["root"] / "tasks"),
+        "--batch_size",
+        "8",
+        "--log_samples",
+    ]
     before = hook_counts(setup["lm"].model)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -153,13 +185,28 @@ def test_lm_eval_command_writes_run_folder(setup, tmp_path):
     uns, st = result["scores"]["unsteered"]["local_mc"]["acc"], result["scores"]["steered"]["local_mc"]["acc"]
     assert result["tax"]["local_mc"]["acc"] == pytest.approx(st - uns)
     # the unsteered side is lm-eval's hf score of the same folder
-    hf = evaluate("hf", setup, ["local_mc"], model_args=f"pretrained={setup['model']},dtype=float32,device=cpu")
+    hf = evaluate(
+        "hf", setup, ["local_mc"], model_args=f"pretrained={setup['model']},dtype=float32,device=cpu"
+    )
     assert uns == hf["results"]["local_mc"]["acc,none"]
     assert (out / "samples_steered_local_mc.jsonl").is_file() and (out / "lm_eval_unsteered.json").is_file()
     assert "| local_mc | acc |" in (out / "report.md").read_text()
     assert hook_counts(setup["lm"].model) == before
-    bad = CliRunner().invoke(app, ["lm-eval", "--model", str(setup["model"]), "--out", str(tmp_path / "x"),
-                                   "--", "--tasks", "local_mc", "--model_args", "pretrained=x"])
+    bad = CliRunner().invoke(
+        app,
+        [
+            "lm-eval",
+            "--model",
+            str(setup["model"]),
+            "--out",
+            str(tmp_path / "x"),
+            "--",
+            "--tasks",
+            "local_mc",
+            "--model_args",
+            "pretrained=x",
+        ],
+    )
     assert bad.exit_code == 2 and "--model" in bad.output
 
 
@@ -172,7 +219,9 @@ def test_embedded_unsteered_equals_lm_eval_hf(setup):
     name = "qwen2.5-coder-0.5b-instruct"
     if not is_fetched(name):
         pytest.skip("embedded model not fetched (run ./run setup)")
-    hf = evaluate("hf", setup, ["local_mc"], model_args=f"pretrained={converted_dir(name)},dtype=bfloat16,device=cpu")
+    hf = evaluate(
+        "hf", setup, ["local_mc"], model_args=f"pretrained={converted_dir(name)},dtype=bfloat16,device=cpu"
+    )
     ours = evaluate("aligntax", setup, ["local_mc"], model_args=f"spec=embedded:{name},dtype=bf16,device=cpu")
     assert responses(ours, "local_mc") == responses(hf, "local_mc")
     assert metrics(ours) == metrics(hf)

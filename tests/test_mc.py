@@ -75,8 +75,14 @@ Q = {"question": "2 + 2?", "choices": ["3", "4", "5", "22"], "answer": 1}
 
 
 def test_load_user_jsonl_and_csv(tmp_path):
-    p = _write(tmp_path, "q.jsonl", _jsonl({**Q, "id": "a", "subject": "math"},
-                                           {"question": "Sky colour?", "choices": ["blue", "green"], "answer": "A"}))
+    p = _write(
+        tmp_path,
+        "q.jsonl",
+        _jsonl(
+            {**Q, "id": "a", "subject": "math"},
+            {"question": "Sky colour?", "choices": ["blue", "green"], "answer": "A"},
+        ),
+    )
     a, b = load_mc(p)
     assert a == MCItem("a", "2 + 2?", ("3", "4", "5", "22"), 1, "math")
     assert b.id == "2" and b.answer == 0 and b.choices == ("blue", "green") and b.subject == ""
@@ -87,23 +93,26 @@ def test_load_user_jsonl_and_csv(tmp_path):
     assert len(load_mc(_write(tmp_path, "three.jsonl", _jsonl(Q, Q, Q)), limit=2)) == 2
 
 
-@pytest.mark.parametrize("name, text, message", [
-    ("empty.jsonl", "\n\n", "empty"),
-    ("noanswer.jsonl", _jsonl({"question": "q", "choices": ["a", "b"]}), "missing field(s) 'answer'"),
-    ("nochoices.csv", "question,answer\nq,0\n", "missing field(s) 'choices'"),
-    ("range.jsonl", _jsonl(Q, {**Q, "answer": 4}), "line 2: answer 4 is out of range for 4 choices"),
-    ("negative.jsonl", _jsonl({**Q, "answer": -1}), "out of range"),
-    ("letter.jsonl", _jsonl({**Q, "answer": "E"}), "out of range"),
-    ("badanswer.jsonl", _jsonl({**Q, "answer": "four"}), "'answer' must be an option index"),
-    ("boolanswer.jsonl", _jsonl({**Q, "answer": True}), "'answer' must be an option index"),
-    ("one.jsonl", _jsonl({**Q, "choices": ["a"], "answer": 0}), "1 choices; a question needs 2 to 8"),
-    ("notlist.jsonl", _jsonl({**Q, "choices": "a, b"}), "'choices' must be a list"),
-    ("dup.jsonl", _jsonl({**Q, "choices": ["a", "a", "b"]}), "not distinct"),
-    ("blank.jsonl", _jsonl({**Q, "choices": ["a", " ", "b"]}), "choice B is empty"),
-    ("noq.jsonl", _jsonl({**Q, "question": ""}), "'question' must be a non-empty string"),
-    ("ids.jsonl", _jsonl({**Q, "id": "x"}, {**Q, "id": "x"}), "duplicate id 'x'"),
-    ("torn.jsonl", _jsonl(Q) + '{"question": "q", \n', "line 2: malformed JSON"),
-])
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("empty.jsonl", "\n\n", "empty"),
+        ("noanswer.jsonl", _jsonl({"question": "q", "choices": ["a", "b"]}), "missing field(s) 'answer'"),
+        ("nochoices.csv", "question,answer\nq,0\n", "missing field(s) 'choices'"),
+        ("range.jsonl", _jsonl(Q, {**Q, "answer": 4}), "line 2: answer 4 is out of range for 4 choices"),
+        ("negative.jsonl", _jsonl({**Q, "answer": -1}), "out of range"),
+        ("letter.jsonl", _jsonl({**Q, "answer": "E"}), "out of range"),
+        ("badanswer.jsonl", _jsonl({**Q, "answer": "four"}), "'answer' must be an option index"),
+        ("boolanswer.jsonl", _jsonl({**Q, "answer": True}), "'answer' must be an option index"),
+        ("one.jsonl", _jsonl({**Q, "choices": ["a"], "answer": 0}), "1 choices; a question needs 2 to 8"),
+        ("notlist.jsonl", _jsonl({**Q, "choices": "a, b"}), "'choices' must be a list"),
+        ("dup.jsonl", _jsonl({**Q, "choices": ["a", "a", "b"]}), "not distinct"),
+        ("blank.jsonl", _jsonl({**Q, "choices": ["a", " ", "b"]}), "choice B is empty"),
+        ("noq.jsonl", _jsonl({**Q, "question": ""}), "'question' must be a non-empty string"),
+        ("ids.jsonl", _jsonl({**Q, "id": "x"}, {**Q, "id": "x"}), "duplicate id 'x'"),
+        ("torn.jsonl", _jsonl(Q) + '{"question": "q", \n', "line 2: malformed JSON"),
+    ],
+)
 def test_loader_errors_name_the_problem(tmp_path, name, text, message):
     p = _write(tmp_path, name, text)
     with pytest.raises(DataError) as e:
@@ -122,7 +131,9 @@ def test_option_tokens_and_prompt(lm, items):
     # the byte-level test tokenizer has one token per letter (" A" is two tokens, so it is not used)
     assert ids == [[lm.tokenizer.convert_tokens_to_ids(c)] for c in "ABCD"]
     text = mc_prompt(items[0])
-    assert items[0].question in text and all(f"\n{LETTERS[i]}. {c}" in text for i, c in enumerate(items[0].choices))
+    assert items[0].question in text and all(
+        f"\n{LETTERS[i]}. {c}" in text for i, c in enumerate(items[0].choices)
+    )
     full = mc_text(lm.tokenizer, items[0], system="Be brief.")
     assert full == render_chat(lm.tokenizer, build_messages(text, "Be brief.")) + ANSWER_PREFIX
 
@@ -134,7 +145,9 @@ def test_scores_match_an_unpadded_forward(lm, items):
     ids = [t[0] for t in option_token_ids(lm.tokenizer, 4)]
     for it, b, s in zip(items, batched, single, strict=True):
         assert b.pred == s.pred
-        assert b.probs == pytest.approx(s.probs, abs=1e-5) and b.letter_mass == pytest.approx(s.letter_mass, abs=1e-6)
+        assert b.probs == pytest.approx(s.probs, abs=1e-5) and b.letter_mass == pytest.approx(
+            s.letter_mass, abs=1e-6
+        )
         text = mc_text(lm.tokenizer, it)
         enc = torch.tensor([lm.tokenizer(text, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
@@ -152,14 +165,20 @@ def energy_models(seed=1, layers=(1, 2)):
 
 def test_zero_strength_steering_is_identity_and_steering_acts(lm, items):
     base = score_items(lm, items, batch_size=4)
-    for zero in (EnergySteering(energy_models(), eta=0.0, steps=3, scale_by_norm=False),
-                 EnergySteering(energy_models(), eta=2.0, steps=0, scale_by_norm=False)):
+    for zero in (
+        EnergySteering(energy_models(), eta=0.0, steps=3, scale_by_norm=False),
+        EnergySteering(energy_models(), eta=2.0, steps=0, scale_by_norm=False),
+    ):
         same = score_items(lm, items, zero, batch_size=4)
         assert [s.probs for s in same] == [b.probs for b in base]
         assert [s.letter_mass for s in same] == [b.letter_mass for b in base]
-    steered = score_items(lm, items, EnergySteering(energy_models(), eta=2.0, steps=3, scale_by_norm=False),
-                          batch_size=4)
-    diffs = [max(abs(a - b) for a, b in zip(s.probs, b0.probs, strict=True)) for s, b0 in zip(steered, base, strict=True)]
+    steered = score_items(
+        lm, items, EnergySteering(energy_models(), eta=2.0, steps=3, scale_by_norm=False), batch_size=4
+    )
+    diffs = [
+        max(abs(a - b) for a, b in zip(s.probs, b0.probs, strict=True))
+        for s, b0 in zip(steered, base, strict=True)
+    ]
     assert min(diffs) > 1e-4  # every question's scores move: the last prompt token is steered
     # batched equals unbatched under steering too (steered positions do not depend on the padding)
     iv = EnergySteering(energy_models(), eta=2.0, steps=3, scale_by_norm=False)
@@ -168,7 +187,8 @@ def test_zero_strength_steering_is_identity_and_steering_acts(lm, items):
     # message-rewriting interventions apply as in generation
     sys_iv = SystemPrompt("Always answer A.", name="system-prompt")
     assert [s.probs for s in score_items(lm, items, sys_iv)] == [
-        s.probs for s in score_items(lm, items, system="Always answer A.")]
+        s.probs for s in score_items(lm, items, system="Always answer A.")
+    ]
 
 
 def test_known_answer_from_a_rigged_head(items):
@@ -187,7 +207,9 @@ def test_known_answer_from_a_rigged_head(items):
     e3 = math.exp(3.0)
     assert all(r["pred"] == 2 for r in res["rows"])
     for r in res["rows"]:
-        assert r["probs"] == pytest.approx([1 / (e3 + 3), 1 / (e3 + 3), e3 / (e3 + 3), 1 / (e3 + 3)], abs=1e-6)
+        assert r["probs"] == pytest.approx(
+            [1 / (e3 + 3), 1 / (e3 + 3), e3 / (e3 + 3), 1 / (e3 + 3)], abs=1e-6
+        )
         assert r["letter_mass"] == pytest.approx((e3 + 3) / (e3 + vocab - 1), abs=1e-6)
         assert r["correct"] == (r["answer"] == 2)
     k = sum(it.answer == 2 for it in items)
@@ -214,17 +236,43 @@ def test_cli_mc_unsteered_zero_and_steered(tmp_path, model_dir, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     loaded = load_model(str(model_dir), dtype="fp32")
-    acts = capture(loaded, [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'}" for i in range(16)],
-                   "all", progress=False)
-    bank = train_layers(acts, torch.tensor([i % 2 for i in range(16)]),
-                        EnergyConfig.preset("small", widths=[16], epochs=2), fingerprint=loaded.fingerprint)
+    acts = capture(
+        loaded,
+        [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'}" for i in range(16)],
+        "all",
+        progress=False,
+    )
+    bank = train_layers(
+        acts,
+        torch.tensor([i % 2 for i in range(16)]),
+        EnergyConfig.preset("small", widths=[16], epochs=2),
+        fingerprint=loaded.fingerprint,
+    )
     bank.save(tmp_path / "bank")
-    data = _write(tmp_path, "q.jsonl", "".join(json.dumps(it.to_dict()) + "\n" for it in load_mc("builtin", limit=8)))
+    data = _write(
+        tmp_path, "q.jsonl", "".join(json.dumps(it.to_dict()) + "\n" for it in load_mc("builtin", limit=8))
+    )
     runner = CliRunner()
 
     def run(name, *flags):
-        res = runner.invoke(app, ["mc", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / name),
-                                  "--dtype", "fp32", "--batch-size", "3", "--no-progress", *flags])
+        res = runner.invoke(
+            app,
+            [
+                "mc",
+                "--model",
+                str(model_dir),
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / name),
+                "--dtype",
+                "fp32",
+                "--batch-size",
+                "3",
+                "--no-progress",
+                *flags,
+            ],
+        )
         assert res.exit_code == 0, res.output
         results = json.loads((tmp_path / name / "results.json").read_text())
         rows = [json.loads(x) for x in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
@@ -238,10 +286,23 @@ def test_cli_mc_unsteered_zero_and_steered(tmp_path, model_dir, monkeypatch):
     zero, zero_rows = run("zero", "--steer", str(tmp_path / "bank"), "--steps", "0", "--top-k", "1")
     assert zero["intervention"]["name"] == "els" and zero["intervention"]["steps"] == 0
     assert [r["probs"] for r in zero_rows] == [r["probs"] for r in base_rows]
-    steered, steered_rows = run("steered", "--steer", str(tmp_path / "bank"), "--eta", "3", "--top-k", "2",
-                                  "--row-threshold", "none")  # every row (the default row decision holds some)
-    assert steered["config"]["intervention_args"]["top_k"] == 2 and len(steered["intervention"]["layers"]) == 2
+    steered, steered_rows = run(
+        "steered", "--steer", str(tmp_path / "bank"), "--eta", "3", "--top-k", "2", "--row-threshold", "none"
+    )  # every row (the default row decision holds some)
+    assert (
+        steered["config"]["intervention_args"]["top_k"] == 2 and len(steered["intervention"]["layers"]) == 2
+    )
     assert [r["probs"] for r in steered_rows] != [r["probs"] for r in base_rows]
-    bad = runner.invoke(app, ["mc", "--model", str(model_dir), "--data", str(tmp_path / "missing.jsonl"),
-                              "--out", str(tmp_path / "x")])
+    bad = runner.invoke(
+        app,
+        [
+            "mc",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(tmp_path / "missing.jsonl"),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+    )
     assert bad.exit_code == 2 and "file not found" in bad.output

@@ -20,13 +20,16 @@ def test_parse_spec_kinds(tmp_path):
     assert parse_spec(str(g)).kind == "gguf"
 
 
-@pytest.mark.parametrize("bad,msg", [
-    ("embedded:nope", "Unknown embedded model"),
-    ("", "Empty model spec"),
-    ("./does/not/exist", "not found"),
-    ("/tmp/missing.gguf", "GGUF file not found"),
-    ("not a spec at all", "Cannot understand"),
-])
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        ("embedded:nope", "Unknown embedded model"),
+        ("", "Empty model spec"),
+        ("./does/not/exist", "not found"),
+        ("/tmp/missing.gguf", "GGUF file not found"),
+        ("not a spec at all", "Cannot understand"),
+    ],
+)
 def test_parse_spec_errors(bad, msg):
     with pytest.raises(ModelSpecError, match=msg):
         parse_spec(bad)

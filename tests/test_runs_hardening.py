@@ -25,11 +25,18 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 def _python(code: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 # -- atomic writes --------------------------------------------------------------------------------------
+
 
 def test_write_json_atomic_replaces_and_leaves_no_temp(tmp_path):
     path = tmp_path / "results.json"
@@ -78,6 +85,7 @@ def test_process_killed_between_temp_write_and_rename(tmp_path):
 
 
 # -- run folder lock ------------------------------------------------------------------------------------
+
 
 def test_second_writer_in_the_same_process_is_refused(tmp_path):
     with run_lock(tmp_path / "run") as lock:
@@ -168,6 +176,7 @@ def test_jsonl_keeps_unicode_line_breaks_inside_lines(tmp_path):
 
 # -- duplicated CSV header ------------------------------------------------------------------------------
 
+
 def test_duplicated_csv_header_is_an_error(tmp_path):
     from aligntax.data import load_prompts
     from aligntax.data._io import read_table
@@ -180,7 +189,7 @@ def test_duplicated_csv_header_is_an_error(tmp_path):
     with pytest.raises(DataError, match="twice"):
         load_prompts(str(path))
     tsv = tmp_path / "mc.tsv"
-    tsv.write_text("question\tchoices\tanswer\tanswer\nQ?\t[\"a\", \"b\"]\t0\t1\n")
+    tsv.write_text('question\tchoices\tanswer\tanswer\nQ?\t["a", "b"]\t0\t1\n')
     with pytest.raises(DataError, match="'answer' twice"):
         load_mc(tsv)
     ok = tmp_path / "ok.csv"  # unnamed trailing columns are fine
@@ -189,6 +198,7 @@ def test_duplicated_csv_header_is_an_error(tmp_path):
 
 
 # -- stale temp files of killed writes ------------------------------------------------------------------
+
 
 def _kill_mid_write(path: Path) -> None:
     proc = _python(f"""
@@ -241,10 +251,17 @@ def test_stale_temp_files_are_cleaned_when_the_lock_is_taken(tmp_path):
 
 # -- resume checks: model fingerprint, intervention folder, judge -----------------------------------------
 
+
 class _FakeLM:
     def __init__(self, digest: str = "aaaa"):
-        self.fingerprint = {"spec": "test:fake", "model_type": "qwen2", "num_layers": 2, "hidden_size": 8,
-                            "vocab_size": 10, "embedding_digest": digest}
+        self.fingerprint = {
+            "spec": "test:fake",
+            "model_type": "qwen2",
+            "num_layers": 2,
+            "hidden_size": 8,
+            "vocab_size": 10,
+            "embedding_digest": digest,
+        }
 
 
 def _eval_folder(tmp_path, **cfg_kw):
@@ -253,8 +270,9 @@ def _eval_folder(tmp_path, **cfg_kw):
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"id": "a", "prompt": "hi", "label": "benign"}) + "\n")
     out = tmp_path / "r"
-    return EvalConfig(data=[str(data)], out=str(out), judge="keyword", max_new_tokens=4, progress=False,
-                      **cfg_kw), out
+    return EvalConfig(
+        data=[str(data)], out=str(out), judge="keyword", max_new_tokens=4, progress=False, **cfg_kw
+    ), out
 
 
 def test_resume_refuses_another_model_fingerprint(tmp_path):
@@ -276,8 +294,12 @@ def test_resume_refuses_another_model_fingerprint(tmp_path):
     with pytest.raises(ProvenanceMismatch, match="another model"):
         _check_loaded(out, {"model_fingerprint": _FakeLM("aaaa").fingerprint}, _FakeLM("bbbb"))
     # a model given to a run whose rows are all done is still checked
-    (out / "samples.jsonl").write_text(json.dumps({"source": "p", "id": "a", "prompt": "hi", "label": "benign",
-                                                   "response": "x", "refused": False}) + "\n")
+    (out / "samples.jsonl").write_text(
+        json.dumps(
+            {"source": "p", "id": "a", "prompt": "hi", "label": "benign", "response": "x", "refused": False}
+        )
+        + "\n"
+    )
     write_json_atomic(out / "results.json", {"model_fingerprint": _FakeLM("aaaa").fingerprint})
     with pytest.raises(ProvenanceMismatch, match="another model"):
         _run_eval(cfg, out, _FakeLM("bbbb"), None, None, None, None)
@@ -367,12 +389,16 @@ def test_eval_run_records_provenance_and_refuses_a_changed_model_on_resume(tmp_p
     from aligntax.runs.provenance import ProvenanceMismatch, read_provenance
 
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}", "label": "benign"}) + "\n"
-                            for i in range(3)))
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": f"question {i}", "label": "benign"}) + "\n" for i in range(3)
+        )
+    )
     from aligntax.runs import EvalConfig
 
-    cfg = EvalConfig(data=[str(data)], out=str(tmp_path / "r"), judge="keyword", max_new_tokens=3,
-                     progress=False, limit=2)
+    cfg = EvalConfig(
+        data=[str(data)], out=str(tmp_path / "r"), judge="keyword", max_new_tokens=3, progress=False, limit=2
+    )
     run_eval(cfg, lm=tiny_lm, judge=get_judge("keyword"))
     prov = read_provenance(tmp_path / "r")
     assert prov["model_fingerprint"] == tiny_lm.fingerprint and prov["judge"]["name"] == "keyword"
@@ -388,6 +414,7 @@ def test_eval_run_records_provenance_and_refuses_a_changed_model_on_resume(tmp_p
 
 
 # -- input files: same source from two files, duplicate JSON keys ----------------------------------------
+
 
 def test_two_files_with_the_same_stem_are_refused(tmp_path):
     from aligntax.data import load_prompt_sets

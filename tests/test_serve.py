@@ -23,7 +23,6 @@ FAIL_STRENGTH = 13.0
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
 
-
 @pytest.fixture(scope="module")
 def lm(one_thread):
     return tiny_lm()
@@ -31,9 +30,17 @@ def lm(one_thread):
 
 @pytest.fixture(scope="module")
 def live(lm):
-    app = create_app(lm, AddVector(lm.hidden_size, fail_strength=FAIL_STRENGTH), NAME, api_key=KEY,
-                     max_batch_size=32, batch_wait_ms=20, max_prompt_tokens=200, max_new_tokens_limit=64,
-                     default_max_tokens=16)
+    app = create_app(
+        lm,
+        AddVector(lm.hidden_size, fail_strength=FAIL_STRENGTH),
+        NAME,
+        api_key=KEY,
+        max_batch_size=32,
+        batch_wait_ms=20,
+        max_prompt_tokens=200,
+        max_new_tokens_limit=64,
+        default_max_tokens=16,
+    )
     srv = BackgroundServer(app).start()
     yield srv
     srv.stop()
@@ -71,9 +78,15 @@ def _one_batch(live, requests: list[dict]) -> list:
 
     async def go():
         aclient = _aclient(live)
-        return await asyncio.gather(*[
-            aclient.chat.completions.create(**{"messages": HELLO, "temperature": 0, "max_tokens": 12, **r})
-            for r in requests], return_exceptions=True)
+        return await asyncio.gather(
+            *[
+                aclient.chat.completions.create(
+                    **{"messages": HELLO, "temperature": 0, "max_tokens": 12, **r}
+                )
+                for r in requests
+            ],
+            return_exceptions=True,
+        )
 
     engine = _engine(live)
     engine.pause()
@@ -135,8 +148,8 @@ def test_max_completion_tokens_stop_and_length(client):
     short = _chat(client, max_tokens=3)
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
     text = full.message.content
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    expected = text[:text.find(stop)]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    expected = text[: text.find(stop)]
     for stream in (False, True):
         if stream:
             chunks = list(_chat(client, max_tokens=20, stop=[stop, "zzzz-never"], stream=True))
@@ -163,8 +176,14 @@ def test_steering_per_request_and_mixed_batch(client, live):
     assert zero.choices[0].message.content == plain
 
     before = _metrics(live)["batch_size_histogram"].get("3", 0)
-    s_mixed, p_mixed, half = _one_batch(live, [
-        dict(model=STEERED), dict(model=NAME), dict(model=STEERED, extra_body={"aligntax": {"strength": 0.5}})])
+    s_mixed, p_mixed, half = _one_batch(
+        live,
+        [
+            dict(model=STEERED),
+            dict(model=NAME),
+            dict(model=STEERED, extra_body={"aligntax": {"strength": 0.5}}),
+        ],
+    )
     assert _metrics(live)["batch_size_histogram"].get("3", 0) == before + 1  # one mixed batch
     assert p_mixed.choices[0].message.content == plain
     assert s_mixed.choices[0].message.content == steered.choices[0].message.content
@@ -172,17 +191,23 @@ def test_steering_per_request_and_mixed_batch(client, live):
 
 
 def test_concurrent_requests_are_batched_and_faster(client, live):
-    prompts = [[{"role": "user", "content": f"Question {i}: how do I kill a Python process?"}] for i in range(32)]
+    prompts = [
+        [{"role": "user", "content": f"Question {i}: how do I kill a Python process?"}] for i in range(32)
+    ]
     t0 = time.perf_counter()
     seq = [_chat(client, messages=p, max_tokens=16) for p in prompts]
     t_seq = time.perf_counter() - t0
 
     async def fire():
         aclient = _aclient(live)
-        return await asyncio.gather(*[
-            aclient.chat.completions.create(model=NAME if i % 2 else STEERED, messages=p, temperature=0,
-                                            max_tokens=16)
-            for i, p in enumerate(prompts)])
+        return await asyncio.gather(
+            *[
+                aclient.chat.completions.create(
+                    model=NAME if i % 2 else STEERED, messages=p, temperature=0, max_tokens=16
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
 
     t0 = time.perf_counter()
     conc = asyncio.run(fire())
@@ -221,8 +246,12 @@ BAD_BODIES = [
     ({"model": NAME, "messages": [{"content": "hi"}]}, 400, None, "messages[0].role"),
     ({"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, 400, None, "messages[0].role"),
     ({"model": NAME, "messages": [{"role": "user"}]}, 400, None, "messages[0].content"),
-    ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "unsupported_value", None),
+    (
+        {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "unsupported_value",
+        None,
+    ),
     ({"model": "gpt-17", "messages": HELLO}, 404, "model_not_found", "model"),
     ({"model": NAME, "messages": HELLO, "max_tokens": 100000}, 400, None, "max_tokens"),
     ({"model": NAME, "messages": HELLO, "max_completion_tokens": 65}, 400, None, "max_completion_tokens"),
@@ -240,13 +269,25 @@ BAD_BODIES = [
     ({"model": NAME, "messages": HELLO, "stop": 5}, 400, None, "stop"),
     ({"model": NAME, "messages": HELLO, "seed": "x"}, 400, "invalid_type", "seed"),
     ({"model": NAME, "messages": HELLO, "logprobs": True}, 400, "unsupported_value", "logprobs"),
-    ({"model": NAME, "messages": [{"role": "user", "content": "word " * 400}]}, 400,
-     "context_length_exceeded", "messages"),
+    (
+        {"model": NAME, "messages": [{"role": "user", "content": "word " * 400}]},
+        400,
+        "context_length_exceeded",
+        "messages",
+    ),
     ({"model": NAME, "messages": HELLO, "aligntax": {"strength": 0.5}}, 400, None, "aligntax.strength"),
-    ({"model": STEERED, "messages": HELLO, "aligntax": {"strength": "max"}}, 400, "invalid_type",
-     "aligntax.strength"),
-    ({"model": STEERED, "messages": HELLO, "aligntax": {"strenght": 1}}, 400, "unknown_parameter",
-     "aligntax.strenght"),
+    (
+        {"model": STEERED, "messages": HELLO, "aligntax": {"strength": "max"}},
+        400,
+        "invalid_type",
+        "aligntax.strength",
+    ),
+    (
+        {"model": STEERED, "messages": HELLO, "aligntax": {"strenght": 1}},
+        400,
+        "unknown_parameter",
+        "aligntax.strenght",
+    ),
 ]
 
 
@@ -272,9 +313,13 @@ def test_malformed_requests_get_openai_errors(live, client):
 
 
 def test_failing_request_does_not_affect_others(live, client):
-    bad, good = _one_batch(live, [
-        dict(model=STEERED, max_tokens=8, extra_body={"aligntax": {"strength": FAIL_STRENGTH}}),
-        dict(model=NAME, max_tokens=8)])
+    bad, good = _one_batch(
+        live,
+        [
+            dict(model=STEERED, max_tokens=8, extra_body={"aligntax": {"strength": FAIL_STRENGTH}}),
+            dict(model=NAME, max_tokens=8),
+        ],
+    )
     assert isinstance(bad, openai.InternalServerError) and "test intervention failure" in str(bad)
     assert good.choices[0].message.content == _chat(client, max_tokens=8).choices[0].message.content
     with pytest.raises(openai.APIError, match="test intervention failure"):
@@ -302,8 +347,16 @@ def test_health_and_metrics(live):
     h = httpx.get(live.url + "/health").json()
     assert h["status"] == "ok" and h["models"] == [NAME, STEERED]
     m = _metrics(live)
-    for key in ("requests_total", "requests_by_status", "prompt_tokens_total", "completion_tokens_total",
-                "queue_depth", "batch_size_histogram", "batch_size_mean", "latency_mean_s"):
+    for key in (
+        "requests_total",
+        "requests_by_status",
+        "prompt_tokens_total",
+        "completion_tokens_total",
+        "queue_depth",
+        "batch_size_histogram",
+        "batch_size_mean",
+        "latency_mean_s",
+    ):
         assert key in m
     assert m["requests_total"] >= m["requests_by_status"].get("200", 0) > 0
 
@@ -334,7 +387,9 @@ def test_shutdown_drains_queued_requests(lm):
         t.join(30)
     srv.thread.join(30)
     assert not srv.thread.is_alive()
-    assert len(results) == 3 and all(isinstance(r, openai.types.chat.ChatCompletion) for r in results), results
+    assert len(results) == 3 and all(isinstance(r, openai.types.chat.ChatCompletion) for r in results), (
+        results
+    )
     assert engine.closed and not engine.alive
     with pytest.raises(httpx.TransportError):
         httpx.get(srv.url + "/health", timeout=2)
@@ -373,8 +428,10 @@ def test_serve_takes_every_steering_option_of_the_registry(tmp_path, monkeypatch
     seen = {}
     monkeypatch.setattr("aligntax.models.loader.load_model", lambda *a, **k: lm)
     monkeypatch.setattr(serve_app, "serve", lambda lm, app=None, **kw: seen.setdefault("app", app))
-    res = CliRunner().invoke(app, ["serve", "--steer", str(bank), "--layers", "1", "--eta", "0.7",
-                                   "--horizon", "4", "--gate", "none"])
+    res = CliRunner().invoke(
+        app,
+        ["serve", "--steer", str(bank), "--layers", "1", "--eta", "0.7", "--horizon", "4", "--gate", "none"],
+    )
     assert res.exit_code == 0, res.output
     cfg = seen["app"].state.engine.intervention.config()
     assert cfg["name"] == "els" and cfg["eta"] == 0.7 and cfg["horizon"] == 4 and cfg["layers"] == [1]

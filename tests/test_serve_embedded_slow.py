@@ -57,8 +57,17 @@ def els_bank(tmp_path_factory, data_dir) -> Path:
     from aligntax.runs.els import ELSTrainConfig, train_els
 
     out = tmp_path_factory.mktemp("els")
-    cfg = ELSTrainConfig(out=str(out), model=f"embedded:{QWEN}", limit_benign=100, limit_harmful=60,
-                         limit_harmless=16, gate=False, layers=[16, 17], max_new_tokens=24, progress=False)
+    cfg = ELSTrainConfig(
+        out=str(out),
+        model=f"embedded:{QWEN}",
+        limit_benign=100,
+        limit_harmful=60,
+        limit_harmless=16,
+        gate=False,
+        layers=[16, 17],
+        max_new_tokens=24,
+        progress=False,
+    )
     summary = train_els(cfg, lm=load_model(cfg.model, dtype=cfg.dtype))
     assert sorted(x["layer"] for x in summary["layers"]) == [16, 17]
     assert (out / "energy.json").is_file() and (out / "energy.safetensors").is_file()
@@ -70,11 +79,37 @@ def served(els_bank, tmp_path_factory):
     """``aligntax serve --steer BANK --port 0`` in a subprocess; yields its base URL."""
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "aligntax", "serve", "--model", f"embedded:{QWEN}", "--steer", str(els_bank),
-           "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--max-batch-size", "32",
-           "--batch-wait-ms", "1500", "--max-tokens-limit", "64",
-           # the setting this test was written for (two layers, every row and token), not the untuned defaults
-           "--top-k", "2", "--eta", "0.3", "--horizon", "none", "--row-threshold", "none"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aligntax",
+        "serve",
+        "--model",
+        f"embedded:{QWEN}",
+        "--steer",
+        str(els_bank),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--max-batch-size",
+        "32",
+        "--batch-wait-ms",
+        "1500",
+        "--max-tokens-limit",
+        "64",
+        # the setting this test was written for (two layers, every row and token), not the untuned defaults
+        "--top-k",
+        "2",
+        "--eta",
+        "0.3",
+        "--horizon",
+        "none",
+        "--row-threshold",
+        "none",
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -108,8 +143,9 @@ def _one_batch(url: str, requests: list[dict]) -> list:
     async def go():
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
         try:
-            return await asyncio.gather(*[
-                client.chat.completions.create(temperature=0, max_tokens=MAX_TOKENS, **r) for r in requests])
+            return await asyncio.gather(
+                *[client.chat.completions.create(temperature=0, max_tokens=MAX_TOKENS, **r) for r in requests]
+            )
         finally:
             await client.close()
 
@@ -124,18 +160,24 @@ def test_steered_name_answers_what_the_plain_name_refuses(served):
 
     prompts = list(OVER_REFUSED)
     strength = {"aligntax": {"strength": STRENGTH}}
-    requests = ([{"model": NAME, "messages": [{"role": "user", "content": p}]} for p in prompts]
-                + [{"model": STEERED, "messages": [{"role": "user", "content": p}], "extra_body": strength}
-                   for p in prompts]
-                + [{"model": STEERED, "messages": [{"role": "user", "content": HARMFUL}], "extra_body": strength}])
+    requests = (
+        [{"model": NAME, "messages": [{"role": "user", "content": p}]} for p in prompts]
+        + [
+            {"model": STEERED, "messages": [{"role": "user", "content": p}], "extra_body": strength}
+            for p in prompts
+        ]
+        + [{"model": STEERED, "messages": [{"role": "user", "content": HARMFUL}], "extra_body": strength}]
+    )
     t0 = time.perf_counter()
     responses = _one_batch(served, requests)
     seconds = time.perf_counter() - t0
     texts = [r.choices[0].message.content for r in responses]
     n = len(prompts)
-    plain, steered, harmful = texts[:n], texts[n:2 * n], texts[2 * n]
+    plain, steered, harmful = texts[:n], texts[n : 2 * n], texts[2 * n]
     assert [r.model for r in responses] == [NAME] * n + [STEERED] * (n + 1)
-    assert all(r.aligntax["steered"] for r in responses[n:]) and not any(r.aligntax["steered"] for r in responses[:n])
+    assert all(r.aligntax["steered"] for r in responses[n:]) and not any(
+        r.aligntax["steered"] for r in responses[:n]
+    )
 
     metrics = httpx.get(served + "/metrics", timeout=10).json()
     assert metrics["batch_size_max"] == len(requests), metrics["batch_size_histogram"]  # one mixed batch
@@ -143,14 +185,20 @@ def test_steered_name_answers_what_the_plain_name_refuses(served):
     judge = get_judge("classifier")
     verdicts = judge.judge([*prompts, *prompts, HARMFUL], texts)
     plain_refused = [v.refused for v in verdicts[:n]]
-    steered_ok = [not v.refused and OVER_REFUSED[p] in t.lower()
-                  for p, t, v in zip(prompts, steered, verdicts[n:2 * n], strict=True)]
+    steered_ok = [
+        not v.refused and OVER_REFUSED[p] in t.lower()
+        for p, t, v in zip(prompts, steered, verdicts[n : 2 * n], strict=True)
+    ]
     flipped = [a and b for a, b in zip(plain_refused, steered_ok, strict=True)]
-    report = "\n".join(f"{p!r}\n  {NAME}: refused={r} {a[:80]!r}\n  {STEERED}: ok={ok} {b[:80]!r}"
-                       for p, r, ok, a, b in zip(prompts, plain_refused, steered_ok, plain, steered, strict=True))
+    report = "\n".join(
+        f"{p!r}\n  {NAME}: refused={r} {a[:80]!r}\n  {STEERED}: ok={ok} {b[:80]!r}"
+        for p, r, ok, a, b in zip(prompts, plain_refused, steered_ok, plain, steered, strict=True)
+    )
     harmful_refused = verdicts[-1].refused
-    print(f"\n{len(requests)} requests in {seconds:.1f} s\n{report}\nharmful to {STEERED}: refused={harmful_refused} "
-          f"{harmful[:80]!r}")
+    print(
+        f"\n{len(requests)} requests in {seconds:.1f} s\n{report}\nharmful to {STEERED}: refused={harmful_refused} "
+        f"{harmful[:80]!r}"
+    )
 
     majority = n // 2 + 1
     assert sum(plain_refused) >= majority, report

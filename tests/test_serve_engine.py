@@ -33,8 +33,9 @@ def lm(one_thread):
 
 def _ids(lm, text: str) -> list[int]:
     tok = lm.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                     tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return tok(prompt, add_special_tokens=False)["input_ids"]
 
 
@@ -120,7 +121,9 @@ def test_streaming_rows_and_plain_rows_agree(lm):
     engine = BatchEngine(lm, None, batch_wait_ms=50)
     ids = _ids(lm, "Café 🙂 naïve")
     params = SamplingParams(max_tokens=20, temperature=0)
-    (plain, _), (streamed, deltas) = _run(engine, [Job(ids, params), Job(ids, params, stream=True)], pause=True)
+    (plain, _), (streamed, deltas) = _run(
+        engine, [Job(ids, params), Job(ids, params, stream=True)], pause=True
+    )
     assert plain.text == streamed.text == deltas
     engine.shutdown()
 
@@ -161,8 +164,11 @@ def test_engine_ignores_model_generation_config_sampling_options(lm):
 
 def test_failed_batch_is_retried_per_request(lm):
     engine = BatchEngine(lm, AddVector(lm.hidden_size, fail_strength=13.0), batch_wait_ms=50)
-    jobs = [Job(_ids(lm, "hi"), GREEDY, steer=True, strength=13.0), Job(_ids(lm, "hi"), GREEDY),
-            Job(_ids(lm, "hi"), GREEDY, steer=True, strength=1.0)]
+    jobs = [
+        Job(_ids(lm, "hi"), GREEDY, steer=True, strength=13.0),
+        Job(_ids(lm, "hi"), GREEDY),
+        Job(_ids(lm, "hi"), GREEDY, steer=True, strength=1.0),
+    ]
     res = _run(engine, jobs, pause=True)
     assert isinstance(res[0][0], Failed) and "test intervention failure" in res[0][0].message
     assert isinstance(res[1][0], Finished) and isinstance(res[2][0], Finished)
@@ -179,8 +185,9 @@ def test_finished_requests_leave_the_batch(lm):
     alone = _run(alone_engine, [Job(ids, long)])[0][0].text
     alone_engine.shutdown()
     rows: list[int] = []
-    handle = lm.model.register_forward_pre_hook(lambda mod, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
-                                                with_kwargs=True)
+    handle = lm.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     try:
         engine = BatchEngine(lm, None, batch_wait_ms=50)
         res = _run(engine, [Job(ids, short), Job(ids, long), Job(ids, short)], pause=True)

@@ -77,8 +77,13 @@ class _Records(logging.Handler):
         bad = []
         for r in self.records:
             msg = r.getMessage()
-            if r.exc_info or "Exception in ASGI application" in msg or "unhandled error" in msg \
-                    or "Traceback" in msg or "never retrieved" in msg:
+            if (
+                r.exc_info
+                or "Exception in ASGI application" in msg
+                or "unhandled error" in msg
+                or "Traceback" in msg
+                or "never retrieved" in msg
+            ):
                 bad.append(f"{r.name}: {msg}")
         return bad
 
@@ -103,9 +108,19 @@ def lm(one_thread):
 
 @pytest.fixture(scope="module")
 def live(lm, logs):
-    app = create_app(lm, Trouble(lm.hidden_size), NAME, api_key=KEY, max_batch_size=16, batch_wait_ms=20,
-                     max_prompt_tokens=200, max_new_tokens_limit=64, default_max_tokens=16, max_queue=3,
-                     request_timeout_s=TIMEOUT_S)
+    app = create_app(
+        lm,
+        Trouble(lm.hidden_size),
+        NAME,
+        api_key=KEY,
+        max_batch_size=16,
+        batch_wait_ms=20,
+        max_prompt_tokens=200,
+        max_new_tokens_limit=64,
+        default_max_tokens=16,
+        max_queue=3,
+        request_timeout_s=TIMEOUT_S,
+    )
     srv = BackgroundServer(app).start()
     # uvicorn configures its loggers at start: attach (again) afterwards
     for name in _LOGGERS:
@@ -168,6 +183,7 @@ def _paused(engine):
 
 # -- body size ------------------------------------------------------------------------------------------
 
+
 def test_guard_answers_413_to_endless_chunked_body_without_reading_it():
     """ASGI level: a body that never ends is cut off just past the limit."""
     calls, sent = [0], []
@@ -207,8 +223,10 @@ def test_chunked_body_over_limit_gets_413(live, http, logs):
 
     t = threading.Thread(target=reader)
     t.start()
-    head = (f"POST {URL} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    head = (
+        f"POST {URL} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
     try:
         sock.sendall(head)
         piece = b"x" * (1 << 20)
@@ -221,12 +239,15 @@ def test_chunked_body_over_limit_gets_413(live, http, logs):
     assert got.startswith(b"HTTP/1.1 413"), bytes(got[:200])
     # a small chunked body is fine
     payload = json.dumps(_body()).encode()
-    r = http.post(URL, content=iter([payload[:10], payload[10:]]), headers={"Content-Type": "application/json"})
+    r = http.post(
+        URL, content=iter([payload[:10], payload[10:]]), headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 200, r.text
     _healthy(live, logs)
 
 
 # -- invalid Unicode ------------------------------------------------------------------------------------
+
 
 def test_lone_surrogates_are_400(live, http, logs):
     hi = '[{"role": "user", "content": "hi"}]'
@@ -249,32 +270,42 @@ def test_lone_surrogates_are_400(live, http, logs):
 
 # -- unknown fields -------------------------------------------------------------------------------------
 
+
 def test_unknown_fields_are_400(live, http, logs, lm):
     _err(http.post(URL, json={**_body(), "max_toknes": 5}), 400, "unknown_parameter", "max_toknes")
     bad_msg = [{"role": "user", "content": "hi", "nmae": "x"}]
     _err(http.post(URL, json=_body(messages=bad_msg)), 400, "unknown_parameter", "messages[0].nmae")
-    _err(http.post(URL, json=_body(stream=True, stream_options={"include_usage": True, "x": 1})), 400,
-         "unknown_parameter", "stream_options.x")
+    _err(
+        http.post(URL, json=_body(stream=True, stream_options={"include_usage": True, "x": 1})),
+        400,
+        "unknown_parameter",
+        "stream_options.x",
+    )
     _err(http.post(URL, json=_body(functions=[{"name": "f"}])), 400, "unsupported_value", "functions")
     # known OpenAI fields that are harmless are accepted; an echoed assistant message too
-    echo = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None, "annotations": []},
-            {"role": "user", "content": "and?"}]
+    echo = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None, "annotations": []},
+        {"role": "user", "content": "and?"},
+    ]
     r = http.post(URL, json=_body(messages=echo, store=False, metadata={"a": "b"}, modalities=["text"]))
     assert r.status_code == 200, r.text
     _healthy(live, logs)
 
-    lenient = BackgroundServer(create_app(lm, None, "lenient", allow_unknown_fields=True,
-                                          max_new_tokens_limit=8)).start()
+    lenient = BackgroundServer(
+        create_app(lm, None, "lenient", allow_unknown_fields=True, max_new_tokens_limit=8)
+    ).start()
     try:
-        r = httpx.post(lenient.url + URL, json={**_body(model="lenient"), "max_toknes": 5, "foo": {"x": 1}},
-                       timeout=30)
+        r = httpx.post(
+            lenient.url + URL, json={**_body(model="lenient"), "max_toknes": 5, "foo": {"x": 1}}, timeout=30
+        )
         assert r.status_code == 200, r.text
     finally:
         lenient.stop()
 
 
 # -- non-loopback host ----------------------------------------------------------------------------------
+
 
 def test_non_loopback_host_needs_key_or_insecure():
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.5"):
@@ -287,8 +318,9 @@ def test_non_loopback_host_needs_key_or_insecure():
 
     from aligntax.cli import app
 
-    res = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--model", "no/such-model"],
-                             env={"ALIGNTAX_API_KEY": ""})
+    res = CliRunner().invoke(
+        app, ["serve", "--host", "0.0.0.0", "--model", "no/such-model"], env={"ALIGNTAX_API_KEY": ""}
+    )
     assert res.exit_code == 2, res.output
     assert "without an API key" in res.output and "--insecure" in res.output
     res = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--insecure", "--model", "/no/such/model"])
@@ -296,6 +328,7 @@ def test_non_loopback_host_needs_key_or_insecure():
 
 
 # -- deadline and disconnects ---------------------------------------------------------------------------
+
 
 def test_request_timeout_cancels_and_answers_504(live, http, logs):
     engine = _engine(live)
@@ -342,6 +375,7 @@ def test_disconnect_mid_generation_takes_rows_out_of_the_batch(live, logs):
 
 # -- queue bound ----------------------------------------------------------------------------------------
 
+
 def test_full_queue_answers_429_with_retry_after(live, logs):
     engine = _engine(live)
     results: list = []
@@ -365,6 +399,7 @@ def test_full_queue_answers_429_with_retry_after(live, logs):
 
 
 # -- admission: counted from arrival, bounded by the expected wait --------------------------------------
+
 
 def test_requests_being_tokenised_count_against_the_queue_bound(live, logs):
     """max_queue=3: three requests stuck in tokenisation fill the queue; a fourth gets 429 at once."""
@@ -404,8 +439,11 @@ def test_requests_being_tokenised_count_against_the_queue_bound(live, logs):
 def test_requests_refused_after_admission_are_withdrawn(live, http, logs):
     engine = _engine(live)
     _err(http.post(URL, json=_body(model="nope")), 404, "model_not_found")
-    _err(http.post(URL, json=_body(messages=[{"role": "user", "content": "x" * 5000}])), 400,
-         "context_length_exceeded")
+    _err(
+        http.post(URL, json=_body(messages=[{"role": "user", "content": "x" * 5000}])),
+        400,
+        "context_length_exceeded",
+    )
     _err(http.post(URL, json=_body(max_tokens=10_000)), 400)
     assert engine.waiting == 0 and engine._arriving == 0
     _healthy(live, logs)
@@ -450,8 +488,9 @@ def test_engine_admission_counts_and_expected_wait(lm):
 
 
 def test_expected_wait_over_the_target_answers_503_with_retry_after(lm, logs):
-    app = create_app(lm, None, "w", max_batch_size=4, max_queue=50, max_queue_wait_ms=50,
-                     max_new_tokens_limit=64)
+    app = create_app(
+        lm, None, "w", max_batch_size=4, max_queue=50, max_queue_wait_ms=50, max_new_tokens_limit=64
+    )
     assert app.state.engine.max_queue_wait == pytest.approx(0.05)
     with BackgroundServer(app) as srv:
         engine = app.state.engine
@@ -485,11 +524,14 @@ def test_expected_wait_over_the_target_answers_503_with_retry_after(lm, logs):
 
 
 def test_a_latency_target_stops_batches_from_waiting_for_requests_that_may_not_come(lm):
-    engine = BatchEngine(lm, None, max_batch_size=8, batch_wait_ms=400, max_batch_wait_ms=400,
-                         max_queue_wait_ms=100)
+    engine = BatchEngine(
+        lm, None, max_batch_size=8, batch_wait_ms=400, max_batch_wait_ms=400, max_queue_wait_ms=100
+    )
 
     async def go():
-        job = Job(_ids(lm, "hi"), SamplingParams(2, 0), loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        job = Job(
+            _ids(lm, "hi"), SamplingParams(2, 0), loop=asyncio.get_running_loop(), events=asyncio.Queue()
+        )
         t0 = time.perf_counter()
         engine.submit(job)
         ev = await asyncio.wait_for(job.events.get(), 30)
@@ -511,10 +553,12 @@ def test_serve_cli_has_the_queue_wait_target():
 
 # -- batch budget, tokenisation, stop strings -----------------------------------------------------------
 
+
 def _ids(lm, text: str) -> list[int]:
     tok = lm.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                     tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return tok(prompt, add_special_tokens=False)["input_ids"]
 
 
@@ -524,8 +568,9 @@ def test_padded_token_budget_keeps_a_long_prompt_apart(lm):
     budget = max(len(long), 4 * max(map(len, short)))
     assert len(long) * 2 > budget
     engine = BatchEngine(lm, None, max_batch_size=8, batch_wait_ms=50, max_batch_tokens=budget)
-    jobs = [Job(short[0], SamplingParams(4, 0)), Job(long, SamplingParams(4, 0))] + \
-        [Job(ids, SamplingParams(4, 0)) for ids in short[1:]]
+    jobs = [Job(short[0], SamplingParams(4, 0)), Job(long, SamplingParams(4, 0))] + [
+        Job(ids, SamplingParams(4, 0)) for ids in short[1:]
+    ]
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -564,14 +609,18 @@ def test_stop_string_limits(live, http, logs):
 
 # -- NaN in one row -------------------------------------------------------------------------------------
 
+
 def test_nan_row_fails_alone(live, http, logs):
     engine = _engine(live)
     plain = http.post(URL, json=_body(max_tokens=8)).json()["choices"][0]["message"]["content"]
     half = http.post(URL, json=_body(model=STEERED, max_tokens=8, aligntax={"strength": 0.5})).json()
     half = half["choices"][0]["message"]["content"]
-    reqs = [_body(model=STEERED, max_tokens=8, aligntax={"strength": NAN_STRENGTH}), _body(max_tokens=8),
-            _body(model=STEERED, max_tokens=8, aligntax={"strength": 0.5}),
-            _body(model=STEERED, max_tokens=8, stream=True, aligntax={"strength": NAN_STRENGTH})]
+    reqs = [
+        _body(model=STEERED, max_tokens=8, aligntax={"strength": NAN_STRENGTH}),
+        _body(max_tokens=8),
+        _body(model=STEERED, max_tokens=8, aligntax={"strength": 0.5}),
+        _body(model=STEERED, max_tokens=8, stream=True, aligntax={"strength": NAN_STRENGTH}),
+    ]
     out: dict = {}
 
     def call(i, body):
@@ -600,8 +649,11 @@ def test_nan_row_fails_alone(live, http, logs):
 
 def test_nan_row_engine_level(lm):
     engine = BatchEngine(lm, Trouble(lm.hidden_size), batch_wait_ms=50)
-    jobs = [Job(_ids(lm, "hi"), SamplingParams(6, 0), steer=True, strength=NAN_STRENGTH),
-            Job(_ids(lm, "hi"), SamplingParams(6, 1.0, seed=1)), Job(_ids(lm, "hi"), SamplingParams(6, 0))]
+    jobs = [
+        Job(_ids(lm, "hi"), SamplingParams(6, 0), steer=True, strength=NAN_STRENGTH),
+        Job(_ids(lm, "hi"), SamplingParams(6, 1.0, seed=1)),
+        Job(_ids(lm, "hi"), SamplingParams(6, 0)),
+    ]
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -621,9 +673,11 @@ def test_nan_row_engine_level(lm):
 
 # -- graceful shutdown ----------------------------------------------------------------------------------
 
+
 def test_shutdown_timeout_bounds_a_graceful_shutdown(lm, logs):
-    srv = BackgroundServer(create_app(lm, Trouble(lm.hidden_size), "slow", shutdown_timeout_s=1,
-                                      max_new_tokens_limit=64)).start()
+    srv = BackgroundServer(
+        create_app(lm, Trouble(lm.hidden_size), "slow", shutdown_timeout_s=1, max_new_tokens_limit=64)
+    ).start()
     engine = srv.app.state.engine
     assert srv.server.config.timeout_graceful_shutdown == 1
     result: list = []
@@ -726,13 +780,17 @@ def test_admission_refuses_a_request_predicted_over_the_latency_target(lm):
 
 
 def test_latency_target_answers_503_through_the_server(lm, logs):
-    app = create_app(lm, None, "w", max_batch_size=4, max_queue=50, max_latency_ms=300, max_new_tokens_limit=64)
+    app = create_app(
+        lm, None, "w", max_batch_size=4, max_queue=50, max_latency_ms=300, max_new_tokens_limit=64
+    )
     assert app.state.engine.max_latency == pytest.approx(0.3)
     with BackgroundServer(app) as srv:
         engine = app.state.engine
         body = {"model": "w", "messages": HELLO, "max_tokens": 4, "temperature": 0}
         results: list = []
-        first = threading.Thread(target=lambda: results.append(httpx.post(srv.url + URL, json=body, timeout=30)))
+        first = threading.Thread(
+            target=lambda: results.append(httpx.post(srv.url + URL, json=body, timeout=30))
+        )
         with _paused(engine):
             first.start()  # idle engine: admitted; the paused worker holds it
             _wait(lambda: engine.queue_depth == 1, what="the first request")

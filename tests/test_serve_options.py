@@ -30,9 +30,19 @@ def lm(one_thread):
 @pytest.fixture(scope="module")
 def live(lm, tmp_path_factory):
     bank = save_tiny_bank(lm, tmp_path_factory.mktemp("bank"))
-    app = create_app(lm, None, NAME, steer_method="els", steer_options={"path": str(bank)}, max_batch_size=8,
-                     batch_wait_ms=20, max_prompt_tokens=200, max_new_tokens_limit=64, default_max_tokens=16,
-                     options_cache_size=4)
+    app = create_app(
+        lm,
+        None,
+        NAME,
+        steer_method="els",
+        steer_options={"path": str(bank)},
+        max_batch_size=8,
+        batch_wait_ms=20,
+        max_prompt_tokens=200,
+        max_new_tokens_limit=64,
+        default_max_tokens=16,
+        options_cache_size=4,
+    )
     srv = BackgroundServer(app).start()
     yield srv
     srv.stop()
@@ -113,18 +123,21 @@ def test_interventions_are_cached_per_option_set(live):
     assert len(steering.cache) == 4  # options_cache_size
 
 
-@pytest.mark.parametrize(("options", "param", "code"), [
-    ({"etaa": 0.2}, "aligntax.options.etaa", "unknown_parameter"),
-    ({"path": "/etc"}, "aligntax.options.path", "unknown_parameter"),  # folders never per request
-    ({"eta": "0.2"}, "aligntax.options.eta", "invalid_type"),
-    ({"eta": True}, "aligntax.options.eta", "invalid_type"),
-    ({"steps": 2.5}, "aligntax.options.steps", "invalid_type"),
-    ({"steps": -1}, "aligntax.options.steps", "invalid_type"),
-    ({"steps": 10**9}, "aligntax.options.steps", "invalid_type"),
-    ({"horizon": "all"}, "aligntax.options.horizon", "invalid_type"),
-    ({"layers": ["1"]}, "aligntax.options.layers", "invalid_type"),
-    ({"gate": 1.5}, "aligntax.options.gate", "invalid_type"),
-])
+@pytest.mark.parametrize(
+    ("options", "param", "code"),
+    [
+        ({"etaa": 0.2}, "aligntax.options.etaa", "unknown_parameter"),
+        ({"path": "/etc"}, "aligntax.options.path", "unknown_parameter"),  # folders never per request
+        ({"eta": "0.2"}, "aligntax.options.eta", "invalid_type"),
+        ({"eta": True}, "aligntax.options.eta", "invalid_type"),
+        ({"steps": 2.5}, "aligntax.options.steps", "invalid_type"),
+        ({"steps": -1}, "aligntax.options.steps", "invalid_type"),
+        ({"steps": 10**9}, "aligntax.options.steps", "invalid_type"),
+        ({"horizon": "all"}, "aligntax.options.horizon", "invalid_type"),
+        ({"layers": ["1"]}, "aligntax.options.layers", "invalid_type"),
+        ({"gate": 1.5}, "aligntax.options.gate", "invalid_type"),
+    ],
+)
 def test_bad_options_are_400_naming_the_key(live, options, param, code):
     r = _post(live, _body(options=options))
     assert r.status_code == 400
@@ -146,14 +159,22 @@ def test_options_the_builder_refuses_and_options_for_the_plain_model_are_400(liv
 
 
 def test_different_options_in_flight_at_once_get_their_own_tokens(live):
-    requests = [_body(model=NAME), _body(), _body(options=STRONG), _body(options={"horizon": 0}),
-                _body(options=STRONG, stream=True), _body(options={"eta": 0.35, "steps": 3})]
+    requests = [
+        _body(model=NAME),
+        _body(),
+        _body(options=STRONG),
+        _body(options={"horizon": 0}),
+        _body(options=STRONG, stream=True),
+        _body(options={"eta": 0.35, "steps": 3}),
+    ]
     alone = [_text(live, **{k: v for k, v in _body_kwargs(b).items()}) for b in requests]
     result: dict = {}
 
     async def go():
         async with httpx.AsyncClient(timeout=60) as c:
-            return await asyncio.gather(*[c.post(live.url + "/v1/chat/completions", json=b) for b in requests])
+            return await asyncio.gather(
+                *[c.post(live.url + "/v1/chat/completions", json=b) for b in requests]
+            )
 
     engine = live.app.state.engine
     batches = live.app.state.metrics.snapshot()["batches_total"]

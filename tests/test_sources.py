@@ -25,7 +25,9 @@ def test_the_option_picks_the_source():
 
 
 def test_each_source_refuses_what_it_cannot_take():
-    HFSource().check(recorder=True, loaded_intervention=True, loaded_model=True, device_map=True, adapters=True)
+    HFSource().check(
+        recorder=True, loaded_intervention=True, loaded_model=True, device_map=True, adapters=True
+    )
     with pytest.raises(AligntaxError, match="Hugging Face backend only"):
         VllmSource().check(adapters=True)
     with pytest.raises(AligntaxError, match="Hugging Face backend only"):
@@ -63,4 +65,6 @@ def test_an_answer_is_finished_alike_with_and_without_streaming():
     assert not row.push(streamed, 0, sent) and not row.push(streamed, 1, sent)
     assert row.push(streamed, 2, sent)  # the stop string: cut before it
     events = finish_events(streamed, tok, [0, 1, 2], 3, "stop", False, row)
-    assert "".join(e.text for e in sent if isinstance(e, Delta)) == "ab" and events == [Finished("ab", "stop", 2, 3)]
+    assert "".join(e.text for e in sent if isinstance(e, Delta)) == "ab" and events == [
+        Finished("ab", "stop", 2, 3)
+    ]

@@ -43,6 +43,7 @@ H = 32
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
 @pytest.fixture(scope="module")
 def lm():
     return tiny_lm("qwen2", hidden=H, layers=3)
@@ -67,12 +68,15 @@ def forward_with(lm, prompts, intervention, rows=None, layers=None):
 
     texts = [render_chat(lm.tokenizer, build_messages(p)) for p in prompts]
     enc = encode_chats(lm.tokenizer, texts, lm.device)
-    ctx = SteerContext(prompt_len=enc["input_ids"].shape[1], rows=None if rows is None else torch.tensor(rows))
+    ctx = SteerContext(
+        prompt_len=enc["input_ids"].shape[1], rows=None if rows is None else torch.tensor(rows)
+    )
     with torch.no_grad(), intervention.attach(lm.model, ctx):
         store, remove = record_block_inputs(lm.model, layers)  # registered after: sees the steered input
         try:
-            logits = lm.model(**enc, position_ids=position_ids_from_mask(enc["attention_mask"]),
-                              use_cache=False).logits
+            logits = lm.model(
+                **enc, position_ids=position_ids_from_mask(enc["attention_mask"]), use_cache=False
+            ).logits
         finally:
             remove()
     return {k: v[0] for k, v in store.items()}, logits, enc["attention_mask"], ctx
@@ -135,24 +139,35 @@ def test_horizon_steers_only_the_first_generated_tokens(lm):
 
 def test_steering_lands_on_claimed_positions(lm):
     base, _, mask, _ = forward_with(lm, PROMPTS, NoIntervention())
-    steered, _, _, ctx = forward_with(lm, PROMPTS, EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1,
-                                                                  scale_by_norm=False))
+    steered, _, _, ctx = forward_with(
+        lm, PROMPTS, EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1, scale_by_norm=False)
+    )
     T = mask.shape[1]
     # entering layer 1: exactly the last prompt token of every row changed
     diff = (steered[1] - base[1]).norm(dim=-1)
     assert torch.all(diff[:, T - 1] > 0.1) and torch.all(diff[:, : T - 1] == 0)
-    torch.testing.assert_close(diff[:, T - 1], torch.full((4,), 3.0), atol=1e-4, rtol=1e-4)  # one step of eta 3
+    torch.testing.assert_close(
+        diff[:, T - 1], torch.full((4,), 3.0), atol=1e-4, rtol=1e-4
+    )  # one step of eta 3
     # layer 0 untouched, and no earlier prompt token changes at any later layer either
     assert torch.equal(steered[0], base[0])
     real = mask[:, : T - 1].bool()  # (padding positions may attend anywhere; they are never read)
     assert torch.all((steered[2] - base[2])[:, : T - 1][real] == 0)
     assert ctx.stats["els"][1]["positions"] == 4 and ctx.stats["els"][1]["steered"] == 4
     # 'all' steers every position, 'generated' nothing in the prefill
-    st_all, _, _, _ = forward_with(lm, PROMPTS, EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1,
-                                                               positions="all", scale_by_norm=False))
+    st_all, _, _, _ = forward_with(
+        lm,
+        PROMPTS,
+        EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1, positions="all", scale_by_norm=False),
+    )
     assert torch.all((st_all[1] - base[1]).norm(dim=-1) > 0.1)
-    st_gen, _, _, _ = forward_with(lm, PROMPTS, EnergySteering(energy_models(layers=(1,)), eta=3.0, steps=1,
-                                                               positions="generated", scale_by_norm=False))
+    st_gen, _, _, _ = forward_with(
+        lm,
+        PROMPTS,
+        EnergySteering(
+            energy_models(layers=(1,)), eta=3.0, steps=1, positions="generated", scale_by_norm=False
+        ),
+    )
     assert torch.equal(st_gen[1], base[1])
 
 
@@ -166,7 +181,9 @@ def test_each_step_moves_by_eta_and_norm_scaling():
         # one step at a time: every step moves each position by exactly eta
         for _ in range(steps):
             nxt = EnergySteering(m, eta=0.7, steps=1, scale_by_norm=False).kernel(3).steer(1, prev, scale)
-            torch.testing.assert_close((nxt - prev).norm(dim=-1), torch.full((3, 4), 0.7), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                (nxt - prev).norm(dim=-1), torch.full((3, 4), 0.7), atol=1e-5, rtol=1e-5
+            )
             prev = nxt
         torch.testing.assert_close(st.kernel(3).steer(1, x, scale), prev)
     scaled = EnergySteering(m, eta=0.5, steps=1, norms={1: 8.0})
@@ -187,11 +204,16 @@ def test_autograd_and_closed_form_steering_agree(lm):
     scale = torch.ones(2, 1, 1)
     for layer in (1, 2):
         a = EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False).kernel(3).steer(layer, x, scale)
-        b = EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False, grad_method="autograd").kernel(3).steer(layer, x, scale)
+        b = (
+            EnergySteering(m, eta=0.4, steps=3, scale_by_norm=False, grad_method="autograd")
+            .kernel(3)
+            .steer(layer, x, scale)
+        )
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     with torch.no_grad():  # generation runs under no_grad: the autograd path still works
-        _, log_a, _, _ = run_steered(lm, PROMPTS[:2], EnergySteering(m, eta=1.0, scale_by_norm=False,
-                                                                     grad_method="autograd"))
+        _, log_a, _, _ = run_steered(
+            lm, PROMPTS[:2], EnergySteering(m, eta=1.0, scale_by_norm=False, grad_method="autograd")
+        )
     _, log_c, _, _ = run_steered(lm, PROMPTS[:2], EnergySteering(m, eta=1.0, scale_by_norm=False))
     torch.testing.assert_close(log_a, log_c, atol=1e-3, rtol=1e-3)
     assert all(p.grad is None for p in lm.model.parameters())  # nothing flowed through the LLM
@@ -215,6 +237,7 @@ def test_per_row_steering_and_strength(lm):
     T = mask.shape[1]
     ctx2 = SteerContext(prompt_len=T, strength=torch.tensor([0.5, 1.0, 2.0, 0.0]))
     from aligntax.generation.chat import build_messages, encode_chats, render_chat
+
     enc = encode_chats(lm.tokenizer, [render_chat(lm.tokenizer, build_messages(p)) for p in PROMPTS], "cpu")
     with torch.no_grad(), single.attach(lm.model, ctx2):
         store, remove = record_block_inputs(lm.model, [1])
@@ -237,7 +260,11 @@ def test_threshold_gating(lm):
     e = m[1].energy(x).detach()
     srt = e.flatten().sort().values
     thr = float(srt[2] + srt[3]) / 2  # between two energies: half the positions above
-    out = EnergySteering(m, eta=0.5, steps=1, scale_by_norm=False, threshold=thr).kernel(3).steer(1, x, torch.ones(6, 1, 1))
+    out = (
+        EnergySteering(m, eta=0.5, steps=1, scale_by_norm=False, threshold=thr)
+        .kernel(3)
+        .steer(1, x, torch.ones(6, 1, 1))
+    )
     moved = (out - x).norm(dim=-1).squeeze(1) > 0
     assert torch.equal(moved, e.squeeze(1) > thr) and int(moved.sum()) == 3
 
@@ -252,8 +279,11 @@ def test_hooks_removed_on_exit_and_exception(lm):
     with pytest.raises(RuntimeError, match="boom"), st.attach(lm.model, ctx):
         raise RuntimeError("boom")
     assert hook_counts(lm.model) == n0
-    for iv in (DirectionAblation(torch.randn(H)), ActivationAddition({1: torch.randn(H)}),
-               ConditionalSteering(torch.randn(H), 1, 0.0, torch.randn(H))):
+    for iv in (
+        DirectionAblation(torch.randn(H)),
+        ActivationAddition({1: torch.randn(H)}),
+        ConditionalSteering(torch.randn(H), 1, 0.0, torch.randn(H)),
+    ):
         with pytest.raises(ValueError), iv.attach(lm.model, ctx):
             raise ValueError
         assert hook_counts(lm.model) == n0
@@ -282,8 +312,15 @@ def test_nan_states_raise(lm):
 def test_generate_integration_and_stats(lm):
     st = els(eta=0.3, steps=2)
     cfg = GenerationConfig(max_new_tokens=4, batch_size=2)
-    gens = generate(lm, PROMPTS, cfg, st, progress=False, steer_rows=[True, False, True, True],
-                    strengths=[1.0, 1.0, 0.5, 2.0])
+    gens = generate(
+        lm,
+        PROMPTS,
+        cfg,
+        st,
+        progress=False,
+        steer_rows=[True, False, True, True],
+        strengths=[1.0, 1.0, 0.5, 2.0],
+    )
     assert len(gens) == 4 and all(g.n_tokens <= 4 for g in gens)
     base = generate(lm, PROMPTS, cfg, progress=False)
     assert gens[1].response == base[1].response  # the unsteered row
@@ -332,7 +369,8 @@ def test_direction_ablation_removes_direction(lm):
     with torch.no_grad(), iv.attach(lm.model, SteerContext(prompt_len=3)):
         # registered after the ablation's own hook, so it sees the block's final output
         handle = blocks[-1].register_forward_hook(
-            lambda m, a, o: out.setdefault("h", o[0] if isinstance(o, tuple) else o))
+            lambda m, a, o: out.setdefault("h", o[0] if isinstance(o, tuple) else o)
+        )
         try:
             lm.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
         finally:
@@ -349,9 +387,13 @@ def test_direction_ablation_removes_direction(lm):
         def keep(i, into):
             def hook(m, args):
                 into[i] = args[0].detach()
+
             return hook
-        handles = [blk.post_attention_layernorm.register_forward_pre_hook(keep(i, mids))
-                   for i, blk in enumerate(blocks)]
+
+        handles = [
+            blk.post_attention_layernorm.register_forward_pre_hook(keep(i, mids))
+            for i, blk in enumerate(blocks)
+        ]
         try:
             with torch.no_grad(), attach_kernel(lm.model, SteerContext(prompt_len=3), kernel, "test"):
                 lm.model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
@@ -372,12 +414,15 @@ def test_activation_addition_adds_exactly(lm):
     st, _, mask, _ = forward_with(lm, PROMPTS, ActivationAddition({1: v}, coeff=2.0))
     torch.testing.assert_close(st[1] - base[1], (2.0 * v).expand_as(base[1]), atol=1e-5, rtol=1e-5)
     assert torch.equal(st[0], base[0])
-    st2, _, _, _ = forward_with(lm, PROMPTS, ActivationAddition({1: v}, coeff=2.0, positions="last_and_generated"))
+    st2, _, _, _ = forward_with(
+        lm, PROMPTS, ActivationAddition({1: v}, coeff=2.0, positions="last_and_generated")
+    )
     T = mask.shape[1]
     assert torch.equal(st2[1][:, : T - 1], base[1][:, : T - 1])
     tok_c, log_c, _, _ = run_steered(lm, PROMPTS, ActivationAddition({1: v}, positions="last_and_generated"))
-    tok_n, log_n, _, _ = run_steered(lm, PROMPTS, ActivationAddition({1: v}, positions="last_and_generated"),
-                                     use_cache=False)
+    tok_n, log_n, _, _ = run_steered(
+        lm, PROMPTS, ActivationAddition({1: v}, positions="last_and_generated"), use_cache=False
+    )
     assert torch.equal(tok_c, tok_n)
     torch.testing.assert_close(log_c, log_n, atol=2e-4, rtol=2e-4)
 
@@ -448,8 +493,17 @@ def test_vectors_round_trip_and_refusal(lm, vector_dir):
 
 
 def test_registry(lm, bank_dir, vector_dir):
-    assert set(INTERVENTIONS) == {"none", "system-prompt", "helpful-prompt", "els", "refusal-add",
-                                  "refusal-ablation", "false-refusal-ablation", "cast", "els-lora"}
+    assert set(INTERVENTIONS) == {
+        "none",
+        "system-prompt",
+        "helpful-prompt",
+        "els",
+        "refusal-add",
+        "refusal-ablation",
+        "false-refusal-ablation",
+        "cast",
+        "els-lora",
+    }
     assert isinstance(make_intervention("none", lm), NoIntervention)
     sp = make_intervention("system-prompt", lm)
     hp = make_intervention("helpful-prompt", lm)
@@ -519,10 +573,15 @@ def _unsteered_run_with_gate(lm, tmp_path):
     from aligntax.runs.eval import EvalConfig, run_eval
 
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "label": "benign"}) + "\n"
-                            for i, p in enumerate(PROMPTS)))
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": p, "label": "benign"}) + "\n" for i, p in enumerate(PROMPTS)
+        )
+    )
     gate, held = _split_gate(lm)
-    common = dict(data=[str(data)], judge="keyword", max_new_tokens=6, batch_size=4, dtype="fp32", progress=False)
+    common = dict(
+        data=[str(data)], judge="keyword", max_new_tokens=6, batch_size=4, dtype="fp32", progress=False
+    )
     run_eval(EvalConfig(out=str(tmp_path / "base"), **common), lm=lm)
     return common, gate, held
 
@@ -536,14 +595,18 @@ def test_harm_gate_holds_back_rows(lm, layer, steer):
     tok0, log0, _, _ = run_steered(lm, PROMPTS, NoIntervention())
     _, log_all, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, layers=steer))
     for use_cache in (True, False):
-        _, log_g, ctx, _ = run_steered(lm, PROMPTS, els(eta=2.0, layers=steer, gate=gate), use_cache=use_cache)
+        _, log_g, ctx, _ = run_steered(
+            lm, PROMPTS, els(eta=2.0, layers=steer, gate=gate), use_cache=use_cache
+        )
         for i in range(4):  # held rows are exactly unsteered, the others exactly steered
             ref = log0[i] if held[i] else log_all[i]
             torch.testing.assert_close(log_g[i], ref, rtol=0, atol=1e-5 if use_cache else 1e-4)
         assert ctx.stats["els_gate"]["held"] == 2
     assert not torch.equal(log_all, log0)
     # a gate threshold above every probability holds nothing back; one near 0 holds back every row
-    _, log_none, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, layers=steer, gate=gate, gate_threshold=1 - 1e-9))
+    _, log_none, _, _ = run_steered(
+        lm, PROMPTS, els(eta=2.0, layers=steer, gate=gate, gate_threshold=1 - 1e-9)
+    )
     _, log_every, _, _ = run_steered(lm, PROMPTS, els(eta=2.0, layers=steer, gate=gate, gate_threshold=1e-9))
     assert torch.equal(log_none, log_all) and torch.equal(log_every, log0)
 
@@ -592,13 +655,18 @@ def test_per_row_state_follows_rows_leaving_the_batch(lm):
     h_last = base[1][:, mask.shape[1] - 1]
     c, center = h_last[2] - h_last.mean(0), h_last.mean(0)
     sims = torch.nn.functional.cosine_similarity(h_last - center, c[None], dim=-1)
-    cast = ConditionalSteering(c, 1, float(sims.median()), torch.randn(H) * 5, behaviour_layers=[0, 2],
-                               mode="add", center=center)
+    cast = ConditionalSteering(
+        c, 1, float(sims.median()), torch.randn(H) * 5, behaviour_layers=[0, 2], mode="add", center=center
+    )
     steer_rows = [i % 3 != 1 for i in range(len(prompts))]
     strengths = [0.5 + 0.25 * i for i in range(len(prompts))]
     ablate_all = DirectionAblation(torch.randn(H), layers=[1, 2], positions="all")  # not prefix-free
-    cases = [(els(eta=2.0, gate=gate), {"steer_rows": steer_rows, "strengths": strengths}), (cast, {}),
-             (PrefillRecorder(lm.model, [0, 2]), {}), (ablate_all, {"steer_rows": steer_rows})]
+    cases = [
+        (els(eta=2.0, gate=gate), {"steer_rows": steer_rows, "strengths": strengths}),
+        (cast, {}),
+        (PrefillRecorder(lm.model, [0, 2]), {}),
+        (ablate_all, {"steer_rows": steer_rows}),
+    ]
     assert [iv.prefix_free for iv, _ in cases] == [True, True, True, False]
     eos = lm.model.generation_config.eos_token_id
     try:
@@ -620,7 +688,9 @@ def test_per_row_state_follows_rows_leaving_the_batch(lm):
                 for layer in (0, 2):
                     assert runs[True][1][layer].shape[0] == len(prompts)
                     ref = runs[False][1][layer]  # fp32 rounding only: the shared prefix is computed apart
-                    torch.testing.assert_close(runs[True][1][layer], ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
+                    torch.testing.assert_close(
+                        runs[True][1][layer], ref, rtol=0, atol=2e-6 * float(ref.abs().max())
+                    )
     finally:
         lm.model.generation_config.eos_token_id = eos
 
@@ -645,12 +715,16 @@ def test_prefix_free_hooks_see_the_prompt_after_the_shared_prefix(lm):
             def fn(module, args, kwargs):
                 h = hidden_from_args(args, kwargs)
                 seen.setdefault(self.prefix_free, (h.shape[1], ctx.prompt_len))
+
             return fn
 
-    width = encode_chats(lm.tokenizer, [render_chat(lm.tokenizer, build_messages(p)) for p in PROMPTS],
-                         "cpu")["input_ids"].shape[1]
-    outs = {free: generate(lm, PROMPTS, GenerationConfig(max_new_tokens=4), Probe(free), progress=False)
-            for free in (True, False)}
+    width = encode_chats(
+        lm.tokenizer, [render_chat(lm.tokenizer, build_messages(p)) for p in PROMPTS], "cpu"
+    )["input_ids"].shape[1]
+    outs = {
+        free: generate(lm, PROMPTS, GenerationConfig(max_new_tokens=4), Probe(free), progress=False)
+        for free in (True, False)
+    }
     assert seen[False] == (width, width)
     assert seen[True][0] == seen[True][1] < width
     assert [g.response for g in outs[True]] == [g.response for g in outs[False]]
@@ -680,9 +754,14 @@ def test_eval_reuses_unsteered_answers_for_held_rows(lm, tmp_path):
     from aligntax.runs.jsonl import read_jsonl
 
     common, gate, held = _unsteered_run_with_gate(lm, tmp_path)
-    full = run_eval(EvalConfig(out=str(tmp_path / "full"), **common), lm=lm, intervention=els(eta=2.0, gate=gate))
-    fast = run_eval(EvalConfig(out=str(tmp_path / "fast"), reuse_unsteered=str(tmp_path / "base"), **common),
-                    lm=lm, intervention=els(eta=2.0, gate=gate))
+    full = run_eval(
+        EvalConfig(out=str(tmp_path / "full"), **common), lm=lm, intervention=els(eta=2.0, gate=gate)
+    )
+    fast = run_eval(
+        EvalConfig(out=str(tmp_path / "fast"), reuse_unsteered=str(tmp_path / "base"), **common),
+        lm=lm,
+        intervention=els(eta=2.0, gate=gate),
+    )
     key = lambda r: r["id"]  # noqa: E731
     rf = sorted(read_jsonl(tmp_path / "full" / "samples.jsonl"), key=key)
     rr = sorted(read_jsonl(tmp_path / "fast" / "samples.jsonl"), key=key)
@@ -692,14 +771,27 @@ def test_eval_reuses_unsteered_answers_for_held_rows(lm, tmp_path):
     assert full["timing"]["new_samples"] == 4
     # only an unsteered, greedy run made with the same settings can be reused
     with pytest.raises(AligntaxError, match="must be an unsteered run"):
-        run_eval(EvalConfig(out=str(tmp_path / "x1"), reuse_unsteered=str(tmp_path / "full"), **common),
-                 lm=lm, intervention=els(eta=2.0, gate=gate))
+        run_eval(
+            EvalConfig(out=str(tmp_path / "x1"), reuse_unsteered=str(tmp_path / "full"), **common),
+            lm=lm,
+            intervention=els(eta=2.0, gate=gate),
+        )
     with pytest.raises(AligntaxError, match="max_new_tokens"):
-        run_eval(EvalConfig(out=str(tmp_path / "x2"), reuse_unsteered=str(tmp_path / "base"),
-                            **{**common, "max_new_tokens": 5}), lm=lm, intervention=els(eta=2.0, gate=gate))
+        run_eval(
+            EvalConfig(
+                out=str(tmp_path / "x2"),
+                reuse_unsteered=str(tmp_path / "base"),
+                **{**common, "max_new_tokens": 5},
+            ),
+            lm=lm,
+            intervention=els(eta=2.0, gate=gate),
+        )
     with pytest.raises(AligntaxError, match="not an evaluation run"):
-        run_eval(EvalConfig(out=str(tmp_path / "x3"), reuse_unsteered=str(tmp_path / "nowhere"), **common),
-                 lm=lm, intervention=els(eta=2.0, gate=gate))
+        run_eval(
+            EvalConfig(out=str(tmp_path / "x3"), reuse_unsteered=str(tmp_path / "nowhere"), **common),
+            lm=lm,
+            intervention=els(eta=2.0, gate=gate),
+        )
 
 
 def test_knowns_reuses_unsteered_answers_for_held_questions(lm, tmp_path):
@@ -714,14 +806,29 @@ def test_knowns_reuses_unsteered_answers_for_held_questions(lm, tmp_path):
     gate, held = _split_gate(lm)
     items = load_known_answers(split="all", limit=len(PROMPTS))
     data = tmp_path / "k.jsonl"  # the four PROMPTS as questions (their answers do not matter here)
-    data.write_text("".join(json.dumps({**it.to_dict(), "prompt": p}) + "\n"
-                            for it, p in zip(items, PROMPTS, strict=True)))
-    common = dict(model="tiny", data=str(data), split="all", max_new_tokens=6, batch_size=4, dtype="fp32",
-                  progress=False)
+    data.write_text(
+        "".join(
+            json.dumps({**it.to_dict(), "prompt": p}) + "\n" for it, p in zip(items, PROMPTS, strict=True)
+        )
+    )
+    common = dict(
+        model="tiny",
+        data=str(data),
+        split="all",
+        max_new_tokens=6,
+        batch_size=4,
+        dtype="fp32",
+        progress=False,
+    )
     run_knowns(KnownsConfig(out=str(tmp_path / "base"), **common), lm=lm)
-    full = run_knowns(KnownsConfig(out=str(tmp_path / "full"), **common), lm=lm, intervention=els(eta=2.0, gate=gate))
-    fast = run_knowns(KnownsConfig(out=str(tmp_path / "fast"), reuse_unsteered=str(tmp_path / "base"), **common),
-                      lm=lm, intervention=els(eta=2.0, gate=gate))
+    full = run_knowns(
+        KnownsConfig(out=str(tmp_path / "full"), **common), lm=lm, intervention=els(eta=2.0, gate=gate)
+    )
+    fast = run_knowns(
+        KnownsConfig(out=str(tmp_path / "fast"), reuse_unsteered=str(tmp_path / "base"), **common),
+        lm=lm,
+        intervention=els(eta=2.0, gate=gate),
+    )
     by_prompt = {p: i for i, p in enumerate(PROMPTS)}
     rf = sorted(read_jsonl(tmp_path / "full" / "samples.jsonl"), key=lambda r: by_prompt[r["prompt"]])
     rr = sorted(read_jsonl(tmp_path / "fast" / "samples.jsonl"), key=lambda r: by_prompt[r["prompt"]])
@@ -730,8 +837,11 @@ def test_knowns_reuses_unsteered_answers_for_held_questions(lm, tmp_path):
     assert fast["timing"]["reused_unsteered_samples"] == 2 and fast["timing"]["new_samples"] == 2
     assert full["timing"]["new_samples"] == 4 and full["correct"] == fast["correct"]
     with pytest.raises(AligntaxError, match="must be unsteered"):
-        run_knowns(KnownsConfig(out=str(tmp_path / "x"), reuse_unsteered=str(tmp_path / "full"), **common),
-                   lm=lm, intervention=els(eta=2.0, gate=gate))
+        run_knowns(
+            KnownsConfig(out=str(tmp_path / "x"), reuse_unsteered=str(tmp_path / "full"), **common),
+            lm=lm,
+            intervention=els(eta=2.0, gate=gate),
+        )
 
 
 def test_harm_gate_must_decide_before_steering(lm):
@@ -749,7 +859,10 @@ def test_train_harm_gate_and_files(lm, bank_dir, tmp_path):
     n = 200
     y = torch.arange(n) % 2 == 0
     direction = torch.randn(H)
-    acts = {0: torch.randn(n, H), 1: torch.randn(n, H) + 4.0 * y[:, None].float() * direction / direction.norm()}
+    acts = {
+        0: torch.randn(n, H),
+        1: torch.randn(n, H) + 4.0 * y[:, None].float() * direction / direction.norm(),
+    }
     gate = train_harm_gate(acts, y, seed=0, fingerprint=lm.fingerprint)
     assert gate.layer == 1 and gate.info["val"]["acc"] > 0.9 and gate.info["cv_folds"] == 5
     assert gate.info["per_layer_val"]["0"]["balanced_acc"] < 0.7  # noise layer is near chance
@@ -770,10 +883,13 @@ def test_train_harm_gate_and_files(lm, bank_dir, tmp_path):
     # saved beside an energy bank: from_dir(gate=...) loads it, checked against the model
     d = tmp_path / "bank"
     import shutil
+
     shutil.copytree(bank_dir, d)
     with pytest.raises(AligntaxError, match="no harm gate"):
         EnergySteering.from_dir(d, lm, gate=True)
-    gate = HarmGate(0, gate.weight, gate.bias, gate.mean, gate.scale, fingerprint=lm.fingerprint)  # before every bank layer
+    gate = HarmGate(
+        0, gate.weight, gate.bias, gate.mean, gate.scale, fingerprint=lm.fingerprint
+    )  # before every bank layer
     gate.save(d)
     back = HarmGate.load(d)
     assert torch.equal(back.weight, gate.weight) and back.layers == [0] and back.layer == 0
@@ -794,8 +910,9 @@ def test_from_dir_takes_the_tuned_setting(lm, bank_dir, tmp_path):
     assert (plain.eta, plain.steps, plain.threshold, len(plain.models)) == (0.35, 3, None, 1)
     assert plain.settings_from == "defaults"
     (d / "sweep").mkdir()
-    (d / "sweep" / "best.json").write_text(json.dumps(
-        {"best": {"args": {"top_k": 1, "eta": 0.45, "steps": 2, "threshold": 0.0}}}))
+    (d / "sweep" / "best.json").write_text(
+        json.dumps({"best": {"args": {"top_k": 1, "eta": 0.45, "steps": 2, "threshold": 0.0}}})
+    )
     tuned = EnergySteering.from_dir(d, lm)
     assert (tuned.eta, tuned.steps, tuned.threshold, len(tuned.models)) == (0.45, 2, 0.0, 1)
     assert tuned.settings_from.endswith("best.json")
@@ -804,12 +921,14 @@ def test_from_dir_takes_the_tuned_setting(lm, bank_dir, tmp_path):
     assert "eta" in mixed.settings_from and "threshold" in mixed.settings_from
     # a sweep that selected a layer list: steering takes those layers, unless top_k or layers are given
     runner_up = EnergyBank.load(d).layers[1]
-    (d / "sweep" / "best.json").write_text(json.dumps(
-        {"best": {"args": {"layers": [runner_up], "eta": 0.45, "steps": 2, "threshold": None}}}))
+    (d / "sweep" / "best.json").write_text(
+        json.dumps({"best": {"args": {"layers": [runner_up], "eta": 0.45, "steps": 2, "threshold": None}}})
+    )
     assert sorted(EnergySteering.from_dir(d, lm).models) == [runner_up]
     assert len(EnergySteering.from_dir(d, lm, top_k=2).models) == 2
-    assert sorted(EnergySteering.from_dir(d, lm, layers=[EnergyBank.load(d).layers[0]]).models) == \
-        [EnergyBank.load(d).layers[0]]
+    assert sorted(EnergySteering.from_dir(d, lm, layers=[EnergyBank.load(d).layers[0]]).models) == [
+        EnergyBank.load(d).layers[0]
+    ]
 
 
 def test_an_untuned_folder_steers_by_the_safe_defaults(lm, bank_dir, tmp_path, caplog):
@@ -827,19 +946,30 @@ def test_an_untuned_folder_steers_by_the_safe_defaults(lm, bank_dir, tmp_path, c
     best = EnergyBank.load(d).layers[0]
     els_mod._UNTUNED_NOTED.clear()
     with caplog.at_level(logging.WARNING, logger="aligntax"):
-        no_gate = EnergySteering.from_dir(d, lm)  # a folder trained without a harm gate: no gate, the rest holds
+        no_gate = EnergySteering.from_dir(
+            d, lm
+        )  # a folder trained without a harm gate: no gate, the rest holds
         EnergySteering.from_dir(d, lm)
     assert (no_gate.gate, no_gate.horizon, no_gate.row_threshold, no_gate.eta) == (None, 16, 0.0, 0.35)
     assert sorted(no_gate.models) == [best]
     notes = [r.getMessage() for r in caplog.records if "untuned" in r.getMessage()]
     assert len(notes) == 1 and "aligntax els sweep" in notes[0] and "\n" not in notes[0]
-    HarmGate([0], torch.randn(1, H), torch.zeros(1), torch.zeros(1, H), torch.ones(1, H), threshold=0.4,
-             fingerprint=lm.fingerprint).save(d)
+    HarmGate(
+        [0],
+        torch.randn(1, H),
+        torch.zeros(1),
+        torch.zeros(1, H),
+        torch.ones(1, H),
+        threshold=0.4,
+        fingerprint=lm.fingerprint,
+    ).save(d)
     st = aligntax.load_intervention(d, lm)
     assert st.gate is not None and st.gate_threshold == 0.4
     assert (st.horizon, st.row_threshold, st.eta, sorted(st.models)) == (16, 0.0, 0.35, [best])
     cfg = st.config()
-    assert cfg["gate"] == {"layer": 0, "threshold": 0.4} and cfg["row_threshold"] == 0.0 and cfg["horizon"] == 16
+    assert (
+        cfg["gate"] == {"layer": 0, "threshold": 0.4} and cfg["row_threshold"] == 0.0 and cfg["horizon"] == 16
+    )
     # each default can still be turned off; with every safety setting given there is no note
     free = EnergySteering.from_dir(d, lm, gate="none", horizon="none", row_threshold="none")
     assert (free.gate, free.horizon, free.row_threshold) == (None, None, None)
@@ -868,9 +998,14 @@ def test_harm_gate_ensemble_of_layers(lm, tmp_path):
     gate = train_harm_gate(acts, y, seed=0, recall=0.95, fingerprint=lm.fingerprint, ensemble=True)
     scores, passed = gate.info["candidate_scores"], gate.info["candidate_benign_passed_at_threshold"]
     assert gate.layers == [0, 1] and gate.layer == 1
-    assert scores["ensemble"] > max(scores["0"], scores["1"]) and passed["ensemble"] > max(passed["0"], passed["1"])
+    assert scores["ensemble"] > max(scores["0"], scores["1"]) and passed["ensemble"] > max(
+        passed["0"], passed["1"]
+    )
     assert gate.info["cv_at_threshold"]["benign_passed"] == pytest.approx(passed["ensemble"], abs=1e-6)
-    single = [HarmGate(layer, gate.weight[i], gate.bias[i], gate.mean[i], gate.scale[i]) for i, layer in enumerate((0, 1))]
+    single = [
+        HarmGate(layer, gate.weight[i], gate.bias[i], gate.mean[i], gate.scale[i])
+        for i, layer in enumerate((0, 1))
+    ]
     x = gate.stack(acts)
     assert x.shape == (n, 2, H)
     torch.testing.assert_close(gate.logit(x), (single[0].logit(acts[0]) + single[1].logit(acts[1])) / 2)
@@ -879,14 +1014,20 @@ def test_harm_gate_ensemble_of_layers(lm, tmp_path):
         gate.stack({0: acts[0]})
     gate.save(tmp_path / "g")
     back = HarmGate.load(tmp_path / "g", expect_fingerprint=lm.fingerprint, expect_hidden_size=H)
-    assert back.layers == [0, 1] and torch.equal(back.logit(x), gate.logit(x)) and back.threshold == gate.threshold
+    assert (
+        back.layers == [0, 1]
+        and torch.equal(back.logit(x), gate.logit(x))
+        and back.threshold == gate.threshold
+    )
     # the one-layer format: 1-D tensors, the bias in gate.json
     from safetensors.torch import save_file
 
     old = tmp_path / "old"
     old.mkdir()
-    save_file({"weight": single[0].weight[0], "mean": single[0].mean[0], "scale": single[0].scale[0]},
-              str(old / "gate.safetensors"))
+    save_file(
+        {"weight": single[0].weight[0], "mean": single[0].mean[0], "scale": single[0].scale[0]},
+        str(old / "gate.safetensors"),
+    )
     meta = json.loads((tmp_path / "g" / "gate.json").read_text())
     meta.update(layer=0, bias=float(single[0].bias[0]), threshold=0.3)
     meta.pop("layers")
@@ -984,8 +1125,11 @@ def test_eval_records_per_row_steering(lm, tmp_path):
     from aligntax.runs.jsonl import read_jsonl
 
     common, gate, held = _unsteered_run_with_gate(lm, tmp_path)
-    res = run_eval(EvalConfig(out=str(tmp_path / "s"), reuse_unsteered=str(tmp_path / "base"), **common), lm=lm,
-                   intervention=els(eta=2.0, gate=gate))
+    res = run_eval(
+        EvalConfig(out=str(tmp_path / "s"), reuse_unsteered=str(tmp_path / "base"), **common),
+        lm=lm,
+        intervention=els(eta=2.0, gate=gate),
+    )
     rows = {r["id"]: r for r in read_jsonl(tmp_path / "s" / "samples.jsonl")}
     assert [rows[f"q{i}"]["steering"]["steered"] for i in range(4)] == (~held).tolist()
     assert all(bool(rows[f"q{i}"].get("reused")) == bool(held[i]) for i in range(4))

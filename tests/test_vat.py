@@ -71,11 +71,24 @@ def _same_state(model, ref: dict) -> bool:
 
 # ================================================================= schwartz
 def test_circle_order_and_groups():
-    assert S.VALUES == ("Self-Direction", "Stimulation", "Hedonism", "Achievement", "Power", "Security",
-                        "Conformity", "Tradition", "Benevolence", "Universalism")
+    assert S.VALUES == (
+        "Self-Direction",
+        "Stimulation",
+        "Hedonism",
+        "Achievement",
+        "Power",
+        "Security",
+        "Conformity",
+        "Tradition",
+        "Benevolence",
+        "Universalism",
+    )
     grouped = set().union(*S.HIGHER_ORDER.values())
     assert grouped == set(S.VALUES)
-    assert "Hedonism" in S.HIGHER_ORDER["Openness to change"] and "Hedonism" in S.HIGHER_ORDER["Self-enhancement"]
+    assert (
+        "Hedonism" in S.HIGHER_ORDER["Openness to change"]
+        and "Hedonism" in S.HIGHER_ORDER["Self-enhancement"]
+    )
     assert set(S.PRIMARY_GROUP) == set(S.VALUES)
 
 
@@ -117,8 +130,14 @@ def test_refined_values_and_svs_items():
 
 def test_refined_names_match_taxonomy_file():
     base = shared_data_dir()
-    f = base / "values" / "schwartz_taxonomy" / (
-        "clef24_human-value-detection_inception-data-conversion_dataset_value-categories.json") if base else None
+    f = (
+        base
+        / "values"
+        / "schwartz_taxonomy"
+        / ("clef24_human-value-detection_inception-data-conversion_dataset_value-categories.json")
+        if base
+        else None
+    )
     if f is None or not f.is_file():
         pytest.skip("shared taxonomy file not available")
     data = json.loads(f.read_text())
@@ -126,13 +145,24 @@ def test_refined_names_match_taxonomy_file():
     assert {r.name for r in S.REFINED_VALUES} == {v["name"] for v in data.values()}
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("self direction", "Self-Direction"), ("SELF-DIRECTION", "Self-Direction"), ("self_direction", "Self-Direction"),
-    ("sd", "Self-Direction"), ("Power: dominance", "Power"), ("power-resources", "Power"),
-    ("honoring of parents and elders", "Conformity"), ("A World at Peace", "Universalism"),
-    ("humility", "Tradition"), ("Universalism: objectivity", "Universalism"), ("selfdirection", "Self-Direction"),
-    ("Self-direction: thought", "Self-Direction"), ("accepting my portion in life", "Tradition"),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("self direction", "Self-Direction"),
+        ("SELF-DIRECTION", "Self-Direction"),
+        ("self_direction", "Self-Direction"),
+        ("sd", "Self-Direction"),
+        ("Power: dominance", "Power"),
+        ("power-resources", "Power"),
+        ("honoring of parents and elders", "Conformity"),
+        ("A World at Peace", "Universalism"),
+        ("humility", "Tradition"),
+        ("Universalism: objectivity", "Universalism"),
+        ("selfdirection", "Self-Direction"),
+        ("Self-direction: thought", "Self-Direction"),
+        ("accepting my portion in life", "Tradition"),
+    ],
+)
 def test_resolve_value(name, expected):
     assert S.resolve_value(name) == expected
 
@@ -155,8 +185,9 @@ def test_builtin_set(builtin):
     scenes = {it.scene for it in builtin}
     assert len(scenes) >= 10
     for sc in scenes:  # every scene covers every value in both polarities (congruent minimal pairs)
-        assert {(it.value, it.polarity) for it in builtin if it.scene == sc
-                and it.desirability == "congruent"} == {(v, p) for v in S.VALUES for p in (1, -1)}
+        assert {
+            (it.value, it.polarity) for it in builtin if it.scene == sc and it.desirability == "congruent"
+        } == {(v, p) for v in S.VALUES for p in (1, -1)}
     for it in builtin:
         assert len(it.context) > 15 and len(it.action) > 10 and it.context != it.action
     assert load_items("builtin") == builtin
@@ -168,31 +199,65 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_generic_jsonl_and_csv(tmp_path):
-    rows = [{"id": "a", "context": "At work.", "action": "I help a colleague.", "value": "benevolence",
-             "polarity": "+1", "scene": "work"},
-            {"id": "b", "context": "At work.", "action": "I take credit for her work.", "value": "Honest",
-             "polarity": "negative"}]
+    rows = [
+        {
+            "id": "a",
+            "context": "At work.",
+            "action": "I help a colleague.",
+            "value": "benevolence",
+            "polarity": "+1",
+            "scene": "work",
+        },
+        {
+            "id": "b",
+            "context": "At work.",
+            "action": "I take credit for her work.",
+            "value": "Honest",
+            "polarity": "negative",
+        },
+    ]
     f = _write(tmp_path / "x.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n")
     items = load_items(str(f))
     assert [it.value for it in items] == ["Benevolence", "Benevolence"]
     assert [it.polarity for it in items] == [1, -1]
     assert items[1].svs_item == "Honest" and items[0].scene == "work" and items[1].group == "At work."
-    c = _write(tmp_path / "x.csv", "context,action,value,polarity\nOn a bus.,I give up my seat.,Conformity,1\n")
+    c = _write(
+        tmp_path / "x.csv", "context,action,value,polarity\nOn a bus.,I give up my seat.,Conformity,1\n"
+    )
     (item,) = load_item_file(c)
     assert item.value == "Conformity" and item.polarity == 1 and item.id == "x-1"
 
 
-@pytest.mark.parametrize("content,suffix,message", [
-    ("", ".jsonl", "empty"),
-    ("context,action,value\nA,B,Power\n", ".csv", "missing column 'polarity'"),
-    ('{"context": "A", "action": "B", "value": "Kindness-ish", "polarity": 1}\n', ".jsonl", "Unknown value name"),
-    ('{"context": "A", "action": "B", "value": "Power", "polarity": "maybe"}\n', ".jsonl", "bad polarity"),
-    ('{"context": "A", "action": "", "value": "Power", "polarity": 1}\n', ".jsonl", "empty context or action"),
-    ('{"context": "A", "action": "B", "value": "Power", "polarity": 1}\nnot json\n', ".jsonl", "line 2"),
-    ("context,action,value,polarity\n", ".csv", "no data rows"),
-    ('{"id": 1, "context": "A", "action": "B", "value": "Power", "polarity": 1}\n'
-     '{"id": 1, "context": "C", "action": "D", "value": "Power", "polarity": -1}\n', ".jsonl", "duplicate id"),
-])
+@pytest.mark.parametrize(
+    "content,suffix,message",
+    [
+        ("", ".jsonl", "empty"),
+        ("context,action,value\nA,B,Power\n", ".csv", "missing column 'polarity'"),
+        (
+            '{"context": "A", "action": "B", "value": "Kindness-ish", "polarity": 1}\n',
+            ".jsonl",
+            "Unknown value name",
+        ),
+        (
+            '{"context": "A", "action": "B", "value": "Power", "polarity": "maybe"}\n',
+            ".jsonl",
+            "bad polarity",
+        ),
+        (
+            '{"context": "A", "action": "", "value": "Power", "polarity": 1}\n',
+            ".jsonl",
+            "empty context or action",
+        ),
+        ('{"context": "A", "action": "B", "value": "Power", "polarity": 1}\nnot json\n', ".jsonl", "line 2"),
+        ("context,action,value,polarity\n", ".csv", "no data rows"),
+        (
+            '{"id": 1, "context": "A", "action": "B", "value": "Power", "polarity": 1}\n'
+            '{"id": 1, "context": "C", "action": "D", "value": "Power", "polarity": -1}\n',
+            ".jsonl",
+            "duplicate id",
+        ),
+    ],
+)
 def test_bad_files(tmp_path, content, suffix, message):
     f = _write(tmp_path / f"bad{suffix}", content)
     with pytest.raises(DataError, match=message):
@@ -211,8 +276,10 @@ def test_parse_human_action_variants():
     assert parse_human_action("{'Human Action': 'I vote.', 'Feature Attributions': ['vote']}") == "I vote."
     fenced = 'Sure! Here is the JSON:\n\n```json\n{\n  "Human Action": "I recycle.",\n  "x": 1\n}\n```'
     assert parse_human_action(fenced) == "I recycle."
-    broken = ("{\n  'Human Action': 'I avoid my car, even when it's slower.',\n  'Feature Attributions': "
-              "['even when it\\'s slower'],\n  'Natural Language Explanation': 'It's good'\n}")
+    broken = (
+        "{\n  'Human Action': 'I avoid my car, even when it's slower.',\n  'Feature Attributions': "
+        "['even when it\\'s slower'],\n  'Natural Language Explanation': 'It's good'\n}"
+    )
     assert parse_human_action(broken) == "I avoid my car, even when it's slower."
     assert parse_human_action("I'm sorry, but I can't assist with that request.") is None
     assert parse_human_action("") is None
@@ -225,16 +292,39 @@ def test_value_action_lens_small_file(tmp_path):
     with open(f, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["", "Unnamed: 0", "country", "topic", "value", "polarity", "generation_prompt"])
-        w.writerow(["0", "0", "United States", "Politics", "Social Power", "positive",
-                    json.dumps({"Human Action": "I build alliances.", "Feature Attributions": []})])
-        w.writerow(["1", "1", "India", "Religion", "Humble", "negative",
-                    "{'Human Action': 'I boast about my donations.', 'Feature Attributions': []}"])
+        w.writerow(
+            [
+                "0",
+                "0",
+                "United States",
+                "Politics",
+                "Social Power",
+                "positive",
+                json.dumps({"Human Action": "I build alliances.", "Feature Attributions": []}),
+            ]
+        )
+        w.writerow(
+            [
+                "1",
+                "1",
+                "India",
+                "Religion",
+                "Humble",
+                "negative",
+                "{'Human Action': 'I boast about my donations.', 'Feature Attributions': []}",
+            ]
+        )
         w.writerow(["2", "2", "India", "Religion", "Humble", "negative", "Sorry, I can't help."])
     items = load_value_action_lens(f)
     assert len(items) == 2
     a, b = items
-    assert (a.value, a.svs_item, a.polarity, a.country, a.topic) == ("Power", "Social Power", 1, "United States",
-                                                                      "Politics")
+    assert (a.value, a.svs_item, a.polarity, a.country, a.topic) == (
+        "Power",
+        "Social Power",
+        1,
+        "United States",
+        "Politics",
+    )
     assert "the United States" in a.context and "Politics" in a.context and a.id == "val-0"
     assert (b.value, b.polarity, b.scene) == ("Tradition", -1, "India / Religion")
     assert load_item_file(f) == items  # a ValueActionLens CSV is recognised by its columns
@@ -263,7 +353,9 @@ def test_vat_hub_loader(monkeypatch):
     import datasets
 
     def offline(*a, **k):
-        raise ConnectionError("Couldn't reach 'Tinyhope/Value_Alignment_Tax' on the Hub (LocalEntryNotFoundError)")
+        raise ConnectionError(
+            "Couldn't reach 'Tinyhope/Value_Alignment_Tax' on the Hub (LocalEntryNotFoundError)"
+        )
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match="unreachable"):
@@ -271,17 +363,34 @@ def test_vat_hub_loader(monkeypatch):
     with pytest.raises(DataError, match="Hub"):
         load_items("Tinyhope/Value_Alignment_Tax")
 
-    fake = datasets.Dataset.from_list([
-        {"country": "Egypt", "topic": "Politics", "scene": "s1", "value": "Wealth", "polarity": 1,
-         "what_they_did": "I invest in land."},
-        {"country": "Egypt", "topic": "Politics", "scene": "s1", "value": "Equality", "polarity": -1,
-         "what_they_did": "I pay women less."}])
+    fake = datasets.Dataset.from_list(
+        [
+            {
+                "country": "Egypt",
+                "topic": "Politics",
+                "scene": "s1",
+                "value": "Wealth",
+                "polarity": 1,
+                "what_they_did": "I invest in land.",
+            },
+            {
+                "country": "Egypt",
+                "topic": "Politics",
+                "scene": "s1",
+                "value": "Equality",
+                "polarity": -1,
+                "what_they_did": "I pay women less.",
+            },
+        ]
+    )
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: fake)
     with pytest.raises(DataError, match="'action' column"):
         load_vat_hub()
     items = load_vat_hub(fields={"action": "what_they_did"})
-    assert [(it.value, it.svs_item, it.polarity) for it in items] == [("Power", "Wealth", 1),
-                                                                       ("Universalism", "Equality", -1)]
+    assert [(it.value, it.svs_item, it.polarity) for it in items] == [
+        ("Power", "Wealth", 1),
+        ("Universalism", "Equality", -1),
+    ]
     assert "Egypt" in items[0].context and items[0].scene == "s1"
     with pytest.raises(DataError, match="not in"):
         load_vat_hub(fields={"action": "nope"})
@@ -295,7 +404,9 @@ def test_sample_and_split(builtin):
     odd = sample_items(builtin, per_value=3, values=["Power"], seed=0)
     assert value_counts(odd)["Power"] == {1: 2, -1: 1} and len(odd) == 3
     four = sample_items(builtin, scenes=4, seed=0)
-    assert len({it.scene for it in four}) == 4 and len(four) == 4 * 26  # 20 congruent, 4 incongruent, 2 neutral
+    assert (
+        len({it.scene for it in four}) == 4 and len(four) == 4 * 26
+    )  # 20 congruent, 4 incongruent, 2 neutral
     ev, tr = split_items(builtin, 0.2, seed=0)
     assert len(ev) + len(tr) == len(builtin)
     assert not ({it.scene for it in ev} & {it.scene for it in tr})
@@ -316,8 +427,17 @@ def _rows_with_shifts(delta: dict[str, float], n_per=6, scenes=8, noise=0.0, see
                 p = 1 if i % 2 == 0 else -1
                 pre = float(rng.uniform(1.5, 4.5))
                 d = delta[v] + (noise * rng.standard_normal() if noise else 0.0)
-                rows.append({"id": f"{s}-{v}-{i}", "value": v, "polarity": p, "group": f"scene{s}",
-                             "pre": pre, "post": pre + p * d, "svs_item": None})
+                rows.append(
+                    {
+                        "id": f"{s}-{v}-{i}",
+                        "value": v,
+                        "polarity": p,
+                        "group": f"scene{s}",
+                        "pre": pre,
+                        "post": pre + p * d,
+                        "svs_item": None,
+                    }
+                )
     return rows
 
 
@@ -343,16 +463,31 @@ def test_gain_drift_vat_known():
     # constant shifts: every bootstrap subsample gives the same numbers
     assert res["gain"]["ci95"] == pytest.approx([0.8, 0.8])
     assert res["drift"]["Power"]["ci95"] == pytest.approx([delta["Power"]] * 2)
-    assert set(res) >= {"target", "scale", "gain", "drift", "gnd", "vat", "coupling", "values", "nvat", "hubs",
-                        "circumplex_test"}
+    assert set(res) >= {
+        "target",
+        "scale",
+        "gain",
+        "drift",
+        "gnd",
+        "vat",
+        "coupling",
+        "values",
+        "nvat",
+        "hubs",
+        "circumplex_test",
+    }
     json.dumps(res)
 
 
 def _compute(rows, target, **kw):
     from aligntax.vat.runner import VATConfig, compute_results
 
-    cfg = VATConfig(bootstrap_reps=kw.pop("reps", 60), n_perm=kw.pop("n_perm", 199),
-                    nvat_null_reps=kw.pop("null_reps", 20), **kw)
+    cfg = VATConfig(
+        bootstrap_reps=kw.pop("reps", 60),
+        n_perm=kw.pop("n_perm", 199),
+        nvat_null_reps=kw.pop("null_reps", 20),
+        **kw,
+    )
     return compute_results(rows, target, LikertScale(1, 5), cfg)
 
 
@@ -418,7 +553,9 @@ def test_nvat_null_baseline():
         assert res["null_mean"] == pytest.approx(math.sqrt(9 / 11), rel=0.2)
         ps.append(res["p_value"])
     assert np.mean(ps) > 0.2
-    factor = rng.standard_normal((12, 1)) * np.linspace(-1, 1, 10)[None, :] + 0.05 * rng.standard_normal((12, 10))
+    factor = rng.standard_normal((12, 1)) * np.linspace(-1, 1, 10)[None, :] + 0.05 * rng.standard_normal(
+        (12, 10)
+    )
     res = M.nvat_null(pd.DataFrame(factor, columns=list(S.VALUES)), reps=60, seed=0)
     assert res["p_value"] < 0.05 and res["observed"] > res["null_q95"]
 
@@ -453,8 +590,16 @@ def test_coupling_from_scene_shifts_follows_circle():
         for v in S.VALUES:
             d = a * math.cos(theta[v]) + b * math.sin(theta[v]) + 0.05 * rng.standard_normal()
             for p in (1, -1):
-                rows.append({"id": f"{s}{v}{p}", "value": v, "polarity": p, "group": f"s{s}", "pre": 3.0,
-                             "post": 3.0 + p * d})
+                rows.append(
+                    {
+                        "id": f"{s}{v}{p}",
+                        "value": v,
+                        "polarity": p,
+                        "group": f"s{s}",
+                        "pre": 3.0,
+                        "post": 3.0 + p * d,
+                    }
+                )
     res = _compute(rows, "Power", reps=20, circle_convention="ten")
     R = np.array(res["coupling"], dtype=float)
     assert R.shape == (10, 10) and np.allclose(np.diag(R), 1.0) and np.allclose(R, R.T)
@@ -490,8 +635,10 @@ def test_tests_known_values():
     assert M.sign_flip_p([1.0, 1.0, 1.0]) == pytest.approx(0.25)
     assert M.spearman([1, 2, 3, 4], [10, 20, 30, 25]) == pytest.approx(0.8)
     assert M.kendall([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(7 / math.sqrt(90))
-    tests = M.per_value_tests(np.r_[np.full(12, 1.0) + np.linspace(0, .1, 12), np.linspace(-1, 1, 12)],
-                              ["Power"] * 12 + ["Hedonism"] * 12)
+    tests = M.per_value_tests(
+        np.r_[np.full(12, 1.0) + np.linspace(0, 0.1, 12), np.linspace(-1, 1, 12)],
+        ["Power"] * 12 + ["Hedonism"] * 12,
+    )
     assert tests["Power"]["significant"] and not tests["Hedonism"]["significant"]
     assert tests["Security"]["p_value"] is None
 
@@ -644,14 +791,25 @@ def test_els_intervention_from_energy_bank(tiny, builtin, tmp_path):
 
     with pytest.raises(AligntaxError, match="'els' needs"):  # the registry's own els: its folder
         build_intervention("els", tiny, "Benevolence")
-    prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(16)]
+    prompts = [
+        f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(16)
+    ]
     acts = capture(tiny, prompts, "all", progress=False)
-    bank = train_layers(acts, torch.tensor([i % 2 for i in range(16)]),
-                        EnergyConfig.preset("small", widths=[16], epochs=2), fingerprint=tiny.fingerprint)
+    bank = train_layers(
+        acts,
+        torch.tensor([i % 2 for i in range(16)]),
+        EnergyConfig.preset("small", widths=[16], epochs=2),
+        fingerprint=tiny.fingerprint,
+    )
     bank.save(tmp_path / "bank")
     # an untuned bank's safe defaults hold these rows back (row energy decision): steer every row here
-    iv = build_intervention("els", tiny, "Benevolence", energy_dir=tmp_path / "bank",
-                            options={"row_threshold": "none", "horizon": "none"})
+    iv = build_intervention(
+        "els",
+        tiny,
+        "Benevolence",
+        energy_dir=tmp_path / "bank",
+        options={"row_threshold": "none", "horizon": "none"},
+    )
     assert isinstance(iv, EnergySteering) and iv.cacheable is False
     ref = _state(tiny.model)
     prompts = [judgment_prompt(it, Variant("acceptable"), LikertScale()) for it in builtin[:3]]
@@ -696,8 +854,9 @@ def test_run_vat_and_resume(tiny, builtin, cache_env, tmp_path):
 
     items, _ = _small_eval(builtin, 4)
     out = cache_env / "run"
-    cfg = VATConfig(judge=JudgeConfig(batch_size=20), bootstrap_reps=30, n_perm=49, nvat_null_reps=20,
-                    progress=False)
+    cfg = VATConfig(
+        judge=JudgeConfig(batch_size=20), bootstrap_reps=30, n_perm=49, nvat_null_reps=20, progress=False
+    )
     iv = ValuePersona.for_value("Universalism")
     res = run_vat(tiny, items, "Universalism", iv, out, cfg)
     lines = (out / "items.jsonl").read_text().splitlines()
@@ -712,7 +871,9 @@ def test_run_vat_and_resume(tiny, builtin, cache_env, tmp_path):
     assert saved["config"]["intervention"]["name"] == "persona"
     for f in ("report.md", "radar.png", "coupling.png"):
         assert (out / f).stat().st_size > 0
-    d = [r["polarity"] * (r["post"] - r["pre"]) for r in map(json.loads, lines) if r["value"] == "Universalism"]
+    d = [
+        r["polarity"] * (r["post"] - r["pre"]) for r in map(json.loads, lines) if r["value"] == "Universalism"
+    ]
     assert res["gain"]["value"] == pytest.approx(np.mean(d))
 
     # interrupted run: keep 15 complete lines plus a torn one, then resume
@@ -736,7 +897,10 @@ def test_run_vat_and_resume(tiny, builtin, cache_env, tmp_path):
 
     again = rescore(out, VATConfig(bootstrap_reps=0, n_perm=19, eps=10.0, nvat_null_reps=0, progress=False))
     assert again["gain"]["value"] == pytest.approx(res["gain"]["value"]) and again["vat"]["absolute"] is None
-    assert again["config"]["intervention"]["name"] == "persona" and again["model_fingerprint"] == tiny.fingerprint
+    assert (
+        again["config"]["intervention"]["name"] == "persona"
+        and again["model_fingerprint"] == tiny.fingerprint
+    )
 
     out2 = cache_env / "run2"
     run_vat(tiny, items, "Power", ValuePersona.for_value("Power"), out2, cfg)
@@ -750,9 +914,29 @@ def test_run_vat_and_resume(tiny, builtin, cache_env, tmp_path):
     def fake_eval(name, comply, refuse):
         d = cache_env / name
         d.mkdir()
-        (d / "results.json").write_text(json.dumps({"config": {"system": None}, "datasets": {
-            "orbench-hard-test": {"benign": {"n": 100, "compliance_rate": comply, "ci95": [comply - .1, comply + .1]}},
-            "jailbreakbench": {"harmful": {"n": 100, "refusal_rate": refuse, "ci95": [refuse - .1, refuse + .1]}}}}))
+        (d / "results.json").write_text(
+            json.dumps(
+                {
+                    "config": {"system": None},
+                    "datasets": {
+                        "orbench-hard-test": {
+                            "benign": {
+                                "n": 100,
+                                "compliance_rate": comply,
+                                "ci95": [comply - 0.1, comply + 0.1],
+                            }
+                        },
+                        "jailbreakbench": {
+                            "harmful": {
+                                "n": 100,
+                                "refusal_rate": refuse,
+                                "ci95": [refuse - 0.1, refuse + 0.1],
+                            }
+                        },
+                    },
+                }
+            )
+        )
         return d
 
     base, ev1 = fake_eval("eval-base", 0.60, 0.54), fake_eval("eval-persona", 0.45, 0.70)
@@ -779,16 +963,37 @@ def test_cli(tiny, cache_env, monkeypatch):
     assert runner.invoke(app, ["persona", "--target", "kindness-ish"]).exit_code == 2
     monkeypatch.setattr(aligntax.models, "load_model", lambda spec, dtype="bf16": tiny)
     out = cache_env / "cli"
-    r = runner.invoke(app, ["run", "--target", "hedonism", "--intervention", "fewshot-2", "--limit-per-value", "2",
-                            "--out", str(out), "--bootstrap", "10", "--permutations", "19", "--batch-size", "20",
-                            "--null-reps", "10"])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            "--target",
+            "hedonism",
+            "--intervention",
+            "fewshot-2",
+            "--limit-per-value",
+            "2",
+            "--out",
+            str(out),
+            "--bootstrap",
+            "10",
+            "--permutations",
+            "19",
+            "--batch-size",
+            "20",
+            "--null-reps",
+            "10",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((out / "results.json").read_text())["target"] == "Hedonism"
     r = runner.invoke(app, ["run", "--target", "kindness", "--out", str(out)])
     assert r.exit_code == 2 and "Unknown value name" in r.output
     r = runner.invoke(app, ["compare", str(out), "--out", str(cache_env / "c")])
     assert r.exit_code == 0 and "fewshot-2" in r.output
-    r = runner.invoke(app, ["rescore", str(out), "--bootstrap", "0", "--permutations", "9", "--null-reps", "5"])
+    r = runner.invoke(
+        app, ["rescore", str(out), "--bootstrap", "0", "--permutations", "9", "--null-reps", "5"]
+    )
     assert r.exit_code == 0 and "gain" in r.output
     r = runner.invoke(app, ["rescore", str(cache_env)])
     assert r.exit_code == 2
@@ -805,7 +1010,9 @@ def test_vat_builds_any_registered_steering_method(tmp_path):
     vec = save_tiny_vectors(lm, tmp_path / "vec")
     iv = build_intervention("refusal-ablation", lm, "Benevolence", options={"path": str(vec), "coeff": 0.5})
     assert isinstance(iv, DirectionAblation) and iv.coeff == 0.5 and iv.cacheable is False
-    assert isinstance(build_intervention("cast", lm, "Benevolence", options={"path": str(vec)}), ConditionalSteering)
+    assert isinstance(
+        build_intervention("cast", lm, "Benevolence", options={"path": str(vec)}), ConditionalSteering
+    )
     with pytest.raises(AligntaxError, match="Unknown options for intervention 'cast'"):
         build_intervention("cast", lm, "Benevolence", options={"path": str(vec), "eta": 0.3})
 
@@ -833,8 +1040,25 @@ def test_vat_run_cast_with_vectors_through_the_cli(tiny, cache_env, monkeypatch)
 
     monkeypatch.setattr(aligntax.models, "load_model", lambda spec, dtype="bf16": tiny)
     runner = CliRunner()
-    common = ["vat", "run", "--target", "Power", "--scenes", "1", "--bootstrap", "0", "--permutations", "9",
-              "--null-reps", "0", "--batch-size", "40", "--no-progress", "--intervention", "cast"]
+    common = [
+        "vat",
+        "run",
+        "--target",
+        "Power",
+        "--scenes",
+        "1",
+        "--bootstrap",
+        "0",
+        "--permutations",
+        "9",
+        "--null-reps",
+        "0",
+        "--batch-size",
+        "40",
+        "--no-progress",
+        "--intervention",
+        "cast",
+    ]
     fires = _cast_vectors(tiny, cache_env / "fires", 2.0)
     out = cache_env / "cast"
     r = runner.invoke(cli_app, [*common, "--vectors", str(fires), "--coeff", "1", "--out", str(out)])
@@ -857,9 +1081,13 @@ def test_vat_run_cast_with_vectors_through_the_cli(tiny, cache_env, monkeypatch)
     # the steering options are checked as every command checks them, before anything is loaded
     r = runner.invoke(cli_app, [*common, "--out", str(cache_env / "x")])
     assert r.exit_code == 2 and "needs --vectors DIR" in r.output
-    r = runner.invoke(cli_app, [*common, "--vectors", str(fires), "--eta", "0.3", "--out", str(cache_env / "x")])
+    r = runner.invoke(
+        cli_app, [*common, "--vectors", str(fires), "--eta", "0.3", "--out", str(cache_env / "x")]
+    )
     assert r.exit_code == 2 and "--eta is an option of els" in r.output
-    r = runner.invoke(cli_app, ["vat", "run", "--target", "Power", "--intervention", "persona", "--strength", "2"])
+    r = runner.invoke(
+        cli_app, ["vat", "run", "--target", "Power", "--intervention", "persona", "--strength", "2"]
+    )
     assert r.exit_code == 2 and "--strength is an option of steer" in r.output
     r = runner.invoke(cli_app, ["vat", "matrix", "--out", str(cache_env / "m"), "-i", "cast", "--coeff", "2"])
     assert r.exit_code == 2 and "needs --vectors DIR" in r.output
@@ -885,8 +1113,17 @@ def test_vat_methods_are_registered_with_typed_options(builtin):
         register_vat,
     )
 
-    assert {"persona", "fewshot", "persona-fewshot", "steer", "lora", "dpo", "adapter", "oracle",
-            "uniform"} == set(VAT_METHODS)
+    assert {
+        "persona",
+        "fewshot",
+        "persona-fewshot",
+        "steer",
+        "lora",
+        "dpo",
+        "adapter",
+        "oracle",
+        "uniform",
+    } == set(VAT_METHODS)
     assert not set(VAT_METHODS) & set(METHODS) and set(REGISTRY) == set(VAT_METHODS) | set(METHODS)
     assert REGISTRY["none"] is METHODS["none"] and REGISTRY["els"] is METHODS["els"]
     assert REGISTRY["cast"] is METHODS["cast"] and REGISTRY.resolve("fewshot-4")[0] is VAT_METHODS["fewshot"]

@@ -42,8 +42,13 @@ def cache_env(tmp_path, monkeypatch):
 def _cfg(**kw):
     from aligntax.vat.runner import VATConfig
 
-    base = {"judge": JudgeConfig(batch_size=40), "bootstrap_reps": 300, "n_perm": 49, "nvat_null_reps": 0,
-            "progress": False}
+    base = {
+        "judge": JudgeConfig(batch_size=40),
+        "bootstrap_reps": 300,
+        "n_perm": 49,
+        "nvat_null_reps": 0,
+        "progress": False,
+    }
     return VATConfig(**{**base, **kw})
 
 
@@ -56,8 +61,16 @@ def _rows(shift_fn, n_scenes=16, per=2, seed=0):
             for k in range(per):
                 pol = 1 if k % 2 == 0 else -1
                 d = float(shift_fn(v, s, rng))
-                rows.append({"id": f"{s}-{v}-{k}", "value": v, "polarity": pol, "group": f"scene{s}",
-                             "pre": 3.0, "post": 3.0 + pol * d})
+                rows.append(
+                    {
+                        "id": f"{s}-{v}-{k}",
+                        "value": v,
+                        "polarity": pol,
+                        "group": f"scene{s}",
+                        "pre": 3.0,
+                        "post": 3.0 + pol * d,
+                    }
+                )
     return rows
 
 
@@ -73,15 +86,24 @@ def test_oracle_moves_only_the_target(tiny, split, cache_env):
     res = run_vat(tiny, items, "Benevolence", iv, cache_env / "oracle", _cfg())
     for v, blk in res["drift"].items():
         assert abs(blk["value"]) <= 1e-6, v
-    assert res["gain"]["value"] == pytest.approx(0.4, rel=0.01, abs=1e-9) and abs(res["gain"]["value"] - 0.4) < 1e-9
+    assert (
+        res["gain"]["value"] == pytest.approx(0.4, rel=0.01, abs=1e-9)
+        and abs(res["gain"]["value"] - 0.4) < 1e-9
+    )
     rows = [json.loads(x) for x in (cache_env / "oracle" / "items.jsonl").read_text().splitlines()]
     assert all(r["pre"] == r["post"] for r in rows if r["value"] != "Benevolence")  # bit for bit
     sp = res["specificity"]
     assert sp["value"] == pytest.approx(0.4, rel=0.01) and sp["ci95"][0] > 0 and sp["covers_zero"] is False
     assert res["vat"]["absolute"] == pytest.approx(0.0, abs=1e-5)
     # a fixed logit bias: still no off-target movement, and a positive gain
-    fixed = run_vat(tiny, items, "Power", OracleBias(target="Power", gain=None, bias=2.0),
-                    cache_env / "oracle-bias", _cfg())
+    fixed = run_vat(
+        tiny,
+        items,
+        "Power",
+        OracleBias(target="Power", gain=None, bias=2.0),
+        cache_env / "oracle-bias",
+        _cfg(),
+    )
     assert fixed["gain"]["value"] > 0.05 and max(abs(b["value"]) for b in fixed["drift"].values()) <= 1e-6
 
 
@@ -103,13 +125,18 @@ def test_uniform_lift_has_no_specificity(tiny, split, cache_env):
 def test_uniform_lift_with_noise_covers_zero_and_target_lift_does_not():
     from aligntax.vat.runner import compute_results
 
-    lift = compute_results(_rows(lambda v, s, rng: 0.3 + rng.normal(0, 0.2)), "Security", {"min": 1, "max": 5},
-                           _cfg())
+    lift = compute_results(
+        _rows(lambda v, s, rng: 0.3 + rng.normal(0, 0.2)), "Security", {"min": 1, "max": 5}, _cfg()
+    )
     sp = lift["specificity"]
     assert sp["covers_zero"] and sp["ci95"][0] < 0 < sp["ci95"][1] and "global shift" in sp["interpretation"]
     assert lift["vat"]["absolute"] > 5  # the classic VAT is large either way
-    targeted = compute_results(_rows(lambda v, s, rng: (0.5 if v == "Security" else 0.0) + rng.normal(0, 0.2)),
-                               "Security", {"min": 1, "max": 5}, _cfg())
+    targeted = compute_results(
+        _rows(lambda v, s, rng: (0.5 if v == "Security" else 0.0) + rng.normal(0, 0.2)),
+        "Security",
+        {"min": 1, "max": 5},
+        _cfg(),
+    )
     assert targeted["specificity"]["ci95"][0] > 0 and "targeted" in targeted["specificity"]["interpretation"]
 
 
@@ -192,8 +219,13 @@ def test_adjacent_vs_opposite():
     r = ST.adjacent_vs_opposite(d, [x["value"] for x in rows], [x["group"] for x in rows], t, reps=500)
     assert r["value"] == pytest.approx(0.6, abs=0.05) and r["ci95"][0] > 0 and r["p_value_scene"] < 0.01
     assert set(r["opposites"]) == {"Achievement", "Power"}
-    null = ST.adjacent_vs_opposite(d * 0 + np.random.default_rng(0).normal(0, 0.1, len(d)),
-                                   [x["value"] for x in rows], [x["group"] for x in rows], t, reps=500)
+    null = ST.adjacent_vs_opposite(
+        d * 0 + np.random.default_rng(0).normal(0, 0.1, len(d)),
+        [x["value"] for x in rows],
+        [x["group"] for x in rows],
+        t,
+        reps=500,
+    )
     assert null["covers_zero"]
 
 
@@ -208,7 +240,9 @@ def test_control_adjusts_the_lift():
     res = compute_results(run, "Tradition", {"min": 1, "max": 5}, _cfg(), control_rows=control)
     c = res["control"]
     assert c["n_paired"] == len(run)
-    assert c["gain"]["value"] == pytest.approx(0.2) and all(abs(x["value"]) < 1e-9 for x in c["drift"].values())
+    assert c["gain"]["value"] == pytest.approx(0.2) and all(
+        abs(x["value"]) < 1e-9 for x in c["drift"].values()
+    )
     assert c["specificity"]["ci95"][0] > 0
     assert res["specificity"]["value"] == pytest.approx(0.2, abs=0.02)
 
@@ -218,9 +252,19 @@ def _other_tokenizer_lm():
     from tiny import make_tiny_lm
     from vat_tiny import tiny_tokenizer
 
-    return make_tiny_lm(tiny_tokenizer(extra_text="zebra quokka axolotl"), "qwen2", 4, 64, 0, dtype=None,
-                        spec="tiny-other-tokenizer", source="tiny", prepare=True, max_position_embeddings=2048,
-                        bos_token_id=None)
+    return make_tiny_lm(
+        tiny_tokenizer(extra_text="zebra quokka axolotl"),
+        "qwen2",
+        4,
+        64,
+        0,
+        dtype=None,
+        spec="tiny-other-tokenizer",
+        source="tiny",
+        prepare=True,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+    )
 
 
 def test_post_model_against_itself_is_zero(tiny, split, cache_env):
@@ -247,8 +291,14 @@ def _peft_adapter(lm, folder: Path, seed=0, **lora_kw) -> Path:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    kw = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
-          "task_type": "CAUSAL_LM", **lora_kw}
+    kw = {
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "task_type": "CAUSAL_LM",
+        **lora_kw,
+    }
     pm = get_peft_model(copy.deepcopy(lm.model), LoraConfig(**kw))
     with torch.no_grad():
         for n, p in pm.named_parameters():
@@ -259,7 +309,9 @@ def _peft_adapter(lm, folder: Path, seed=0, **lora_kw) -> Path:
 
 
 def _digest(folder: Path) -> dict:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def test_external_adapter_is_read_only_and_exact(tiny, split, cache_env):
@@ -296,12 +348,15 @@ def test_external_adapter_is_read_only_and_exact(tiny, split, cache_env):
         build_intervention("lora", tiny, "Power", tr, adapter=folder)
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"target_modules": ["q_proj", "embed_tokens"]}, "lora_embedding"),
-    ({"bias": "lora_only"}, "bias"),
-    ({"use_dora": True}, "DoRA"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "lora_embedding"),
+        ({"bias": "lora_only"}, "bias"),
+        ({"use_dora": True}, "DoRA"),
+    ],
+)
 def test_unsupported_adapter_parts_are_refused(tiny, tmp_path, kw, message):
     from aligntax.vat.methods import LoRAAdapter
 
@@ -347,8 +402,14 @@ def test_matrix_of_oracle_runs(tiny, split, cache_env):
     ev, tr = split
     items = sample_items(ev, scenes=2, seed=0)
     out = cache_env / "matrix"
-    res = run_matrix(tiny, items, lambda t: build_intervention("oracle", tiny, t, tr, oracle_gain=0.25), out,
-                     _cfg(bootstrap_reps=100), n_perm=2999)
+    res = run_matrix(
+        tiny,
+        items,
+        lambda t: build_intervention("oracle", tiny, t, tr, oracle_gain=0.25),
+        out,
+        _cfg(bootstrap_reps=100),
+        n_perm=2999,
+    )
     M = np.array(res["matrix"])
     assert np.allclose(np.diag(M), 0.25, rtol=0.01) and np.abs(M[~np.eye(10, dtype=bool)]).max() <= 1e-6
     assert res["diagonal_test"]["p_value"] < 0.005
@@ -357,8 +418,17 @@ def test_matrix_of_oracle_runs(tiny, split, cache_env):
     assert all(k == 1 for k in res["own_rank_in_row"].values())
     assert (out / "matrix.md").is_file() and len(list(out.glob("*/results.json"))) == 10
     # the same matrix from the finished runs, through the CLI
-    r = CliRunner().invoke(app, ["matrix", "--out", str(cache_env / "m2"), "--matrix-permutations", "999",
-                                 *sum((["--from", str(p.parent)] for p in sorted(out.glob("*/results.json"))), [])])
+    r = CliRunner().invoke(
+        app,
+        [
+            "matrix",
+            "--out",
+            str(cache_env / "m2"),
+            "--matrix-permutations",
+            "999",
+            *sum((["--from", str(p.parent)] for p in sorted(out.glob("*/results.json"))), []),
+        ],
+    )
     assert r.exit_code == 0, r.output
     again = json.loads((cache_env / "m2" / "matrix.json").read_text())
     assert np.allclose(again["matrix"], M)
@@ -374,13 +444,49 @@ def test_cli_oracle_adapter_and_control(tiny, split, cache_env, monkeypatch):
 
     monkeypatch.setattr(aligntax.models, "load_model", lambda spec, dtype="bf16": tiny)
     runner = CliRunner()
-    common = ["--target", "Power", "--scenes", "2", "--bootstrap", "50", "--permutations", "9", "--null-reps", "0",
-              "--batch-size", "40"]
-    r = runner.invoke(app, ["run", *common, "--intervention", "uniform", "--oracle-gain", "0.2",
-                            "--out", str(cache_env / "ctl")])
+    common = [
+        "--target",
+        "Power",
+        "--scenes",
+        "2",
+        "--bootstrap",
+        "50",
+        "--permutations",
+        "9",
+        "--null-reps",
+        "0",
+        "--batch-size",
+        "40",
+    ]
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            *common,
+            "--intervention",
+            "uniform",
+            "--oracle-gain",
+            "0.2",
+            "--out",
+            str(cache_env / "ctl"),
+        ],
+    )
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["run", *common, "--intervention", "oracle", "--oracle-gain", "0.2",
-                            "--out", str(cache_env / "orc"), "--control", str(cache_env / "ctl")])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            *common,
+            "--intervention",
+            "oracle",
+            "--oracle-gain",
+            "0.2",
+            "--out",
+            str(cache_env / "orc"),
+            "--control",
+            str(cache_env / "ctl"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     res = json.loads((cache_env / "orc" / "results.json").read_text())
     assert res["control"]["gain"]["value"] == pytest.approx(0.0, abs=1e-6)
@@ -389,11 +495,38 @@ def test_cli_oracle_adapter_and_control(tiny, split, cache_env, monkeypatch):
     before = _digest(folder)
     r = runner.invoke(app, ["run", *common, "--adapter", str(folder), "--out", str(cache_env / "ad-run")])
     assert r.exit_code == 0, r.output
-    assert json.loads((cache_env / "ad-run" / "results.json").read_text())["config"]["intervention"]["name"] == "adapter"
+    assert (
+        json.loads((cache_env / "ad-run" / "results.json").read_text())["config"]["intervention"]["name"]
+        == "adapter"
+    )
     assert _digest(folder) == before
-    r = runner.invoke(app, ["run", *common, "--intervention", "lora", "--adapter-dir", str(folder),
-                            "--out", str(cache_env / "x")])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            *common,
+            "--intervention",
+            "lora",
+            "--adapter-dir",
+            str(folder),
+            "--out",
+            str(cache_env / "x"),
+        ],
+    )
     assert r.exit_code == 2 and "did not create" in r.output
-    r = runner.invoke(app, ["rescore", str(cache_env / "orc"), "--bootstrap", "50", "--permutations", "9",
-                            "--null-reps", "0", "--control", str(cache_env / "ctl")])
+    r = runner.invoke(
+        app,
+        [
+            "rescore",
+            str(cache_env / "orc"),
+            "--bootstrap",
+            "50",
+            "--permutations",
+            "9",
+            "--null-reps",
+            "0",
+            "--control",
+            str(cache_env / "ctl"),
+        ],
+    )
     assert r.exit_code == 0 and "S_T" in r.output

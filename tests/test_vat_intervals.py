@@ -138,14 +138,23 @@ def _rows(n_scenes: int, seed: int = 0) -> list[dict]:
         for v in S.VALUES:
             d = float(t.loc[s, v])
             for p in (1, -1):
-                rows.append({"id": f"{s}-{v}-{p}", "value": v, "polarity": p, "group": f"s{s}", "pre": 3.0,
-                             "post": 3.0 + p * d})
+                rows.append(
+                    {
+                        "id": f"{s}-{v}-{p}",
+                        "value": v,
+                        "polarity": p,
+                        "group": f"s{s}",
+                        "pre": 3.0,
+                        "post": 3.0 + p * d,
+                    }
+                )
     return rows
 
 
 def test_results_and_report_carry_the_intervals(tmp_path):
-    cfg = VATConfig(bootstrap_reps=200, n_perm=99, nvat_null_reps=20, hub_reps=10, report=False,
-                    progress=False)
+    cfg = VATConfig(
+        bootstrap_reps=200, n_perm=99, nvat_null_reps=20, hub_reps=10, report=False, progress=False
+    )
     res = compute_results(_rows(30), "Power", {"min": 1, "max": 5}, cfg)
     json.dumps(res)
     assert _contains(res["nvat_ci95"], res["nvat"]) and res["nvat_ci95_n_valid"] == 200
@@ -155,11 +164,21 @@ def test_results_and_report_carry_the_intervals(tmp_path):
     hi = np.array(res["coupling_ci95"]["upper"], dtype=float)
     R = np.array(res["coupling"], dtype=float)
     assert lo.shape == (10, 10) and (lo <= R + 1e-9).mean() > 0.9 and (R <= hi + 1e-9).mean() > 0.9
-    assert res["coupling_bootstrap"]["reps"] == 200 and set(res["coupling_bootstrap"]["strength"]) == set(S.VALUES)
+    assert res["coupling_bootstrap"]["reps"] == 200 and set(res["coupling_bootstrap"]["strength"]) == set(
+        S.VALUES
+    )
     # the new intervals add keys only: the point values are those of the bootstrap-free run
-    plain = compute_results(_rows(30), "Power", {"min": 1, "max": 5},
-                            VATConfig(bootstrap_reps=0, n_perm=99, nvat_null_reps=20, hub_reps=10))
-    assert plain["nvat_ci95"] is None and plain["coupling_bootstrap"] is None and "ci95" not in plain["circumplex_test"]
+    plain = compute_results(
+        _rows(30),
+        "Power",
+        {"min": 1, "max": 5},
+        VATConfig(bootstrap_reps=0, n_perm=99, nvat_null_reps=20, hub_reps=10),
+    )
+    assert (
+        plain["nvat_ci95"] is None
+        and plain["coupling_bootstrap"] is None
+        and "ci95" not in plain["circumplex_test"]
+    )
     assert plain["nvat"] == res["nvat"] and plain["coupling"] == res["coupling"]
     assert plain["circumplex_test"]["statistic"] == ct["statistic"] and plain["hubs"] == res["hubs"]
     res["config"] = cfg.to_dict()

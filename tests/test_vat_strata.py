@@ -41,8 +41,14 @@ def cache_env(tmp_path, monkeypatch):
 def _cfg(**kw):
     from aligntax.vat.runner import VATConfig
 
-    base = {"judge": JudgeConfig(batch_size=40), "bootstrap_reps": 200, "n_perm": 19, "nvat_null_reps": 0,
-            "hub_reps": 0, "progress": False}
+    base = {
+        "judge": JudgeConfig(batch_size=40),
+        "bootstrap_reps": 200,
+        "n_perm": 19,
+        "nvat_null_reps": 0,
+        "hub_reps": 0,
+        "progress": False,
+    }
     return VATConfig(**{**base, **kw})
 
 
@@ -65,17 +71,27 @@ def test_builtin_strata_balanced(builtin):
 
 
 def test_file_polarity_zero_and_desirability(tmp_path):
-    rows = [{"id": "a", "context": "At work.", "action": "I file the form.", "value": "Power", "polarity": 0},
-            {"id": "b", "context": "At work.", "action": "I bully my team.", "value": "Power", "polarity": 1,
-             "desirability": "incongruent"}]
+    rows = [
+        {"id": "a", "context": "At work.", "action": "I file the form.", "value": "Power", "polarity": 0},
+        {
+            "id": "b",
+            "context": "At work.",
+            "action": "I bully my team.",
+            "value": "Power",
+            "polarity": 1,
+            "desirability": "incongruent",
+        },
+    ]
     f = tmp_path / "x.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows))
     a, b = load_item_file(f)
     assert (a.polarity, a.desirability, a.stratum) == (0, "neutral", "neutral")
     assert (b.desirability, b.stratum) == ("incongruent", "incongruent")
-    for bad, msg in (({"polarity": 1, "desirability": "neutral"}, "does not fit"),
-                     ({"polarity": 0, "desirability": "congruent"}, "does not fit"),
-                     ({"polarity": 1, "desirability": "nice"}, "bad desirability")):
+    for bad, msg in (
+        ({"polarity": 1, "desirability": "neutral"}, "does not fit"),
+        ({"polarity": 0, "desirability": "congruent"}, "does not fit"),
+        ({"polarity": 1, "desirability": "nice"}, "bad desirability"),
+    ):
         f.write_text(json.dumps({**rows[0], **bad}))
         with pytest.raises(DataError, match=msg):
             load_item_file(f)
@@ -101,9 +117,17 @@ def _val_like(n_countries=4, n_topics=5):
         for t in range(n_topics):
             for v in VALUES:
                 for k in range(4):
-                    items.append(ValueItem(id=f"c{c}t{t}-{v}-{k}", context=f"country {c} topic {t}",
-                                           action=f"act {k}", value=v, polarity=1 if k % 2 else -1,
-                                           country=f"C{c}", topic=f"T{t}"))
+                    items.append(
+                        ValueItem(
+                            id=f"c{c}t{t}-{v}-{k}",
+                            context=f"country {c} topic {t}",
+                            action=f"act {k}",
+                            value=v,
+                            polarity=1 if k % 2 else -1,
+                            country=f"C{c}",
+                            topic=f"T{t}",
+                        )
+                    )
     return items
 
 
@@ -132,10 +156,28 @@ def _rows(nice: float, value_shift: dict[str, float] | None = None, n_scenes=10,
             for des, sign in (("congruent", 1), ("incongruent", -1)):
                 for pol in (1, -1):
                     d = sign * nice + value_shift.get(v, 0.0)
-                    rows.append({"id": f"{s}-{v}-{des}-{pol}", "value": v, "polarity": pol, "desirability": des,
-                                 "group": f"s{s}", "pre": 3.0, "post": 3.0 + pol * d})
-            rows.append({"id": f"{s}-{v}-neu", "value": v, "polarity": 0, "desirability": "neutral",
-                         "group": f"s{s}", "pre": 3.0, "post": 3.0 + neutral_lift})
+                    rows.append(
+                        {
+                            "id": f"{s}-{v}-{des}-{pol}",
+                            "value": v,
+                            "polarity": pol,
+                            "desirability": des,
+                            "group": f"s{s}",
+                            "pre": 3.0,
+                            "post": 3.0 + pol * d,
+                        }
+                    )
+            rows.append(
+                {
+                    "id": f"{s}-{v}-neu",
+                    "value": v,
+                    "polarity": 0,
+                    "desirability": "neutral",
+                    "group": f"s{s}",
+                    "pre": 3.0,
+                    "post": 3.0 + neutral_lift,
+                }
+            )
     return rows
 
 
@@ -228,8 +270,16 @@ def _shift_rows(delta: dict[str, float], n_scenes=12, seed=0, noise=0.05):
         for v in VALUES:
             for pol in (1, -1):
                 d = delta.get(v, 0.0) + noise * rng.standard_normal()
-                rows.append({"id": f"{s}-{v}-{pol}", "value": v, "polarity": pol, "group": f"s{s}",
-                             "pre": 3.0, "post": 3.0 + pol * d})
+                rows.append(
+                    {
+                        "id": f"{s}-{v}-{pol}",
+                        "value": v,
+                        "polarity": pol,
+                        "group": f"s{s}",
+                        "pre": 3.0,
+                        "post": 3.0 + pol * d,
+                    }
+                )
     return rows
 
 
@@ -281,7 +331,9 @@ def test_compare_cli_writes_paired(tmp_path):
 
     a = _run_dir(tmp_path / "a", _shift_rows({}, seed=1))
     b = _run_dir(tmp_path / "b", _shift_rows({"Power": 0.5}, seed=2))
-    r = CliRunner().invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "c"), "--bootstrap", "200"])
+    r = CliRunner().invoke(
+        app, ["compare", str(a), str(b), "--out", str(tmp_path / "c"), "--bootstrap", "200"]
+    )
     assert r.exit_code == 0, r.output
     assert "Paired differences against `a`" in r.output and (tmp_path / "c" / "paired.json").is_file()
 
@@ -296,9 +348,17 @@ def test_sweep_runs_resumes_and_records_failures(tiny, cache_env, tmp_path):
         calls.append(spec)
         return tiny
 
-    spec = SweepSpec.from_dict({"models": ["tiny-a"], "interventions": ["oracle", "uniform"],
-                                "targets": ["Power", "Benevolence"], "limit_per_value": 4, "bootstrap": 50,
-                                "permutations": 9, "strata": ["congruent"]})
+    spec = SweepSpec.from_dict(
+        {
+            "models": ["tiny-a"],
+            "interventions": ["oracle", "uniform"],
+            "targets": ["Power", "Benevolence"],
+            "limit_per_value": 4,
+            "bootstrap": 50,
+            "permutations": 9,
+            "strata": ["congruent"],
+        }
+    )
     out = tmp_path / "sweep"
     rows = run_sweep(spec, out, load_model=loader, progress=False)
     assert [r["status"] for r in rows] == ["done"] * 4 and calls == ["tiny-a"]
@@ -313,8 +373,13 @@ def test_sweep_runs_resumes_and_records_failures(tiny, cache_env, tmp_path):
     again = run_sweep(spec, out, load_model=loader, progress=False)
     assert [r["status"] for r in again] == ["complete (skipped)"] * 4 and calls == ["tiny-a"]  # no reload
     (cell_dir(out, "tiny-a", "oracle", "Power") / "results.json").unlink()
-    spec2 = SweepSpec.from_dict({**{k: getattr(spec, k) for k in spec.__dataclass_fields__},
-                                 "interventions": ["oracle", "fewshot-99"], "targets": ["Power"]})
+    spec2 = SweepSpec.from_dict(
+        {
+            **{k: getattr(spec, k) for k in spec.__dataclass_fields__},
+            "interventions": ["oracle", "fewshot-99"],
+            "targets": ["Power"],
+        }
+    )
     rows = run_sweep(spec2, out, load_model=loader, progress=False)
     assert rows[0]["status"] == "done" and rows[1]["status"].startswith("failed")
     with pytest.raises(AligntaxError, match="different limit_per_value"):
@@ -351,8 +416,15 @@ def _val_csv(path: Path) -> Path:
                 for v in VALUES:
                     for pol in ("positive", "negative"):
                         act = f"I help my family at work {'' if pol == 'positive' else 'not '}today"
-                        w.writerow({"country": c, "topic": t, "value": svs_by_value[v], "polarity": pol,
-                                    "generation_prompt": json.dumps({"Human Action": act})})
+                        w.writerow(
+                            {
+                                "country": c,
+                                "topic": t,
+                                "value": svs_by_value[v],
+                                "polarity": pol,
+                                "generation_prompt": json.dumps({"Human Action": act}),
+                            }
+                        )
     return path
 
 
@@ -384,8 +456,17 @@ def test_strata_matrices_from_runs(tmp_path):
                 for des, sign in (("congruent", 1), ("incongruent", -1)):
                     for pol in (1, -1):
                         d = sign * 0.2 + (0.4 if v == t else 0.0) + 0.01 * ((s + len(v)) % 3)
-                        rows.append({"id": f"{s}-{v}-{des}-{pol}", "value": v, "polarity": pol,
-                                     "desirability": des, "group": f"s{s}", "pre": 3.0, "post": 3.0 + pol * d})
+                        rows.append(
+                            {
+                                "id": f"{s}-{v}-{des}-{pol}",
+                                "value": v,
+                                "polarity": pol,
+                                "desirability": des,
+                                "group": f"s{s}",
+                                "pre": 3.0,
+                                "post": 3.0 + pol * d,
+                            }
+                        )
         runs[t] = compute_results(rows, t, {"min": 1, "max": 5}, _cfg(bootstrap_reps=20))
     res = write_matrix(runs, tmp_path, n_perm=999)
     inc, con = res["strata"]["incongruent"], res["strata"]["congruent"]

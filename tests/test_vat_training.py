@@ -28,8 +28,11 @@ def _state(model):
 
 def _unchanged(model, ref):
     sd = model.state_dict()
-    return set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in ref) and not any(
-        m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return (
+        set(sd) == set(ref)
+        and all(torch.equal(sd[k], ref[k]) for k in ref)
+        and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    )
 
 
 def test_lora_sft_adapter(setup, tmp_path):
@@ -43,11 +46,24 @@ def test_lora_sft_adapter(setup, tmp_path):
     ref = _state(lm.model)
     n_modules = len(list(lm.model.modules()))
     cfg = JudgeConfig(templates=("acceptable",), orders=("normal", "reversed"))
-    ad = train_lora_sft(lm, tr, "Security", tmp_path / "ad", cfg, steps=12, lr=3e-2, batch_size=4,
-                        exclude_ids={it.id for it in ev})
+    ad = train_lora_sft(
+        lm,
+        tr,
+        "Security",
+        tmp_path / "ad",
+        cfg,
+        steps=12,
+        lr=3e-2,
+        batch_size=4,
+        exclude_ids={it.id for it in ev},
+    )
     assert _unchanged(lm.model, ref) and len(list(lm.model.modules())) == n_modules
     meta = json.loads((tmp_path / "ad" / "vat_adapter.json").read_text())
-    assert meta["target"] == "Security" and meta["method"] == "lora" and meta["base_fingerprint"] == lm.fingerprint
+    assert (
+        meta["target"] == "Security"
+        and meta["method"] == "lora"
+        and meta["base_fingerprint"] == lm.fingerprint
+    )
     assert (tmp_path / "ad" / "adapter_config.json").is_file()
     assert not set(meta["train_ids"]) & {it.id for it in ev}
     assert meta["loss_last"] < meta["loss_first"]
@@ -79,8 +95,17 @@ def test_dpo_adapter(setup, tmp_path):
     lm, ev, tr = setup
     ref = _state(lm.model)
     side = lm.tokenizer.padding_side
-    ad = train_dpo(lm, tr, "Hedonism", tmp_path / "dpo", JudgeConfig(), steps=2, lr=1e-3, batch_size=2,
-                   exclude_ids={it.id for it in ev})
+    ad = train_dpo(
+        lm,
+        tr,
+        "Hedonism",
+        tmp_path / "dpo",
+        JudgeConfig(),
+        steps=2,
+        lr=1e-3,
+        batch_size=2,
+        exclude_ids={it.id for it in ev},
+    )
     assert _unchanged(lm.model, ref) and lm.tokenizer.padding_side == side
     meta = json.loads((tmp_path / "dpo" / "vat_adapter.json").read_text())
     assert meta["method"] == "dpo" and meta["target"] == "Hedonism" and meta["steps"] == 2

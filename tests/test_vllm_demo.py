@@ -27,8 +27,15 @@ from tiny import make_tiny_lm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RUNS = ("baseline", "steered", "knowns-baseline", "knowns-steered", "test-baselines/system-prompt",
-        "test-baselines/refusal-ablation", "test-baselines/cast")
+RUNS = (
+    "baseline",
+    "steered",
+    "knowns-baseline",
+    "knowns-steered",
+    "test-baselines/system-prompt",
+    "test-baselines/refusal-ablation",
+    "test-baselines/cast",
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +51,25 @@ def model_dir(tmp_path_factory, qwen_tokenizer):
 def _cfg(model_dir: Path, out: Path, backend: str):
     from aligntax.runs.demo import DemoConfig
 
-    return DemoConfig(out=str(out), model=str(model_dir), dtype="fp32", backend=backend,
-                      test_sets=["orbench-hard-test", "jailbreakbench"], limit=6, judge="parity", max_new_tokens=6,
-                      batch_size=8, limit_benign_train=24, limit_harmful_train=16, limit_gate_harmful=16,
-                      limit_gate_benign=16, sweep_max_new_tokens=6, limit_leak=40, progress=False,
-                      test_baselines=["system-prompt", "refusal-ablation", "cast"])
+    return DemoConfig(
+        out=str(out),
+        model=str(model_dir),
+        dtype="fp32",
+        backend=backend,
+        test_sets=["orbench-hard-test", "jailbreakbench"],
+        limit=6,
+        judge="parity",
+        max_new_tokens=6,
+        batch_size=8,
+        limit_benign_train=24,
+        limit_harmful_train=16,
+        limit_gate_harmful=16,
+        limit_gate_benign=16,
+        sweep_max_new_tokens=6,
+        limit_leak=40,
+        progress=False,
+        test_baselines=["system-prompt", "refusal-ablation", "cast"],
+    )
 
 
 def _answers(run: Path) -> dict:
@@ -62,18 +83,29 @@ def test_vllm_demo_equals_hf_demo(model_dir, tmp_path, data_dir, parity_judge):
     vl = run_demo(_cfg(model_dir, tmp_path / "vllm", "vllm"))
     assert vl["best"] is not None and hf["best"] is not None
     drop = ("seconds", "key")
-    assert {k: v for k, v in vl["best"].items() if k not in drop} == \
-        {k: v for k, v in hf["best"].items() if k not in drop}
+    assert {k: v for k, v in vl["best"].items() if k not in drop} == {
+        k: v for k, v in hf["best"].items() if k not in drop
+    }
     for run in RUNS:
         a, b = _answers(tmp_path / "hf" / run), _answers(tmp_path / "vllm" / run)
         assert len(a) >= 6 and a == b, run
         assert json.loads((tmp_path / "vllm" / run / "config.json").read_text())["backend"] == "vllm", run
-    hf_rows = {json.dumps([r["name"], r["args"]], sort_keys=True): (r["benign_compliance"], r["harmful_refusal"],
-                                                                   r.get("known_accuracy"))
-               for r in read_jsonl(tmp_path / "hf" / "els" / "sweep" / "sweep.jsonl")}
-    vl_rows = {json.dumps([r["name"], r["args"]], sort_keys=True): (r["benign_compliance"], r["harmful_refusal"],
-                                                                   r.get("known_accuracy"))
-               for r in read_jsonl(tmp_path / "vllm" / "els" / "sweep" / "sweep.jsonl")}
+    hf_rows = {
+        json.dumps([r["name"], r["args"]], sort_keys=True): (
+            r["benign_compliance"],
+            r["harmful_refusal"],
+            r.get("known_accuracy"),
+        )
+        for r in read_jsonl(tmp_path / "hf" / "els" / "sweep" / "sweep.jsonl")
+    }
+    vl_rows = {
+        json.dumps([r["name"], r["args"]], sort_keys=True): (
+            r["benign_compliance"],
+            r["harmful_refusal"],
+            r.get("known_accuracy"),
+        )
+        for r in read_jsonl(tmp_path / "vllm" / "els" / "sweep" / "sweep.jsonl")
+    }
     assert vl_rows == hf_rows and len(hf_rows) >= 5
     # the judge reads the answers' exact text: the ungated (paper-style) setting, which steers every row,
     # scores apart from the unsteered one, so its equal rows mean equal steered answers

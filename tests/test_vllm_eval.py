@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: one start per module
+os.environ.setdefault(
+    "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+)  # the engine in this process: one start per module
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from aligntax.errors import AligntaxError  # noqa: E402
@@ -55,8 +57,19 @@ def setup(data_dir, qwen_tokenizer):
 
 
 def _cfg(out: Path, backend: str, judge: str, **kw) -> EvalConfig:
-    return EvalConfig(data=[DATA], out=str(out), model=MODEL, judge=judge, max_new_tokens=TOKENS, limit=N,
-                      batch_size=16, dtype="bf16", backend=backend, progress=False, **kw)
+    return EvalConfig(
+        data=[DATA],
+        out=str(out),
+        model=MODEL,
+        judge=judge,
+        max_new_tokens=TOKENS,
+        limit=N,
+        batch_size=16,
+        dtype="bf16",
+        backend=backend,
+        progress=False,
+        **kw,
+    )
 
 
 def _compare(tmp: Path, setup, tag: str, **iv) -> dict:
@@ -68,9 +81,11 @@ def _compare(tmp: Path, setup, tag: str, **iv) -> dict:
     lo, hi = paired_interval(change["gained"], change["lost"], change["n"])
     hf_rows = _by_key(tmp / f"hf-{tag}")
     same = sum(r["response"] == hf_rows[k]["response"] for k, r in _by_key(tmp / f"vllm-{tag}").items())
-    print(f"{tag}: judge {judge}; compliance hf {change['before']:.3f} vllm {change['after']:.3f} "
-          f"(+{change['gained']} -{change['lost']}, 95% paired interval [{lo:+.3f}, {hi:+.3f}], "
-          f"p {change['p_value']:.3f}); identical responses {same}/{N}")
+    print(
+        f"{tag}: judge {judge}; compliance hf {change['before']:.3f} vllm {change['after']:.3f} "
+        f"(+{change['gained']} -{change['lost']}, 95% paired interval [{lo:+.3f}, {hi:+.3f}], "
+        f"p {change['p_value']:.3f}); identical responses {same}/{N}"
+    )
     assert change["n"] == N and res["paired"]["unmatched"] == 0
     assert lo <= 0.0 <= hi
     return res
@@ -103,7 +118,9 @@ def test_unsteered_rates_agree_and_resume(tmp_path, setup):
     assert prov_vl["model_fingerprint"] == prov_hf["model_fingerprint"]  # the same weights as HF loads them
 
     # a rerun resumes: nothing generated again, nothing duplicated
-    again = run_eval(_cfg(tmp_path / "vllm-plain", "vllm", judge, compare_to=str(tmp_path / "hf-plain")), lm=vm)
+    again = run_eval(
+        _cfg(tmp_path / "vllm-plain", "vllm", judge, compare_to=str(tmp_path / "hf-plain")), lm=vm
+    )
     assert again["timing"]["new_samples"] == 0 and again["timing"]["resumed_samples"] == N
     assert len(read_jsonl(tmp_path / "vllm-plain" / "samples.jsonl")) == N
     # a run folder never mixes the backends' samples
@@ -123,12 +140,15 @@ def test_els_rates_agree(tmp_path, setup):
     rows = list(_by_key(tmp_path / "vllm-els").values())
     hf_rows = _by_key(tmp_path / "hf-els")
     # the records before generating are the HF backend's (one HF prefill decides in both runs)
-    assert [r["steering"]["steered"] for r in rows] == [hf_rows[(r["source"], r["id"])]["steering"]["steered"]
-                                                       for r in rows]
+    assert [r["steering"]["steered"] for r in rows] == [
+        hf_rows[(r["source"], r["id"])]["steering"]["steered"] for r in rows
+    ]
     steered = [r["steering"]["steered"] for r in rows]
     engine = [r["steering"]["engine_strength"] > 0 for r in rows]
     agree = sum(a == b for a, b in zip(steered, engine, strict=True))
-    print(f"els: {sum(steered)} rows steered by the HF decision, {sum(engine)} by the engine's; agree {agree}/{N}")
+    print(
+        f"els: {sum(steered)} rows steered by the HF decision, {sum(engine)} by the engine's; agree {agree}/{N}"
+    )
     assert sum(steered) > 0  # the comparison is not vacuous
     assert agree >= N - 3  # bf16 numerics of two engines may flip a borderline decision, no more
     stats = res["steering_stats"]

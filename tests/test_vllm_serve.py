@@ -43,13 +43,30 @@ from tiny import PROMPTS, save_tiny_bank, tiny_model, tiny_tokenizer  # noqa: E4
 NAME = "tiny"
 STEERED = "tiny+els"
 ELS = {"eta": 2.0, "steps": 2, "horizon": 3, "layers": [1, 2], "gate": "none", "row_threshold": "none"}
-ELS_FLAGS = ["--eta", "2.0", "--steps", "2", "--horizon", "3", "--layers", "1,2", "--gate", "none",
-             "--row-threshold", "none"]
+ELS_FLAGS = [
+    "--eta",
+    "2.0",
+    "--steps",
+    "2",
+    "--horizon",
+    "3",
+    "--layers",
+    "1,2",
+    "--gate",
+    "none",
+    "--row-threshold",
+    "none",
+]
 MAX_NEW = 8
 OPTIONS_BOUND = 3
 # option sets that change the steered answers of this tiny model (checked in the tests)
-OPTION_SETS = [{"eta": 0.5}, {"horizon": 1}, {"steps": 1, "layers": [2]}, {"eta": 1.0, "horizon": 5},
-               {"horizon": 6}]
+OPTION_SETS = [
+    {"eta": 0.5},
+    {"horizon": 1},
+    {"steps": 1, "layers": [2]},
+    {"eta": 1.0, "horizon": 5},
+    {"horizon": 6},
+]
 BIN = Path(sys.executable).parent
 
 
@@ -77,8 +94,9 @@ def vm(tiny_dir):
     from aligntax.backends.vllm.engine import VllmOptions
     from aligntax.backends.vllm.serving import AsyncVllm
 
-    engine = AsyncVllm(str(tiny_dir / "model"), "fp32",
-                       VllmOptions(max_model_len=256, max_num_seqs=4, kv_cache_gib=1))
+    engine = AsyncVllm(
+        str(tiny_dir / "model"), "fp32", VllmOptions(max_model_len=256, max_num_seqs=4, kv_cache_gib=1)
+    )
     yield engine
     engine.close()
 
@@ -94,8 +112,18 @@ def live(vm, tiny_dir):
     preset, rewriting = prepare(vm, "els", args, preset=PRESET)
     assert preset == PRESET and rewriting is None
     iv = make_intervention("els", vm.facts, **args)
-    app = create_vllm_app(vm, iv, preset, NAME, max_batch_size=4, max_new_tokens_limit=64, default_max_tokens=16,
-                          steer_method="els", steer_options=args, options_cache_size=OPTIONS_BOUND)
+    app = create_vllm_app(
+        vm,
+        iv,
+        preset,
+        NAME,
+        max_batch_size=4,
+        max_new_tokens_limit=64,
+        default_max_tokens=16,
+        steer_method="els",
+        steer_options=args,
+        options_cache_size=OPTIONS_BOUND,
+    )
     srv = BackgroundServer(app).start()
     yield srv
     srv.stop()
@@ -118,8 +146,9 @@ def _chat(client, prompt: str, model: str = NAME, **kw):
 
 def _stream_text(client, prompt: str, model: str, **kw) -> tuple[str, str]:
     text, finish = "", None
-    for chunk in client.chat.completions.create(model=model, messages=_msgs(prompt), temperature=0,
-                                                max_tokens=MAX_NEW, stream=True, **kw):
+    for chunk in client.chat.completions.create(
+        model=model, messages=_msgs(prompt), temperature=0, max_tokens=MAX_NEW, stream=True, **kw
+    ):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
@@ -167,16 +196,31 @@ def test_plain_and_steered_equal_hf(client, lm, tiny_dir):
 
 def test_steered_equals_generate_command(client, tiny_dir):
     """The server's steered greedy answers are `aligntax generate --backend vllm`'s with the same setting."""
-    cmd = [str(BIN / "aligntax"), "generate", *PROMPTS, "--backend", "vllm", "--model", str(tiny_dir / "model"),
-           "--dtype", "fp32", "--max-new-tokens", str(MAX_NEW), "--steer", str(tiny_dir / "els"), *ELS_FLAGS]
+    cmd = [
+        str(BIN / "aligntax"),
+        "generate",
+        *PROMPTS,
+        "--backend",
+        "vllm",
+        "--model",
+        str(tiny_dir / "model"),
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--steer",
+        str(tiny_dir / "els"),
+        *ELS_FLAGS,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == len(PROMPTS)
     served = [_chat(client, p, STEERED).choices[0] for p in PROMPTS]
-    assert [(c.message.content.strip(), c.finish_reason) for c in served] == \
-        [(r["response"], r["finish_reason"]) for r in rows]
+    assert [(c.message.content.strip(), c.finish_reason) for c in served] == [
+        (r["response"], r["finish_reason"]) for r in rows
+    ]
 
 
 def test_streaming_equals_non_streaming(client):
@@ -189,7 +233,9 @@ def test_streaming_equals_non_streaming(client):
 
 def test_strength_zero_is_plain_and_bad_strength_refused(client):
     for p in PROMPTS[:3]:
-        zero = _chat(client, p, STEERED, extra_body={"aligntax": {"strength": 0.0}}).choices[0].message.content
+        zero = (
+            _chat(client, p, STEERED, extra_body={"aligntax": {"strength": 0.0}}).choices[0].message.content
+        )
         assert zero == _chat(client, p).choices[0].message.content
     with pytest.raises(openai.BadRequestError, match=r"must lie in \[0, 10\]"):
         _chat(client, PROMPTS[0], STEERED, extra_body={"aligntax": {"strength": 11.0}})
@@ -206,8 +252,12 @@ def test_concurrent_mixed_requests(live, client):
     async def go():
         aclient = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
         keys = list(want) * 2
-        outs = await asyncio.gather(*[aclient.chat.completions.create(
-            model=m, messages=_msgs(p), temperature=0, max_tokens=MAX_NEW) for p, m in keys])
+        outs = await asyncio.gather(
+            *[
+                aclient.chat.completions.create(model=m, messages=_msgs(p), temperature=0, max_tokens=MAX_NEW)
+                for p, m in keys
+            ]
+        )
         return keys, outs
 
     keys, outs = asyncio.run(go())
@@ -224,7 +274,7 @@ def test_stop_strings_and_length(client):
     assert len(text) >= 4
     stop = text[2:4]
     cut = _chat(client, PROMPTS[1], max_tokens=16, stop=[stop]).choices[0]
-    assert cut.message.content == text[:text.index(stop)]
+    assert cut.message.content == text[: text.index(stop)]
     assert cut.finish_reason == "stop"
     assert _stream_text(client, PROMPTS[1], NAME, stop=[stop]) == (cut.message.content, "stop")
     short = _chat(client, PROMPTS[1], max_tokens=3)
@@ -245,11 +295,32 @@ def test_serve_command(tiny_dir, lm):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    cmd = [str(BIN / "aligntax"), "serve", "--backend", "vllm", "--model", str(tiny_dir / "model"), "--dtype", "fp32",
-           "--port", str(port), "--model-name", NAME, "--max-batch-size", "4", "--steer", str(tiny_dir / "els"),
-           *ELS_FLAGS]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        str(BIN / "aligntax"),
+        "serve",
+        "--backend",
+        "vllm",
+        "--model",
+        str(tiny_dir / "model"),
+        "--dtype",
+        "fp32",
+        "--port",
+        str(port),
+        "--model-name",
+        NAME,
+        "--max-batch-size",
+        "4",
+        "--steer",
+        str(tiny_dir / "els"),
+        *ELS_FLAGS,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     engine_procs: list = []
     try:
         url = f"http://127.0.0.1:{port}"
@@ -309,15 +380,19 @@ def test_options_equal_hf(client, lm, tiny_dir):
         assert [_answer(r) for r in got] != base, options
         assert all(r.model_extra["aligntax"]["options"] == options for r in got)
     # strength multiplies the option set's steering as it does the server's; 0 is plain
-    zero = _chat(client, PROMPTS[0], STEERED, extra_body={"aligntax": {"strength": 0.0, "options": OPTION_SETS[0]}})
+    zero = _chat(
+        client, PROMPTS[0], STEERED, extra_body={"aligntax": {"strength": 0.0, "options": OPTION_SETS[0]}}
+    )
     assert zero.choices[0].message.content == _chat(client, PROMPTS[0]).choices[0].message.content
 
 
 def test_options_streaming_equals_non_streaming(client):
     for p in PROMPTS[:2]:
         whole = _chat(client, p, STEERED, **_opt(OPTION_SETS[1])).choices[0]
-        assert _stream_text(client, p, STEERED, **_opt(OPTION_SETS[1])) == \
-            (whole.message.content, whole.finish_reason)
+        assert _stream_text(client, p, STEERED, **_opt(OPTION_SETS[1])) == (
+            whole.message.content,
+            whole.finish_reason,
+        )
 
 
 def test_concurrent_option_sets(live, client):
@@ -329,13 +404,24 @@ def test_concurrent_option_sets(live, client):
     for p in PROMPTS:
         for k, options in enumerate(sets):
             model = NAME if options is None else STEERED
-            want[(p, k)] = _chat(client, p, model, **(_opt(options) if options else {})).choices[0].message.content
+            want[(p, k)] = (
+                _chat(client, p, model, **(_opt(options) if options else {})).choices[0].message.content
+            )
 
     async def go(keys):
         aclient = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        outs = await asyncio.gather(*[aclient.chat.completions.create(
-            model=NAME if sets[k] is None else STEERED, messages=_msgs(p), temperature=0, max_tokens=MAX_NEW,
-            **(_opt(sets[k]) if sets[k] else {})) for p, k in keys])
+        outs = await asyncio.gather(
+            *[
+                aclient.chat.completions.create(
+                    model=NAME if sets[k] is None else STEERED,
+                    messages=_msgs(p),
+                    temperature=0,
+                    max_tokens=MAX_NEW,
+                    **(_opt(sets[k]) if sets[k] else {}),
+                )
+                for p, k in keys
+            ]
+        )
         return [o.choices[0].message.content for o in outs]
 
     keys = list(want) * 2
@@ -351,21 +437,32 @@ def test_concurrent_option_sets(live, client):
     assert metrics["in_flight"] == 0 and metrics["queue_depth"] == 0
 
 
-@pytest.mark.parametrize(("options", "param", "code"), [
-    ({"etaa": 0.2}, "aligntax.options.etaa", "unknown_parameter"),
-    ({"path": "/etc"}, "aligntax.options.path", "unknown_parameter"),  # folders never per request
-    ({"horizon": "soon"}, "aligntax.options.horizon", "invalid_type"),
-    ({"layers": [1, True]}, "aligntax.options.layers", "invalid_type"),
-    ({"eta": 0.5}, "aligntax.options", None),  # on the plain model
-    ({"layers": [9]}, "aligntax.options", None),  # refused by the builder: the model has 3 layers
-])
+@pytest.mark.parametrize(
+    ("options", "param", "code"),
+    [
+        ({"etaa": 0.2}, "aligntax.options.etaa", "unknown_parameter"),
+        ({"path": "/etc"}, "aligntax.options.path", "unknown_parameter"),  # folders never per request
+        ({"horizon": "soon"}, "aligntax.options.horizon", "invalid_type"),
+        ({"layers": [1, True]}, "aligntax.options.layers", "invalid_type"),
+        ({"eta": 0.5}, "aligntax.options", None),  # on the plain model
+        ({"layers": [9]}, "aligntax.options", None),  # refused by the builder: the model has 3 layers
+    ],
+)
 def test_bad_options_refused(live, options, param, code):
     engine = live.app.state.engine
     n = engine.option_registrations
     model = NAME if param == "aligntax.options" and "eta" in options else STEERED
-    r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
-        "model": model, "messages": _msgs(PROMPTS[0]), "temperature": 0, "max_tokens": MAX_NEW,
-        "aligntax": {"options": options}})
+    r = httpx.post(
+        live.url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": model,
+            "messages": _msgs(PROMPTS[0]),
+            "temperature": 0,
+            "max_tokens": MAX_NEW,
+            "aligntax": {"options": options},
+        },
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param
@@ -377,7 +474,9 @@ def test_bad_options_refused(live, options, param, code):
 def _settled(engine, timeout: float = 30.0) -> None:
     """Wait until the finished requests released their presets and the evicted ones are unregistered."""
     deadline = time.monotonic() + timeout
-    while (engine._unregistering or len(engine.option_presets) > OPTIONS_BOUND) and time.monotonic() < deadline:
+    while (
+        engine._unregistering or len(engine.option_presets) > OPTIONS_BOUND
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine._unregistering and len(engine.option_presets) <= OPTIONS_BOUND
 
@@ -434,16 +533,25 @@ def test_app_registers_its_method_and_drops_its_presets(vm, live, lm, tiny_dir):
     from aligntax.serve.background import BackgroundServer
 
     args = {"path": str(tiny_dir / "els"), **ELS}
-    app = create_vllm_app(vm, None, None, NAME, max_new_tokens_limit=64, steer_method="els", steer_options=args,
-                          options_cache_size=1)
+    app = create_vllm_app(
+        vm,
+        None,
+        None,
+        NAME,
+        max_new_tokens_limit=64,
+        steer_method="els",
+        steer_options=args,
+        options_cache_size=1,
+    )
     srv = BackgroundServer(app).start()
     engine = app.state.engine
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         assert [_answer(_chat(c, PROMPTS[0], STEERED))] == _hf_options(lm, tiny_dir, {}, PROMPTS[:1])
         for options in OPTION_SETS[:2]:
-            assert [_answer(_chat(c, PROMPTS[0], STEERED, **_opt(options)))] == \
-                _hf_options(lm, tiny_dir, options, PROMPTS[:1])
+            assert [_answer(_chat(c, PROMPTS[0], STEERED, **_opt(options)))] == _hf_options(
+                lm, tiny_dir, options, PROMPTS[:1]
+            )
         deadline = time.monotonic() + 30
         while (engine._unregistering or len(engine.option_presets) > 1) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -32,8 +32,10 @@ class AddKernel(RowKernel):
         return rows + strength[:, None].to(rows.dtype)
 
 
-@pytest.mark.parametrize("positions,horizon,last", itertools.product(
-    ["last_and_generated", "generated", "all"], [None, 0, 3], [True, False]))
+@pytest.mark.parametrize(
+    "positions,horizon,last",
+    itertools.product(["last_and_generated", "generated", "all"], [None, 0, 3], [True, False]),
+)
 def test_edited_mask_is_the_shared_rule(positions, horizon, last):
     k = AddKernel(positions, horizon, last=last)
     pos = torch.arange(0, 20).repeat(3)
@@ -92,7 +94,9 @@ def test_decision_is_made_on_the_chunk_with_the_last_prompt_token():
     assert torch.allclose(new_h[2], hidden[2] + residual[2] + 1.0)
     assert torch.equal(new_h[5], hidden[5])
     recs = st.take_records()
-    assert recs["x"]["strength"] == 1.0 and recs["y"]["strength"] == 0.0 and recs["y"]["parts"] == {"sign": 0.0}
+    assert (
+        recs["x"]["strength"] == 1.0 and recs["y"]["strength"] == 0.0 and recs["y"]["parts"] == {"sign": 0.0}
+    )
 
 
 def test_strength_zero_and_unknown_preset():
@@ -107,7 +111,9 @@ def test_strength_zero_and_unknown_preset():
         parse_request({"aligntax_steer": "add", "aligntax_strength": 1e9}, st.presets)
     with pytest.raises(AligntaxError, match="needs aligntax_steer"):
         parse_request({"aligntax_strength": 1.0}, st.presets)
-    assert parse_request({"aligntax_steer": "add", "aligntax_strength": "0.5"}, st.presets) == RequestSteer("add", 0.5)
+    assert parse_request({"aligntax_steer": "add", "aligntax_strength": "0.5"}, st.presets) == RequestSteer(
+        "add", 0.5
+    )
     assert parse_request(None, st.presets) is None
 
 
@@ -131,8 +137,9 @@ def test_records_off_keeps_nothing_but_steers_the_same():
         st.register("k", AddKernel(decide_layer=0))
         st.register("add", AddKernel())
         batch = StepBatch(["x", "y", "z"], [0, 3, 6], [3, 6, 9], [3, 3, 3], torch.tensor([0, 1, 2] * 3))
-        st.begin_step(batch, [RequestSteer("k", 1.0), RequestSteer("k", 1.0), RequestSteer("add", 1.0)],
-                      {"x", "y", "z"})
+        st.begin_step(
+            batch, [RequestSteer("k", 1.0), RequestSteer("k", 1.0), RequestSteer("add", 1.0)], {"x", "y", "z"}
+        )
         h0 = torch.zeros(9, 4)
         h0[2, 0], h0[5, 0] = 1.0, -1.0
         st.pre_block(0, h0, None)

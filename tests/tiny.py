@@ -60,10 +60,20 @@ def tiny_tokenizer():
 def tiny_config(arch: str = "qwen2", hidden: int = 32, layers: int = 3, **over):
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  pad_token_id=0, eos_token_id=1, bos_token_id=None, initializer_range=0.5,
-                  tie_word_embeddings=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+    )
     if arch == "llama":
         cfg = tf.LlamaConfig(**common)
     elif arch == "qwen2":
@@ -73,7 +83,9 @@ def tiny_config(arch: str = "qwen2", hidden: int = 32, layers: int = 3, **over):
     elif arch == "gemma":
         cfg = tf.GemmaConfig(**common, head_dim=hidden // 4)
     elif arch == "gemma2":
-        cfg = tf.Gemma2Config(**common, head_dim=hidden // 4, sliding_window=16, query_pre_attn_scalar=hidden // 4)
+        cfg = tf.Gemma2Config(
+            **common, head_dim=hidden // 4, sliding_window=16, query_pre_attn_scalar=hidden // 4
+        )
     else:
         raise ValueError(arch)
     for k, v in over.items():
@@ -81,8 +93,9 @@ def tiny_config(arch: str = "qwen2", hidden: int = 32, layers: int = 3, **over):
     return cfg
 
 
-def tiny_model(arch: str = "qwen2", hidden: int = 32, layers: int = 3, seed: int = 0, attn: str = "eager",
-               **over):
+def tiny_model(
+    arch: str = "qwen2", hidden: int = 32, layers: int = 3, seed: int = 0, attn: str = "eager", **over
+):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -101,13 +114,29 @@ def tiny_lm(arch: str = "qwen2", hidden: int = 32, layers: int = 3, seed: int = 
 
     model = tiny_model(arch, hidden, layers, seed, **over)
     tok = tiny_tokenizer()
-    return LoadedModel(model=model, tokenizer=tok, spec=f"tiny-{arch}", source="tiny",
-                       fingerprint=model_fingerprint(model, tok, f"tiny-{arch}"))
+    return LoadedModel(
+        model=model,
+        tokenizer=tok,
+        spec=f"tiny-{arch}",
+        source="tiny",
+        fingerprint=model_fingerprint(model, tok, f"tiny-{arch}"),
+    )
 
 
-def make_tiny_lm(tokenizer, arch: str = "qwen2", layers: int = 2, hidden: int = 64, seed: int = 0,
-                 dtype=torch.float32, *, spec: str | None = None, source: str = "config",
-                 fingerprint: dict | None = None, prepare: bool = False, **config):
+def make_tiny_lm(
+    tokenizer,
+    arch: str = "qwen2",
+    layers: int = 2,
+    hidden: int = 64,
+    seed: int = 0,
+    dtype=torch.float32,
+    *,
+    spec: str | None = None,
+    source: str = "config",
+    fingerprint: dict | None = None,
+    prepare: bool = False,
+    **config,
+):
     """A randomly initialised decoder-only LM of the given architecture, sized to ``tokenizer``, wrapped
     as a LoadedModel (spec ``tiny-<arch>`` unless given; fingerprint computed unless given).
 
@@ -120,17 +149,31 @@ def make_tiny_lm(tokenizer, arch: str = "qwen2", layers: int = 2, hidden: int = 
 
     torch.manual_seed(seed)
     config = {"max_position_embeddings": 512, "tie_word_embeddings": True, **config}
-    cfg = AutoConfig.for_model(arch, vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **config)
+    cfg = AutoConfig.for_model(
+        arch,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **config,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     if prepare:
         prepare_tokenizer(tokenizer, model)
     spec = spec or f"tiny-{arch}"
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=source,
-                       fingerprint=fingerprint or model_fingerprint(model, tokenizer, spec))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        source=source,
+        fingerprint=fingerprint or model_fingerprint(model, tokenizer, spec),
+    )
 
 
 PROMPTS = [
@@ -141,8 +184,9 @@ PROMPTS = [
 ]
 
 
-def run_steered(lm, prompts, intervention=None, max_new_tokens: int = 5, use_cache: bool = True,
-                rows=None, strength=None):
+def run_steered(
+    lm, prompts, intervention=None, max_new_tokens: int = 5, use_cache: bool = True, rows=None, strength=None
+):
     """Greedy generation like ``aligntax.generation`` does it, returning tokens and raw logits.
 
     Returns ``(new_tokens [B, n], logits [B, n, V], ctx, prompt_len)``; EOS is suppressed so every row
@@ -155,13 +199,25 @@ def run_steered(lm, prompts, intervention=None, max_new_tokens: int = 5, use_cac
     texts = [render_chat(lm.tokenizer, build_messages(p, None, intervention)) for p in prompts]
     enc = encode_chats(lm.tokenizer, texts, lm.device)
     plen = enc["input_ids"].shape[1]
-    ctx = SteerContext(prompt_len=plen, rows=None if rows is None else torch.tensor(rows),
-                       strength=None if strength is None else torch.tensor(strength, dtype=torch.float32))
+    ctx = SteerContext(
+        prompt_len=plen,
+        rows=None if rows is None else torch.tensor(rows),
+        strength=None if strength is None else torch.tensor(strength, dtype=torch.float32),
+    )
     with torch.no_grad(), intervention.attach(lm.model, ctx):
-        out = lm.model.generate(**enc, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                do_sample=False, use_cache=use_cache, pad_token_id=lm.tokenizer.pad_token_id,
-                                temperature=None, top_p=None, top_k=None, output_logits=True,
-                                return_dict_in_generate=True)
+        out = lm.model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            use_cache=use_cache,
+            pad_token_id=lm.tokenizer.pad_token_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     return out.sequences[:, plen:], torch.stack(out.logits, 1).float(), ctx, plen
 
 
@@ -172,15 +228,18 @@ def record_block_inputs(model, layers=None):
     blocks = decoder_layers(model)
     store: dict[int, list[torch.Tensor]] = {}
     handles = []
-    for i in (range(len(blocks)) if layers is None else layers):
+    for i in range(len(blocks)) if layers is None else layers:
+
         def hook(module, args, kwargs, i=i):
             h = args[0] if args else kwargs["hidden_states"]
             store.setdefault(i, []).append(h.detach().clone())
+
         handles.append(blocks[i].register_forward_pre_hook(hook, with_kwargs=True))
 
     def remove():
         for h in handles:
             h.remove()
+
     return store, remove
 
 
@@ -212,9 +271,13 @@ def save_tiny_vectors(lm, directory):
     from aligntax.activations import capture
     from aligntax.interventions import compute_vectors
 
-    harmful = capture(lm, ["how to build a bomb", "steal a car now", "hurt someone badly"], "all", progress=False)
+    harmful = capture(
+        lm, ["how to build a bomb", "steal a car now", "hurt someone badly"], "all", progress=False
+    )
     harmless = capture(lm, ["bake a cake", "learn python", "plant a tree"], "all", progress=False)
-    pseudo = capture(lm, ["kill a python process", "shoot a photo", "buy a can of coke"], "all", progress=False)
+    pseudo = capture(
+        lm, ["kill a python process", "shoot a photo", "buy a can of coke"], "all", progress=False
+    )
     compute_vectors(harmful, harmless, pseudo, fingerprint=lm.fingerprint, layer=1).save(directory)
     return directory
 
@@ -225,10 +288,14 @@ def save_tiny_bank(lm, directory, n: int = 24, epochs: int = 3):
     from aligntax.activations import capture
     from aligntax.energy import EnergyConfig, train_layers
 
-    prompts = [f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(n)]
+    prompts = [
+        f"question {i}: {'how to kill a process' if i % 2 else 'tell me a joke'} {i * 7}" for i in range(n)
+    ]
     acts = capture(lm, prompts, "all", progress=False)
     labels = torch.tensor([i % 2 for i in range(n)])
-    bank = train_layers(acts, labels, EnergyConfig.preset("small", widths=[16], epochs=epochs), fingerprint=lm.fingerprint)
+    bank = train_layers(
+        acts, labels, EnergyConfig.preset("small", widths=[16], epochs=epochs), fingerprint=lm.fingerprint
+    )
     bank.save(directory)
     return directory
 
@@ -240,5 +307,7 @@ class ParityJudge(RefusalJudge):
     name = "parity"
 
     def judge(self, prompts, responses):
-        return [Verdict(refused=sum(map(ord, r)) % 2 == 0, refusal_score=float(sum(map(ord, r)) % 2 == 0))
-                for r in responses]
+        return [
+            Verdict(refused=sum(map(ord, r)) % 2 == 0, refusal_score=float(sum(map(ord, r)) % 2 == 0))
+            for r in responses
+        ]

@@ -60,7 +60,9 @@ def load_intervention(dir_or_name: str | Path, lm=None, tokenizer=None, **option
                 "false-refusal-ablation or cast)."
             )
         else:
-            raise AligntaxError(f"{path} holds neither an energy bank ({ENERGY_SIDECAR}) nor vectors ({VECTORS_SIDECAR}).")
+            raise AligntaxError(
+                f"{path} holds neither an energy bank ({ENERGY_SIDECAR}) nor vectors ({VECTORS_SIDECAR})."
+            )
     if any(k in options for k in PATH_KEYS):
         raise AligntaxError("Give the folder once: as the first argument or as dir=, not both.")
     return make_intervention(name, lm, dir=str(path), **options)

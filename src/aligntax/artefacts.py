@@ -35,8 +35,14 @@ def fingerprint_diffs(saved: dict, expected: dict, keys: tuple[str, ...] = FINGE
     digest equal to the model's ``embedding_digest_dtype`` (the dtype-specific digest of earlier
     versions) is a match too."""
     same_digest = {expected.get("embedding_digest"), expected.get("embedding_digest_dtype")} - {None}
-    return [k for k in keys if k in saved and k in expected and saved[k] != expected[k]
-            and not (k == "embedding_digest" and saved[k] in same_digest)]
+    return [
+        k
+        for k in keys
+        if k in saved
+        and k in expected
+        and saved[k] != expected[k]
+        and not (k == "embedding_digest" and saved[k] in same_digest)
+    ]
 
 
 def _describe(fp: dict) -> str:
@@ -64,12 +70,21 @@ def check_fingerprint(saved: dict | None, expected: dict | None, what: str = "ar
             f"{_describe(expected)} (differs in {', '.join(diffs)})."
         )
     if saved.get("dtype") and expected.get("dtype") and saved["dtype"] != expected["dtype"]:
-        log.info("%s: dtype differs (made in %s, the model runs in %s): converted", what, saved["dtype"],
-                 expected["dtype"])
+        log.info(
+            "%s: dtype differs (made in %s, the model runs in %s): converted",
+            what,
+            saved["dtype"],
+            expected["dtype"],
+        )
 
 
-def check_hidden_size(saved_dim: int, expected_dim: int | None, what: str, saved_fp: dict | None = None,
-                      expected_fp: dict | None = None) -> None:
+def check_hidden_size(
+    saved_dim: int,
+    expected_dim: int | None,
+    what: str,
+    saved_fp: dict | None = None,
+    expected_fp: dict | None = None,
+) -> None:
     if expected_dim is not None and int(saved_dim) != int(expected_dim):
         raise CompatibilityError(
             f"This {what} expects hidden size {saved_dim} ({_describe(saved_fp or {})}), but the model has "
@@ -140,8 +155,13 @@ class TensorArtefact:
         write_json(directory / self.sidecar, {"format": self.format, **meta})
         return directory
 
-    def load(self, directory: str | Path, expect_fingerprint: dict | None = None,
-             expect_hidden_size: int | None = None, device: str = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
+    def load(
+        self,
+        directory: str | Path,
+        expect_fingerprint: dict | None = None,
+        expect_hidden_size: int | None = None,
+        device: str = "cpu",
+    ) -> tuple[dict, dict[str, torch.Tensor]]:
         """The sidecar and the tensors, after checking the format, the fingerprint and the hidden size
         (from ``expect_fingerprint`` when not given); the sidecar's ``fingerprint`` is ``{}`` if unset."""
         from safetensors.torch import load_file

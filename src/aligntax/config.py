@@ -41,7 +41,9 @@ def load_config(cls: type[T], path: str | Path | None = None, **overrides: Any) 
             raise AligntaxError(f"Config file {p} must hold a mapping of option: value")
         values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
         _check_unknown(cls, values, f"config file {p}")
-        values.update(check_types(cls, {k: v for k, v in values.items() if k not in given}, f"Config file {p}"))
+        values.update(
+            check_types(cls, {k: v for k, v in values.items() if k not in given}, f"Config file {p}")
+        )
     values.update(given)
     _check_unknown(cls, values, cls.__name__)
     return cls(**values)
@@ -51,8 +53,10 @@ def _check_unknown(cls, values: dict, where: str) -> None:
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - known)
     if unknown:
-        raise AligntaxError(f"Unknown config keys for {cls.__name__} in {where}: {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(known))}")
+        raise AligntaxError(
+            f"Unknown config keys for {cls.__name__} in {where}: {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
 
 
 def check_types(cls, values: dict[str, Any], where: str) -> dict[str, Any]:

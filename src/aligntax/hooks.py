@@ -68,8 +68,8 @@ def pad_left(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
 
 

@@ -52,7 +52,11 @@ class ActivationCache:
             raise DataError(f"Activation layers have different row counts: {sorted(rows)}")
         n_rows = rows.pop() if rows else 0
         if not self.prompt_ids:
-            n = n_rows if self.row_index is None else (int(self.row_index.max()) + 1 if len(self.row_index) else 0)
+            n = (
+                n_rows
+                if self.row_index is None
+                else (int(self.row_index.max()) + 1 if len(self.row_index) else 0)
+            )
             self.prompt_ids = [str(i) for i in range(n)]
         self.prompt_ids = [str(p) for p in self.prompt_ids]
         if len(set(self.prompt_ids)) != len(self.prompt_ids):
@@ -80,9 +84,15 @@ class ActivationCache:
 
     # ---- disk -------------------------------------------------------------------------------------
     def _sidecar_header(self) -> dict:
-        return {"format": FORMAT, "fingerprint": self.fingerprint, "layers": self.layers,
-                "position": self.position, "hidden_size": self.hidden_size, "metadata": self.metadata,
-                "shards": []}
+        return {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "layers": self.layers,
+            "position": self.position,
+            "hidden_size": self.hidden_size,
+            "metadata": self.metadata,
+            "shards": [],
+        }
 
     def _shard_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {f"layer.{layer}": a.contiguous() for layer, a in self.acts.items()}
@@ -111,10 +121,13 @@ class ActivationCache:
             if meta["layers"] != self.layers or meta["position"] != self.position:
                 raise CompatibilityError(
                     f"Cannot append to {directory}: it holds layers {meta['layers']} at position "
-                    f"'{meta['position']}', these are layers {self.layers} at '{self.position}'.")
+                    f"'{meta['position']}', these are layers {self.layers} at '{self.position}'."
+                )
             if meta.get("hidden_size") and self.acts and meta["hidden_size"] != self.hidden_size:
-                raise CompatibilityError(f"Cannot append to {directory}: hidden size {meta['hidden_size']} "
-                                         f"there, {self.hidden_size} here.")
+                raise CompatibilityError(
+                    f"Cannot append to {directory}: hidden size {meta['hidden_size']} "
+                    f"there, {self.hidden_size} here."
+                )
             seen = {p for s in meta["shards"] for p in s["prompt_ids"]}
             dup = seen.intersection(self.prompt_ids)
             if dup:
@@ -124,15 +137,25 @@ class ActivationCache:
             meta = self._sidecar_header()
         name = f"shard-{len(meta['shards']):05d}.safetensors"
         save_tensors(self._shard_tensors(), directory / name, FORMAT)
-        meta["shards"].append({"file": name, "n_prompts": len(self.prompt_ids),
-                               "n_rows": int(next(iter(self.acts.values())).shape[0]) if self.acts else 0,
-                               "prompt_ids": self.prompt_ids, "labels": list(self.labels)})
+        meta["shards"].append(
+            {
+                "file": name,
+                "n_prompts": len(self.prompt_ids),
+                "n_rows": int(next(iter(self.acts.values())).shape[0]) if self.acts else 0,
+                "prompt_ids": self.prompt_ids,
+                "labels": list(self.labels),
+            }
+        )
         write_json(side, meta)
         return directory
 
     @classmethod
-    def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
-             layers: Sequence[int] | None = None) -> ActivationCache:
+    def load(
+        cls,
+        directory: str | Path,
+        expect_fingerprint: dict | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> ActivationCache:
         """Load all shards (optionally only some layers); refuse a cache made for another model."""
         directory = Path(directory)
         side = directory / SIDECAR
@@ -144,7 +167,9 @@ class ActivationCache:
         want = [int(x) for x in (layers if layers is not None else meta["layers"])]
         missing = set(want) - set(meta["layers"])
         if missing:
-            raise DataError(f"Activation cache {directory} has layers {meta['layers']}, not {sorted(missing)}.")
+            raise DataError(
+                f"Activation cache {directory} has layers {meta['layers']}, not {sorted(missing)}."
+            )
         acts: dict[int, list[torch.Tensor]] = {layer: [] for layer in want}
         ids: list[str] = []
         labels: list = []
@@ -163,8 +188,15 @@ class ActivationCache:
             row_index = None
         if all(lab is None for lab in labels):
             labels = []
-        return cls(cat, meta["position"], ids, labels, row_index, meta.get("fingerprint") or {},
-                   meta.get("metadata") or {})
+        return cls(
+            cat,
+            meta["position"],
+            ids,
+            labels,
+            row_index,
+            meta.get("fingerprint") or {},
+            meta.get("metadata") or {},
+        )
 
     @staticmethod
     def saved_ids(directory: str | Path) -> set[str]:
@@ -179,11 +211,22 @@ def _check_format(meta: dict, directory: Path) -> None:
     check_format(meta, FORMAT, directory / SIDECAR, "activation cache")
 
 
-def capture_to_cache(lm, prompts: Sequence[str | list[dict]], prompt_ids: Sequence[str],
-                     layers, directory: str | Path, position: str = "last", labels: Sequence | None = None,
-                     system: str | None = None, responses: Sequence[str] | None = None, shard_size: int = 256,
-                     batch_size: int = 32, progress: bool = True, metadata: dict | None = None,
-                     intervention=None) -> ActivationCache:
+def capture_to_cache(
+    lm,
+    prompts: Sequence[str | list[dict]],
+    prompt_ids: Sequence[str],
+    layers,
+    directory: str | Path,
+    position: str = "last",
+    labels: Sequence | None = None,
+    system: str | None = None,
+    responses: Sequence[str] | None = None,
+    shard_size: int = 256,
+    batch_size: int = 32,
+    progress: bool = True,
+    metadata: dict | None = None,
+    intervention=None,
+) -> ActivationCache:
     """Capture into ``directory`` shard by shard, skipping prompt ids already there; return the whole cache."""
     from aligntax.activations.capture import capture, resolve_layers
 
@@ -196,15 +239,29 @@ def capture_to_cache(lm, prompts: Sequence[str | list[dict]], prompt_ids: Sequen
     todo = [i for i, pid in enumerate(prompt_ids) if str(pid) not in done]
     meta = {**(metadata or {}), "system": system}
     for start in range(0, len(todo), shard_size):
-        idx = todo[start:start + shard_size]
-        out = capture(lm, [prompts[i] for i in idx], layer_ids, position, system, batch_size,
-                      [responses[i] for i in idx] if responses is not None else None, progress,
-                      intervention, return_index=True)
+        idx = todo[start : start + shard_size]
+        out = capture(
+            lm,
+            [prompts[i] for i in idx],
+            layer_ids,
+            position,
+            system,
+            batch_size,
+            [responses[i] for i in idx] if responses is not None else None,
+            progress,
+            intervention,
+            return_index=True,
+        )
         acts, rows = out
-        ActivationCache(acts, position, [str(prompt_ids[i]) for i in idx],
-                        [labels[i] for i in idx] if labels is not None else [],
-                        rows if position == "response" else None, dict(lm.fingerprint), meta,
-                        ).append_to(directory)
+        ActivationCache(
+            acts,
+            position,
+            [str(prompt_ids[i]) for i in idx],
+            [labels[i] for i in idx] if labels is not None else [],
+            rows if position == "response" else None,
+            dict(lm.fingerprint),
+            meta,
+        ).append_to(directory)
     if not Path(directory, SIDECAR).is_file():
         raise DataError("Nothing to capture: no prompts given.")
     return ActivationCache.load(directory, expect_fingerprint=lm.fingerprint or None)

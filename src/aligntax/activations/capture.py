@@ -41,10 +41,18 @@ def _require_finite(h: torch.Tensor, layer: int) -> None:
 
 
 @torch.no_grad()
-def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: int | str | Sequence[int],
-                position: str = "last", prompt_lens: Sequence[int] | None = None, batch_size: int = 32,
-                pad_id: int = 0, progress: bool = False, desc: str = "capture",
-                max_tokens: int | None = CAPTURE_BATCH_TOKENS) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+def capture_ids(
+    model: nn.Module,
+    sequences: Sequence[Sequence[int]],
+    layers: int | str | Sequence[int],
+    position: str = "last",
+    prompt_lens: Sequence[int] | None = None,
+    batch_size: int = 32,
+    pad_id: int = 0,
+    progress: bool = False,
+    desc: str = "capture",
+    max_tokens: int | None = CAPTURE_BATCH_TOKENS,
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Capture from token id sequences (prompt ids, optionally followed by response ids).
 
     ``prompt_lens[i]`` is the number of prompt tokens of sequence ``i`` (default: the whole sequence is
@@ -64,7 +72,9 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
         raise AligntaxError(f"{len(seqs)} sequences but {len(plens)} prompt lengths.")
     for i, (s, p) in enumerate(zip(seqs, plens, strict=True)):
         if not 1 <= p <= len(s):
-            raise AligntaxError(f"Sequence {i}: prompt length {p} but {len(s)} tokens (need 1 <= prompt <= all).")
+            raise AligntaxError(
+                f"Sequence {i}: prompt length {p} but {len(s)} tokens (need 1 <= prompt <= all)."
+            )
     device = next(model.parameters()).device
     out: dict[int, list[torch.Tensor]] = {layer: [] for layer in layer_ids}
     rows: list[torch.Tensor] = []
@@ -73,10 +83,13 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
     def make_hook(layer: int):
         def hook(module, args, kwargs):
             current[layer] = hidden_from_args(args, kwargs).detach()
+
         return hook
 
     last_layer = max(layer_ids)
-    handles = [blocks[layer].register_forward_pre_hook(make_hook(layer), with_kwargs=True) for layer in layer_ids]
+    handles = [
+        blocks[layer].register_forward_pre_hook(make_hook(layer), with_kwargs=True) for layer in layer_ids
+    ]
 
     class _Stop(Exception):
         pass
@@ -95,9 +108,13 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
             pass
 
     try:
-        for span in tqdm(length_batches([len(s) for s in seqs], batch_size, max_tokens), disable=not progress,
-                         desc=desc, unit="batch"):
-            batch, bp = seqs[span.start:span.stop], plens[span.start:span.stop]
+        for span in tqdm(
+            length_batches([len(s) for s in seqs], batch_size, max_tokens),
+            disable=not progress,
+            desc=desc,
+            unit="batch",
+        ):
+            batch, bp = seqs[span.start : span.stop], plens[span.start : span.stop]
             ids, mask = pad_left(batch, pad_id, device)
             current.clear()
             # "last" reads one position per row: a prefix every row shares (chat template, system
@@ -125,11 +142,17 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
                         lo, hi = (off + p, width) if p < len(s) else (off, width)
                         picked.append(h[i, lo:hi].mean(0, keepdim=True))
                     else:
-                        picked.append(h[i, off + p:width])
+                        picked.append(h[i, off + p : width])
                 out[layer].append(torch.cat(picked).cpu())
             if position == "response":
-                rows.append(torch.cat([torch.full((len(s) - p,), span.start + i, dtype=torch.long)
-                                       for i, (s, p) in enumerate(zip(batch, bp, strict=True))]))
+                rows.append(
+                    torch.cat(
+                        [
+                            torch.full((len(s) - p,), span.start + i, dtype=torch.long)
+                            for i, (s, p) in enumerate(zip(batch, bp, strict=True))
+                        ]
+                    )
+                )
             else:
                 rows.append(torch.arange(span.start, span.stop))
     finally:
@@ -140,8 +163,13 @@ def capture_ids(model: nn.Module, sequences: Sequence[Sequence[int]], layers: in
     return acts, (torch.cat(rows) if rows else torch.empty(0, dtype=torch.long))
 
 
-def chat_ids(lm, prompts: Sequence[str | list[dict]], system: str | None = None, intervention=None,
-             responses: Sequence[str] | None = None) -> tuple[list[list[int]], list[int]]:
+def chat_ids(
+    lm,
+    prompts: Sequence[str | list[dict]],
+    system: str | None = None,
+    intervention=None,
+    responses: Sequence[str] | None = None,
+) -> tuple[list[list[int]], list[int]]:
     """Token ids of the chat-templated prompts (with the generation prompt), plus response ids if given.
 
     The response is tokenised on its own and appended, as generation would produce it after the prompt.
@@ -156,14 +184,25 @@ def chat_ids(lm, prompts: Sequence[str | list[dict]], system: str | None = None,
         return prompt_ids, [len(p) for p in prompt_ids]
     if len(responses) != len(prompts):
         raise AligntaxError(f"{len(prompts)} prompts but {len(responses)} responses.")
-    seqs = [p + tok(r, add_special_tokens=False)["input_ids"] for p, r in zip(prompt_ids, responses, strict=True)]
+    seqs = [
+        p + tok(r, add_special_tokens=False)["input_ids"] for p, r in zip(prompt_ids, responses, strict=True)
+    ]
     return seqs, [len(p) for p in prompt_ids]
 
 
-def capture(lm, prompts: Sequence[str | list[dict]], layers: int | str | Sequence[int] = "all",
-            position: str = "last", system: str | None = None, batch_size: int = 32,
-            responses: Sequence[str] | None = None, progress: bool = True, intervention=None,
-            return_index: bool = False, max_tokens: int | None = CAPTURE_BATCH_TOKENS):
+def capture(
+    lm,
+    prompts: Sequence[str | list[dict]],
+    layers: int | str | Sequence[int] = "all",
+    position: str = "last",
+    system: str | None = None,
+    batch_size: int = 32,
+    responses: Sequence[str] | None = None,
+    progress: bool = True,
+    intervention=None,
+    return_index: bool = False,
+    max_tokens: int | None = CAPTURE_BATCH_TOKENS,
+):
     """Residual stream entering ``layers`` of ``lm`` for chat prompts: ``{layer: float32 [N, d]}``.
 
     Uses the tokenizer's chat template (with ``system`` and the intervention's message changes, if any).
@@ -176,17 +215,33 @@ def capture(lm, prompts: Sequence[str | list[dict]], layers: int | str | Sequenc
     return capture_seqs(lm, seqs, plens, layers, position, batch_size, progress, return_index, max_tokens)
 
 
-def capture_seqs(lm, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                 layers: int | str | Sequence[int] = "all", position: str = "last", batch_size: int = 32,
-                 progress: bool = True, return_index: bool = False,
-                 max_tokens: int | None = CAPTURE_BATCH_TOKENS):
+def capture_seqs(
+    lm,
+    seqs: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    layers: int | str | Sequence[int] = "all",
+    position: str = "last",
+    batch_size: int = 32,
+    progress: bool = True,
+    return_index: bool = False,
+    max_tokens: int | None = CAPTURE_BATCH_TOKENS,
+):
     """:func:`capture` from token ids already built (:func:`chat_ids`), in their order: batches of
     sequences of similar length, so that they carry little padding."""
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     # Sort by length so batches carry little padding, then restore the input order.
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    acts, rows = capture_ids(lm.model, [seqs[i] for i in order], layers, position,
-                             [prompt_lens[i] for i in order], batch_size, pad, progress, max_tokens=max_tokens)
+    acts, rows = capture_ids(
+        lm.model,
+        [seqs[i] for i in order],
+        layers,
+        position,
+        [prompt_lens[i] for i in order],
+        batch_size,
+        pad,
+        progress,
+        max_tokens=max_tokens,
+    )
     order_t = torch.tensor(order, dtype=torch.long)
     orig_rows = order_t[rows] if len(rows) else rows
     if position == "response":
@@ -199,10 +254,18 @@ def capture_seqs(lm, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
 
 def residual_norms(acts_by_layer: dict[int, torch.Tensor]) -> dict[int, float]:
     """Median L2 norm of the captured states per layer (for per-layer step scaling)."""
-    return {int(layer): float(a.float().norm(dim=-1).median()) for layer, a in acts_by_layer.items() if len(a)}
+    return {
+        int(layer): float(a.float().norm(dim=-1).median()) for layer, a in acts_by_layer.items() if len(a)
+    }
 
 
-def measure_residual_norms(lm, prompts: Sequence[str | list[dict]], layers="all", system: str | None = None,
-                           batch_size: int = 32, progress: bool = False) -> dict[int, float]:
+def measure_residual_norms(
+    lm,
+    prompts: Sequence[str | list[dict]],
+    layers="all",
+    system: str | None = None,
+    batch_size: int = 32,
+    progress: bool = False,
+) -> dict[int, float]:
     """Capture the last prompt token at ``layers`` and return the median norm per layer."""
     return residual_norms(capture(lm, prompts, layers, "last", system, batch_size, progress=progress))

@@ -25,8 +25,15 @@ if TYPE_CHECKING:
     from aligntax.interventions.base import Intervention
     from aligntax.interventions.kernels import RowKernel
 
-__all__ = ["PrefillDecider", "decides_per_row", "prefill_states", "remembered_prefill_states", "row_info",
-           "rows_to_copy", "unsteered_rows"]
+__all__ = [
+    "PrefillDecider",
+    "decides_per_row",
+    "prefill_states",
+    "remembered_prefill_states",
+    "row_info",
+    "rows_to_copy",
+    "unsteered_rows",
+]
 
 
 def _kernel(intervention: Intervention | None, lm) -> RowKernel | None:
@@ -41,8 +48,14 @@ def decides_per_row(intervention: Intervention | None, n_layers: int, hidden_siz
     return kernel is not None and bool(kernel.read_layers)
 
 
-def prefill_states(lm, prompts, layers: Sequence[int], intervention: Intervention, system: str | None = None,
-                   batch_size: int = 32) -> dict[int, torch.Tensor]:
+def prefill_states(
+    lm,
+    prompts,
+    layers: Sequence[int],
+    intervention: Intervention,
+    system: str | None = None,
+    batch_size: int = 32,
+) -> dict[int, torch.Tensor]:
     """The states entering blocks ``layers`` at each prompt's last token, ``{block: [N, d]}`` on the
     model's device, as the intervention's pre-hooks see them in generation (same chat template and
     message changes), computed in batches that stop after the last of those blocks (and remembered
@@ -78,8 +91,9 @@ def remembered_prefill_states() -> Iterator[None]:
         _PREFILL_MEMO = outer
 
 
-def unsteered_rows(intervention: Intervention | None, lm, prompts, system: str | None = None,
-                   batch_size: int = 32) -> list[bool] | None:
+def unsteered_rows(
+    intervention: Intervention | None, lm, prompts, system: str | None = None, batch_size: int = 32
+) -> list[bool] | None:
     """Which prompts ``intervention`` leaves exactly as the unmodified model would answer them, decided
     from the prompt alone (before generating); None when it cannot tell in advance (no per-row
     decision: every row may change). A row whose decided strength is 0 is never edited."""
@@ -92,8 +106,9 @@ def unsteered_rows(intervention: Intervention | None, lm, prompts, system: str |
     return [bool(s == 0) or not kernel.sites for s in kernel.decide(states).cpu()]
 
 
-def row_info(intervention: Intervention | None, lm, prompts, system: str | None = None,
-             batch_size: int = 32) -> list[dict] | None:
+def row_info(
+    intervention: Intervention | None, lm, prompts, system: str | None = None, batch_size: int = 32
+) -> list[dict] | None:
     """Per prompt, what ``intervention`` decides for it before generating (``steered``, ``strength`` and
     what the method reads, e.g. a harm probability, an energy: the kernel's ``row_records``), for the
     run's records; None when it decides nothing per row."""
@@ -102,7 +117,9 @@ def row_info(intervention: Intervention | None, lm, prompts, system: str | None 
         return None
     if not prompts:
         return []
-    return kernel.row_records(prefill_states(lm, prompts, kernel.read_layers, intervention, system, batch_size))
+    return kernel.row_records(
+        prefill_states(lm, prompts, kernel.read_layers, intervention, system, batch_size)
+    )
 
 
 class PrefillDecider:

@@ -46,14 +46,24 @@ class PrefillRecorder(Intervention):
 
         def make_hook(layer: int):
             def hook(module, args, kwargs):  # the prefill takes the state; decode steps keep it
-                decide_at_prefill(hidden_from_args(args, kwargs), ctx, (id(self), layer),
-                                  lambda h: h.detach().float().cpu(), "Recording prompt states")
+                decide_at_prefill(
+                    hidden_from_args(args, kwargs),
+                    ctx,
+                    (id(self), layer),
+                    lambda h: h.detach().float().cpu(),
+                    "Recording prompt states",
+                )
+
             return hook
 
         self._last = None
         with hooks_attached([(blocks[layer], make_hook(layer), True) for layer in self.layers]):
             yield
-        got = {layer: ctx.decisions[(id(self), layer)] for layer in self.layers if (id(self), layer) in ctx.decisions}
+        got = {
+            layer: ctx.decisions[(id(self), layer)]
+            for layer in self.layers
+            if (id(self), layer) in ctx.decisions
+        }
         for layer, h in got.items():
             _require_finite(h, layer)
         self._last = got
@@ -63,8 +73,10 @@ class PrefillRecorder(Intervention):
         :mod:`aligntax.runs.distributed`), rows in the batch's order, taken as if recorded here:
         :meth:`keep` files them next."""
         if sorted(states) != sorted(self.layers):
-            raise AligntaxError(f"The batch's states are of layers {sorted(states)}, not of the recorded "
-                                f"layers {sorted(self.layers)}.")
+            raise AligntaxError(
+                f"The batch's states are of layers {sorted(states)}, not of the recorded "
+                f"layers {sorted(self.layers)}."
+            )
         got = {layer: states[layer].float().cpu() for layer in self.layers}
         for layer, h in got.items():
             _require_finite(h, layer)
@@ -76,7 +88,9 @@ class PrefillRecorder(Intervention):
             raise AligntaxError("No recorded batch to keep: generate a batch with this recorder first.")
         n = next(iter(self._last.values())).shape[0]
         if len(prompt_ids) != n:
-            raise AligntaxError(f"The recorded batch has {n} rows but {len(prompt_ids)} prompt ids were given.")
+            raise AligntaxError(
+                f"The recorded batch has {n} rows but {len(prompt_ids)} prompt ids were given."
+            )
         for layer in self.layers:
             self._acts[layer].append(self._last[layer])
         self.prompt_ids += [str(p) for p in prompt_ids]
@@ -98,6 +112,12 @@ class PrefillRecorder(Intervention):
             return
         idx = torch.tensor(keep)
         acts = {layer: h[idx] for layer, h in self.states().items()}
-        ActivationCache(acts, "last", [self.prompt_ids[i] for i in keep],
-                        [self.labels[i] for i in keep] if self.labels else [], None, dict(lm.fingerprint),
-                        {"system": system}).append_to(directory)
+        ActivationCache(
+            acts,
+            "last",
+            [self.prompt_ids[i] for i in keep],
+            [self.labels[i] for i in keep] if self.labels else [],
+            None,
+            dict(lm.fingerprint),
+            {"system": system},
+        ).append_to(directory)

@@ -33,10 +33,23 @@ class HFGenerator:
 
         return PrefillDecider(self.lm, self.intervention)
 
-    def iter_generate(self, prompts: Sequence, cfg: GenerationConfig, progress: bool = True,
-                      desc: str = "generate", recorder=None) -> Iterator[tuple[list[int], list[Generation]]]:
-        return iter_generate(self.lm, prompts, cfg, intervention=recorder or self.intervention, stats=self._stats,
-                             progress=progress, desc=desc)
+    def iter_generate(
+        self,
+        prompts: Sequence,
+        cfg: GenerationConfig,
+        progress: bool = True,
+        desc: str = "generate",
+        recorder=None,
+    ) -> Iterator[tuple[list[int], list[Generation]]]:
+        return iter_generate(
+            self.lm,
+            prompts,
+            cfg,
+            intervention=recorder or self.intervention,
+            stats=self._stats,
+            progress=progress,
+            desc=desc,
+        )
 
     def prompt_lengths(self, prompts: Sequence, system: str | None = None) -> list[int]:
         from aligntax.generation.chat import build_messages, render_chat
@@ -60,8 +73,15 @@ class HFSource:
     def __init__(self, lm=None) -> None:
         self.lm = lm
 
-    def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
-              device_map: bool = False, adapters: bool = False) -> None:
+    def check(
+        self,
+        *,
+        recorder: bool = False,
+        loaded_intervention: bool = False,
+        loaded_model: bool = False,
+        device_map: bool = False,
+        adapters: bool = False,
+    ) -> None:
         """Everything is taken: a loaded model and intervention are used as given."""
 
     def _model(self, spec: SourceSpec, lm=None):
@@ -90,7 +110,9 @@ class HFSource:
         """Everything is served: any device, a latency target."""
 
     @contextmanager
-    def serving(self, spec: SourceSpec, device: str | None = None, threads: int | None = None) -> Iterator[Serving]:
+    def serving(
+        self, spec: SourceSpec, device: str | None = None, threads: int | None = None
+    ) -> Iterator[Serving]:
         from functools import partial
 
         from aligntax.models.loader import load_model

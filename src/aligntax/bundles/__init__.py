@@ -11,5 +11,12 @@ from aligntax.bundles.bundle import (
     save_pretrained,
 )
 
-__all__ = ["Bundle", "check_files", "from_pretrained", "load_bundle", "push_to_hub", "resolve_bundle",
-           "save_pretrained"]
+__all__ = [
+    "Bundle",
+    "check_files",
+    "from_pretrained",
+    "load_bundle",
+    "push_to_hub",
+    "resolve_bundle",
+    "save_pretrained",
+]

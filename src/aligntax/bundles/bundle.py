@@ -31,8 +31,16 @@ from aligntax.bundles.card import (
 )
 from aligntax.errors import AligntaxError, DataError
 
-__all__ = ["ALLOWED_SUFFIXES", "Bundle", "check_files", "from_pretrained", "load_bundle", "push_to_hub",
-           "resolve_bundle", "save_pretrained"]
+__all__ = [
+    "ALLOWED_SUFFIXES",
+    "Bundle",
+    "check_files",
+    "from_pretrained",
+    "load_bundle",
+    "push_to_hub",
+    "resolve_bundle",
+    "save_pretrained",
+]
 
 FORMAT = "aligntax.bundle/1"
 MANIFEST = "bundle.json"
@@ -86,8 +94,10 @@ def check_files(folder: str | Path) -> list[str]:
             continue
         (files if p.suffix.lower() in ALLOWED_SUFFIXES else bad).append(rel.as_posix())
     if bad:
-        raise DataError(f"{folder} holds files a steering bundle may not contain: {', '.join(bad)}. Bundles hold "
-                        "safetensors, JSON and Markdown only (no pickles or other code-carrying formats).")
+        raise DataError(
+            f"{folder} holds files a steering bundle may not contain: {', '.join(bad)}. Bundles hold "
+            "safetensors, JSON and Markdown only (no pickles or other code-carrying formats)."
+        )
     return files
 
 
@@ -108,8 +118,11 @@ def _els_best(source: Path, setting: dict) -> dict:
     if path.is_file() and tuned_settings(source) is not None and _els_setting(source, {}) == setting:
         src = json.loads(path.read_text())
         row = {k: v for k, v in (src.get("best") or {}).items() if k != "key"}
-        return {"best": {**row, "args": dict(setting)}, "selected": "on validation data by aligntax els sweep",
-                **{k: src[k] for k in ("method", "max_new_tokens", "benign", "harmful", "knowns") if k in src}}
+        return {
+            "best": {**row, "args": dict(setting)},
+            "selected": "on validation data by aligntax els sweep",
+            **{k: src[k] for k in ("method", "max_new_tokens", "benign", "harmful", "knowns") if k in src},
+        }
     return {"best": {"args": dict(setting)}, "selected": "given when the bundle was saved"}
 
 
@@ -119,25 +132,63 @@ def _training_data(source: Path, method: str, vectors_meta: dict | None) -> dict
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
     if method == "els":
         bank = json.loads((source / "energy.json").read_text()).get("metadata") or {}
-        out: dict = {"energy_models": {k: bank[k] for k in ("benign", "harmful", "judge", "n_benign", "n_harmful",
-                                                            "benign_refused", "harmful_refused", "n_states")
-                                       if k in bank}}
+        out: dict = {
+            "energy_models": {
+                k: bank[k]
+                for k in (
+                    "benign",
+                    "harmful",
+                    "judge",
+                    "n_benign",
+                    "n_harmful",
+                    "benign_refused",
+                    "harmful_refused",
+                    "n_states",
+                )
+                if k in bank
+            }
+        }
         if (source / "gate.json").is_file():
             info = json.loads((source / "gate.json").read_text()).get("info") or {}
-            out["harm_gate"] = {k: info[k] for k in ("benign", "harmful", "n", "n_harmful", "recall_target") if k in info}
+            out["harm_gate"] = {
+                k: info[k] for k in ("benign", "harmful", "n", "n_harmful", "recall_target") if k in info
+            }
         if cfg:
-            out["train_config"] = {k: cfg[k] for k in ("model", "benign", "harmful", "harmless", "limit_benign",
-                                                       "limit_harmful", "limit_harmless", "gate_benign", "gate_harmful",
-                                                       "limit_gate_benign", "limit_gate_harmful", "judge",
-                                                       "max_new_tokens", "dtype", "seed") if k in cfg}
+            out["train_config"] = {
+                k: cfg[k]
+                for k in (
+                    "model",
+                    "benign",
+                    "harmful",
+                    "harmless",
+                    "limit_benign",
+                    "limit_harmful",
+                    "limit_harmless",
+                    "gate_benign",
+                    "gate_harmful",
+                    "limit_gate_benign",
+                    "limit_gate_harmful",
+                    "judge",
+                    "max_new_tokens",
+                    "dtype",
+                    "seed",
+                )
+                if k in cfg
+            }
         return out
     out = {"vectors": {k: v for k, v in (vectors_meta or {}).items()}}
     if cfg and source.name == "vectors" and (source.parent / "energy.json").is_file():
         # aligntax els train: refusal = harmful - harmless, false refusal = benign look-alikes - harmless
-        out["prompts"] = {"harmful": cfg.get("harmful"), "limit_harmful": cfg.get("limit_harmful"),
-                          "harmless": cfg.get("harmless"), "limit_harmless": cfg.get("limit_harmless"),
-                          "pseudo_harmful": cfg.get("benign"), "limit_pseudo_harmful": cfg.get("limit_benign"),
-                          "model": cfg.get("model"), "dtype": cfg.get("dtype")}
+        out["prompts"] = {
+            "harmful": cfg.get("harmful"),
+            "limit_harmful": cfg.get("limit_harmful"),
+            "harmless": cfg.get("harmless"),
+            "limit_harmless": cfg.get("limit_harmless"),
+            "pseudo_harmful": cfg.get("benign"),
+            "limit_pseudo_harmful": cfg.get("limit_benign"),
+            "model": cfg.get("model"),
+            "dtype": cfg.get("dtype"),
+        }
     else:
         out["prompts"] = "not recorded in the vector folder"
     return out
@@ -156,26 +207,37 @@ def _config_of(iv) -> dict:
     return {k: v for k, v in cfg.items() if k not in ("source", "settings_from")}
 
 
-def _check_run(run_dir: Path, source: Path, method: str, files: list[str], iv_cfg: dict, fingerprint: dict) -> dict:
+def _check_run(
+    run_dir: Path, source: Path, method: str, files: list[str], iv_cfg: dict, fingerprint: dict
+) -> dict:
     """The rates of a run made with this steering (or unsteered), refusing runs of other steering."""
     rates, prov, iv = read_run(run_dir)
     check_run_fingerprint(prov.get("model_fingerprint") or {}, fingerprint, str(run_dir))
     if rates.intervention == "none":
         return rates.to_dict()
     if rates.intervention != method:
-        raise AligntaxError(f"Run {run_dir} used the intervention '{rates.intervention}', not this bundle's "
-                            f"'{method}' (give its own runs, or unsteered ones).")
+        raise AligntaxError(
+            f"Run {run_dir} used the intervention '{rates.intervention}', not this bundle's "
+            f"'{method}' (give its own runs, or unsteered ones)."
+        )
     recorded = (prov.get("intervention") or {}).get("files") or {}
     if not recorded:
-        raise AligntaxError(f"Run {run_dir} records no digest of its steering folder (provenance.json), so its rates "
-                            "cannot be tied to this folder.")
+        raise AligntaxError(
+            f"Run {run_dir} records no digest of its steering folder (provenance.json), so its rates "
+            "cannot be tied to this folder."
+        )
     checked = [f for f in files if f in recorded]
     if not any(f.endswith(".safetensors") for f in checked) or any(
-            recorded[f].get("sha256") != _sha256(source / f) for f in checked):
-        raise AligntaxError(f"Run {run_dir} was made with another steering folder than {source} (its files differ).")
+        recorded[f].get("sha256") != _sha256(source / f) for f in checked
+    ):
+        raise AligntaxError(
+            f"Run {run_dir} was made with another steering folder than {source} (its files differ)."
+        )
     if _strip(iv) != iv_cfg:
-        raise AligntaxError(f"Run {run_dir} steered with another setting ({json.dumps(_strip(iv))}) than the bundle's "
-                            f"({json.dumps(iv_cfg)}).")
+        raise AligntaxError(
+            f"Run {run_dir} steered with another setting ({json.dumps(_strip(iv))}) than the bundle's "
+            f"({json.dumps(iv_cfg)})."
+        )
     return rates.to_dict()
 
 
@@ -195,8 +257,15 @@ def _strip(cfg: dict) -> dict:
 
 
 # ---- save / load ----------------------------------------------------------------------------------------
-def save_pretrained(source: str | Path, out: str | Path, method: str | None = None, results=(),
-                    base_model: str | None = None, repo_id: str | None = None, **options) -> Path:
+def save_pretrained(
+    source: str | Path,
+    out: str | Path,
+    method: str | None = None,
+    results=(),
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    **options,
+) -> Path:
     """Pack the steering folder ``source`` into the bundle folder ``out`` (new or empty); returns it.
 
     ``method``: ``els`` (default for a folder with ``energy.json``) or a vector method (``refusal-ablation``,
@@ -213,7 +282,9 @@ def save_pretrained(source: str | Path, out: str | Path, method: str | None = No
         raise AligntaxError(f"{source} is not a folder.")
     if method is None:
         if not (source / "energy.json").is_file():
-            raise AligntaxError(f"{source} holds no energy bank: say which vector method to bundle (method=, --method).")
+            raise AligntaxError(
+                f"{source} holds no energy bank: say which vector method to bundle (method=, --method)."
+            )
         method = "els"
     if method not in METHODS:
         raise AligntaxError(f"Unknown bundle method '{method}'; use one of {', '.join(METHODS)}.")
@@ -240,10 +311,21 @@ def save_pretrained(source: str | Path, out: str | Path, method: str | None = No
     iv_cfg = _config_of(iv)
     runs = [_check_run(Path(r), folder, method, files, iv_cfg, fingerprint) for r in results]
     spec = fingerprint.get("spec")
-    manifest = {"format": FORMAT, "method": method, "setting": setting, "intervention": iv_cfg,
-                "base_model": {"spec": spec, "hub_id": base_model or hub_base_model(spec), "fingerprint": fingerprint},
-                "training_data": _training_data(folder, method, vectors_meta), "results": runs,
-                "files": [], "repo_id": repo_id}
+    manifest = {
+        "format": FORMAT,
+        "method": method,
+        "setting": setting,
+        "intervention": iv_cfg,
+        "base_model": {
+            "spec": spec,
+            "hub_id": base_model or hub_base_model(spec),
+            "fingerprint": fingerprint,
+        },
+        "training_data": _training_data(folder, method, vectors_meta),
+        "results": runs,
+        "files": [],
+        "repo_id": repo_id,
+    }
     out.mkdir(parents=True, exist_ok=True)
     for f in files:
         shutil.copyfile(folder / f, out / f)
@@ -265,11 +347,18 @@ def _vector_defaults(method: str, vmeta: dict) -> dict:
     chosen = (vmeta.get("metadata") or {}).get("layer")
     if not layers:
         raise DataError(f"The vector folder holds no '{kind}' vectors for {method}.")
-    return {"layer": int(chosen) if chosen is not None and int(chosen) in layers else layers[len(layers) // 2]}
+    return {
+        "layer": int(chosen) if chosen is not None and int(chosen) in layers else layers[len(layers) // 2]
+    }
 
 
-def resolve_bundle(ref: str | Path, revision: str | None = None, token: str | None = None,
-                   cache_dir: str | Path | None = None, local_dir: str | Path | None = None) -> Path:
+def resolve_bundle(
+    ref: str | Path,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | Path | None = None,
+    local_dir: str | Path | None = None,
+) -> Path:
     """A local folder as it is, or a Hub id downloaded (safetensors, JSON and Markdown only); its files
     checked (:func:`check_files`)."""
     text = str(ref)
@@ -282,11 +371,20 @@ def resolve_bundle(ref: str | Path, revision: str | None = None, token: str | No
     from huggingface_hub import snapshot_download
 
     try:
-        got = snapshot_download(text, revision=revision, token=token, cache_dir=cache_dir, local_dir=local_dir,
-                                allow_patterns=ALLOW_PATTERNS, library_name="aligntax")
+        got = snapshot_download(
+            text,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            local_dir=local_dir,
+            allow_patterns=ALLOW_PATTERNS,
+            library_name="aligntax",
+        )
     except Exception as exc:  # network, authentication, missing repository: one clear message
-        raise AligntaxError(f"Could not download the bundle {text!r} from the Hugging Face Hub: "
-                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+        raise AligntaxError(
+            f"Could not download the bundle {text!r} from the Hugging Face Hub: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from exc
     got = Path(got)
     check_files(got)
     return got
@@ -297,7 +395,9 @@ def load_bundle(ref: str | Path, **download) -> Bundle:
     path = resolve_bundle(ref, **download)
     man = path / MANIFEST
     if not man.is_file():
-        raise DataError(f"{path} is not a steering bundle (no {MANIFEST}); save one with aligntax bundle save.")
+        raise DataError(
+            f"{path} is not a steering bundle (no {MANIFEST}); save one with aligntax bundle save."
+        )
     manifest = json.loads(man.read_text())
     if manifest.get("format") != FORMAT:
         raise DataError(f"{man} is not an aligntax bundle (format {manifest.get('format')!r}).")
@@ -309,14 +409,22 @@ def load_bundle(ref: str | Path, **download) -> Bundle:
     return Bundle(path, manifest)
 
 
-def from_pretrained(ref: str | Path, lm=None, revision: str | None = None, token: str | None = None, **options):
+def from_pretrained(
+    ref: str | Path, lm=None, revision: str | None = None, token: str | None = None, **options
+):
     """The intervention of the bundle at ``ref`` (a folder or a Hub id) for ``lm`` (fingerprint checked);
     ``options`` override its setting."""
     return load_bundle(ref, revision=revision, token=token).intervention(lm, **options)
 
 
-def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, private: bool = True,
-                commit_message: str | None = None, revision: str | None = None):
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    token: str | None = None,
+    private: bool = True,
+    commit_message: str | None = None,
+    revision: str | None = None,
+):
     """Upload a bundle folder to the Hub model repository ``repo_id`` (created when missing), through
     ``HfApi().create_repo`` and ``upload_folder``; safetensors, JSON and Markdown only. Returns the
     commit info ``upload_folder`` returns."""
@@ -329,6 +437,12 @@ def push_to_hub(folder: str | Path, repo_id: str, token: str | None = None, priv
         (b.path / CARD).write_text(render_card(b.manifest))
     api = HfApi(token=token)
     api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
-    return api.upload_folder(repo_id=repo_id, folder_path=str(b.path), repo_type="model", token=token,
-                             revision=revision, allow_patterns=ALLOW_PATTERNS,
-                             commit_message=commit_message or f"aligntax steering bundle ({b.method})")
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(b.path),
+        repo_type="model",
+        token=token,
+        revision=revision,
+        allow_patterns=ALLOW_PATTERNS,
+        commit_message=commit_message or f"aligntax steering bundle ({b.method})",
+    )

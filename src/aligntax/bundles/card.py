@@ -58,12 +58,27 @@ class RunRates:
     datasets: dict = field(default_factory=dict)  # {dataset: {"benign"|"harmful": {...}}}
 
     def to_dict(self) -> dict:
-        return {"run": self.run, "intervention": self.intervention, "data": self.data, "judge": self.judge,
-                "max_new_tokens": self.max_new_tokens, "dtype": self.dtype, "overall": self.overall,
-                "datasets": self.datasets}
+        return {
+            "run": self.run,
+            "intervention": self.intervention,
+            "data": self.data,
+            "judge": self.judge,
+            "max_new_tokens": self.max_new_tokens,
+            "dtype": self.dtype,
+            "overall": self.overall,
+            "datasets": self.datasets,
+        }
 
 
-_KEEP = ("n", "compliance_rate", "ci95", "useful_compliance_rate", "useful_ci95", "degenerate_rate", "refusal_rate")
+_KEEP = (
+    "n",
+    "compliance_rate",
+    "ci95",
+    "useful_compliance_rate",
+    "useful_ci95",
+    "degenerate_rate",
+    "refusal_rate",
+)
 
 
 def _block(b: dict) -> dict:
@@ -75,19 +90,28 @@ def read_run(run_dir: str | Path) -> tuple[RunRates, dict, dict]:
     run_dir = Path(run_dir)
     path = run_dir / "results.json"
     if not path.is_file():
-        raise DataError(f"{run_dir} is not a finished evaluation run (no results.json); run `aligntax eval` first.")
+        raise DataError(
+            f"{run_dir} is not a finished evaluation run (no results.json); run `aligntax eval` first."
+        )
     res = json.loads(path.read_text())
     cfg = res.get("config") or {}
     prov_path, iv_path = run_dir / "provenance.json", run_dir / "intervention.json"
     prov = json.loads(prov_path.read_text()) if prov_path.is_file() else {}
     iv = json.loads(iv_path.read_text()) if iv_path.is_file() else (res.get("intervention") or {})
     name = cfg.get("intervention") or ((iv or {}).get("name")) or "none"
-    rates = RunRates(run=run_dir.name, intervention=name, data=list(cfg.get("data") or []),
-                     judge=str(cfg.get("judge")), max_new_tokens=int(cfg.get("max_new_tokens") or 0),
-                     dtype=str(cfg.get("dtype")),
-                     overall={k: _block(res[k]) for k in ("benign", "harmful") if isinstance(res.get(k), dict)},
-                     datasets={ds: {k: _block(v) for k, v in blocks.items()}
-                               for ds, blocks in (res.get("datasets") or {}).items()})
+    rates = RunRates(
+        run=run_dir.name,
+        intervention=name,
+        data=list(cfg.get("data") or []),
+        judge=str(cfg.get("judge")),
+        max_new_tokens=int(cfg.get("max_new_tokens") or 0),
+        dtype=str(cfg.get("dtype")),
+        overall={k: _block(res[k]) for k in ("benign", "harmful") if isinstance(res.get(k), dict)},
+        datasets={
+            ds: {k: _block(v) for k, v in blocks.items()}
+            for ds, blocks in (res.get("datasets") or {}).items()
+        },
+    )
     rates_fp = res.get("model_fingerprint") or prov.get("model_fingerprint") or {}
     return rates, {**prov, "model_fingerprint": rates_fp}, iv or {}
 
@@ -102,16 +126,24 @@ def _ci(ci) -> str:
 
 
 def rates_table(runs: list[dict]) -> list[str]:
-    lines = ["| run | intervention | dataset | prompts | n | rate (%) | 95% CI (Wilson) |", "|---|---|---|---|---:|---:|---|"]
+    lines = [
+        "| run | intervention | dataset | prompts | n | rate (%) | 95% CI (Wilson) |",
+        "|---|---|---|---|---:|---:|---|",
+    ]
     for r in runs:
         for ds, blocks in sorted(r["datasets"].items()):
             for label, b in sorted(blocks.items()):
                 if label == "benign":
-                    rate, ci, what = b.get("useful_compliance_rate", b.get("compliance_rate")), \
-                        b.get("useful_ci95", b.get("ci95")), "benign: useful compliance"
+                    rate, ci, what = (
+                        b.get("useful_compliance_rate", b.get("compliance_rate")),
+                        b.get("useful_ci95", b.get("ci95")),
+                        "benign: useful compliance",
+                    )
                 else:
                     rate, ci, what = b.get("refusal_rate"), b.get("ci95"), "harmful: refusal"
-                lines.append(f"| {r['run']} | {r['intervention']} | {ds} | {what} | {b.get('n')} | {_pct(rate)} | {_ci(ci)} |")
+                lines.append(
+                    f"| {r['run']} | {r['intervention']} | {ds} | {what} | {b.get('n')} | {_pct(rate)} | {_ci(ci)} |"
+                )
     return lines
 
 
@@ -123,39 +155,85 @@ def render_card(manifest: dict) -> str:
     if base.get("hub_id"):
         meta["base_model"] = base["hub_id"]
     meta["tags"] = ["aligntax", "steering", method]
-    meta["aligntax"] = {"format": manifest["format"], "method": method, "base_model": base.get("spec"),
-                        "base_model_fingerprint": base.get("fingerprint"), "setting": manifest.get("setting"),
-                        "training_data": manifest.get("training_data"),
-                        "results": manifest.get("results") or []}
+    meta["aligntax"] = {
+        "format": manifest["format"],
+        "method": method,
+        "base_model": base.get("spec"),
+        "base_model_fingerprint": base.get("fingerprint"),
+        "setting": manifest.get("setting"),
+        "training_data": manifest.get("training_data"),
+        "results": manifest.get("results") or [],
+    }
     spec = base.get("spec") or "MODEL"
     model_arg = base.get("hub_id") or spec
     ref = manifest.get("repo_id") or "PATH_OR_REPO_ID"
     if method == "els":
-        cli = f"aligntax bundle pull {ref} --out steer\naligntax generate \"Where can I buy a can of coke?\" --model {model_arg} --steer steer"
+        cli = f'aligntax bundle pull {ref} --out steer\naligntax generate "Where can I buy a can of coke?" --model {model_arg} --steer steer'
         cli += f"\naligntax eval --data xstest --model {model_arg} --steer steer --out runs/steered"
     else:
-        cli = (f"aligntax bundle pull {ref} --out steer\n"
-               f"aligntax eval --data xstest --model {model_arg} --intervention {method} --vectors steer --out runs/steered")
-    body = [f"# {method} steering for {spec}", "",
-            f"A steering bundle made with aligntax: `{method}` on `{spec}` (safetensors and JSON only). It steers the "
-            "model's hidden states during generation; the model's weights are not changed.", "",
-            "## Load and steer", "", "```python", "import aligntax",
-            f"lm = aligntax.load_model(\"{model_arg}\")",
-            f"iv = aligntax.load_intervention(\"{ref}\", lm)  # a local folder or a Hub id",
-            "with iv.apply(lm.model):  # then lm.model.generate(...) on chat-templated, left-padded prompts",
-            "    ...", "```", "", "From the command line:", "", "```bash", cli, "```", "",
-            "## Setting", "", "```json", json.dumps(manifest.get("setting"), indent=2, default=str), "```", "",
-            "## Base model", "", f"`{spec}`" + (f" (Hub: `{base['hub_id']}`)" if base.get("hub_id") else "")
-            + "; fingerprint (checked on load):", "", "```json", json.dumps(base.get("fingerprint"), indent=2), "```", "",
-            "## Training data", "", "```json", json.dumps(manifest.get("training_data"), indent=2, default=str), "```", ""]
+        cli = (
+            f"aligntax bundle pull {ref} --out steer\n"
+            f"aligntax eval --data xstest --model {model_arg} --intervention {method} --vectors steer --out runs/steered"
+        )
+    body = [
+        f"# {method} steering for {spec}",
+        "",
+        f"A steering bundle made with aligntax: `{method}` on `{spec}` (safetensors and JSON only). It steers the "
+        "model's hidden states during generation; the model's weights are not changed.",
+        "",
+        "## Load and steer",
+        "",
+        "```python",
+        "import aligntax",
+        f'lm = aligntax.load_model("{model_arg}")',
+        f'iv = aligntax.load_intervention("{ref}", lm)  # a local folder or a Hub id',
+        "with iv.apply(lm.model):  # then lm.model.generate(...) on chat-templated, left-padded prompts",
+        "    ...",
+        "```",
+        "",
+        "From the command line:",
+        "",
+        "```bash",
+        cli,
+        "```",
+        "",
+        "## Setting",
+        "",
+        "```json",
+        json.dumps(manifest.get("setting"), indent=2, default=str),
+        "```",
+        "",
+        "## Base model",
+        "",
+        f"`{spec}`"
+        + (f" (Hub: `{base['hub_id']}`)" if base.get("hub_id") else "")
+        + "; fingerprint (checked on load):",
+        "",
+        "```json",
+        json.dumps(base.get("fingerprint"), indent=2),
+        "```",
+        "",
+        "## Training data",
+        "",
+        "```json",
+        json.dumps(manifest.get("training_data"), indent=2, default=str),
+        "```",
+        "",
+    ]
     runs = manifest.get("results") or []
     body += ["## Measured rates", ""]
     if runs:
-        body += ["Rates measured by the evaluation runs named below (`aligntax eval`, greedy decoding; benign: share of "
-                 "useful compliant answers, harmful: share of refusals; 95% Wilson intervals):", ""]
+        body += [
+            "Rates measured by the evaluation runs named below (`aligntax eval`, greedy decoding; benign: share of "
+            "useful compliant answers, harmful: share of refusals; 95% Wilson intervals):",
+            "",
+        ]
         body += rates_table(runs)
-        body += [""] + [f"- `{r['run']}`: {r['intervention']}, data {', '.join(r['data'])}, judge {r['judge']}, "
-                        f"{r['max_new_tokens']} new tokens, {r['dtype']}" for r in runs]
+        body += [""] + [
+            f"- `{r['run']}`: {r['intervention']}, data {', '.join(r['data'])}, judge {r['judge']}, "
+            f"{r['max_new_tokens']} new tokens, {r['dtype']}"
+            for r in runs
+        ]
     else:
         body += ["No evaluation run was given when this bundle was saved, so it carries no measured rates."]
     return front_matter(meta) + "\n" + "\n".join(body) + "\n"
@@ -165,5 +243,7 @@ def check_run_fingerprint(rates_fp: dict, bundle_fp: dict, run: str) -> None:
     from aligntax.artefacts import check_fingerprint
 
     if not rates_fp:
-        raise AligntaxError(f"Run {run} records no model fingerprint, so its rates cannot be tied to this bundle's model.")
+        raise AligntaxError(
+            f"Run {run} records no model fingerprint, so its rates cannot be tied to this bundle's model."
+        )
     check_fingerprint(rates_fp, bundle_fp, f"evaluation run {run}")

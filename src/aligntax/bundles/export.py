@@ -35,7 +35,15 @@ from torch import nn
 from aligntax.errors import AligntaxError
 from aligntax.models.layers import decoder_layers
 
-__all__ = ["BAKEABLE", "ExportInfo", "bake", "export_lora_model", "export_model", "hook_equivalent", "merge_lora"]
+__all__ = [
+    "BAKEABLE",
+    "ExportInfo",
+    "bake",
+    "export_lora_model",
+    "export_model",
+    "hook_equivalent",
+    "merge_lora",
+]
 
 FORMAT = "aligntax.export/1"
 INFO_FILE = "aligntax_export.json"
@@ -48,7 +56,7 @@ BAKEABLE = {
 _ALIASES = {"refusal-addition": "refusal-add"}  # the name exports had before: still accepted
 _STATEFUL = {
     "els": "ELS moves each state along the gradient of an energy model of that state, and decides per row "
-           "(harm gate, row energy) at generation time",
+    "(harm gate, row energy) at generation time",
     "cast": "CAST decides per row from the prompt's state at a condition layer whether to steer",
 }
 # residual stream written only by embed_tokens, self_attn.o_proj and mlp.down_proj of every block
@@ -87,10 +95,15 @@ def canonical_method(method: str) -> str:
     if method in BAKEABLE or method == "els-lora":  # els-lora: merged by export_lora_model
         return method
     if method in _STATEFUL:
-        raise AligntaxError(f"'{method}' cannot be baked into weights: {_STATEFUL[method]}, which no fixed weight "
-                            "edit reproduces. Share it as a steering bundle instead (aligntax bundle save)"
-                            + (", or distil it into a LoRA adapter (aligntax els distill) and export that as "
-                               "els-lora." if method == "els" else "."))
+        raise AligntaxError(
+            f"'{method}' cannot be baked into weights: {_STATEFUL[method]}, which no fixed weight "
+            "edit reproduces. Share it as a steering bundle instead (aligntax bundle save)"
+            + (
+                ", or distil it into a LoRA adapter (aligntax els distill) and export that as els-lora."
+                if method == "els"
+                else "."
+            )
+        )
     raise AligntaxError(f"Cannot export '{method}'; exportable: {', '.join(BAKEABLE)}.")
 
 
@@ -117,27 +130,38 @@ def _check_architecture(model: nn.Module, method: str, edit: str, block: int) ->
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
     if mt not in _SUPPORTED:
-        raise AligntaxError(f"Cannot export to weights for model type '{mt}': supported are {', '.join(_SUPPORTED)} "
-                            "(architectures whose residual stream is written only by the embeddings, the attention "
-                            "output projections and the MLP down projections).")
+        raise AligntaxError(
+            f"Cannot export to weights for model type '{mt}': supported are {', '.join(_SUPPORTED)} "
+            "(architectures whose residual stream is written only by the embeddings, the attention "
+            "output projections and the MLP down projections)."
+        )
     for i, blk in enumerate(decoder_layers(model)):
         if any(hasattr(blk, n) for n in _SANDWICH_NORMS):
-            raise AligntaxError(f"Block {i} of this {mt} model normalises its sub-layer outputs before adding them "
-                                "to the residual stream, so no weight edit ablates or adds a direction exactly.")
-        if not isinstance(getattr(getattr(blk, "self_attn", None), "o_proj", None), nn.Linear) or \
-                not isinstance(getattr(getattr(blk, "mlp", None), "down_proj", None), nn.Linear):
+            raise AligntaxError(
+                f"Block {i} of this {mt} model normalises its sub-layer outputs before adding them "
+                "to the residual stream, so no weight edit ablates or adds a direction exactly."
+            )
+        if not isinstance(
+            getattr(getattr(blk, "self_attn", None), "o_proj", None), nn.Linear
+        ) or not isinstance(getattr(getattr(blk, "mlp", None), "down_proj", None), nn.Linear):
             raise AligntaxError(f"Block {i} has no self_attn.o_proj / mlp.down_proj linear layers to edit.")
     if edit == "add" and block > 0:
         if mt in ("qwen3", "gemma"):
-            raise AligntaxError(f"A {mt} model has no MLP bias (no config option for one), so an addition at the "
-                                f"input of block {block} has no exact weight form; only block 0 (the embeddings) "
-                                "can carry an addition for it.")
+            raise AligntaxError(
+                f"A {mt} model has no MLP bias (no config option for one), so an addition at the "
+                f"input of block {block} has no exact weight form; only block 0 (the embeddings) "
+                "can carry an addition for it."
+            )
         if mt == "qwen2" and any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-            raise AligntaxError("This Qwen2 model uses sliding-window attention: it cannot be written as a Llama "
-                                "model with biases, so an addition at a block other than 0 cannot be exported.")
+            raise AligntaxError(
+                "This Qwen2 model uses sliding-window attention: it cannot be written as a Llama "
+                "model with biases, so an addition at a block other than 0 cannot be exported."
+            )
         if mt == "mistral" and getattr(cfg, "sliding_window", None) is not None:
-            raise AligntaxError("This Mistral model has a sliding window and no bias option: an addition at a block "
-                                "other than 0 cannot be exported exactly (a block-0 addition goes into the embeddings).")
+            raise AligntaxError(
+                "This Mistral model has a sliding window and no bias option: an addition at a block "
+                "other than 0 cannot be exported exactly (a block-0 addition goes into the embeddings)."
+            )
     return mt
 
 
@@ -149,8 +173,21 @@ def _as_llama(model: nn.Module) -> nn.Module:
     src = model.config
     d = src.to_dict()
     keys = set(LlamaConfig().to_dict())
-    kwargs = {k: v for k, v in d.items() if k in keys and k not in ("architectures", "model_type", "transformers_version",
-                                                                   "attention_bias", "mlp_bias", "head_dim", "dtype")}
+    kwargs = {
+        k: v
+        for k, v in d.items()
+        if k in keys
+        and k
+        not in (
+            "architectures",
+            "model_type",
+            "transformers_version",
+            "attention_bias",
+            "mlp_bias",
+            "head_dim",
+            "dtype",
+        )
+    }
     head_dim = getattr(src, "head_dim", None) or src.hidden_size // src.num_attention_heads
     attention_bias = src.model_type == "qwen2"  # q, k, v biases (o_proj's stays zero)
     cfg = LlamaConfig(**kwargs, head_dim=head_dim, attention_bias=attention_bias, mlp_bias=True)
@@ -163,7 +200,9 @@ def _as_llama(model: nn.Module) -> nn.Module:
     missing, unexpected = new.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise AligntaxError(f"Cannot write this {src.model_type} model as Llama: missing {missing}, unexpected {unexpected}.")
+        raise AligntaxError(
+            f"Cannot write this {src.model_type} model as Llama: missing {missing}, unexpected {unexpected}."
+        )
     if cfg.tie_word_embeddings:
         new.tie_weights()
     new.generation_config = copy.deepcopy(model.generation_config)
@@ -202,7 +241,9 @@ def _orthogonalise(lin: nn.Linear, r: torch.Tensor) -> None:
         lin.bias.sub_(r * (r @ lin.bias))
 
 
-def bake(model: nn.Module, method: str, vector: torch.Tensor, layer: int, coeff: float = 1.0) -> tuple[nn.Module, ExportInfo]:
+def bake(
+    model: nn.Module, method: str, vector: torch.Tensor, layer: int, coeff: float = 1.0
+) -> tuple[nn.Module, ExportInfo]:
     """A float32 copy of ``model`` with ``method`` baked into its weights (``model`` is not changed).
 
     ``vector`` is the direction (ablation) or the added vector (addition, at the input of block
@@ -217,18 +258,29 @@ def bake(model: nn.Module, method: str, vector: torch.Tensor, layer: int, coeff:
     if v.ndim != 1 or not torch.isfinite(v).all() or float(v.norm()) == 0:
         raise AligntaxError("The vector to bake in must be one finite, non-zero vector.")
     if edit == "ablate" and float(coeff) != 1.0:
-        raise AligntaxError(f"Only a full ablation (coeff 1) has a weight form; got coeff {coeff}. Removing part of "
-                            "the component at every block input compounds across blocks, which no weight edit matches.")
+        raise AligntaxError(
+            f"Only a full ablation (coeff 1) has a weight form; got coeff {coeff}. Removing part of "
+            "the component at every block input compounds across blocks, which no weight edit matches."
+        )
     mt = _check_architecture(model, method, edit, layer)
     source_arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    info = ExportInfo(method=method, vector=kind, layer=layer, coeff=float(coeff), edit=edit,
-                      source_architecture=source_arch, vector_norm=float(v.norm()))
+    info = ExportInfo(
+        method=method,
+        vector=kind,
+        layer=layer,
+        coeff=float(coeff),
+        edit=edit,
+        source_architecture=source_arch,
+        vector_norm=float(v.norm()),
+    )
     if edit == "add" and layer > 0 and mt in _AS_LLAMA:
         new = _as_llama(model)
     else:
         new = copy.deepcopy(model).float().eval()
     if v.shape[0] != new.config.hidden_size:
-        raise AligntaxError(f"Vector has size {v.shape[0]}, the model's hidden size is {new.config.hidden_size}.")
+        raise AligntaxError(
+            f"Vector has size {v.shape[0]}, the model's hidden size is {new.config.hidden_size}."
+        )
     info.untied_embeddings = _untie(new)
     blocks = decoder_layers(new)
     names = {id(p): k for k, p in new.named_parameters()}
@@ -258,8 +310,15 @@ def bake(model: nn.Module, method: str, vector: torch.Tensor, layer: int, coeff:
     return new, info
 
 
-def export_model(lm, vectors_dir: str | Path, method: str, out: str | Path, layer: int | None = None,
-                 coeff: float = 1.0, dtype: str | torch.dtype | None = None) -> Path:
+def export_model(
+    lm,
+    vectors_dir: str | Path,
+    method: str,
+    out: str | Path,
+    layer: int | None = None,
+    coeff: float = 1.0,
+    dtype: str | torch.dtype | None = None,
+) -> Path:
     """Write ``lm`` with the vector method ``method`` (vectors from ``vectors_dir``, checked against the
     model's fingerprint) baked into its weights as a Hugging Face model folder ``out``; returns ``out``.
 
@@ -270,8 +329,11 @@ def export_model(lm, vectors_dir: str | Path, method: str, out: str | Path, laye
 
     method = _vector_method(method)
     _, kind, _ = BAKEABLE[method]
-    vs = SteeringVectors.load(vectors_dir, expect_fingerprint=dict(lm.fingerprint) if lm.fingerprint else None,
-                              expect_hidden_size=lm.hidden_size)
+    vs = SteeringVectors.load(
+        vectors_dir,
+        expect_fingerprint=dict(lm.fingerprint) if lm.fingerprint else None,
+        expect_hidden_size=lm.hidden_size,
+    )
     layer = vs.default_layer(kind) if layer is None else int(layer)
     target = resolve_dtype(dtype) if dtype is not None else lm.dtype
     out = Path(out)
@@ -299,15 +361,19 @@ def _card(info: ExportInfo, spec: str) -> str:
     if base:
         meta["base_model"] = base
     meta["aligntax"] = {"export": asdict(info)}
-    what = ("the direction removed from every residual-stream write (weight orthogonalisation)" if info.edit == "ablate"
-            else f"{info.coeff:g} x the vector added to the input of block {info.layer}")
+    what = (
+        "the direction removed from every residual-stream write (weight orthogonalisation)"
+        if info.edit == "ablate"
+        else f"{info.coeff:g} x the vector added to the input of block {info.layer}"
+    )
     return front_matter(meta) + (
         f"\n# {spec} with {info.method} baked in\n\n"
         f"Exported by aligntax from `{spec}`: {what}, using the `{info.vector}` vector of layer {info.layer}. "
         f"Architecture `{info.architecture}`, weights in {info.dtype}.\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         "model = AutoModelForCausalLM.from_pretrained(PATH)\ntokenizer = AutoTokenizer.from_pretrained(PATH)\n```\n\n"
-        f"Changed parameters: {', '.join(info.writers[:6])}{' ...' if len(info.writers) > 6 else ''}\n")
+        f"Changed parameters: {', '.join(info.writers[:6])}{' ...' if len(info.writers) > 6 else ''}\n"
+    )
 
 
 # ---- els-lora: the distilled adapter merged into the weights -------------------------------------------------
@@ -324,8 +390,13 @@ def merge_lora(model: nn.Module, iv) -> nn.Module:
     return new
 
 
-def export_lora_model(lm, adapter_dir: str | Path, out: str | Path, scale: float | None = None,
-                      dtype: str | torch.dtype | None = None) -> Path:
+def export_lora_model(
+    lm,
+    adapter_dir: str | Path,
+    out: str | Path,
+    scale: float | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> Path:
     """Write ``lm`` with the els-lora adapter of ``adapter_dir`` (checked against the model) merged into its
     weights, at ``scale`` (default 1), as a plain Hugging Face model folder ``out``; returns ``out``.
     ``dtype``: of the written weights (default: the model's)."""
@@ -339,12 +410,22 @@ def export_lora_model(lm, adapter_dir: str | Path, out: str | Path, scale: float
         raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the exported model.")
     new = merge_lora(lm.model, iv).to(target)
     new.config.dtype = target
-    info = {"format": FORMAT, "method": "els-lora", "edit": "merge", "lora_scale": iv.scale,
-            "writers": sorted(f"{m}.weight" for m in iv.weights), "layers": iv.layers,
-            "architecture": (getattr(new.config, "architectures", None) or [type(new).__name__])[0],
-            "dtype": str(target).replace("torch.", ""), "base_model": dict(lm.fingerprint or {}),
-            "adapter": {"path": str(adapter_dir), "sha256": iv.config()["adapter_sha256"],
-                        "source": (iv.meta.get("source") or {}).get("path")}}
+    info = {
+        "format": FORMAT,
+        "method": "els-lora",
+        "edit": "merge",
+        "lora_scale": iv.scale,
+        "writers": sorted(f"{m}.weight" for m in iv.weights),
+        "layers": iv.layers,
+        "architecture": (getattr(new.config, "architectures", None) or [type(new).__name__])[0],
+        "dtype": str(target).replace("torch.", ""),
+        "base_model": dict(lm.fingerprint or {}),
+        "adapter": {
+            "path": str(adapter_dir),
+            "sha256": iv.config()["adapter_sha256"],
+            "source": (iv.meta.get("source") or {}).get("path"),
+        },
+    }
     out.mkdir(parents=True, exist_ok=True)
     new.save_pretrained(out)
     lm.tokenizer.save_pretrained(out)
@@ -367,4 +448,5 @@ def _lora_card(info: dict, spec: str) -> str:
         f"(`aligntax els distill`, adapter `{info['adapter']['path']}`) merged into blocks {info['layers']} at scale "
         f"{info['lora_scale']:g}. Architecture `{info['architecture']}`, weights in {info['dtype']}.\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "model = AutoModelForCausalLM.from_pretrained(PATH)\ntokenizer = AutoTokenizer.from_pretrained(PATH)\n```\n")
+        "model = AutoModelForCausalLM.from_pretrained(PATH)\ntokenizer = AutoTokenizer.from_pretrained(PATH)\n```\n"
+    )

@@ -10,8 +10,11 @@ import typer
 from aligntax.cli.options import fail
 from aligntax.errors import AligntaxError
 
-bundle_app = typer.Typer(help="Steering bundles: pack a trained steering folder with a model card; share it on "
-                              "the Hugging Face Hub.", no_args_is_help=True)
+bundle_app = typer.Typer(
+    help="Steering bundles: pack a trained steering folder with a model card; share it on "
+    "the Hugging Face Hub.",
+    no_args_is_help=True,
+)
 
 
 def _fail(exc: Exception) -> None:
@@ -34,15 +37,28 @@ def _options(pairs: list[str] | None) -> dict:
 
 @bundle_app.command("save")
 def bundle_save(
-    source: Path = typer.Argument(..., help="steering folder: an `aligntax els train` folder, or a vector folder"),
+    source: Path = typer.Argument(
+        ..., help="steering folder: an `aligntax els train` folder, or a vector folder"
+    ),
     out: Path = typer.Option(..., help="new bundle folder"),
-    method: str | None = typer.Option(None, help="els (default for a folder with energy.json), refusal-ablation, "
-                                                 "refusal-add, false-refusal-ablation or cast"),
-    results: list[Path] | None = typer.Option(None, "--results", help="an `aligntax eval` run folder made with this "
-                                              "steering and setting, or unsteered (repeatable): its rates go into "
-                                              "the card"),
-    setting: list[str] | None = typer.Option(None, "--set", help="KEY=VALUE of the setting (e.g. eta=0.35, "
-                                             "layers=[19], gate=true; layer=20, coeff=1.0); repeatable"),
+    method: str | None = typer.Option(
+        None,
+        help="els (default for a folder with energy.json), refusal-ablation, "
+        "refusal-add, false-refusal-ablation or cast",
+    ),
+    results: list[Path] | None = typer.Option(
+        None,
+        "--results",
+        help="an `aligntax eval` run folder made with this "
+        "steering and setting, or unsteered (repeatable): its rates go into "
+        "the card",
+    ),
+    setting: list[str] | None = typer.Option(
+        None,
+        "--set",
+        help="KEY=VALUE of the setting (e.g. eta=0.35, "
+        "layers=[19], gate=true; layer=20, coeff=1.0); repeatable",
+    ),
     base_model: str | None = typer.Option(None, help="the base model's Hub id, for the card"),
     repo_id: str | None = typer.Option(None, help="the Hub repository the card's loading lines name"),
 ) -> None:
@@ -50,8 +66,15 @@ def bundle_save(
     from aligntax.bundles import save_pretrained
 
     try:
-        path = save_pretrained(source, out, method=method, results=[str(r) for r in results or []],
-                               base_model=base_model, repo_id=repo_id, **_options(setting))
+        path = save_pretrained(
+            source,
+            out,
+            method=method,
+            results=[str(r) for r in results or []],
+            base_model=base_model,
+            repo_id=repo_id,
+            **_options(setting),
+        )
     except AligntaxError as exc:
         _fail(exc)
     print(path)
@@ -91,14 +114,18 @@ def bundle_pull(
 
 
 def export_command(
-    intervention: str = typer.Option(..., help="refusal-ablation, false-refusal-ablation, refusal-add "
-                                               "(refusal-addition: the same) or els-lora"),
+    intervention: str = typer.Option(
+        ...,
+        help="refusal-ablation, false-refusal-ablation, refusal-add (refusal-addition: the same) or els-lora",
+    ),
     vectors: Path | None = typer.Option(None, help="vector folder (aligntax els train writes DIR/vectors)"),
     steer: Path | None = typer.Option(None, help="els-lora: the adapter folder (aligntax els distill)"),
     lora_scale: float | None = typer.Option(None, help="els-lora: the adapter's scale (default 1)"),
     out: Path = typer.Option(..., help="new Hugging Face model folder"),
-    layer: int | None = typer.Option(None, help="the vector's layer (default: the folder's); addition: also the "
-                                                "block whose input receives it"),
+    layer: int | None = typer.Option(
+        None,
+        help="the vector's layer (default: the folder's); addition: also the block whose input receives it",
+    ),
     coeff: float = typer.Option(1.0, help="addition: scale of the vector; ablation: must be 1"),
     model: str | None = typer.Option(None, help="model spec (default: the vector folder's model)"),
     dtype: str = typer.Option("bf16", help="dtype the model is loaded and written in"),
@@ -113,25 +140,37 @@ def export_command(
 
         if canonical_method(intervention) == "els-lora":
             if steer is None or vectors is not None:
-                raise AligntaxError("els-lora is exported from its adapter folder: give --steer DIR (not --vectors).")
+                raise AligntaxError(
+                    "els-lora is exported from its adapter folder: give --steer DIR (not --vectors)."
+                )
             check_out_folder(out)
             side = steer / "els_lora.json"
-            spec = model or ((json.loads(side.read_text()).get("fingerprint") or {}).get("spec")
-                             if side.is_file() else None)
+            spec = model or (
+                (json.loads(side.read_text()).get("fingerprint") or {}).get("spec")
+                if side.is_file()
+                else None
+            )
             if not spec:
                 raise AligntaxError("Give --model: the adapter folder names no model.")
             lm = load_model(spec, dtype=dtype, device="cpu")
             print(export_lora_model(lm, steer, out, scale=lora_scale))
             return
         if vectors is None or steer is not None or lora_scale is not None:
-            raise AligntaxError(f"{intervention} is exported from a vector folder: give --vectors DIR "
-                                "(--steer and --lora-scale are for els-lora).")
+            raise AligntaxError(
+                f"{intervention} is exported from a vector folder: give --vectors DIR "
+                "(--steer and --lora-scale are for els-lora)."
+            )
         check_out_folder(out)
         if not (vectors / "vectors.json").is_file():
-            raise AligntaxError(f"--vectors {vectors} holds no vectors.json: not a vector folder "
-                                "(aligntax els train writes DIR/vectors).")
-        spec = model or (json.loads((vectors / "vectors.json").read_text()).get("fingerprint") or {}).get("spec") \
-            if (vectors / "vectors.json").is_file() else model
+            raise AligntaxError(
+                f"--vectors {vectors} holds no vectors.json: not a vector folder "
+                "(aligntax els train writes DIR/vectors)."
+            )
+        spec = (
+            model or (json.loads((vectors / "vectors.json").read_text()).get("fingerprint") or {}).get("spec")
+            if (vectors / "vectors.json").is_file()
+            else model
+        )
         if not spec:
             raise AligntaxError("Give --model: the vector folder names no model.")
         lm = load_model(spec, dtype=dtype, device="cpu")

@@ -16,16 +16,25 @@ from aligntax.models.spec import DEFAULT_MODEL
 
 @steering_options
 def lm_eval_command(
-    lm_eval_args: Annotated[list[str] | None, typer.Argument(
-        help="lm-eval's own arguments, after '--': --tasks, --num_fewshot, --batch_size, --limit, "
-             "--include_path, --apply_chat_template, --log_samples, ...")] = None,
+    lm_eval_args: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="lm-eval's own arguments, after '--': --tasks, --num_fewshot, --batch_size, --limit, "
+            "--include_path, --apply_chat_template, --log_samples, ..."
+        ),
+    ] = None,
     model: Annotated[str, typer.Option("--model", "-m", help="model spec")] = DEFAULT_MODEL,
     out: Annotated[Path, typer.Option(help="run folder")] = Path("runs/lm-eval"),
     dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if available)")] = None,
-    intervention: InterventionOpt = None, iv_args: dict | None = None,
-    compare: Annotated[bool, typer.Option("--compare", help="also run unsteered and report both side by "
-                                          "side (the capability tax)")] = False,
+    intervention: InterventionOpt = None,
+    iv_args: dict | None = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare", help="also run unsteered and report both side by side (the capability tax)"
+        ),
+    ] = False,
 ) -> None:
     """Run lm-evaluation-harness on a model loaded by aligntax, optionally steered, into a run folder."""
     from rich.console import Console
@@ -36,10 +45,17 @@ def lm_eval_command(
     console = Console(stderr=True)
     options = dict(iv_args or {})
     folder = options.pop("path", None)
-    config = LmEvalConfig(model=model, dtype=dtype, device=device, intervention=intervention,
-                          steer=folder if intervention == "els" else None,
-                          vectors=folder if intervention != "els" else None, options=options,
-                          compare=compare, lm_eval_args=list(lm_eval_args or []))
+    config = LmEvalConfig(
+        model=model,
+        dtype=dtype,
+        device=device,
+        intervention=intervention,
+        steer=folder if intervention == "els" else None,
+        vectors=folder if intervention != "els" else None,
+        options=options,
+        compare=compare,
+        lm_eval_args=list(lm_eval_args or []),
+    )
     try:
         if not config.lm_eval_args:
             raise UsageError("give lm-eval's arguments after '--', e.g. -- --tasks arc_easy")

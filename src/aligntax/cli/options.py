@@ -36,16 +36,35 @@ from aligntax.errors import AligntaxError, UsageError
 from aligntax.interventions.options import Method, check_value
 from aligntax.interventions.registry import INTERVENTIONS, cli_options, grid_values, intervention_args
 
-__all__ = ["AligntaxGroup", "InterventionOpt", "check_datasets", "check_intervention", "check_judge",
-           "check_layers", "check_out_file", "check_out_folder", "check_port", "check_range", "deprecated",
-           "fail", "grid_options", "model_num_layers", "steering_options"]
+__all__ = [
+    "AligntaxGroup",
+    "InterventionOpt",
+    "check_datasets",
+    "check_intervention",
+    "check_judge",
+    "check_layers",
+    "check_out_file",
+    "check_out_folder",
+    "check_port",
+    "check_range",
+    "deprecated",
+    "fail",
+    "grid_options",
+    "model_num_layers",
+    "steering_options",
+]
 
 console = Console(stderr=True)
 _DEBUG = {"on": False}
 
 
 def debug_enabled() -> bool:
-    return _DEBUG["on"] or os.environ.get("ALIGNTAX_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+    return _DEBUG["on"] or os.environ.get("ALIGNTAX_DEBUG", "").strip().lower() not in (
+        "",
+        "0",
+        "false",
+        "no",
+    )
 
 
 def set_debug(on: bool) -> None:
@@ -155,8 +174,12 @@ def check_datasets(specs: list[str] | None, flag: str = "--data") -> None:
         text = str(spec).strip()
         if not text:
             raise UsageError(f"{flag}: empty dataset spec; give a file path, a named dataset or a Hub id.")
-        if text.startswith(HUB_PREFIX) or find_dataset(text) is not None or Path(text).expanduser().exists() \
-                or looks_like_hub_id(text):
+        if (
+            text.startswith(HUB_PREFIX)
+            or find_dataset(text) is not None
+            or Path(text).expanduser().exists()
+            or looks_like_hub_id(text)
+        ):
             continue
         raise UsageError(f"{flag}: {_not_found_message(text)}")
 
@@ -209,9 +232,11 @@ def _hub_config(repo: str) -> Path | None:
     except Exception as exc:  # noqa: BLE001 - reported as the loader reports it
         from aligntax.errors import ModelSpecError
 
-        raise ModelSpecError(f"Could not load Hub model '{repo}': its config.json could not be read "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}). Use an embedded model "
-                             f"or a local path, or check the id and the network.") from exc
+        raise ModelSpecError(
+            f"Could not load Hub model '{repo}': its config.json could not be read "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}). Use an embedded model "
+            f"or a local path, or check the id and the network."
+        ) from exc
 
 
 def model_num_layers(spec: str | None) -> int | None:
@@ -242,7 +267,9 @@ def model_num_layers(spec: str | None) -> int | None:
 
 def check_layers(model: str | None, layers: list | None, flag: str = "--layers") -> None:
     """Every layer index in ``layers`` (ints, or lists of ints for a grid) exists in ``model``."""
-    flat = [int(x) for v in layers or [] if v is not None for x in (v if isinstance(v, (list, tuple)) else [v])]
+    flat = [
+        int(x) for v in layers or [] if v is not None for x in (v if isinstance(v, (list, tuple)) else [v])
+    ]
     if not flat:
         return
     n = model_num_layers(model)
@@ -250,13 +277,17 @@ def check_layers(model: str | None, layers: list | None, flag: str = "--layers")
         return
     bad = sorted({x for x in flat if x < 0 or x >= n})
     if bad:
-        raise UsageError(f"{flag}: layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} not in the model "
-                         f"({model or 'the default model'} has {n} layers, 0 to {n - 1}).")
+        raise UsageError(
+            f"{flag}: layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} not in the model "
+            f"({model or 'the default model'} has {n} layers, 0 to {n - 1})."
+        )
 
 
 # The file that marks each kind of intervention folder, and the option that names it.
-_FOLDER_MARKERS = {"els": ("energy.json", "--steer", "aligntax els train --out DIR"),
-                   "vectors": ("vectors.json", "--vectors", "aligntax els train (it writes DIR/vectors)")}
+_FOLDER_MARKERS = {
+    "els": ("energy.json", "--steer", "aligntax els train --out DIR"),
+    "vectors": ("vectors.json", "--vectors", "aligntax els train (it writes DIR/vectors)"),
+}
 
 
 def _folder_kind(name: str) -> str | None:
@@ -267,8 +298,13 @@ def _folder_kind(name: str) -> str | None:
     return None
 
 
-def check_intervention(name: str | None, iv_args: dict | None, model: str | None = None,
-                       layers: bool = True, methods: Mapping[str, Method] | None = None) -> None:
+def check_intervention(
+    name: str | None,
+    iv_args: dict | None,
+    model: str | None = None,
+    layers: bool = True,
+    methods: Mapping[str, Method] | None = None,
+) -> None:
     """The intervention is registered (in ``methods``, default the intervention registry), its options
     meet their range rules, its folder exists and holds its marker file (``energy.json`` for ELS,
     ``vectors.json`` for the vector methods), and (with ``layers``) ``--layers`` fits the model and the
@@ -309,9 +345,11 @@ def _check_bank_layers(folder: str | None, layers: list) -> None:
         return
     missing = sorted({int(x) for v in layers for x in (v if isinstance(v, list) else [v])} - set(have))
     if have and missing:
-        raise UsageError(f"--layers: the energy bank {folder} has no model for layer"
-                         f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-                         f"(it has {', '.join(map(str, have))}).")
+        raise UsageError(
+            f"--layers: the energy bank {folder} has no model for layer"
+            f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+            f"(it has {', '.join(map(str, have))})."
+        )
 
 
 # ---------------------------------------------------------------- steering options
@@ -340,12 +378,21 @@ def steering_options(fn=None, *, methods: Mapping[str, Method] | None = None):
     opts = cli_options(methods)
     hints = typing.get_type_hints(fn, include_extras=True)
     sig = inspect.signature(fn)
-    keep = [p.replace(annotation=hints.get(n, p.annotation)) for n, p in sig.parameters.items() if n != "iv_args"]
+    keep = [
+        p.replace(annotation=hints.get(n, p.annotation)) for n, p in sig.parameters.items() if n != "iv_args"
+    ]
     types = {"float": float, "int": int}
-    extra = [inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=None,
-                               annotation=Annotated[types.get(o.parse, str) | None,
-                                                    typer.Option(o.flag, *o.aliases, help=o.help)])
-             for o in opts]
+    extra = [
+        inspect.Parameter(
+            o.param,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                types.get(o.parse, str) | None, typer.Option(o.flag, *o.aliases, help=o.help)
+            ],
+        )
+        for o in opts
+    ]
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -354,8 +401,9 @@ def steering_options(fn=None, *, methods: Mapping[str, Method] | None = None):
         try:
             iv_args = intervention_args(name, given, methods)
             # a command reading a YAML config checks --layers against its merged settings itself
-            check_intervention(name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None,
-                               methods=methods)
+            check_intervention(
+                name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None, methods=methods
+            )
         except AligntaxError as exc:
             fail(exc)
         kwargs.update(intervention=name, iv_args=iv_args)
@@ -374,19 +422,46 @@ def grid_options(fn):
     opts = [o for o in cli_options() if o.grid and "els" in o.methods]
     hints = typing.get_type_hints(fn, include_extras=True)
     sig = inspect.signature(fn)
-    keep = [p.replace(annotation=hints.get(n, p.annotation)) for n, p in sig.parameters.items() if n != "grid"]
+    keep = [
+        p.replace(annotation=hints.get(n, p.annotation)) for n, p in sig.parameters.items() if n != "grid"
+    ]
     extra = []
     for o in opts:
         if o.parse == "layers":
-            extra.append(inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
-                str | None, typer.Option("--layers-grid", help="layer sets to try, separated by ';', each like "
-                                                                "--layers (e.g. \"17;19,20\")")]))
-            extra.append(inspect.Parameter(o.param + "_old", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                           annotation=Annotated[str | None, typer.Option(o.flag, hidden=True)]))
+            extra.append(
+                inspect.Parameter(
+                    o.param,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=None,
+                    annotation=Annotated[
+                        str | None,
+                        typer.Option(
+                            "--layers-grid",
+                            help="layer sets to try, separated by ';', each like "
+                            '--layers (e.g. "17;19,20")',
+                        ),
+                    ],
+                )
+            )
+            extra.append(
+                inspect.Parameter(
+                    o.param + "_old",
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=None,
+                    annotation=Annotated[str | None, typer.Option(o.flag, hidden=True)],
+                )
+            )
         else:
-            extra.append(inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                           annotation=Annotated[str | None, typer.Option(
-                                               o.flag, *o.aliases, help="comma-separated grid: " + o.help)]))
+            extra.append(
+                inspect.Parameter(
+                    o.param,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=None,
+                    annotation=Annotated[
+                        str | None, typer.Option(o.flag, *o.aliases, help="comma-separated grid: " + o.help)
+                    ],
+                )
+            )
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

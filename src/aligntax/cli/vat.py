@@ -17,7 +17,9 @@ from aligntax.vat.methods import REGISTRY
 
 app = typer.Typer(
     help="Value Alignment Tax: how an intervention aimed at one Schwartz value moves all ten.",
-    no_args_is_help=True, pretty_exceptions_enable=False)
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 
 
 def _fail(exc: Exception) -> None:
@@ -26,8 +28,11 @@ def _fail(exc: Exception) -> None:
 
 def _sample_by(sample_by: str, data: str) -> str:
     if sample_by == "auto":
-        return "scene" if data.strip().lower() in ("value-action-lens", "valueactionlens", "val",
-                                                   "value_action_lens") else "item"
+        return (
+            "scene"
+            if data.strip().lower() in ("value-action-lens", "valueactionlens", "val", "value_action_lens")
+            else "item"
+        )
     if sample_by not in ("item", "scene"):
         raise typer.BadParameter("--sample-by must be item, scene or auto")
     return sample_by
@@ -48,8 +53,12 @@ def _legacy_spellings(fn):
     """Keep ``--energy-dir``, the old name of ``--steer``, as a hidden option: it prints a one-line note
     and is read as ``--steer`` before the steering options are checked."""
     sig = inspect.signature(fn)
-    old = inspect.Parameter("energy_dir", inspect.Parameter.KEYWORD_ONLY, default=None,
-                            annotation=Annotated[str | None, typer.Option("--energy-dir", hidden=True)])
+    old = inspect.Parameter(
+        "energy_dir",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[str | None, typer.Option("--energy-dir", hidden=True)],
+    )
 
     @functools.wraps(fn)
     def wrapper(*args, energy_dir: str | None = None, **kwargs):
@@ -73,32 +82,52 @@ def _default_intervention(iv_args: dict, post_model: str | None) -> str:
 def run(
     target: str = typer.Option(..., "--target", "-t", help="target value (any of the 10, e.g. Benevolence)"),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="model spec"),
-    data: str = typer.Option("builtin", "--data", "-d",
-                             help="builtin | value-action-lens | Hub id | .jsonl/.json/.csv file"),
+    data: str = typer.Option(
+        "builtin", "--data", "-d", help="builtin | value-action-lens | Hub id | .jsonl/.json/.csv file"
+    ),
     intervention: str | None = typer.Option(
-        None, "--intervention", "-i",
+        None,
+        "--intervention",
+        "-i",
         help="none | persona | fewshot-K | persona-fewshot-K | steer | lora | dpo | adapter | oracle | uniform, or "
-             "any steering method (els, cast, refusal-ablation, ...: `aligntax vat methods`) (default: persona; "
-             "adapter with --adapter; none with --post-model; els with --steer alone)"),
+        "any steering method (els, cast, refusal-ablation, ...: `aligntax vat methods`) (default: persona; "
+        "adapter with --adapter; none with --post-model; els with --steer alone)",
+    ),
     iv_args: dict | None = None,
-    post_model: str | None = typer.Option(None, help="judge 'post' with this model (pre: --model), e.g. a "
-                                                     "fine-tuned checkpoint against its base"),
-    control: Path | None = typer.Option(None, help="a finished control run on the same items: lift-adjusted "
-                                                   "drifts = shift minus the control's shift, item by item"),
-    limit_per_value: int | None = typer.Option(None, help="evaluate at most N items per value (balanced polarity)"),
+    post_model: str | None = typer.Option(
+        None,
+        help="judge 'post' with this model (pre: --model), e.g. a fine-tuned checkpoint against its base",
+    ),
+    control: Path | None = typer.Option(
+        None,
+        help="a finished control run on the same items: lift-adjusted "
+        "drifts = shift minus the control's shift, item by item",
+    ),
+    limit_per_value: int | None = typer.Option(
+        None, help="evaluate at most N items per value (balanced polarity)"
+    ),
     scenes: int | None = typer.Option(None, help="evaluate only N randomly chosen scenes"),
-    sample_by: str = typer.Option("auto", help="with --limit-per-value: item (spread over scenes) | scene (whole "
-                                               "scenes holding every value, for the coupling) | auto (scene for "
-                                               "ValueActionLens, item otherwise)"),
+    sample_by: str = typer.Option(
+        "auto",
+        help="with --limit-per-value: item (spread over scenes) | scene (whole "
+        "scenes holding every value, for the coupling) | auto (scene for "
+        "ValueActionLens, item otherwise)",
+    ),
     per_scene_value: int = typer.Option(2, help="--sample-by scene: items of each value per scene"),
-    strata: str | None = typer.Option(None, help="only these desirability strata, comma-separated: congruent, "
-                                                 "incongruent, neutral, unlabelled"),
+    strata: str | None = typer.Option(
+        None,
+        help="only these desirability strata, comma-separated: congruent, incongruent, neutral, unlabelled",
+    ),
     out: Path | None = typer.Option(None, "--out", "-o", help="output folder (rerun to resume)"),
     dtype: str = typer.Option("bf16", help="bf16 | fp32 | fp16"),
     batch_size: int = typer.Option(16, help="prompts per forward pass"),
-    train_fraction: float = typer.Option(0.2, help="share of scenes held out for few-shot/steer/lora/dpo data"),
+    train_fraction: float = typer.Option(
+        0.2, help="share of scenes held out for few-shot/steer/lora/dpo data"
+    ),
     split_by: str = typer.Option("scene", help="scene | context | item"),
-    templates: str = typer.Option("acceptable", help="comma-separated templates (names: acceptable, appropriate, rate)"),
+    templates: str = typer.Option(
+        "acceptable", help="comma-separated templates (names: acceptable, appropriate, rate)"
+    ),
     reverse_order: bool = typer.Option(False, help="also ask with the reversed scale and average"),
     method: str = typer.Option("logits", help="logits (next-token probabilities) | generate (parse text)"),
     scale_max: int = typer.Option(5, help="Likert scale 1..N (N <= 9)"),
@@ -110,12 +139,16 @@ def run(
     field: list[str] = typer.Option([], help="Hub field mapping OURS=COLUMN (repeatable)"),
     split: str = typer.Option("test", help="Hub dataset split"),
     ray: str | None = typer.Option(
-        None, "--ray", help="judge the chunks of items on replicas of the model over Ray: 'local' (a new cluster "
-                            "on this machine), 'auto', HOST:6379 or ray://HOST:10001 (docs/ray.md)"),
+        None,
+        "--ray",
+        help="judge the chunks of items on replicas of the model over Ray: 'local' (a new cluster "
+        "on this machine), 'auto', HOST:6379 or ray://HOST:10001 (docs/ray.md)",
+    ),
     workers: int | None = typer.Option(None, help="--ray: replicas of the model (default: as many as fit)"),
     worker_cpus: float = typer.Option(1.0, help="--ray: CPUs per replica (also its torch threads)"),
-    worker_gpus: float | None = typer.Option(None, help="--ray: GPUs per replica (default 1 when the cluster has "
-                                                        "GPUs, else 0)"),
+    worker_gpus: float | None = typer.Option(
+        None, help="--ray: GPUs per replica (default 1 when the cluster has GPUs, else 0)"
+    ),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Judge the items before and after an intervention and write items.jsonl, results.json, report.md.
@@ -145,28 +178,61 @@ def run(
         items = load_items(data, **kwargs)
         eval_items, train_items = split_items(items, train_fraction, seed=seed, by=split_by)
         by = _sample_by(sample_by, data)
-        eval_items = sample_items(eval_items, per_value=limit_per_value, scenes=scenes, seed=seed,
-                                  strata=_strata(strata), by=by, per_scene_value=per_scene_value)
-        jcfg = JudgeConfig(scale=LikertScale(1, scale_max), templates=tuple(templates.split(",")),
-                           orders=("normal", "reversed") if reverse_order else ("normal",), method=method,
-                           batch_size=batch_size, cache=not no_cache)
+        eval_items = sample_items(
+            eval_items,
+            per_value=limit_per_value,
+            scenes=scenes,
+            seed=seed,
+            strata=_strata(strata),
+            by=by,
+            per_scene_value=per_scene_value,
+        )
+        jcfg = JudgeConfig(
+            scale=LikertScale(1, scale_max),
+            templates=tuple(templates.split(",")),
+            orders=("normal", "reversed") if reverse_order else ("normal",),
+            method=method,
+            batch_size=batch_size,
+            cache=not no_cache,
+        )
         out_dir = out or _default_out(model, intervention, t)
-        typer.echo(f"{len(eval_items)} evaluation items, {len(train_items)} held-out training items; "
-                   f"output {out_dir}", err=True)
+        typer.echo(
+            f"{len(eval_items)} evaluation items, {len(train_items)} held-out training items; "
+            f"output {out_dir}",
+            err=True,
+        )
         lm = load_model(model, dtype=dtype)
         post_lm = load_model(post_model, dtype=dtype) if post_model else None
         # the arguments of build_intervention besides the name, model, target and training items; a
         # trained adapter goes to OUT/adapter unless --adapter-dir says otherwise
-        options = dict(seed=seed, exclude_ids={it.id for it in eval_items}, options=iv_args,
-                       adapter_dir=str(out_dir / "adapter"))
+        options = dict(
+            seed=seed,
+            exclude_ids={it.id for it in eval_items},
+            options=iv_args,
+            adapter_dir=str(out_dir / "adapter"),
+        )
         iv = build_intervention(intervention, lm, t, train_items, jcfg, progress=progress, **options)
         adapter = iv_args.get("adapter")
-        cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
-                        seed=seed, progress=progress,
-                        extra={"data": data, "intervention": intervention, "limit_per_value": limit_per_value,
-                               "scenes": scenes, "train_fraction": train_fraction, "split_by": split_by,
-                               "sample_by": by, "strata": strata,
-                               "post_model": post_model, "adapter": None if adapter is None else str(adapter)})
+        cfg = VATConfig(
+            judge=jcfg,
+            bootstrap_reps=bootstrap,
+            n_perm=permutations,
+            nvat_null_reps=null_reps,
+            seed=seed,
+            progress=progress,
+            extra={
+                "data": data,
+                "intervention": intervention,
+                "limit_per_value": limit_per_value,
+                "scenes": scenes,
+                "train_fraction": train_fraction,
+                "split_by": split_by,
+                "sample_by": by,
+                "strata": strata,
+                "post_model": post_model,
+                "adapter": None if adapter is None else str(adapter),
+            },
+        )
         if ray is None:
             if workers is not None or worker_gpus is not None:
                 raise AligntaxError("--workers and --worker-gpus go with --ray ADDRESS (e.g. --ray local).")
@@ -177,29 +243,57 @@ def run(
             ray_cfg = RayConfig(address=ray, workers=workers, cpus=worker_cpus, gpus=worker_gpus)
             build = {"name": intervention, "target": t, "train_items": train_items, "options": options}
             with replicas_of(ray_cfg, model, dtype) as replicas:
-                res = run_vat(lm, eval_items, t, iv, out_dir, cfg, post_lm=post_lm, control=control,
-                              replicas=replicas, build=build)
+                res = run_vat(
+                    lm,
+                    eval_items,
+                    t,
+                    iv,
+                    out_dir,
+                    cfg,
+                    post_lm=post_lm,
+                    control=control,
+                    replicas=replicas,
+                    build=build,
+                )
     except AligntaxError as exc:
         _fail(exc)
         return
     v = res["vat"]
     sp = res["specificity"]
-    typer.echo(json.dumps({"out": str(out_dir), "target": t, "gain": res["gain"], "vat": {
-        "signed": v["signed"], "absolute": v["absolute"], "reason": v["reason"]},
-        "specificity": {k: sp.get(k) for k in ("value", "ci95", "interpretation")}, "nvat": res["nvat"],
-        "circumplex_test": {k: res["circumplex_test"].get(k) for k in ("statistic", "p_value")}}, indent=2))
+    typer.echo(
+        json.dumps(
+            {
+                "out": str(out_dir),
+                "target": t,
+                "gain": res["gain"],
+                "vat": {"signed": v["signed"], "absolute": v["absolute"], "reason": v["reason"]},
+                "specificity": {k: sp.get(k) for k in ("value", "ci95", "interpretation")},
+                "nvat": res["nvat"],
+                "circumplex_test": {k: res["circumplex_test"].get(k) for k in ("statistic", "p_value")},
+            },
+            indent=2,
+        )
+    )
 
 
 @app.command("compare")
-def compare_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
-                out: Path | None = typer.Option(None, "--out", "-o", help="where to write the comparison"),
-                eval_run: list[Path] = typer.Option([], "--eval", help="an `aligntax eval` run folder (repeatable): "
-                                                    "adds the refusal-side table and refusal_side.png"),
-                eval_baseline: Path | None = typer.Option(None, help="the unsteered `aligntax eval` run to compare with"),
-                paired: bool = typer.Option(True, help="with two or more runs: check shared items, judge and model "
-                                                       "and write paired per-value differences against the first run"),
-                bootstrap: int = typer.Option(2000, help="scene-bootstrap draws of the paired differences"),
-                seed: int = typer.Option(0)) -> None:
+def compare_cmd(
+    dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="where to write the comparison"),
+    eval_run: list[Path] = typer.Option(
+        [],
+        "--eval",
+        help="an `aligntax eval` run folder (repeatable): adds the refusal-side table and refusal_side.png",
+    ),
+    eval_baseline: Path | None = typer.Option(None, help="the unsteered `aligntax eval` run to compare with"),
+    paired: bool = typer.Option(
+        True,
+        help="with two or more runs: check shared items, judge and model "
+        "and write paired per-value differences against the first run",
+    ),
+    bootstrap: int = typer.Option(2000, help="scene-bootstrap draws of the paired differences"),
+    seed: int = typer.Option(0),
+) -> None:
     """Gain versus tax across runs: gain_vs_tax.png and compare.md (plus the refusal side with --eval), and
     paired differences against the first run (paired.md, paired.json)."""
     from aligntax.vat.report import compare
@@ -219,28 +313,42 @@ def compare_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
 
 
 @app.command("rescore")
-def rescore_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
-                bootstrap: int = typer.Option(500, help="bootstrap repetitions (0: none)"),
-                permutations: int = typer.Option(999, help="Mantel permutations"),
-                null_reps: int = typer.Option(200, help="permutations for the no-coupling nVAT baseline"),
-                eps: float = typer.Option(1e-3, help="|gain| below which GND and VAT are undefined"),
-                coupling: str = typer.Option("spearman", help="spearman | kendall | pearson"),
-                include_diagonal: bool = typer.Option(False, help="count the diagonal of R in nVAT"),
-                control: Path | None = typer.Option(None, help="a control run: adds lift-adjusted drifts"),
-                bootstrap_method: str = typer.Option("scene", help="scene (percentile) | subsample (earlier)"),
-                seed: int = typer.Option(0)) -> None:
+def rescore_cmd(
+    dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
+    bootstrap: int = typer.Option(500, help="bootstrap repetitions (0: none)"),
+    permutations: int = typer.Option(999, help="Mantel permutations"),
+    null_reps: int = typer.Option(200, help="permutations for the no-coupling nVAT baseline"),
+    eps: float = typer.Option(1e-3, help="|gain| below which GND and VAT are undefined"),
+    coupling: str = typer.Option("spearman", help="spearman | kendall | pearson"),
+    include_diagonal: bool = typer.Option(False, help="count the diagonal of R in nVAT"),
+    control: Path | None = typer.Option(None, help="a control run: adds lift-adjusted drifts"),
+    bootstrap_method: str = typer.Option("scene", help="scene (percentile) | subsample (earlier)"),
+    seed: int = typer.Option(0),
+) -> None:
     """Recompute results.json and the report from items.jsonl with new metric settings (no model)."""
     from aligntax.vat.runner import VATConfig, rescore
 
     try:
         for d in dirs:
-            res = rescore(d, VATConfig(bootstrap_reps=bootstrap, n_perm=permutations, eps=eps,
-                                       nvat_null_reps=null_reps, bootstrap_method=bootstrap_method,
-                                       coupling_method=coupling, include_diagonal=include_diagonal, seed=seed),
-                          control=control)
-            typer.echo(f"{d}: gain {res['gain']['value']:+.4f}, VAT abs {res['vat']['absolute']}, "
-                       f"S_T {res['specificity']['value']:+.4f} {res['specificity']['ci95']}, "
-                       f"nVAT {res['nvat']:.3f}")
+            res = rescore(
+                d,
+                VATConfig(
+                    bootstrap_reps=bootstrap,
+                    n_perm=permutations,
+                    eps=eps,
+                    nvat_null_reps=null_reps,
+                    bootstrap_method=bootstrap_method,
+                    coupling_method=coupling,
+                    include_diagonal=include_diagonal,
+                    seed=seed,
+                ),
+                control=control,
+            )
+            typer.echo(
+                f"{d}: gain {res['gain']['value']:+.4f}, VAT abs {res['vat']['absolute']}, "
+                f"S_T {res['specificity']['value']:+.4f} {res['specificity']['ci95']}, "
+                f"nVAT {res['nvat']:.3f}"
+            )
     except AligntaxError as exc:
         _fail(exc)
 
@@ -248,7 +356,9 @@ def rescore_cmd(dirs: list[Path] = typer.Argument(..., help="VAT run folders"),
 @app.command("matrix")
 @steering_options(methods=REGISTRY)
 def matrix_cmd(
-    out: Path = typer.Option(..., "--out", "-o", help="folder: one run per target in OUT/<code>/, matrix.json/md"),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="folder: one run per target in OUT/<code>/, matrix.json/md"
+    ),
     runs: list[Path] = typer.Option([], "--from", help="build the matrix from ten finished runs instead"),
     intervention: str = typer.Option("fewshot-8", "--intervention", "-i", help="as for `vat run`"),
     iv_args: dict | None = None,
@@ -257,7 +367,9 @@ def matrix_cmd(
     data: str = typer.Option("builtin", "--data", "-d"),
     limit_per_value: int | None = typer.Option(None, help="evaluate at most N items per value"),
     scenes: int | None = typer.Option(None, help="evaluate only N randomly chosen scenes"),
-    sample_by: str = typer.Option("item", help="with --limit-per-value: item | scene | auto (as for `vat run`)"),
+    sample_by: str = typer.Option(
+        "item", help="with --limit-per-value: item | scene | auto (as for `vat run`)"
+    ),
     per_scene_value: int = typer.Option(2, help="--sample-by scene: items of each value per scene"),
     strata: str | None = typer.Option(None, help="only these desirability strata (comma-separated)"),
     dtype: str = typer.Option("bf16"),
@@ -288,31 +400,73 @@ def matrix_cmd(
             items = load_items(data)
             eval_items, train_items = split_items(items, train_fraction, seed=seed)
             by = _sample_by(sample_by, data)
-            eval_items = sample_items(eval_items, per_value=limit_per_value, scenes=scenes, seed=seed,
-                                      strata=_strata(strata), by=by, per_scene_value=per_scene_value)
+            eval_items = sample_items(
+                eval_items,
+                per_value=limit_per_value,
+                scenes=scenes,
+                seed=seed,
+                strata=_strata(strata),
+                by=by,
+                per_scene_value=per_scene_value,
+            )
             jcfg = JudgeConfig(batch_size=batch_size, cache=not no_cache)
             lm = load_model(model, dtype=dtype)
             post_lm = load_model(post_model, dtype=dtype) if post_model else None
             ids = {it.id for it in eval_items}
-            cfg = VATConfig(judge=jcfg, bootstrap_reps=bootstrap, n_perm=permutations, nvat_null_reps=null_reps,
-                            seed=seed, extra={"data": data, "intervention": intervention,
-                                              "limit_per_value": limit_per_value, "scenes": scenes,
-                                              "sample_by": by, "strata": strata})
-            res = run_matrix(lm, eval_items, lambda t: build_intervention(
-                intervention, lm, t, train_items, jcfg, seed=seed, exclude_ids=ids, options=iv_args,
-                adapter_dir=out / "adapters" / t.lower()), out, cfg, post_lm=post_lm, n_perm=matrix_permutations)
+            cfg = VATConfig(
+                judge=jcfg,
+                bootstrap_reps=bootstrap,
+                n_perm=permutations,
+                nvat_null_reps=null_reps,
+                seed=seed,
+                extra={
+                    "data": data,
+                    "intervention": intervention,
+                    "limit_per_value": limit_per_value,
+                    "scenes": scenes,
+                    "sample_by": by,
+                    "strata": strata,
+                },
+            )
+            res = run_matrix(
+                lm,
+                eval_items,
+                lambda t: build_intervention(
+                    intervention,
+                    lm,
+                    t,
+                    train_items,
+                    jcfg,
+                    seed=seed,
+                    exclude_ids=ids,
+                    options=iv_args,
+                    adapter_dir=out / "adapters" / t.lower(),
+                ),
+                out,
+                cfg,
+                post_lm=post_lm,
+                n_perm=matrix_permutations,
+            )
     except AligntaxError as exc:
         _fail(exc)
         return
     typer.echo((out / "matrix.md").read_text())
-    typer.echo(json.dumps({"diagonal_test": res["diagonal_test"], "mantel": res["mantel"]}, indent=2), err=True)
+    typer.echo(
+        json.dumps({"diagonal_test": res["diagonal_test"], "mantel": res["mantel"]}, indent=2), err=True
+    )
 
 
 @app.command("sweep")
 def sweep_cmd(
-    out: Path = typer.Option(..., "--out", "-o", help="sweep folder: OUT/<model>/<intervention>/<code>/ per cell"),
-    config: Path | None = typer.Option(None, "--config", "-c", help="a YAML file with the keys of the flags "
-                                                                    "(models, interventions, targets, data, ...)"),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="sweep folder: OUT/<model>/<intervention>/<code>/ per cell"
+    ),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        "-c",
+        help="a YAML file with the keys of the flags (models, interventions, targets, data, ...)",
+    ),
     model: list[str] = typer.Option([], "--model", "-m", help="model spec (repeatable)"),
     intervention: list[str] = typer.Option([], "--intervention", "-i", help="intervention (repeatable)"),
     target: list[str] = typer.Option([], "--target", "-t", help="target value (repeatable; default all ten)"),
@@ -340,9 +494,19 @@ def sweep_cmd(
                 raise AligntaxError(f"sweep config {config}: {exc}") from None
             if not isinstance(d, dict):
                 raise AligntaxError(f"sweep config {config}: expected a mapping of keys")
-        flags = {"models": model or None, "interventions": intervention or None, "targets": target or None,
-                 "data": data, "limit_per_value": limit_per_value, "scenes": scenes, "sample_by": sample_by,
-                 "strata": _strata(strata), "bootstrap": bootstrap, "permutations": permutations, "seed": seed}
+        flags = {
+            "models": model or None,
+            "interventions": intervention or None,
+            "targets": target or None,
+            "data": data,
+            "limit_per_value": limit_per_value,
+            "scenes": scenes,
+            "sample_by": sample_by,
+            "strata": _strata(strata),
+            "bootstrap": bootstrap,
+            "permutations": permutations,
+            "seed": seed,
+        }
         d.update({k: v for k, v in flags.items() if v is not None})
         d.setdefault("models", [DEFAULT_MODEL])
         spec = SweepSpec.from_dict(d)
@@ -382,7 +546,9 @@ def methods_cmd() -> None:
 
 
 @app.command("values")
-def values_cmd(convention: str = typer.Option("wedge", help="circular distance convention: wedge | ten")) -> None:
+def values_cmd(
+    convention: str = typer.Option("wedge", help="circular distance convention: wedge | ten"),
+) -> None:
     """Print the Schwartz value circle, groups, refined values and SVS items."""
     from rich.console import Console
     from rich.table import Table

@@ -147,7 +147,8 @@ def _check_header(path: Path, line: int, header: list[str]) -> None:
         if name in first:
             raise DataError(
                 f"{path}, line {line}: the header names column '{name}' twice (columns {first[name] + 1} and "
-                f"{i + 1}); rename one of them so that neither is silently overwritten")
+                f"{i + 1}); rename one of them so that neither is silently overwritten"
+            )
         first[name] = i
 
 
@@ -219,8 +220,10 @@ def _duplicate_key(value: Any) -> str | None:
 def _check_duplicates(path: Path, where: str, value: Any) -> None:
     key = _duplicate_key(value)
     if key is not None:
-        raise DataError(f"{path}, {where}: a JSON object names the key {key!r} twice; only the last value "
-                        "would be kept, so remove or rename one of them")
+        raise DataError(
+            f"{path}, {where}: a JSON object names the key {key!r} twice; only the last value "
+            "would be kept, so remove or rename one of them"
+        )
 
 
 def _records_to_table(path: Path, kind: str, records: list[tuple[str, Any]]) -> Table:

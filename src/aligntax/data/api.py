@@ -82,7 +82,9 @@ def _origin(spec: str, fmt: str | None = None) -> tuple[str, str]:
     return "hub", text
 
 
-def load_prompt_sets(specs: list[str], limit: int | None = None, label: str | None = None) -> list[PromptItem]:
+def load_prompt_sets(
+    specs: list[str], limit: int | None = None, label: str | None = None
+) -> list[PromptItem]:
     """The items of several datasets (files, names or Hub ids), in order; ``limit`` applies to each.
 
     Rows are keyed by ``(source, id)`` downstream (resume, reports per dataset), and a file's source is
@@ -111,12 +113,15 @@ def load_prompt_sets(specs: list[str], limit: int | None = None, label: str | No
             raise DataError(
                 f"{other} and {spec} both give rows the source {source!r} (a file's source is its name without "
                 "the extension), so their rows would be mixed in the results and rows with equal ids "
-                "dropped as duplicates. Rename one of the files, or merge them into one.")
+                "dropped as duplicates. Rename one of the files, or merge them into one."
+            )
         for it in loaded:
             key = (it.source, it.id)
             if key in keys and keys[key][1] != origin:  # the same row of one file (two subsets) is fine
-                raise DataError(f"{keys[key][0]} and {spec} both hold the row {it.source}/{it.id}; only one of "
-                                "them would be used. Give each input distinct ids or sources.")
+                raise DataError(
+                    f"{keys[key][0]} and {spec} both hold the row {it.source}/{it.id}; only one of "
+                    "them would be used. Give each input distinct ids or sources."
+                )
             keys.setdefault(key, (str(spec), origin))
         items.extend(loaded)
     return items

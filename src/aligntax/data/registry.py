@@ -70,7 +70,9 @@ def data_roots() -> list[DataRoot]:
     roots = []
     shared = shared_data_dir()
     if shared is not None:
-        roots.append(DataRoot(shared, "ALIGNTAX_DATA" if os.environ.get("ALIGNTAX_DATA") else "shared folder"))
+        roots.append(
+            DataRoot(shared, "ALIGNTAX_DATA" if os.environ.get("ALIGNTAX_DATA") else "shared folder")
+        )
     roots.append(DataRoot(fetched_data_dir(), "cache"))
     return roots
 
@@ -110,7 +112,8 @@ def dataset_path(name: str) -> Path:
     raise DataError(
         f"{roots[0].path / spec.path}: file not found (needed for the named dataset {spec.name!r}). Data roots "
         f"searched: {searched}. Run `aligntax data fetch {spec.name}` (or `aligntax data fetch all`), or set "
-        "ALIGNTAX_DATA to a folder holding refusal/...")
+        "ALIGNTAX_DATA to a folder holding refusal/..."
+    )
 
 
 def _get(name: str) -> DatasetSpec:

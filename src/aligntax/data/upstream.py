@@ -53,53 +53,77 @@ UPSTREAM: dict[str, UpstreamFile] = {
     # OR-Bench (Cui et al. 2024; github justincui03/or-bench, Hub bench-llm/or-bench), with the train/val/test
     # split of Wang et al. 2024, as redistributed by the authors of the split
     "refusal/orbench/or-bench-hard-1k.csv": _gh(
-        _FALSE_REFUSAL, "dataset/raw/or-bench-hard-1k.csv",
+        _FALSE_REFUSAL,
+        "dataset/raw/or-bench-hard-1k.csv",
         "a6e2f1166416efe5901f3bb05c47dc92ab3aca3acfe143693d38b8057d841e6d",
-        "via mainlp/False-Refusal-Mitigation; original: Hub bench-llm/or-bench"),
+        "via mainlp/False-Refusal-Mitigation; original: Hub bench-llm/or-bench",
+    ),
     **{
-        f"refusal/orbench/or_bench_hard_{split}.json": _gh(_FALSE_REFUSAL, f"dataset/splits/or_bench_hard_{split}.json",
-                                                           sha)
-        for split, sha in [("train", "ff77215ebce83c5fe344c30de7b718f7294defa981ec50924635a3ee4ebf0f5a"),
-                           ("val", "d97030008c36c605ad4a33f679b1c3d6ea1966a6a296e1ef81b649f2f24871b5"),
-                           ("test", "a5a66718b1f5279b7a96a17d6ad0320f82150cdae03a94a46c60cf90aff0ba12")]
+        f"refusal/orbench/or_bench_hard_{split}.json": _gh(
+            _FALSE_REFUSAL, f"dataset/splits/or_bench_hard_{split}.json", sha
+        )
+        for split, sha in [
+            ("train", "ff77215ebce83c5fe344c30de7b718f7294defa981ec50924635a3ee4ebf0f5a"),
+            ("val", "d97030008c36c605ad4a33f679b1c3d6ea1966a6a296e1ef81b649f2f24871b5"),
+            ("test", "a5a66718b1f5279b7a96a17d6ad0320f82150cdae03a94a46c60cf90aff0ba12"),
+        ]
     },
     # XSTest v2 (Röttger et al. 2024), its license and the human-labelled completions the judges are validated on
     "refusal/xstest/xstest_prompts.csv": _gh(
-        _XSTEST, "xstest_prompts.csv", "11783fb294ed017473ee53c207d71f2161c7672c8d0b037501e78387f801cb5a"),
+        _XSTEST, "xstest_prompts.csv", "11783fb294ed017473ee53c207d71f2161c7672c8d0b037501e78387f801cb5a"
+    ),
     "refusal/xstest/LICENSE_CC-BY-4.0.txt": _gh(
-        _XSTEST, "LICENSE", "9e5f1b3c610b9c2da5c313bf81d577a7d1acec686bdb0384edefa6df0f90cd94"),
+        _XSTEST, "LICENSE", "9e5f1b3c610b9c2da5c313bf81d577a7d1acec686bdb0384edefa6df0f90cd94"
+    ),
     **{
         f"{XSTEST_LABELED_DIR}/xstest_v2_completions_{m}.csv": _gh(
-            _XSTEST, f"model_completions/xstest_v2_completions_{m}.csv", sha)
+            _XSTEST, f"model_completions/xstest_v2_completions_{m}.csv", sha
+        )
         for m, sha in _XS_COMPLETIONS.items()
     },
     "refusal/oktest/OKTest.csv": _gh(
-        _OKTEST, "data/OKTest.csv", "1be3e8d3fe6b45a170653da63c8cf70dbf97508a48735e65db0713a44e158860"),
+        _OKTEST, "data/OKTest.csv", "1be3e8d3fe6b45a170653da63c8cf70dbf97508a48735e65db0713a44e158860"
+    ),
     "refusal/harmful/MaliciousInstruct.txt": _gh(
-        _MALICIOUS, "data/MaliciousInstruct.txt", "a64d69dd1004aac4a23aaff3748fb8f17161893f74db36f45b8bc849eb1bcce5"),
+        _MALICIOUS,
+        "data/MaliciousInstruct.txt",
+        "a64d69dd1004aac4a23aaff3748fb8f17161893f74db36f45b8bc849eb1bcce5",
+    ),
     # the raw benchmark copies and the harmful/harmless splits of Arditi et al. 2024
     "refusal/harmful/advbench_harmful_behaviors.csv": _gh(
-        _REFUSAL_DIRECTION, "dataset/raw/advbench.csv",
+        _REFUSAL_DIRECTION,
+        "dataset/raw/advbench.csv",
         "6cd1a5c63c07610d7eb67307772ee5606017ee950b5770ab288a2c487489d3e1",
-        "via andyrdt/refusal_direction; original: llm-attacks/llm-attacks data/advbench/harmful_behaviors.csv"),
+        "via andyrdt/refusal_direction; original: llm-attacks/llm-attacks data/advbench/harmful_behaviors.csv",
+    ),
     "refusal/harmful/jailbreakbench_behaviors.csv": _gh(
-        _REFUSAL_DIRECTION, "dataset/raw/jailbreakbench.csv",
+        _REFUSAL_DIRECTION,
+        "dataset/raw/jailbreakbench.csv",
         "45e9a8923b28f547bb372fbaa9af7df8b38c818a80ae50c3bab97704197ff516",
-        "via andyrdt/refusal_direction; original: Hub JailbreakBench/JBB-Behaviors"),
+        "via andyrdt/refusal_direction; original: Hub JailbreakBench/JBB-Behaviors",
+    ),
     "refusal/harmful/harmbench_behaviors_text_test.csv": _gh(
-        _REFUSAL_DIRECTION, "dataset/raw/harmbench_test.csv",
+        _REFUSAL_DIRECTION,
+        "dataset/raw/harmbench_test.csv",
         "75d257b3e7428c52eb7b0154318f455af3e01b09a3794b5e2f3d36054f3c0e29",
-        "via andyrdt/refusal_direction; original: centerforaisafety/HarmBench"),
+        "via andyrdt/refusal_direction; original: centerforaisafety/HarmBench",
+    ),
     "refusal/harmful/harmbench_behaviors_text_val.csv": _gh(
-        _REFUSAL_DIRECTION, "dataset/raw/harmbench_val.csv",
+        _REFUSAL_DIRECTION,
+        "dataset/raw/harmbench_val.csv",
         "7bfaaa5e2b9b95002c89e2d33c019f58e9e8496e2fc65d368f1eeb8179e69534",
-        "via andyrdt/refusal_direction; original: centerforaisafety/HarmBench"),
+        "via andyrdt/refusal_direction; original: centerforaisafety/HarmBench",
+    ),
     "refusal/harmful/strongreject_dataset.csv": _gh(
-        _REFUSAL_DIRECTION, "dataset/raw/strongreject.csv",
+        _REFUSAL_DIRECTION,
+        "dataset/raw/strongreject.csv",
         "4dd70357e4ff8b5d0ba5ebafecab5d6dd5633ce8046e3dd1c8bd93e64de44381",
-        "via andyrdt/refusal_direction; original: alexandrasouly/strongreject"),
+        "via andyrdt/refusal_direction; original: alexandrasouly/strongreject",
+    ),
     **{
-        f"refusal/{kind}/{kind}_{split}.json": _gh(_REFUSAL_DIRECTION, f"dataset/splits/{kind}_{split}.json", sha)
+        f"refusal/{kind}/{kind}_{split}.json": _gh(
+            _REFUSAL_DIRECTION, f"dataset/splits/{kind}_{split}.json", sha
+        )
         for kind, split, sha in [
             ("harmful", "train", "8f5c0eac0efd2a7f99084bbe8d0de2c465e31b1997184783c917969d9de9ece1"),
             ("harmful", "val", "305f1d1e6dfa6c50a32d24a18ef815f42b5441eb83e6d7767d242107162fd9f4"),
@@ -125,20 +149,26 @@ NO_UPSTREAM: dict[str, tuple[str, str]] = {
     "refusal/orbench/or-bench-toxic-harmful.json": (
         "the instruction/category JSON of the OR-Bench toxic prompts is not in a public repository at a "
         "matching commit (the Hub's bench-llm/or-bench has or-bench-toxic.csv, another layout)",
-        "ecd41e86fd599c7713ad4acf6052c5068e08069ca3deb372980c4973162d03a0"),
+        "ecd41e86fd599c7713ad4acf6052c5068e08069ca3deb372980c4973162d03a0",
+    ),
     "refusal/jailbreak/wildguard_test_adv.json": (
         "a processed subset of WildGuardTest (allenai/wildguardmix, gated on the Hub) with no public matching copy",
-        "f7f02ea17b641339384b2ef564e9c8751cb455d44c6fc7978cf6929d493e4bff"),
+        "f7f02ea17b641339384b2ef564e9c8751cb455d44c6fc7978cf6929d493e4bff",
+    ),
     "refusal/jailbreak/DAN_safe.json": (
         "a processed DAN-style prompt set with no public matching copy",
-        "79be96099b20493977ff5bc7c6fa2c544395b51fe458c36dbc81eb29d792e52f"),
+        "79be96099b20493977ff5bc7c6fa2c544395b51fe458c36dbc81eb29d792e52f",
+    ),
     "refusal/jailbreak/DAN_unsafe.json": (
         "a processed DAN-style prompt set with no public matching copy",
-        "2b3f63d828a51ad1e3269aaf55fa397c419f8e7c0f4d16f4af634bdd8c81a0b8"),
+        "2b3f63d828a51ad1e3269aaf55fa397c419f8e7c0f4d16f4af634bdd8c81a0b8",
+    ),
     "refusal/phtest/phtest_harmless_train.json": (
         "a random split made for aligntax from PHTest (umd-huang-lab/FalseRefusal, PHTest/dataset_v0.1.csv)",
-        "0a422acc40fc795b471c5219dfa23805b62dcf8aa07966b8a9fb449d5525b715"),
+        "0a422acc40fc795b471c5219dfa23805b62dcf8aa07966b8a9fb449d5525b715",
+    ),
     "refusal/phtest/phtest_harmless_val.json": (
         "a random split made for aligntax from PHTest (umd-huang-lab/FalseRefusal, PHTest/dataset_v0.1.csv)",
-        "f47639bb54971ddedb3b2d93459b4ad3ea129c3828e3b937c55aa9d9532b15f7"),
+        "f47639bb54971ddedb3b2d93459b4ad3ea129c3828e3b937c55aa9d9532b15f7",
+    ),
 }

@@ -71,53 +71,87 @@ class EnergyBank:
         rows = []
         for rank, layer in enumerate(self.layers):
             m = self.metrics(layer)
-            rows.append({"rank": rank, "layer": layer, "val_acc": m.get("acc"), "val_auroc": m.get("auroc"),
-                         "val_balanced_acc": m.get("balanced_acc"), "median_norm": self.median_norm(layer)})
+            rows.append(
+                {
+                    "rank": rank,
+                    "layer": layer,
+                    "val_acc": m.get("acc"),
+                    "val_auroc": m.get("auroc"),
+                    "val_balanced_acc": m.get("balanced_acc"),
+                    "median_norm": self.median_norm(layer),
+                }
+            )
         return rows
 
     # ---- disk -------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        tensors = {f"layer.{layer}.{name}": t.detach().float().cpu().contiguous()
-                   for layer, m in self.models.items() for name, t in m.state_dict().items()}
-        return _FILES.save(directory, tensors, {
-            "fingerprint": self.fingerprint,
-            "hidden_size": self.hidden_size,
-            "layers": self.layers,
-            "config": self.config.to_dict(),
-            "normalization": self.config.normalize,
-            "arch": {str(layer): m.arch() for layer, m in self.models.items()},
-            "info": {str(layer): self.info.get(layer, {}) for layer in self.models},
-            "metadata": self.metadata,
-        })
+        tensors = {
+            f"layer.{layer}.{name}": t.detach().float().cpu().contiguous()
+            for layer, m in self.models.items()
+            for name, t in m.state_dict().items()
+        }
+        return _FILES.save(
+            directory,
+            tensors,
+            {
+                "fingerprint": self.fingerprint,
+                "hidden_size": self.hidden_size,
+                "layers": self.layers,
+                "config": self.config.to_dict(),
+                "normalization": self.config.normalize,
+                "arch": {str(layer): m.arch() for layer, m in self.models.items()},
+                "info": {str(layer): self.info.get(layer, {}) for layer in self.models},
+                "metadata": self.metadata,
+            },
+        )
 
     @classmethod
-    def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
-             expect_hidden_size: int | None = None, layers: Sequence[int] | None = None,
-             map_location: str | torch.device = "cpu") -> EnergyBank:
+    def load(
+        cls,
+        directory: str | Path,
+        expect_fingerprint: dict | None = None,
+        expect_hidden_size: int | None = None,
+        layers: Sequence[int] | None = None,
+        map_location: str | torch.device = "cpu",
+    ) -> EnergyBank:
         """Load a bank; refuse one made for another model (``CompatibilityError`` naming both)."""
         directory = Path(directory)
-        meta, tensors = _FILES.load(directory, expect_fingerprint, expect_hidden_size, device=str(map_location))
+        meta, tensors = _FILES.load(
+            directory, expect_fingerprint, expect_hidden_size, device=str(map_location)
+        )
         want = [int(x) for x in (layers if layers is not None else meta["arch"].keys())]
         models = {}
         for layer in want:
             arch = meta["arch"].get(str(layer))
             if arch is None:
-                raise DataError(f"Energy bank {directory} has no model for layer {layer} "
-                                f"(it has layers {sorted(int(k) for k in meta['arch'])}).")
+                raise DataError(
+                    f"Energy bank {directory} has no model for layer {layer} "
+                    f"(it has layers {sorted(int(k) for k in meta['arch'])})."
+                )
             m = EnergyModel(arch["dim"], arch["widths"], arch["layernorm"], arch["dropout"])
             prefix = f"layer.{layer}."
-            state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
             m.load_state_dict(state, strict=True)
             models[layer] = m.to(map_location).eval()
         info = {int(k): v for k, v in meta.get("info", {}).items() if int(k) in models}
-        return cls(models, EnergyConfig.from_dict(meta.get("config", {})), meta["fingerprint"], info,
-                   meta.get("metadata") or {})
+        return cls(
+            models,
+            EnergyConfig.from_dict(meta.get("config", {})),
+            meta["fingerprint"],
+            info,
+            meta.get("metadata") or {},
+        )
 
 
-def train_layers(acts_by_layer: dict[int, torch.Tensor], labels: Sequence[int] | torch.Tensor,
-                 config: EnergyConfig | None = None, fingerprint: dict | None = None,
-                 layers: Sequence[int] | None = None, progress: bool = False,
-                 metadata: dict | None = None) -> EnergyBank:
+def train_layers(
+    acts_by_layer: dict[int, torch.Tensor],
+    labels: Sequence[int] | torch.Tensor,
+    config: EnergyConfig | None = None,
+    fingerprint: dict | None = None,
+    layers: Sequence[int] | None = None,
+    progress: bool = False,
+    metadata: dict | None = None,
+) -> EnergyBank:
     """Train one energy model per layer; ``labels[i]`` is 1 for a bad (undesirable) state, 0 for good.
 
     See :func:`aligntax.energy.state_labels` to derive them from prompt labels and refusals.
@@ -141,14 +175,25 @@ def train_layers(acts_by_layer: dict[int, torch.Tensor], labels: Sequence[int] |
             bar.update()
         res = runs[0]
         models[int(layer)] = res.model
-        info[int(layer)] = {"metrics": _mean_metrics([r.metrics for r in runs]), "train_metrics": res.train_metrics,
-                            "data": res.data, "best_epoch": res.best_epoch, "epochs_run": len(res.history)}
+        info[int(layer)] = {
+            "metrics": _mean_metrics([r.metrics for r in runs]),
+            "train_metrics": res.train_metrics,
+            "data": res.data,
+            "best_epoch": res.best_epoch,
+            "epochs_run": len(res.history),
+        }
         if config.folds > 1:
             info[int(layer)]["fold_metrics"] = [r.metrics for r in runs]
         m = info[int(layer)]["metrics"]
         bar.set_postfix_str(f"layer {layer}: val acc {m['acc']:.3f} auroc {m['auroc']:.3f}")
     bar.close()
-    meta = {"n_states": len(y), "folds": config.folds, "n_good": int((y == 0).sum()), "n_bad": int((y == 1).sum()), **(metadata or {})}
+    meta = {
+        "n_states": len(y),
+        "folds": config.folds,
+        "n_good": int((y == 0).sum()),
+        "n_bad": int((y == 1).sum()),
+        **(metadata or {}),
+    }
     return EnergyBank(models, config, dict(fingerprint or {}), info, meta)
 
 

@@ -33,14 +33,23 @@ import torch
 from aligntax.artefacts import TensorArtefact
 from aligntax.errors import AligntaxError, DataError
 
-__all__ = ["HARM_BASIS_FORMAT", "ROW_STRENGTH_FORMAT", "STRENGTH_FEATURES", "HarmBasis", "RowStrength",
-           "compute_harm_basis", "fit_row_strength", "pair_states"]
+__all__ = [
+    "HARM_BASIS_FORMAT",
+    "ROW_STRENGTH_FORMAT",
+    "STRENGTH_FEATURES",
+    "HarmBasis",
+    "RowStrength",
+    "compute_harm_basis",
+    "fit_row_strength",
+    "pair_states",
+]
 
 HARM_BASIS_FORMAT = "aligntax.harm-basis/1"
 ROW_STRENGTH_FORMAT = "aligntax.row-strength/1"
 _BASIS = TensorArtefact(HARM_BASIS_FORMAT, "harm_basis.json", "harm_basis.safetensors", what="harm basis")
-_STRENGTH = TensorArtefact(ROW_STRENGTH_FORMAT, "row_strength.json", "row_strength.safetensors",
-                           what="row strength model")
+_STRENGTH = TensorArtefact(
+    ROW_STRENGTH_FORMAT, "row_strength.json", "row_strength.safetensors", what="row strength model"
+)
 STRENGTH_FEATURES = ("gate_logit", "energy", "refusal_proj", "harm_proj")
 
 
@@ -55,7 +64,9 @@ class HarmBasis:
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.directions = {int(k): torch.as_tensor(v).detach().float().cpu() for k, v in self.directions.items()}
+        self.directions = {
+            int(k): torch.as_tensor(v).detach().float().cpu() for k, v in self.directions.items()
+        }
         if not self.directions:
             raise AligntaxError("A harm basis needs at least one layer.")
         dims = {v.shape[-1] for v in self.directions.values()}
@@ -73,24 +84,41 @@ class HarmBasis:
     def get(self, layer: int, k: int) -> torch.Tensor:
         """The first ``k`` directions of ``layer``, ``[k, d]``."""
         if int(layer) not in self.directions:
-            raise AligntaxError(f"The harm basis has no directions for layer {layer} "
-                                f"(it has layers {sorted(self.directions)}).")
+            raise AligntaxError(
+                f"The harm basis has no directions for layer {layer} "
+                f"(it has layers {sorted(self.directions)})."
+            )
         q = self.directions[int(layer)]
         if not 0 < k <= q.shape[0]:
-            raise AligntaxError(f"harm_orth must be in 1..{q.shape[0]} (the directions saved for layer {layer}); "
-                                f"got {k}.")
+            raise AligntaxError(
+                f"harm_orth must be in 1..{q.shape[0]} (the directions saved for layer {layer}); got {k}."
+            )
         return q[:k]
 
     def save(self, directory: str | Path) -> Path:
-        return _BASIS.save(directory, {f"layer.{layer}": q.contiguous() for layer, q in self.directions.items()},
-                           {"fingerprint": self.fingerprint, "hidden_size": self.dim,
-                            "layers": sorted(self.directions), "k_max": self.k_max, "info": self.info})
+        return _BASIS.save(
+            directory,
+            {f"layer.{layer}": q.contiguous() for layer, q in self.directions.items()},
+            {
+                "fingerprint": self.fingerprint,
+                "hidden_size": self.dim,
+                "layers": sorted(self.directions),
+                "k_max": self.k_max,
+                "info": self.info,
+            },
+        )
 
     @classmethod
-    def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
-             expect_hidden_size: int | None = None) -> HarmBasis:
+    def load(
+        cls,
+        directory: str | Path,
+        expect_fingerprint: dict | None = None,
+        expect_hidden_size: int | None = None,
+    ) -> HarmBasis:
         meta, t = _BASIS.load(directory, expect_fingerprint, expect_hidden_size)
-        return cls({int(k.split(".", 1)[1]): v for k, v in t.items()}, meta["fingerprint"], meta.get("info") or {})
+        return cls(
+            {int(k.split(".", 1)[1]): v for k, v in t.items()}, meta["fingerprint"], meta.get("info") or {}
+        )
 
     @staticmethod
     def exists(directory: str | Path) -> bool:
@@ -111,9 +139,14 @@ def pair_states(items, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return states[list(h)], states[list(b)]
 
 
-def compute_harm_basis(harmful: dict[int, torch.Tensor], benign: dict[int, torch.Tensor],
-                       pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, k_max: int = 8,
-                       fingerprint: dict | None = None, metadata: dict | None = None) -> HarmBasis:
+def compute_harm_basis(
+    harmful: dict[int, torch.Tensor],
+    benign: dict[int, torch.Tensor],
+    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    k_max: int = 8,
+    fingerprint: dict | None = None,
+    metadata: dict | None = None,
+) -> HarmBasis:
     """Per layer of ``harmful`` ``{layer: [Nh, d]}`` and ``benign`` ``{layer: [Nb, d]}``: the unit
     difference of means, then the top singular directions of the pairs' differences (``pairs[layer]
     = (harmful [P, d], benign [P, d])``; without pairs, each harmful state minus the benign mean) after
@@ -131,7 +164,7 @@ def compute_harm_basis(harmful: dict[int, torch.Tensor], benign: dict[int, torch
         diffs = (ph.float() - pb.float()) if len(ph) else xh - xb.mean(0)
         diffs = diffs - (diffs @ q0)[:, None] * q0[None]
         _, sv, vh = torch.linalg.svd(diffs, full_matrices=False)
-        a = torch.cat([q0[None], vh[:k_max - 1]])  # [K, d]
+        a = torch.cat([q0[None], vh[: k_max - 1]])  # [K, d]
         q, r = torch.linalg.qr(a.T)  # orthonormal columns spanning a's rows, in order
         sign = torch.sign(torch.diagonal(r))
         q = (q * torch.where(sign == 0, torch.ones_like(sign), sign)).T  # q[0] == q0
@@ -139,8 +172,11 @@ def compute_harm_basis(harmful: dict[int, torch.Tensor], benign: dict[int, torch
         energy = sv.square()
         info["layers"][str(layer)] = {
             "mean_diff_norm": round(float(mean_diff.norm()), 4),
-            "pair_diff_share": [round(float(v), 4) for v in (energy[:k_max - 1] / energy.sum().clamp_min(1e-12))],
-            "n_pairs": int(len(ph))}
+            "pair_diff_share": [
+                round(float(v), 4) for v in (energy[: k_max - 1] / energy.sum().clamp_min(1e-12))
+            ],
+            "n_pairs": int(len(ph)),
+        }
     info["n_harmful"] = int(len(next(iter(harmful.values()))))
     info["n_benign"] = int(len(next(iter(benign.values()))))
     info.update(metadata or {})
@@ -168,10 +204,14 @@ class RowStrength:
     def __post_init__(self) -> None:
         self.layer = int(self.layer)
         f = len(STRENGTH_FEATURES)
-        self.weight, self.mean = (torch.as_tensor(t).detach().float().cpu().reshape(f) for t in (self.weight, self.mean))
+        self.weight, self.mean = (
+            torch.as_tensor(t).detach().float().cpu().reshape(f) for t in (self.weight, self.mean)
+        )
         self.scale = torch.as_tensor(self.scale).detach().float().cpu().reshape(f).clamp_min(1e-6)
-        self.refusal_dir, self.harm_dir = (_unit(torch.as_tensor(t).detach().float().cpu().flatten())
-                                           for t in (self.refusal_dir, self.harm_dir))
+        self.refusal_dir, self.harm_dir = (
+            _unit(torch.as_tensor(t).detach().float().cpu().flatten())
+            for t in (self.refusal_dir, self.harm_dir)
+        )
         self.bias = float(self.bias)
         if not 0.0 <= self.floor < 1.0:
             raise AligntaxError(f"The row strength floor must be in [0, 1); got {self.floor}.")
@@ -185,8 +225,9 @@ class RowStrength:
         """The projections of states ``[N, d]`` (block ``layer``) on the refusal and the harm direction."""
         key = str(h.device)
         if key not in self._on:
-            self._on[key] = tuple(t.to(h.device) for t in (self.weight, self.mean, self.scale, self.refusal_dir,
-                                                           self.harm_dir))
+            self._on[key] = tuple(
+                t.to(h.device) for t in (self.weight, self.mean, self.scale, self.refusal_dir, self.harm_dir)
+            )
         *_, r, hd = self._on[key]
         return h.float() @ r, h.float() @ hd
 
@@ -201,21 +242,51 @@ class RowStrength:
         return torch.where(p >= self.floor, p, torch.zeros_like(p))
 
     def save(self, directory: str | Path) -> Path:
-        return _STRENGTH.save(directory, {"weight": self.weight, "mean": self.mean, "scale": self.scale,
-                                          "refusal_dir": self.refusal_dir, "harm_dir": self.harm_dir},
-                              {"fingerprint": self.fingerprint, "hidden_size": self.dim, "layer": self.layer,
-                               "bias": self.bias, "floor": self.floor, "features": list(STRENGTH_FEATURES),
-                               "info": self.info})
+        return _STRENGTH.save(
+            directory,
+            {
+                "weight": self.weight,
+                "mean": self.mean,
+                "scale": self.scale,
+                "refusal_dir": self.refusal_dir,
+                "harm_dir": self.harm_dir,
+            },
+            {
+                "fingerprint": self.fingerprint,
+                "hidden_size": self.dim,
+                "layer": self.layer,
+                "bias": self.bias,
+                "floor": self.floor,
+                "features": list(STRENGTH_FEATURES),
+                "info": self.info,
+            },
+        )
 
     @classmethod
-    def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
-             expect_hidden_size: int | None = None) -> RowStrength:
+    def load(
+        cls,
+        directory: str | Path,
+        expect_fingerprint: dict | None = None,
+        expect_hidden_size: int | None = None,
+    ) -> RowStrength:
         meta, t = _STRENGTH.load(directory, expect_fingerprint, expect_hidden_size)
         if list(meta.get("features") or []) != list(STRENGTH_FEATURES):
-            raise DataError(f"{directory}: the row strength model reads features {meta.get('features')}, "
-                            f"not {list(STRENGTH_FEATURES)}.")
-        return cls(meta["layer"], t["weight"], meta["bias"], t["mean"], t["scale"], t["refusal_dir"], t["harm_dir"],
-                   float(meta.get("floor", 0.1)), meta["fingerprint"], meta.get("info") or {})
+            raise DataError(
+                f"{directory}: the row strength model reads features {meta.get('features')}, "
+                f"not {list(STRENGTH_FEATURES)}."
+            )
+        return cls(
+            meta["layer"],
+            t["weight"],
+            meta["bias"],
+            t["mean"],
+            t["scale"],
+            t["refusal_dir"],
+            t["harm_dir"],
+            float(meta.get("floor", 0.1)),
+            meta["fingerprint"],
+            meta.get("info") or {},
+        )
 
     @staticmethod
     def exists(directory: str | Path) -> bool:
@@ -226,9 +297,18 @@ def _unit(v: torch.Tensor) -> torch.Tensor:
     return v / v.norm().clamp_min(1e-12)
 
 
-def fit_row_strength(features: torch.Tensor, worth: torch.Tensor, layer: int, refusal_dir: torch.Tensor,
-                     harm_dir: torch.Tensor, weight: torch.Tensor | None = None, l2: float = 1e-2,
-                     floor: float = 0.1, fingerprint: dict | None = None, metadata: dict | None = None) -> RowStrength:
+def fit_row_strength(
+    features: torch.Tensor,
+    worth: torch.Tensor,
+    layer: int,
+    refusal_dir: torch.Tensor,
+    harm_dir: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    l2: float = 1e-2,
+    floor: float = 0.1,
+    fingerprint: dict | None = None,
+    metadata: dict | None = None,
+) -> RowStrength:
     """A :class:`RowStrength` fitted by L2-regularised logistic regression (classes weighted equally,
     ``weight`` per row within its class) on ``features`` ``[N, F]`` and ``worth`` (1: worth steering)."""
     from aligntax.energy.gate import _fit_standardised, _rates
@@ -245,10 +325,17 @@ def fit_row_strength(features: torch.Tensor, worth: torch.Tensor, layer: int, re
     model = RowStrength(layer, w, b, mu, sd, refusal_dir, harm_dir, floor, dict(fingerprint or {}))
     p = model.prob(x)
     s = model.strength(x)
-    model.info = {"l2": l2, "n": len(y), "n_worth": int(y.sum()), "train_fit": _rates(torch.logit(p.clamp(1e-6, 1 - 1e-6)), y),
-                  "mean_strength": {"worth": float(s[y].mean()), "not_worth": float(s[~y].mean())},
-                  "held_at_floor": {"worth": float((s[y] == 0).float().mean()),
-                                    "not_worth": float((s[~y] == 0).float().mean())},
-                  "weights": dict(zip(STRENGTH_FEATURES, [round(float(v), 4) for v in w], strict=True)),
-                  **(metadata or {})}
+    model.info = {
+        "l2": l2,
+        "n": len(y),
+        "n_worth": int(y.sum()),
+        "train_fit": _rates(torch.logit(p.clamp(1e-6, 1 - 1e-6)), y),
+        "mean_strength": {"worth": float(s[y].mean()), "not_worth": float(s[~y].mean())},
+        "held_at_floor": {
+            "worth": float((s[y] == 0).float().mean()),
+            "not_worth": float((s[~y] == 0).float().mean()),
+        },
+        "weights": dict(zip(STRENGTH_FEATURES, [round(float(v), 4) for v in w], strict=True)),
+        **(metadata or {}),
+    }
     return model

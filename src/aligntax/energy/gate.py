@@ -46,7 +46,9 @@ class HarmGate:
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.layers = [int(x) for x in (self.layers if isinstance(self.layers, (list, tuple)) else [self.layers])]
+        self.layers = [
+            int(x) for x in (self.layers if isinstance(self.layers, (list, tuple)) else [self.layers])
+        ]
         n = len(self.layers)
         if n == 0 or len(set(self.layers)) != n:
             raise AligntaxError(f"A harm gate needs distinct layers; got {self.layers}.")
@@ -92,8 +94,10 @@ class HarmGate:
         if len(self.layers) == 1:
             h = h.unsqueeze(-2)
         if h.shape[-1] != self.dim or h.shape[-2] != len(self.layers):
-            raise AligntaxError(f"Harm gate expects states of {len(self.layers)} layer(s) of hidden size "
-                                f"{self.dim}, got shape {tuple(h.shape)}.")
+            raise AligntaxError(
+                f"Harm gate expects states of {len(self.layers)} layer(s) of hidden size "
+                f"{self.dim}, got shape {tuple(h.shape)}."
+            )
         key = str(h.device)
         if key not in self._on:
             self._on[key] = tuple(t.to(h.device) for t in (self.weight, self.mean, self.scale, self.bias))
@@ -109,27 +113,57 @@ class HarmGate:
 
     # ---- disk -------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        return _FILES.save(directory, {"weight": self.weight.contiguous(), "mean": self.mean.contiguous(),
-                                       "scale": self.scale.contiguous(), "bias": self.bias.contiguous()},
-                           {"fingerprint": self.fingerprint, "hidden_size": self.dim, "layer": self.layer,
-                            "layers": self.layers, "threshold": self.threshold, "info": self.info})
+        return _FILES.save(
+            directory,
+            {
+                "weight": self.weight.contiguous(),
+                "mean": self.mean.contiguous(),
+                "scale": self.scale.contiguous(),
+                "bias": self.bias.contiguous(),
+            },
+            {
+                "fingerprint": self.fingerprint,
+                "hidden_size": self.dim,
+                "layer": self.layer,
+                "layers": self.layers,
+                "threshold": self.threshold,
+                "info": self.info,
+            },
+        )
 
     @classmethod
-    def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
-             expect_hidden_size: int | None = None) -> HarmGate:
+    def load(
+        cls,
+        directory: str | Path,
+        expect_fingerprint: dict | None = None,
+        expect_hidden_size: int | None = None,
+    ) -> HarmGate:
         meta, t = _FILES.load(directory, expect_fingerprint, expect_hidden_size)
         # a one-layer gate of an earlier version keeps its bias in the sidecar
         bias = t["bias"] if "bias" in t else torch.tensor([float(meta["bias"])])
-        return cls(meta.get("layers", meta["layer"]), t["weight"], bias, t["mean"], t["scale"],
-                   float(meta.get("threshold", 0.5)), meta["fingerprint"], meta.get("info") or {})
+        return cls(
+            meta.get("layers", meta["layer"]),
+            t["weight"],
+            bias,
+            t["mean"],
+            t["scale"],
+            float(meta.get("threshold", 0.5)),
+            meta["fingerprint"],
+            meta.get("info") or {},
+        )
 
     @staticmethod
     def exists(directory: str | Path) -> bool:
         return (Path(directory) / _FILES.sidecar).is_file()
 
 
-def _fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, max_iter: int = 200,
-                  sample_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+def _fit_logistic(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    l2: float,
+    max_iter: int = 200,
+    sample_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float]:
     """L2-regularised logistic regression by L-BFGS on standardised features; classes weighted equally.
     ``sample_weight`` (>= 0, one per row) weights rows within their class; the two classes keep equal
     total weight and the weights average 1, so the regularisation keeps its strength."""
@@ -165,16 +199,26 @@ def _fit_standardised(x: torch.Tensor, y: torch.Tensor, l2: float, sample_weight
 def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict:
     pred = logit >= 0
     yb = y.bool()
-    return {"acc": float((pred == yb).float().mean()),
-            "harmful_caught": float(pred[yb].float().mean()) if yb.any() else float("nan"),
-            "benign_passed": float((~pred[~yb]).float().mean()) if (~yb).any() else float("nan")}
+    return {
+        "acc": float((pred == yb).float().mean()),
+        "harmful_caught": float(pred[yb].float().mean()) if yb.any() else float("nan"),
+        "benign_passed": float((~pred[~yb]).float().mean()) if (~yb).any() else float("nan"),
+    }
 
 
-def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bool] | torch.Tensor,
-                    layers: Sequence[int] | None = None, l2: float = 1e-2, folds: int = 5,
-                    seed: int = 0, fingerprint: dict | None = None, metadata: dict | None = None,
-                    recall: float | None = None, ensemble: bool = False,
-                    sample_weight: Sequence[float] | torch.Tensor | None = None) -> HarmGate:
+def train_harm_gate(
+    acts_by_layer: dict[int, torch.Tensor],
+    harmful: Sequence[bool] | torch.Tensor,
+    layers: Sequence[int] | None = None,
+    l2: float = 1e-2,
+    folds: int = 5,
+    seed: int = 0,
+    fingerprint: dict | None = None,
+    metadata: dict | None = None,
+    recall: float | None = None,
+    ensemble: bool = False,
+    sample_weight: Sequence[float] | torch.Tensor | None = None,
+) -> HarmGate:
     """Score by ``folds``-fold cross-validated balanced accuracy one probe per candidate layer and, with
     ``ensemble``, the mean of all their logits; keep the best candidate (ties: one layer, then the
     earlier one) and refit its probes on all the data.
@@ -191,10 +235,16 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
     if y.all() or not y.any():
         raise DataError("The harm gate needs both benign and harmful prompts.")
     sw = None if sample_weight is None else torch.as_tensor(sample_weight, dtype=torch.float32).flatten()
-    if sw is not None and (len(sw) != len(y) or not torch.isfinite(sw).all() or (sw < 0).any()
-                           or sw[y].sum() <= 0 or sw[~y].sum() <= 0):
-        raise DataError(f"The harm gate's sample weights must be {len(y)} finite values >= 0 with weight on "
-                        "both classes.")
+    if sw is not None and (
+        len(sw) != len(y)
+        or not torch.isfinite(sw).all()
+        or (sw < 0).any()
+        or sw[y].sum() <= 0
+        or sw[~y].sum() <= 0
+    ):
+        raise DataError(
+            f"The harm gate's sample weights must be {len(y)} finite values >= 0 with weight on both classes."
+        )
     if folds < 2:
         raise AligntaxError(f"The harm gate needs at least 2 folds; got {folds}.")
     if recall is not None and not 0.0 < recall < 1.0:
@@ -224,13 +274,22 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
         """Out-of-fold rates at 0.5, the thresholds at each recall, and the rates at the gate's threshold."""
         p = torch.sigmoid(logits)
         harm_p = p[y].sort().values
-        at = {str(r): max(1e-6, float(harm_p[min(len(harm_p) - 1, int((1 - r) * len(harm_p)))])) for r in recalls}
+        at = {
+            str(r): max(1e-6, float(harm_p[min(len(harm_p) - 1, int((1 - r) * len(harm_p)))]))
+            for r in recalls
+        }
         threshold = 0.5 if recall is None else min(0.5, at[str(recall)])
         rates = _rates(logits, y)
         rates["balanced_acc"] = (rates["harmful_caught"] + rates["benign_passed"]) / 2
-        return {"val": rates, "thresholds": at, "threshold": threshold,
-                "at_threshold": {"harmful_caught": float((p[y] >= threshold).float().mean()),
-                                 "benign_passed": float((p[~y] < threshold).float().mean())}}
+        return {
+            "val": rates,
+            "thresholds": at,
+            "threshold": threshold,
+            "at_threshold": {
+                "harmful_caught": float((p[y] >= threshold).float().mean()),
+                "benign_passed": float((p[~y] < threshold).float().mean()),
+            },
+        }
 
     points = {k: operating_point(v) for k, v in oof.items()}
 
@@ -244,14 +303,23 @@ def train_harm_gate(acts_by_layer: dict[int, torch.Tensor], harmful: Sequence[bo
     gate = HarmGate(list(best), w, b, mu, sd, chosen["threshold"], dict(fingerprint or {}))
     x_all = gate.stack({layer: acts_by_layer[layer].float() for layer in best})
     name = {k: "ensemble" if len(k) > 1 else str(k[0]) for k in points}
-    gate.info = {"val": chosen["val"], "cv_folds": folds, "recall_target": recall,
-                 "candidate_scores": {name[k]: round(score(k), 6) for k in points},
-                 "candidate_benign_passed_at_threshold": {name[k]: round(v["at_threshold"]["benign_passed"], 6)
-                                                          for k, v in points.items()},
-                 "cv_at_threshold": chosen["at_threshold"], "cv_recall_thresholds": chosen["thresholds"],
-                 "per_layer_val": {name[k]: v["val"] for k, v in points.items() if len(k) == 1},
-                 "ensemble_val": next((v["val"] for k, v in points.items() if len(k) > 1), None),
-                 "l2": l2, "n": len(y), "n_harmful": int(y.sum()), "train_fit": _rates(gate.logit(x_all), y),
-                 **({} if sw is None else {"n_weighted": int((sw != 1).sum()), "max_weight": float(sw.max())}),
-                 **(metadata or {})}
+    gate.info = {
+        "val": chosen["val"],
+        "cv_folds": folds,
+        "recall_target": recall,
+        "candidate_scores": {name[k]: round(score(k), 6) for k in points},
+        "candidate_benign_passed_at_threshold": {
+            name[k]: round(v["at_threshold"]["benign_passed"], 6) for k, v in points.items()
+        },
+        "cv_at_threshold": chosen["at_threshold"],
+        "cv_recall_thresholds": chosen["thresholds"],
+        "per_layer_val": {name[k]: v["val"] for k, v in points.items() if len(k) == 1},
+        "ensemble_val": next((v["val"] for k, v in points.items() if len(k) > 1), None),
+        "l2": l2,
+        "n": len(y),
+        "n_harmful": int(y.sum()),
+        "train_fit": _rates(gate.logit(x_all), y),
+        **({} if sw is None else {"n_weighted": int((sw != 1).sum()), "max_weight": float(sw.max())}),
+        **(metadata or {}),
+    }
     return gate

@@ -68,8 +68,10 @@ class EnergyConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise AligntaxError("val_fraction must be between 0 and 1.")
         if self.folds < 1 or self.folds * self.val_fraction > 1 + 1e-9:
-            raise AligntaxError(f"folds must be at least 1 and folds * val_fraction at most 1; got folds {self.folds} "
-                                f"with val_fraction {self.val_fraction}.")
+            raise AligntaxError(
+                f"folds must be at least 1 and folds * val_fraction at most 1; got folds {self.folds} "
+                f"with val_fraction {self.val_fraction}."
+            )
         self.widths = [int(w) for w in self.widths]
 
     @classmethod
@@ -78,7 +80,9 @@ class EnergyConfig:
         if name == "paper":
             base: dict = {}
         elif name == "small":
-            base = dict(widths=[512, 256], layernorm=False, dropout=0.0, lr=1e-3, epochs=60, weight_decay=1e-4)
+            base = dict(
+                widths=[512, 256], layernorm=False, dropout=0.0, lr=1e-3, epochs=60, weight_decay=1e-4
+            )
         else:
             raise AligntaxError(f"Unknown energy preset '{name}'; use 'paper' or 'small'.")
         return cls(**{**base, **overrides})
@@ -95,8 +99,13 @@ class EnergyConfig:
 class EnergyModel(nn.Module):
     """Scalar energy of a hidden state. ``energy(h)`` accepts any leading dims: ``[..., d] -> [...]``."""
 
-    def __init__(self, dim: int, widths: list[int] | tuple[int, ...] = (2048, 1024, 1024, 512),
-                 layernorm: bool = True, dropout: float = 0.15):
+    def __init__(
+        self,
+        dim: int,
+        widths: list[int] | tuple[int, ...] = (2048, 1024, 1024, 512),
+        layernorm: bool = True,
+        dropout: float = 0.15,
+    ):
         super().__init__()
         self.dim = int(dim)
         self.widths = [int(w) for w in widths]
@@ -122,7 +131,12 @@ class EnergyModel(nn.Module):
         return cls(dim, cfg.widths, cfg.layernorm, cfg.dropout)
 
     def arch(self) -> dict:
-        return {"dim": self.dim, "widths": self.widths, "layernorm": self.use_layernorm, "dropout": self.dropout_p}
+        return {
+            "dim": self.dim,
+            "widths": self.widths,
+            "layernorm": self.use_layernorm,
+            "dropout": self.dropout_p,
+        }
 
     def set_normalization(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
         self.in_mean.copy_(mean.to(self.in_mean))
@@ -131,11 +145,15 @@ class EnergyModel(nn.Module):
     # ---- forward ----------------------------------------------------------------------------------
     def _check(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[-1] != self.dim:
-            raise AligntaxError(f"Energy model expects hidden size {self.dim}, got states of shape {tuple(h.shape)}.")
+            raise AligntaxError(
+                f"Energy model expects hidden size {self.dim}, got states of shape {tuple(h.shape)}."
+            )
         h = h.to(dtype=torch.float32, device=self.in_mean.device)
         if not torch.isfinite(h).all():
-            raise AligntaxError("Hidden states contain NaN or inf; the energy is undefined. Check the model "
-                                "dtype/precision and the activations.")
+            raise AligntaxError(
+                "Hidden states contain NaN or inf; the energy is undefined. Check the model "
+                "dtype/precision and the activations."
+            )
         return h
 
     def forward(self, h: torch.Tensor, check: bool = True) -> torch.Tensor:

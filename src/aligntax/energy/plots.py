@@ -10,8 +10,15 @@ import torch
 from aligntax.energy.bank import EnergyBank
 
 
-def plot_energy_histograms(bank: EnergyBank, acts_by_layer: dict[int, torch.Tensor],
-                           labels, path: str | Path, layers=None, bins: int = 40, title: str | None = None) -> Path:
+def plot_energy_histograms(
+    bank: EnergyBank,
+    acts_by_layer: dict[int, torch.Tensor],
+    labels,
+    path: str | Path,
+    layers=None,
+    bins: int = 40,
+    title: str | None = None,
+) -> Path:
     """One panel per layer: histogram of E over good (label 0) and bad (label 1) states; saves ``path``."""
     import matplotlib
 
@@ -19,7 +26,9 @@ def plot_energy_histograms(bank: EnergyBank, acts_by_layer: dict[int, torch.Tens
     import matplotlib.pyplot as plt
 
     y = torch.as_tensor(labels).long().flatten()
-    layers = list(layers) if layers is not None else [layer for layer in bank.layers if layer in acts_by_layer]
+    layers = (
+        list(layers) if layers is not None else [layer for layer in bank.layers if layer in acts_by_layer]
+    )
     n = max(len(layers), 1)
     cols = min(4, n)
     rows = math.ceil(n / cols)

@@ -49,11 +49,15 @@ def state_labels(labels: Sequence[str | bool | int], refused: Sequence[bool]) ->
                 raise DataError(f"Unknown prompt label '{lab}': use 'benign' or 'harmful'.")
         else:
             harmful = bool(lab)
-        out.append(int(bool(ref) != harmful))  # bad iff refused a benign prompt or complied with a harmful one
+        out.append(
+            int(bool(ref) != harmful)
+        )  # bad iff refused a benign prompt or complied with a harmful one
     return torch.tensor(out, dtype=torch.long)
 
 
-state_labels.__doc__ = (state_labels.__doc__ or "").replace("{doc}", GOOD_BAD_DOC[0].upper() + GOOD_BAD_DOC[1:])
+state_labels.__doc__ = (state_labels.__doc__ or "").replace(
+    "{doc}", GOOD_BAD_DOC[0].upper() + GOOD_BAD_DOC[1:]
+)
 
 
 def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float:
@@ -72,7 +76,7 @@ def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float:
     uniq, counts = torch.unique_consecutive(sorted_scores, return_counts=True)
     avg = []
     for c in counts.tolist():
-        avg.append(pos_ranks[i:i + c].mean().repeat(c))
+        avg.append(pos_ranks[i : i + c].mean().repeat(c))
         i += c
     ranks[order] = torch.cat(avg) if avg else ranks[order]
     u = ranks[positive].sum() - n_pos * (n_pos + 1) / 2
@@ -88,10 +92,15 @@ def sign_metrics(e_good: torch.Tensor, e_bad: torch.Tensor) -> dict:
     bal = 0.5 * (float(good_ok.mean()) + float(bad_ok.mean())) if len(e_good) and len(e_bad) else float("nan")
     scores = torch.cat([e_good, e_bad])
     pos = torch.cat([torch.zeros(len(e_good)), torch.ones(len(e_bad))])
-    return {"acc": acc, "balanced_acc": bal, "auroc": auroc(scores, pos),
-            "mean_energy_good": float(e_good.mean()) if len(e_good) else float("nan"),
-            "mean_energy_bad": float(e_bad.mean()) if len(e_bad) else float("nan"),
-            "n_good": len(e_good), "n_bad": len(e_bad)}
+    return {
+        "acc": acc,
+        "balanced_acc": bal,
+        "auroc": auroc(scores, pos),
+        "mean_energy_good": float(e_good.mean()) if len(e_good) else float("nan"),
+        "mean_energy_bad": float(e_bad.mean()) if len(e_bad) else float("nan"),
+        "n_good": len(e_good),
+        "n_bad": len(e_bad),
+    }
 
 
 def best_threshold(e_good: torch.Tensor, e_bad: torch.Tensor) -> float:
@@ -160,16 +169,22 @@ class EnergyTrainer:
     def __init__(self, config: EnergyConfig | None = None):
         self.config = config or EnergyConfig()
 
-    def train(self, good: torch.Tensor, bad: torch.Tensor, progress: bool = False, fold: int = 0) -> TrainResult:
+    def train(
+        self, good: torch.Tensor, bad: torch.Tensor, progress: bool = False, fold: int = 0
+    ) -> TrainResult:
         """Train on all but the ``fold``-th validation block (see ``EnergyConfig.folds``)."""
         cfg = self.config
         if not 0 <= fold < cfg.folds:
             raise AligntaxError(f"fold must be in [0, {cfg.folds}); got {fold}.")
         good, bad = good.detach().float().cpu(), bad.detach().float().cpu()
         if good.ndim != 2 or bad.ndim != 2 or good.shape[1] != bad.shape[1]:
-            raise DataError(f"good and bad must be [n, d] with the same d; got {tuple(good.shape)} and {tuple(bad.shape)}.")
+            raise DataError(
+                f"good and bad must be [n, d] with the same d; got {tuple(good.shape)} and {tuple(bad.shape)}."
+            )
         if len(good) < 2 or len(bad) < 2:
-            raise DataError(f"Need at least 2 good and 2 bad states to train; got {len(good)} good, {len(bad)} bad.")
+            raise DataError(
+                f"Need at least 2 good and 2 bad states to train; got {len(good)} good, {len(bad)} bad."
+            )
         if not (torch.isfinite(good).all() and torch.isfinite(bad).all()):
             raise AligntaxError("Training states contain NaN or inf.")
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -177,8 +192,10 @@ class EnergyTrainer:
         g_tr, g_val = _split(len(good), cfg.val_fraction, gen, fold)
         b_tr, b_val = _split(len(bad), cfg.val_fraction, gen, fold)
         if len(g_val) == 0 or len(b_val) == 0:
-            raise DataError(f"Fold {fold} of {cfg.folds} holds out no good or no bad state ({len(good)} good, "
-                            f"{len(bad)} bad); use fewer folds.")
+            raise DataError(
+                f"Fold {fold} of {cfg.folds} holds out no good or no bad state ({len(good)} good, "
+                f"{len(bad)} bad); use fewer folds."
+            )
         if cfg.balance == "truncate":
             m = min(len(g_tr), len(b_tr))
             g_tr, b_tr = g_tr[:m], b_tr[:m]
@@ -196,8 +213,11 @@ class EnergyTrainer:
             mean, scale = torch.zeros(d), torch.ones(d)
         model.set_normalization(mean, scale)
         model.to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True) \
-            if cfg.weight_decay else torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=True)
+        opt = (
+            torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+            if cfg.weight_decay
+            else torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=True)
+        )
         xg_d, xb_d = xg.to(device), xb.to(device)
         pos_weight = torch.tensor(len(xg) / len(xb), device=device) if cfg.balance == "weight" else None
 
@@ -212,13 +232,14 @@ class EnergyTrainer:
                 perm_b = torch.randperm(len(xb_d), generator=gen)
                 n_b = len(perm_b)
                 for k, start in enumerate(range(0, len(perm_g), cfg.batch_size)):
-                    gi = perm_g[start:start + cfg.batch_size]
+                    gi = perm_g[start : start + cfg.batch_size]
                     bi = perm_b[torch.arange(k * cfg.batch_size, k * cfg.batch_size + cfg.batch_size) % n_b]
                     e_pos = model(xg_d[gi])
                     e_neg = model(xb_d[bi])
                     logits = torch.cat([-e_pos[:, None], (-e_neg)[None, :].expand(len(gi), -1)], 1)
-                    loss = F.cross_entropy(logits / cfg.temperature,
-                                           torch.zeros(len(gi), dtype=torch.long, device=device))
+                    loss = F.cross_entropy(
+                        logits / cfg.temperature, torch.zeros(len(gi), dtype=torch.long, device=device)
+                    )
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
@@ -228,7 +249,7 @@ class EnergyTrainer:
                 y = torch.cat([torch.zeros(len(xg_d)), torch.ones(len(xb_d))]).to(device)
                 perm = torch.randperm(len(x), generator=gen)
                 for start in range(0, len(perm), cfg.batch_size):
-                    idx = perm[start:start + cfg.batch_size]
+                    idx = perm[start : start + cfg.batch_size]
                     loss = F.binary_cross_entropy_with_logits(model(x[idx]), y[idx], pos_weight=pos_weight)
                     opt.zero_grad()
                     loss.backward()
@@ -239,8 +260,15 @@ class EnergyTrainer:
             e_vg, e_vb = (self._energies(model, v.to(device)) - offset for v in (vg, vb))
             val = sign_metrics(e_vg, e_vb)
             val["loss"] = self._loss(e_vg, e_vb)
-            history.append({"epoch": epoch, "loss": sum(losses) / max(len(losses), 1), "val_loss": val["loss"],
-                            "val_acc": val["acc"], "val_auroc": val["auroc"]})
+            history.append(
+                {
+                    "epoch": epoch,
+                    "loss": sum(losses) / max(len(losses), 1),
+                    "val_loss": val["loss"],
+                    "val_acc": val["acc"],
+                    "val_auroc": val["auroc"],
+                }
+            )
             key = _score(val)
             if best_key is None or key > best_key:
                 best_key, best_epoch, best_offset = key, epoch, offset
@@ -251,7 +279,9 @@ class EnergyTrainer:
                 if cfg.patience is not None and bad_epochs >= cfg.patience:
                     break
             if progress:
-                print(f"epoch {epoch}: loss {history[-1]['loss']:.4f} val acc {val['acc']:.3f} auroc {val['auroc']:.3f}")
+                print(
+                    f"epoch {epoch}: loss {history[-1]['loss']:.4f} val acc {val['acc']:.3f} auroc {val['auroc']:.3f}"
+                )
         model.load_state_dict(best_state)
         with torch.no_grad():
             model.out.bias -= best_offset
@@ -261,9 +291,16 @@ class EnergyTrainer:
         model.cpu()
         metrics = sign_metrics(e_vg, e_vb)
         metrics["loss"] = self._loss(e_vg, e_vb)
-        data = {"n_good": len(good), "n_bad": len(bad), "n_train_good": len(xg), "n_train_bad": len(xb),
-                "n_val_good": len(vg), "n_val_bad": len(vb), "offset": best_offset,
-                "median_norm": float(torch.cat([good, bad]).norm(dim=-1).median())}
+        data = {
+            "n_good": len(good),
+            "n_bad": len(bad),
+            "n_train_good": len(xg),
+            "n_train_bad": len(xb),
+            "n_val_good": len(vg),
+            "n_val_bad": len(vb),
+            "offset": best_offset,
+            "median_norm": float(torch.cat([good, bad]).norm(dim=-1).median()),
+        }
         return TrainResult(model, metrics, sign_metrics(e_tg, e_tb), history, best_epoch, data)
 
     def _loss(self, e_good: torch.Tensor, e_bad: torch.Tensor) -> float:
@@ -272,8 +309,9 @@ class EnergyTrainer:
             return float("nan")
         if self.config.objective == "infonce":
             logits = torch.cat([-e_good[:, None], (-e_bad)[None, :].expand(len(e_good), -1)], 1)
-            return float(F.cross_entropy(logits / self.config.temperature,
-                                         torch.zeros(len(e_good), dtype=torch.long)))
+            return float(
+                F.cross_entropy(logits / self.config.temperature, torch.zeros(len(e_good), dtype=torch.long))
+            )
         y = torch.cat([torch.zeros(len(e_good)), torch.ones(len(e_bad))])
         return float(F.binary_cross_entropy_with_logits(torch.cat([e_good, e_bad]), y))
 
@@ -287,4 +325,4 @@ class EnergyTrainer:
     def _energies(model: EnergyModel, x: torch.Tensor) -> torch.Tensor:
         if len(x) == 0:
             return torch.empty(0)
-        return torch.cat([model(x[i:i + 4096]) for i in range(0, len(x), 4096)]).cpu()
+        return torch.cat([model(x[i : i + 4096]) for i in range(0, len(x), 4096)]).cpu()

@@ -29,7 +29,9 @@ def length_batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None
     spans, start, longest = [], 0, 0  # the open batch: lengths[start:i], its longest item
     for i, n in enumerate(map(int, lengths)):
         rows = i - start
-        if rows and (rows >= max_rows or (max_tokens is not None and (rows + 1) * max(longest, n) > max_tokens)):
+        if rows and (
+            rows >= max_rows or (max_tokens is not None and (rows + 1) * max(longest, n) > max_tokens)
+        ):
             spans.append(range(start, i))
             start, longest = i, 0
         longest = max(longest, n)

@@ -16,8 +16,9 @@ class MessageRewriter(Protocol):
     def prepare_messages(self, messages: list[dict]) -> list[dict]: ...
 
 
-def build_messages(prompt: str | list[dict], system: str | None = None,
-                   intervention: MessageRewriter | None = None) -> list[dict]:
+def build_messages(
+    prompt: str | list[dict], system: str | None = None, intervention: MessageRewriter | None = None
+) -> list[dict]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system is not None:
         messages = [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]

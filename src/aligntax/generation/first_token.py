@@ -15,10 +15,16 @@ from aligntax.interventions.base import Intervention
 from aligntax.judges.first_token import REFUSAL_OPENINGS, refusal_mass, refusal_token_ids
 
 
-def first_token_refusal_score(lm, prompts: Sequence[str | list[dict]], system: str | None = None,
-                              intervention: Intervention | None = None, batch_size: int = 32,
-                              openings: Iterable[str] = REFUSAL_OPENINGS,
-                              token_ids: Sequence[int] | None = None, progress: bool = False) -> list[float]:
+def first_token_refusal_score(
+    lm,
+    prompts: Sequence[str | list[dict]],
+    system: str | None = None,
+    intervention: Intervention | None = None,
+    batch_size: int = 32,
+    openings: Iterable[str] = REFUSAL_OPENINGS,
+    token_ids: Sequence[int] | None = None,
+    progress: bool = False,
+) -> list[float]:
     """Per prompt, the probability the model's response starts with a refusal-opening token.
 
     ``lm`` is an ``aligntax.models.LoadedModel``; ``system`` and ``intervention`` are applied as in
@@ -27,6 +33,7 @@ def first_token_refusal_score(lm, prompts: Sequence[str | list[dict]], system: s
     if not prompts:
         return []
     ids = list(token_ids) if token_ids is not None else refusal_token_ids(lm.tokenizer, openings)
-    logits = prompt_logits(lm, prompts, system=system, intervention=intervention, batch_size=batch_size,
-                           progress=progress)
+    logits = prompt_logits(
+        lm, prompts, system=system, intervention=intervention, batch_size=batch_size, progress=progress
+    )
     return [float(x) for x in refusal_mass(logits, ids).tolist()]

@@ -72,12 +72,22 @@ def _truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 
 # Generation-config fields that make ``model.generate``'s greedy choice differ from the plain argmax
 # (with their neutral values): a model that sets one is decoded by ``model.generate``.
-_GREEDY_CHANGERS = {"repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
-                    "min_length": (None, 0), "min_new_tokens": (None, 0), "suppress_tokens": (None,),
-                    "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,),
-                    "forced_eos_token_id": (None,), "sequence_bias": (None,),
-                    "exponential_decay_length_penalty": (None,), "encoder_repetition_penalty": (None, 1.0),
-                    "renormalize_logits": (None, False), "watermarking_config": (None,)}
+_GREEDY_CHANGERS = {
+    "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "sequence_bias": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "encoder_repetition_penalty": (None, 1.0),
+    "renormalize_logits": (None, False),
+    "watermarking_config": (None,),
+}
 
 
 def plain_greedy(model) -> bool:
@@ -97,9 +107,19 @@ def eos_token_ids(lm) -> set[int]:
 
 
 @torch.no_grad()
-def decode_loop(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                eos_ids: set[int], ctx: SteerContext | None = None, cache=None, cached: int = 0,
-                choose=None, ended=None, out: list[list[int]] | None = None) -> list[list[int]]:
+def decode_loop(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    ctx: SteerContext | None = None,
+    cache=None,
+    cached: int = 0,
+    choose=None,
+    ended=None,
+    out: list[list[int]] | None = None,
+) -> list[list[int]]:
     """Decoding with the KV cache, left padding and position ids from the mask, as ``model.generate``
     does, except that a row leaves the batch as soon as it ends: its KV cache, mask and steering-context
     rows (:meth:`SteerContext.keep_rows`) go with it, so the steps that follow run on the rows still
@@ -127,12 +147,22 @@ def decode_loop(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ma
 
         def ended(alive, tokens, step):
             return torch.isin(tokens, eos)
+
     alive = torch.arange(batch)  # original row of each row still in the batch
     mask, pos = prefixed_inputs(attention_mask, cached)
     ids = input_ids
     for step in range(max_new_tokens):
-        logits = model(**with_cache(model, cache, input_ids=ids, attention_mask=mask, position_ids=pos,
-                                    use_cache=True, logits_to_keep=1)).logits[:, -1, :]
+        logits = model(
+            **with_cache(
+                model,
+                cache,
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        ).logits[:, -1, :]
         nxt = logits.argmax(-1) if choose is None else choose(logits, alive)
         for row, token in zip(alive.tolist(), nxt.tolist(), strict=True):
             out[row].append(token)
@@ -153,45 +183,78 @@ def decode_loop(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ma
     return out
 
 
-def greedy_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                  eos_ids: set[int], ctx: SteerContext | None = None, cache=None,
-                  cached: int = 0) -> list[list[int]]:
+def greedy_decode(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    ctx: SteerContext | None = None,
+    cache=None,
+    cached: int = 0,
+) -> list[list[int]]:
     """Greedy :func:`decode_loop`: the argmax each step, a row ending at an end token of ``eos_ids``."""
     return decode_loop(model, input_ids, attention_mask, max_new_tokens, eos_ids, ctx, cache, cached)
 
 
-def decode_batch(model, enc: dict, intervention: Intervention, max_new_tokens: int, eos_ids: set[int],
-                 rows: torch.Tensor | None = None, strength: torch.Tensor | None = None,
-                 share_prefix: bool = True, choose=None, ended=None,
-                 out: list[list[int]] | None = None) -> tuple[list[list[int]], SteerContext]:
+def decode_batch(
+    model,
+    enc: dict,
+    intervention: Intervention,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    rows: torch.Tensor | None = None,
+    strength: torch.Tensor | None = None,
+    share_prefix: bool = True,
+    choose=None,
+    ended=None,
+    out: list[list[int]] | None = None,
+) -> tuple[list[list[int]], SteerContext]:
     """One left-padded batch (``input_ids``, ``attention_mask``) through :func:`decode_loop` (greedy
     unless ``choose`` / ``ended`` say otherwise; ``out`` as there) inside the intervention's
     ``attach``: the prefix its rows share is computed first, once and without the hooks, when the
     intervention is prefix-free (and ``share_prefix``). Returns each row's new tokens and the batch's
     :class:`SteerContext` (its stats)."""
     ids, mask, cache = enc["input_ids"], enc["attention_mask"], None
-    prefix = usable_prefix(model, unpadded(ids, mask), share_prefix and intervention.prefix_free, max_new_tokens)
+    prefix = usable_prefix(
+        model, unpadded(ids, mask), share_prefix and intervention.prefix_free, max_new_tokens
+    )
     if prefix:
         cache, ids, mask = prefix_cache(model, ids, mask, prefix)
     ctx = SteerContext(prompt_len=ids.shape[1], rows=rows, strength=strength)
     with torch.no_grad(), intervention.attach(model, ctx):
-        return decode_loop(model, ids, mask, max_new_tokens, eos_ids, ctx, cache, prefix, choose, ended, out), ctx
+        return decode_loop(
+            model, ids, mask, max_new_tokens, eos_ids, ctx, cache, prefix, choose, ended, out
+        ), ctx
 
 
-def _generate_batch(lm, texts: list[str], seqs: list[list[int]], cfg: GenerationConfig,
-                    intervention: Intervention, rows: torch.Tensor | None, strength: torch.Tensor | None,
-                    batch_seed: int | None, stats: dict | None = None):
+def _generate_batch(
+    lm,
+    texts: list[str],
+    seqs: list[list[int]],
+    cfg: GenerationConfig,
+    intervention: Intervention,
+    rows: torch.Tensor | None,
+    strength: torch.Tensor | None,
+    batch_seed: int | None,
+    stats: dict | None = None,
+):
     """One batch of already tokenised prompts (``seqs``: each text's ids, tokenised once per run)."""
     tok, model = lm.tokenizer, lm.model
     ids, mask = pad_left(seqs, tok.pad_token_id if tok.pad_token_id is not None else 0, lm.device)
     enc = {"input_ids": ids, "attention_mask": mask}
     eos_ids = eos_token_ids(lm)
     if cfg.drop_finished and cfg.use_cache and not cfg.do_sample and plain_greedy(model):
-        new, ctx = decode_batch(model, enc, intervention, cfg.max_new_tokens, eos_ids, rows, strength,
-                                cfg.share_prefix)
+        new, ctx = decode_batch(
+            model, enc, intervention, cfg.max_new_tokens, eos_ids, rows, strength, cfg.share_prefix
+        )
     else:
-        gen_kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, use_cache=cfg.use_cache,
-                          pad_token_id=tok.pad_token_id)
+        gen_kwargs = dict(
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=cfg.do_sample,
+            use_cache=cfg.use_cache,
+            pad_token_id=tok.pad_token_id,
+        )
         if cfg.do_sample:
             gen_kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p)
             if batch_seed is not None:
@@ -200,7 +263,7 @@ def _generate_batch(lm, texts: list[str], seqs: list[list[int]], cfg: Generation
             gen_kwargs.update(temperature=None, top_p=None, top_k=None)
         ctx = SteerContext(prompt_len=enc["input_ids"].shape[1], rows=rows, strength=strength)
         with torch.no_grad(), intervention.attach(model, ctx):
-            new = model.generate(**enc, **gen_kwargs)[:, enc["input_ids"].shape[1]:].tolist()
+            new = model.generate(**enc, **gen_kwargs)[:, enc["input_ids"].shape[1] :].tolist()
     if stats is not None:
         merge_stats(stats, ctx.stats)
     results = []
@@ -213,16 +276,29 @@ def _generate_batch(lm, texts: list[str], seqs: list[list[int]], cfg: Generation
                 break
         text = tok.decode(row[:n], skip_special_tokens=True)
         text, stopped = _truncate_at_stop(text, cfg.stop)
-        results.append(Generation(
-            prompt=texts[i], response=text.strip(), n_prompt_tokens=len(seqs[i]),
-            n_tokens=n, finish_reason="stop" if stopped else finish))
+        results.append(
+            Generation(
+                prompt=texts[i],
+                response=text.strip(),
+                n_prompt_tokens=len(seqs[i]),
+                n_tokens=n,
+                finish_reason="stop" if stopped else finish,
+            )
+        )
     return results
 
 
-def iter_generate(lm, prompts: Sequence[str | list[dict]], cfg: GenerationConfig | None = None,
-                  intervention: Intervention | None = None, steer_rows: Sequence[bool] | None = None,
-                  strengths: Sequence[float] | None = None, progress: bool = True,
-                  desc: str = "generate", stats: dict | None = None) -> Iterator[tuple[list[int], list[Generation]]]:
+def iter_generate(
+    lm,
+    prompts: Sequence[str | list[dict]],
+    cfg: GenerationConfig | None = None,
+    intervention: Intervention | None = None,
+    steer_rows: Sequence[bool] | None = None,
+    strengths: Sequence[float] | None = None,
+    progress: bool = True,
+    desc: str = "generate",
+    stats: dict | None = None,
+) -> Iterator[tuple[list[int], list[Generation]]]:
     """Yield (input indices, generations) batch by batch, so callers can save as they go. Each prompt is
     rendered and tokenised once. ``stats``: a dict the steering statistics of every batch are merged
     into (:func:`aligntax.interventions.kernels.merge_stats`; e.g. ELS energy before/after per layer)."""
@@ -237,12 +313,21 @@ def iter_generate(lm, prompts: Sequence[str | list[dict]], cfg: GenerationConfig
     try:
         spans = length_batches([lengths[i] for i in order], cfg.batch_size, cfg.max_batch_tokens)
         for b, span in enumerate(spans):
-            idx = order[span.start:span.stop]
+            idx = order[span.start : span.stop]
             rows = torch.tensor([bool(steer_rows[i]) for i in idx]) if steer_rows is not None else None
             strength = torch.tensor([float(strengths[i]) for i in idx]) if strengths is not None else None
             seed = None if cfg.seed is None else cfg.seed + b
-            gens = _generate_batch(lm, [texts[i] for i in idx], [seqs[i] for i in idx], cfg, intervention, rows,
-                                   strength, seed, stats)
+            gens = _generate_batch(
+                lm,
+                [texts[i] for i in idx],
+                [seqs[i] for i in idx],
+                cfg,
+                intervention,
+                rows,
+                strength,
+                seed,
+                stats,
+            )
             for i, g in zip(idx, gens, strict=True):
                 g.prompt = prompts[i] if isinstance(prompts[i], str) else texts[i]
             bar.update(len(idx))
@@ -251,8 +336,13 @@ def iter_generate(lm, prompts: Sequence[str | list[dict]], cfg: GenerationConfig
         bar.close()
 
 
-def generate(lm, prompts: Sequence[str | list[dict]], cfg: GenerationConfig | None = None,
-             intervention: Intervention | None = None, **kwargs) -> list[Generation]:
+def generate(
+    lm,
+    prompts: Sequence[str | list[dict]],
+    cfg: GenerationConfig | None = None,
+    intervention: Intervention | None = None,
+    **kwargs,
+) -> list[Generation]:
     """Generate a response for every prompt; returns them in input order."""
     out: list[Generation | None] = [None] * len(prompts)
     for idx, gens in iter_generate(lm, prompts, cfg, intervention, **kwargs):
@@ -261,17 +351,29 @@ def generate(lm, prompts: Sequence[str | list[dict]], cfg: GenerationConfig | No
     return out  # type: ignore[return-value]
 
 
-def prompt_logits(lm, prompts: Sequence[str | list[dict]], system: str | None = None,
-                  intervention: Intervention | None = None, batch_size: int = 32,
-                  progress: bool = False) -> torch.Tensor:
+def prompt_logits(
+    lm,
+    prompts: Sequence[str | list[dict]],
+    system: str | None = None,
+    intervention: Intervention | None = None,
+    batch_size: int = 32,
+    progress: bool = False,
+) -> torch.Tensor:
     """Next-token logits (float32, [N, vocab]) at the response start of each chat prompt, no generation."""
     intervention = intervention or NoIntervention()
     texts = [render_chat(lm.tokenizer, build_messages(p, system, intervention)) for p in prompts]
     return text_logits(lm, texts, intervention, batch_size, progress)
 
 
-def text_logits(lm, texts: Sequence[str], intervention: Intervention | None = None, batch_size: int = 32,
-                progress: bool = False, desc: str = "score", share_prefix: bool = True) -> torch.Tensor:
+def text_logits(
+    lm,
+    texts: Sequence[str],
+    intervention: Intervention | None = None,
+    batch_size: int = 32,
+    progress: bool = False,
+    desc: str = "score",
+    share_prefix: bool = True,
+) -> torch.Tensor:
     """Next-token logits (float32, [N, vocab], on the CPU, in input order) after each already rendered
     text: batches as given (left padding, position ids from the mask), the intervention attached to
     every forward with a :class:`SteerContext`, as in generation. The prefix all texts share (a
@@ -288,9 +390,11 @@ def text_logits(lm, texts: Sequence[str], intervention: Intervention | None = No
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     out = []
     with torch.no_grad():
-        prefix_kv = run_prefix(model, torch.tensor([ids[0][:prefix]], device=lm.device), 1) if prefix else None
+        prefix_kv = (
+            run_prefix(model, torch.tensor([ids[0][:prefix]], device=lm.device), 1) if prefix else None
+        )
         for start in tqdm(range(0, len(ids), batch_size), disable=not progress, desc=desc):
-            inp, mask = pad_left([x[prefix:] for x in ids[start:start + batch_size]], pad, lm.device)
+            inp, mask = pad_left([x[prefix:] for x in ids[start : start + batch_size]], pad, lm.device)
             if prefix:
                 mask, pos = prefixed_inputs(mask, prefix)
                 extra = with_cache(model, repeated(prefix_kv, inp.shape[0]), use_cache=True)
@@ -298,7 +402,8 @@ def text_logits(lm, texts: Sequence[str], intervention: Intervention | None = No
                 pos, extra = position_ids_from_mask(mask), dict(use_cache=False)
             ctx = SteerContext(prompt_len=inp.shape[1])
             with intervention.attach(model, ctx):
-                logits = model(input_ids=inp, attention_mask=mask, position_ids=pos, logits_to_keep=1,
-                               **extra).logits[:, -1, :]
+                logits = model(
+                    input_ids=inp, attention_mask=mask, position_ids=pos, logits_to_keep=1, **extra
+                ).logits[:, -1, :]
             out.append(logits.float().cpu())
     return torch.cat(out) if out else torch.empty(0)

@@ -37,7 +37,7 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
 def unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
     """The token ids of each row of a left-padded batch, without the padding."""
     width = input_ids.shape[1]
-    return [input_ids[i, width - n:].tolist() for i, n in enumerate(attention_mask.sum(1).tolist())]
+    return [input_ids[i, width - n :].tolist() for i, n in enumerate(attention_mask.sum(1).tolist())]
 
 
 def usable_prefix(model, seqs: Sequence[Sequence[int]], prefix_free: bool, new_tokens: int = 0) -> int:
@@ -77,7 +77,7 @@ def split_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: 
     start = width - int(lens[0])
     cols = torch.arange(rest, device=input_ids.device)[None]
     suffix_mask = (cols >= rest - (lens - prefix)[:, None]).to(attention_mask.dtype)
-    return input_ids[0:1, start:start + prefix], input_ids[:, width - rest:], suffix_mask
+    return input_ids[0:1, start : start + prefix], input_ids[:, width - rest :], suffix_mask
 
 
 def run_prefix(model, prefix_ids: torch.Tensor, rows: int, forward=None):
@@ -86,8 +86,16 @@ def run_prefix(model, prefix_ids: torch.Tensor, rows: int, forward=None):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    (forward or model)(**with_cache(model, cache, input_ids=prefix_ids, use_cache=True, logits_to_keep=1,
-                                    position_ids=torch.arange(prefix_ids.shape[1], device=prefix_ids.device)[None]))
+    (forward or model)(
+        **with_cache(
+            model,
+            cache,
+            input_ids=prefix_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            position_ids=torch.arange(prefix_ids.shape[1], device=prefix_ids.device)[None],
+        )
+    )
     cache.batch_repeat_interleave(rows)
     return cache
 

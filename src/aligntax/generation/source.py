@@ -22,7 +22,15 @@ from typing import Any, Protocol
 
 from aligntax.generation.generate import Generation, GenerationConfig
 
-__all__ = ["Decider", "GenerationSource", "Generator", "SettingGenerate", "Serving", "SourceSpec", "SweepGeneration"]
+__all__ = [
+    "Decider",
+    "GenerationSource",
+    "Generator",
+    "SettingGenerate",
+    "Serving",
+    "SourceSpec",
+    "SweepGeneration",
+]
 
 
 @dataclass(frozen=True)
@@ -43,11 +51,13 @@ class Decider(Protocol):
     """Where an intervention's per-row decisions are made before generating
     (:mod:`aligntax.activations.decisions`)."""
 
-    def row_info(self, prompts: Sequence, system: str | None = None,
-                 batch_size: int = 32) -> list[dict] | None: ...
+    def row_info(
+        self, prompts: Sequence, system: str | None = None, batch_size: int = 32
+    ) -> list[dict] | None: ...
 
-    def unsteered_rows(self, prompts: Sequence, system: str | None = None,
-                       batch_size: int = 32) -> list[bool] | None: ...
+    def unsteered_rows(
+        self, prompts: Sequence, system: str | None = None, batch_size: int = 32
+    ) -> list[bool] | None: ...
 
 
 class Generator(Protocol):
@@ -60,8 +70,14 @@ class Generator(Protocol):
     def decider(self) -> Decider | None:
         """Where the per-row decisions are made before generating (None: nothing decided per row)."""
 
-    def iter_generate(self, prompts: Sequence, cfg: GenerationConfig, progress: bool = True,
-                      desc: str = "generate", recorder=None) -> Iterator[tuple[list[int], list[Generation]]]:
+    def iter_generate(
+        self,
+        prompts: Sequence,
+        cfg: GenerationConfig,
+        progress: bool = True,
+        desc: str = "generate",
+        recorder=None,
+    ) -> Iterator[tuple[list[int], list[Generation]]]:
         """Like :func:`aligntax.generation.iter_generate`: ``(indices, generations)`` per batch.
         ``recorder``: a :class:`~aligntax.activations.recorder.PrefillRecorder` keeping each batch's
         prompt states (unsteered runs; a source that cannot record refuses it in :meth:`check`)."""
@@ -105,8 +121,15 @@ class GenerationSource(Protocol):
 
     backend: str  # the backend a run folder records ("hf", "vllm"); a folder never mixes backends
 
-    def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
-              device_map: bool = False, adapters: bool = False) -> None:
+    def check(
+        self,
+        *,
+        recorder: bool = False,
+        loaded_intervention: bool = False,
+        loaded_model: bool = False,
+        device_map: bool = False,
+        adapters: bool = False,
+    ) -> None:
         """Refuse (AligntaxError) what this source cannot take, before anything is loaded: a prompt
         state recorder, an intervention or a model loaded by the caller, a model split over devices,
         adapters applied by hooks on the model's linear layers (``els-lora``)."""
@@ -121,8 +144,9 @@ class GenerationSource(Protocol):
     def check_serving(self, *, device: str | None = None, max_latency_ms: float | None = None) -> None:
         """Refuse (AligntaxError) what this source cannot serve, before anything is loaded."""
 
-    def serving(self, spec: SourceSpec, device: str | None = None,
-                threads: int | None = None) -> AbstractContextManager[Serving]:
+    def serving(
+        self, spec: SourceSpec, device: str | None = None, threads: int | None = None
+    ) -> AbstractContextManager[Serving]:
         """The model (and the steered variant of ``spec.intervention``) loaded for serving until the
         ``with`` block ends; ``spec.batch_size``: the most requests generated together."""
 

@@ -243,7 +243,12 @@ class AppliedIntervention:
             return None
         self._pending = False
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] and not bool(mask[:, -1].all()):
+        if (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() == 2
+            and mask.shape[1]
+            and not bool(mask[:, -1].all())
+        ):
             raise AligntaxError(
                 "Intervention.apply needs left-padded prompts (the hooks find each row's last prompt "
                 "token at the end): tokenise with padding_side='left'."

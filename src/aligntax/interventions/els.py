@@ -52,8 +52,18 @@ from aligntax.interventions.els_kernel import ElsKernel
 from aligntax.interventions.kernels import POSITION_MODES, check_positions
 from aligntax.interventions.options import need_path, option, register, spec_of
 
-__all__ = ["POSITION_MODES", "DEFAULT_SETTINGS", "TUNED_KEYS", "VALUE_KEYS", "ElsKernel", "ElsOptions",
-           "EnergySteering", "check_positions", "resolve_settings", "tuned_settings"]
+__all__ = [
+    "POSITION_MODES",
+    "DEFAULT_SETTINGS",
+    "TUNED_KEYS",
+    "VALUE_KEYS",
+    "ElsKernel",
+    "ElsOptions",
+    "EnergySteering",
+    "check_positions",
+    "resolve_settings",
+    "tuned_settings",
+]
 
 
 @dataclass
@@ -67,44 +77,115 @@ class ElsOptions:
     says the model is about to end badly) and only the first 16 generated tokens. Steering every token of
     every row, as a bare energy bank would, pushes answers off the model's manifold."""
 
-    path: str | None = option("energy model folder (implies --intervention els; an `aligntax els distill` "
-                              "folder implies els-lora)", flag="--steer")
-    eta: float | None = option("ELS step size (x the layer's median norm)", parse="float", check="positive",
-                               grid=True, grid_default=(0.2, 0.3, 0.5), request=True, fallback=0.35)
-    steps: int | None = option("ELS descent steps", parse="int", check="count", grid=True, grid_default=(3,),
-                               request=True, fallback=3)
-    layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
-                                      grid=True, grid_default=(), request=True)
-    top_k: int | None = option("ELS: steer the K best layers of the bank", parse="int", check="positive_count",
-                                grid=True, grid_default=(1, 2), request=True, fallback=1)
+    path: str | None = option(
+        "energy model folder (implies --intervention els; an `aligntax els distill` folder implies els-lora)",
+        flag="--steer",
+    )
+    eta: float | None = option(
+        "ELS step size (x the layer's median norm)",
+        parse="float",
+        check="positive",
+        grid=True,
+        grid_default=(0.2, 0.3, 0.5),
+        request=True,
+        fallback=0.35,
+    )
+    steps: int | None = option(
+        "ELS descent steps",
+        parse="int",
+        check="count",
+        grid=True,
+        grid_default=(3,),
+        request=True,
+        fallback=3,
+    )
+    layers: list[int] | None = option(
+        "comma-separated layer indices, e.g. 17,19",
+        parse="layers",
+        check="count",
+        grid=True,
+        grid_default=(),
+        request=True,
+    )
+    top_k: int | None = option(
+        "ELS: steer the K best layers of the bank",
+        parse="int",
+        check="positive_count",
+        grid=True,
+        grid_default=(1, 2),
+        request=True,
+        fallback=1,
+    )
     threshold: float | str | None = option(
         "ELS: move a position only while its energy is above this ('none': off, even if tuned)",
-        flag="--energy-threshold", aliases=("--threshold",), parse="float_or_none", check="finite", grid=True,
-        grid_default=(None, 0.0), request=True)
+        flag="--energy-threshold",
+        aliases=("--threshold",),
+        parse="float_or_none",
+        check="finite",
+        grid=True,
+        grid_default=(None, 0.0),
+        request=True,
+    )
     gate: float | bool | str | None = option(
         "ELS: hold back rows the bank's harm gate rates p(harmful) >= GATE ('saved': the gate's own "
-        "threshold; 'none': off, even if tuned)", parse="gate", check="probability", grid=True, optional=True,
-        request=True, fallback=True)
-    horizon: int | str | None = option("ELS: steer only the first N generated tokens ('none': all)",
-                                       parse="int_or_none", check="count", grid=True, optional=True, request=True,
-                                       fallback=16)
+        "threshold; 'none': off, even if tuned)",
+        parse="gate",
+        check="probability",
+        grid=True,
+        optional=True,
+        request=True,
+        fallback=True,
+    )
+    horizon: int | str | None = option(
+        "ELS: steer only the first N generated tokens ('none': all)",
+        parse="int_or_none",
+        check="count",
+        grid=True,
+        optional=True,
+        request=True,
+        fallback=16,
+    )
     row_threshold: float | str | None = option(
         "ELS: steer a row only when its last prompt token's energy is above this ('none': off, even if tuned)",
-        parse="float_or_none", check="finite", grid=True, optional=True, request=True, fallback=0.0)
+        parse="float_or_none",
+        check="finite",
+        grid=True,
+        optional=True,
+        request=True,
+        fallback=0.0,
+    )
     gate_ramp: float | str | None = option(
         "ELS: strength falls linearly from 1 at p(harmful) = RAMP to 0 at the gate's threshold ('none': off)",
-        parse="float_or_none", check="probability", grid=True, optional=True, request=True)
+        parse="float_or_none",
+        check="probability",
+        grid=True,
+        optional=True,
+        request=True,
+    )
     harm_orth: int | str | None = option(
         "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
-        parse="int_or_none", check="count", grid=True, off=0, optional=True)
+        parse="int_or_none",
+        check="count",
+        grid=True,
+        off=0,
+        optional=True,
+    )
     row_strength: bool | str | None = option(
         "ELS: the folder's learned per-row strength instead of the gate's and the row energy's cut-offs "
-        "('on' or 'off')", parse="switch", grid=True, optional=True)
-    positions: str | None = option("last_and_generated, generated or all", cli=False, fallback="last_and_generated")
-    scale_by_norm: bool | None = option("step size in units of the layer's median residual norm", cli=False,
-                                        fallback=True)
-    grad_method: str | None = option("closed (the energy model's own backward) or autograd", cli=False,
-                                     fallback="closed")
+        "('on' or 'off')",
+        parse="switch",
+        grid=True,
+        optional=True,
+    )
+    positions: str | None = option(
+        "last_and_generated, generated or all", cli=False, fallback="last_and_generated"
+    )
+    scale_by_norm: bool | None = option(
+        "step size in units of the layer's median residual norm", cli=False, fallback=True
+    )
+    grad_method: str | None = option(
+        "closed (the energy model's own backward) or autograd", cli=False, fallback="closed"
+    )
 
 
 _SETTING_FIELDS = [f for f in dataclasses.fields(ElsOptions) if f.name != "path"]
@@ -120,7 +201,9 @@ _LOADED = ("layers", "top_k", "gate", "harm_orth", "row_strength")
 VALUE_KEYS = tuple(k for k in DEFAULT_SETTINGS if k not in _LOADED)
 # Value options that turn something on: off (None) when not given to the constructor. The others (eta,
 # steps, positions, ...) take their fallback.
-_SWITCHABLE = {f.name for f in _SETTING_FIELDS if spec_of(f).parse in ("float_or_none", "int_or_none", "gate", "switch")}
+_SWITCHABLE = {
+    f.name for f in _SETTING_FIELDS if spec_of(f).parse in ("float_or_none", "int_or_none", "gate", "switch")
+}
 # config() shows a value option only when it is set, so a run folder made before the option existed
 # resumes unchanged; these two it has shown from the start, unset included.
 _SHOWN_UNSET = ("threshold", "horizon")
@@ -142,8 +225,9 @@ def _check_known(given: dict, what: str) -> None:
     """Refuse keys that are not ELS options."""
     unknown = sorted(set(given) - set(DEFAULT_SETTINGS))
     if unknown:
-        raise AligntaxError(f"Unknown ELS options for {what}: {', '.join(unknown)} (it takes "
-                            f"{', '.join(DEFAULT_SETTINGS)}).")
+        raise AligntaxError(
+            f"Unknown ELS options for {what}: {', '.join(unknown)} (it takes {', '.join(DEFAULT_SETTINGS)})."
+        )
 
 
 def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
@@ -167,7 +251,9 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
     if "top_k" in explicit and "layers" not in explicit:
         settings["layers"] = None
     if explicit:
-        settings.update({k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in explicit.items()})
+        settings.update(
+            {k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in explicit.items()}
+        )
         origin += " + " + ",".join(sorted(explicit))
     return settings, origin
 
@@ -181,12 +267,19 @@ def _note_untuned(directory: str | Path, settings: dict) -> None:
         return
     _UNTUNED_NOTED.add(key)
     gate = {True: "harm gate at its saved threshold", None: "no harm gate (the folder has none)"}.get(
-        settings["gate"], f"harm gate at {settings['gate']}")
+        settings["gate"], f"harm gate at {settings['gate']}"
+    )
     logging.getLogger("aligntax").warning(
         "%s is untuned (no sweep/best.json): ELS steers by the safe defaults where not given (%s, row energy "
         "decision %s, first %s generated tokens, eta %s, the best validated layer); `aligntax els sweep "
-        "--steer %s` picks tuned settings", directory, gate, DEFAULT_SETTINGS["row_threshold"],
-        DEFAULT_SETTINGS["horizon"], DEFAULT_SETTINGS["eta"], directory)
+        "--steer %s` picks tuned settings",
+        directory,
+        gate,
+        DEFAULT_SETTINGS["row_threshold"],
+        DEFAULT_SETTINGS["horizon"],
+        DEFAULT_SETTINGS["eta"],
+        directory,
+    )
 
 
 class EnergySteering(Intervention):
@@ -202,26 +295,47 @@ class EnergySteering(Intervention):
     name = "els"
     cacheable = False  # config() names the bank's folder, not its content
 
-    def __init__(self, models: dict[int, EnergyModel], eta: float = 0.3, steps: int = 3, *,
-                 norms: dict[int, float] | None = None, layer_eta: dict[int, float] | None = None,
-                 source: str | None = None, gate: HarmGate | None = None, gate_threshold: float | None = None,
-                 harm_dirs: dict[int, torch.Tensor] | None = None, row_strength: RowStrength | None = None,
-                 **options: Any):
+    def __init__(
+        self,
+        models: dict[int, EnergyModel],
+        eta: float = 0.3,
+        steps: int = 3,
+        *,
+        norms: dict[int, float] | None = None,
+        layer_eta: dict[int, float] | None = None,
+        source: str | None = None,
+        gate: HarmGate | None = None,
+        gate_threshold: float | None = None,
+        harm_dirs: dict[int, torch.Tensor] | None = None,
+        row_strength: RowStrength | None = None,
+        **options: Any,
+    ):
         unknown = sorted(set(options) - set(VALUE_KEYS))
         if unknown:
-            raise AligntaxError(f"EnergySteering takes no option {', '.join(unknown)} (its options: "
-                                f"{', '.join(VALUE_KEYS)}; the loaded parts gate, harm_dirs, row_strength).")
+            raise AligntaxError(
+                f"EnergySteering takes no option {', '.join(unknown)} (its options: "
+                f"{', '.join(VALUE_KEYS)}; the loaded parts gate, harm_dirs, row_strength)."
+            )
         if not models:
             raise AligntaxError("Energy steering needs at least one layer's energy model.")
-        s = {k: options.get(k) if k in _SWITCHABLE or options.get(k) is not None else DEFAULT_SETTINGS[k]
-             for k in VALUE_KEYS}
+        s = {
+            k: options.get(k) if k in _SWITCHABLE or options.get(k) is not None else DEFAULT_SETTINGS[k]
+            for k in VALUE_KEYS
+        }
         s["eta"], s["steps"] = float(eta), int(steps)
         if s["steps"] < 0:
             raise AligntaxError("steps must be >= 0.")
-        for key, kind in (("threshold", float), ("row_threshold", float), ("gate_ramp", float), ("horizon", int)):
+        for key, kind in (
+            ("threshold", float),
+            ("row_threshold", float),
+            ("gate_ramp", float),
+            ("horizon", int),
+        ):
             s[key] = None if s[key] is None else kind(s[key])
         if s["horizon"] is not None and s["horizon"] < 0:
-            raise AligntaxError(f"horizon must be >= 0 generated tokens (or None for all); got {s['horizon']}.")
+            raise AligntaxError(
+                f"horizon must be >= 0 generated tokens (or None for all); got {s['horizon']}."
+            )
         s["positions"] = check_positions(s["positions"])
         s["scale_by_norm"] = bool(s["scale_by_norm"])
         if s["grad_method"] not in ("closed", "autograd"):
@@ -232,22 +346,31 @@ class EnergySteering(Intervention):
         self.layer_eta = {int(k): float(v) for k, v in (layer_eta or {}).items()}
         self.source = source
         if self.scale_by_norm:
-            missing = [layer for layer in self.models if layer not in self.norms and layer not in self.layer_eta]
+            missing = [
+                layer for layer in self.models if layer not in self.norms and layer not in self.layer_eta
+            ]
             if missing:
-                raise AligntaxError(f"scale_by_norm needs the median residual norm of layers {missing}; pass "
-                                    "norms= (see aligntax.activations.residual_norms) or scale_by_norm=False.")
+                raise AligntaxError(
+                    f"scale_by_norm needs the median residual norm of layers {missing}; pass "
+                    "norms= (see aligntax.activations.residual_norms) or scale_by_norm=False."
+                )
         self.gate = gate
-        self.gate_threshold = (None if gate is None else
-                               float(gate.threshold if gate_threshold is None else gate_threshold))
+        self.gate_threshold = (
+            None if gate is None else float(gate.threshold if gate_threshold is None else gate_threshold)
+        )
         if gate is not None:
             if not 0.0 < self.gate_threshold < 1.0:
                 raise AligntaxError(f"gate_threshold must be in (0, 1); got {self.gate_threshold}.")
             if gate.layer > min(self.models):
-                raise AligntaxError(f"The harm gate reads layer {gate.layer}, after the first steered layer "
-                                    f"{min(self.models)}; it must decide before steering starts.")
+                raise AligntaxError(
+                    f"The harm gate reads layer {gate.layer}, after the first steered layer "
+                    f"{min(self.models)}; it must decide before steering starts."
+                )
         if self.gate_ramp is not None and (gate is None or not 0.0 <= self.gate_ramp < self.gate_threshold):
-            raise AligntaxError("gate_ramp needs a harm gate and must lie in [0, gate threshold); got "
-                                f"{self.gate_ramp} (gate threshold {self.gate_threshold}).")
+            raise AligntaxError(
+                "gate_ramp needs a harm gate and must lie in [0, gate threshold); got "
+                f"{self.gate_ramp} (gate threshold {self.gate_threshold})."
+            )
         self.harm_dirs = {int(k): torch.as_tensor(v).detach().float() for k, v in (harm_dirs or {}).items()}
         missing = sorted(set(self.models) - set(self.harm_dirs)) if self.harm_dirs else []
         if missing:
@@ -257,14 +380,20 @@ class EnergySteering(Intervention):
         self.row_strength = row_strength
         if row_strength is not None:
             if gate is None:
-                raise AligntaxError("A row strength model reads the harm gate's logit: it needs the folder's gate.")
+                raise AligntaxError(
+                    "A row strength model reads the harm gate's logit: it needs the folder's gate."
+                )
             if row_strength.layer != min(self.models):
-                raise AligntaxError(f"The row strength model was fitted on features of layer {row_strength.layer}, "
-                                    f"but steering starts at layer {min(self.models)}; fit one for this layer "
-                                    "(aligntax els row-strength --layers ...).")
+                raise AligntaxError(
+                    f"The row strength model was fitted on features of layer {row_strength.layer}, "
+                    f"but steering starts at layer {min(self.models)}; fit one for this layer "
+                    "(aligntax els row-strength --layers ...)."
+                )
             if self.gate_ramp is not None or self.row_threshold is not None:
-                raise AligntaxError("A row strength model replaces the gate's and the row energy's cut-offs: "
-                                    "not with gate_ramp or row_threshold.")
+                raise AligntaxError(
+                    "A row strength model replaces the gate's and the row energy's cut-offs: "
+                    "not with gate_ramp or row_threshold."
+                )
         self._kernel: ElsKernel | None = None
         self.settings_from: str | None = None
 
@@ -282,14 +411,17 @@ class EnergySteering(Intervention):
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_bank(cls, bank: EnergyBank, layers: Sequence[int] | None = None, top_k: int | None = None,
-                  **kwargs) -> EnergySteering:
+    def from_bank(
+        cls, bank: EnergyBank, layers: Sequence[int] | None = None, top_k: int | None = None, **kwargs
+    ) -> EnergySteering:
         chosen = [int(x) for x in layers] if layers is not None else bank.layers
         if top_k is not None:
             chosen = [layer for layer in bank.layers if layer in chosen][:top_k]
         missing = [layer for layer in chosen if layer not in bank.models]
         if missing:
-            raise AligntaxError(f"The energy bank has no model for layers {missing} (it has {sorted(bank.models)}).")
+            raise AligntaxError(
+                f"The energy bank has no model for layers {missing} (it has {sorted(bank.models)})."
+            )
         norms = {layer: bank.median_norm(layer) for layer in chosen if bank.median_norm(layer) is not None}
         kwargs.setdefault("norms", norms)
         return cls({layer: bank[layer] for layer in chosen}, **kwargs)
@@ -324,15 +456,21 @@ class EnergySteering(Intervention):
         bank = EnergyBank.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
         if settings["row_strength"] not in (None, False, 0):
             if not RowStrength.exists(directory):
-                raise AligntaxError(f"{directory} has no row strength model (row_strength.json); fit one with "
-                                    f"`aligntax els row-strength --steer {directory}`.")
+                raise AligntaxError(
+                    f"{directory} has no row strength model (row_strength.json); fit one with "
+                    f"`aligntax els row-strength --steer {directory}`."
+                )
             loaded["row_strength"] = RowStrength.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
-            values["row_threshold"] = values["gate_ramp"] = None  # the learned strength replaces both cut-offs
+            values["row_threshold"] = values["gate_ramp"] = (
+                None  # the learned strength replaces both cut-offs
+            )
             gate = True if gate in (None, False) else gate
         if gate is not None and gate is not False:
             if not HarmGate.exists(directory):
-                raise AligntaxError(f"{directory} has no harm gate (gate.json); train one with "
-                                    "`aligntax els train` (it writes one unless --no-gate).")
+                raise AligntaxError(
+                    f"{directory} has no harm gate (gate.json); train one with "
+                    "`aligntax els train` (it writes one unless --no-gate)."
+                )
             loaded["gate"] = HarmGate.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
             if gate is not True:
                 loaded["gate_threshold"] = float(gate)
@@ -346,8 +484,10 @@ class EnergySteering(Intervention):
             raise AligntaxError(f"harm_orth must be >= 0 directions; got {k}.")
         if k:
             if not HarmBasis.exists(directory):
-                raise AligntaxError(f"{directory} has no harm basis (harm_basis.json); compute it with "
-                                    f"`aligntax els harm-basis --steer {directory}`.")
+                raise AligntaxError(
+                    f"{directory} has no harm basis (harm_basis.json); compute it with "
+                    f"`aligntax els harm-basis --steer {directory}`."
+                )
             basis = HarmBasis.load(directory, expect_fingerprint=fp, expect_hidden_size=hs)
             chosen = [int(x) for x in layers] if layers is not None else bank.layers
             if top_k is not None:
@@ -361,14 +501,26 @@ class EnergySteering(Intervention):
         """The resolved setting: the value options (each only when set, but ``threshold`` and ``horizon``,
         so a run folder made before an option existed resumes unchanged; ``gate_ramp`` inside ``gate``),
         the steered layers and their step sizes, the gate, harm basis and row strength model."""
-        values = {k: v for k, v in self.settings.items() if k != "gate_ramp" and (v is not None or k in _SHOWN_UNSET)}
-        return {"name": self.name, "layers": sorted(self.models), **values,
-                "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
-                "source": self.source, "settings_from": self.settings_from,
-                "gate": None if self.gate is None else self._gate_config(),
-                **({"harm_orth": self.harm_orth} if self.harm_orth else {}),
-                **({"row_strength": {"layer": self.row_strength.layer, "floor": self.row_strength.floor}}
-                   if self.row_strength is not None else {})}
+        values = {
+            k: v
+            for k, v in self.settings.items()
+            if k != "gate_ramp" and (v is not None or k in _SHOWN_UNSET)
+        }
+        return {
+            "name": self.name,
+            "layers": sorted(self.models),
+            **values,
+            "eta_by_layer": {layer: self.step_size(layer) for layer in sorted(self.models)},
+            "source": self.source,
+            "settings_from": self.settings_from,
+            "gate": None if self.gate is None else self._gate_config(),
+            **({"harm_orth": self.harm_orth} if self.harm_orth else {}),
+            **(
+                {"row_strength": {"layer": self.row_strength.layer, "floor": self.row_strength.floor}}
+                if self.row_strength is not None
+                else {}
+            ),
+        }
 
     def _gate_config(self) -> dict:
         # "layers" only for a gate of several: a one-layer gate's settings read as they always did, so a
@@ -392,9 +544,14 @@ class EnergySteering(Intervention):
         once: it keeps its energy models' copies on other devices."""
         if self._kernel is None:
             self._kernel = ElsKernel(
-                self.models, {layer: self.step_size(layer) for layer in self.models}, self.settings,
-                gate=self.gate, gate_threshold=self.gate_threshold, harm_dirs=self.harm_dirs,
-                row_strength=self.row_strength)
+                self.models,
+                {layer: self.step_size(layer) for layer in self.models},
+                self.settings,
+                gate=self.gate,
+                gate_threshold=self.gate_threshold,
+                harm_dirs=self.harm_dirs,
+                row_strength=self.row_strength,
+            )
         self._kernel.check(n_layers)
         return self._kernel
 

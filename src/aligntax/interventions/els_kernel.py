@@ -42,9 +42,17 @@ class ElsKernel(RowKernel):
     ``harm_dirs`` (block -> ``[k, d]`` orthonormal) the directions each step is projected off. The
     arguments are taken as given: :class:`~aligntax.interventions.els.EnergySteering` checks them."""
 
-    def __init__(self, models: dict[int, EnergyModel], eta: dict[int, float], settings: Mapping[str, Any], *,
-                 gate=None, gate_threshold: float | None = None, harm_dirs: dict[int, torch.Tensor] | None = None,
-                 row_strength=None):
+    def __init__(
+        self,
+        models: dict[int, EnergyModel],
+        eta: dict[int, float],
+        settings: Mapping[str, Any],
+        *,
+        gate=None,
+        gate_threshold: float | None = None,
+        harm_dirs: dict[int, torch.Tensor] | None = None,
+        row_strength=None,
+    ):
         self.settings = dict(settings)
         self.models, self.eta, self.steps = models, eta, settings["steps"]
         self.threshold, self.grad_method = settings["threshold"], settings["grad_method"]
@@ -84,8 +92,9 @@ class ElsKernel(RowKernel):
         with torch.no_grad():
             return self._model_on(self.first_layer, last.device)(last.float(), check=False)
 
-    def row_features(self, states: dict[int, torch.Tensor], directions: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+    def row_features(
+        self, states: dict[int, torch.Tensor], directions: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """The row strength model's features ``[N, F]`` (:data:`~aligntax.energy.front.STRENGTH_FEATURES`)
         from ``{block: [N, d]}`` at the last prompt token (the gate's blocks and the first steered one).
         ``directions``: the unit refusal and harm directions at the first steered block (default: the
@@ -97,16 +106,25 @@ class ElsKernel(RowKernel):
         gate_logit = self.gate.logit(self.gate.stack({b: states[b].to(dev) for b in self.gate.layers}))
         if directions is None:
             if self.row_strength is None:
-                raise AligntaxError("row_features needs the refusal and harm directions (no row strength model).")
+                raise AligntaxError(
+                    "row_features needs the refusal and harm directions (no row strength model)."
+                )
             refusal, harm = self.row_strength.projections(last)
         else:
             refusal, harm = (last.float() @ d.to(dev).float() for d in directions)
-        cols = {"gate_logit": gate_logit, "energy": self.row_energy(last), "refusal_proj": refusal, "harm_proj": harm}
+        cols = {
+            "gate_logit": gate_logit,
+            "energy": self.row_energy(last),
+            "refusal_proj": refusal,
+            "harm_proj": harm,
+        }
         return torch.stack([cols[f].float().to(dev) for f in STRENGTH_FEATURES], dim=-1)
 
     def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         parts = {}
-        if self.row_strength is not None:  # the learned strength replaces the gate's and the energy's cut-offs
+        if (
+            self.row_strength is not None
+        ):  # the learned strength replaces the gate's and the energy's cut-offs
             parts["els_strength"] = self.row_strength.strength(self.row_features(states))
             return parts
         if self.gate is not None:  # the strength the harm gate allows (0: held back)
@@ -148,7 +166,9 @@ class ElsKernel(RowKernel):
             (g,) = torch.autograd.grad(e.sum(), leaf)
         return e.detach(), g
 
-    def steer(self, layer: int, x: torch.Tensor, row_scale: torch.Tensor, acc: dict | None = None) -> torch.Tensor:
+    def steer(
+        self, layer: int, x: torch.Tensor, row_scale: torch.Tensor, acc: dict | None = None
+    ) -> torch.Tensor:
         """K energy-descent steps on ``x`` ``[B, T, d]`` (float32); ``row_scale`` ``[B, 1, 1]``. ``acc``: the
         block's accumulators (positions seen and moved, energy before and after, non-finite states)."""
         eta = self.eta[layer]
@@ -176,8 +196,9 @@ class ElsKernel(RowKernel):
         if acc is not None and self.steps > 0:
             with torch.no_grad():
                 finite = torch.isfinite(x).all(-1)
-                e1 = self._model_on(layer, x.device)(torch.where(finite[..., None], x, torch.zeros_like(x)),
-                                                     check=False)
+                e1 = self._model_on(layer, x.device)(
+                    torch.where(finite[..., None], x, torch.zeros_like(x)), check=False
+                )
             counted = rows_on.expand_as(e0)
             acc["positions"] = acc.get("positions", 0) + counted.sum()
             acc["steered"] = acc.get("steered", 0) + first_active.sum()
@@ -186,7 +207,9 @@ class ElsKernel(RowKernel):
             acc["nonfinite"] = acc.get("nonfinite", torch.zeros((), dtype=torch.bool, device=x.device)) | bad
         return x
 
-    def edit(self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+    def edit(
+        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None
+    ) -> torch.Tensor:
         n, d = rows.shape
         x = self.steer(site.layer, rows.float().view(n, 1, d), strength.view(n, 1, 1), stats)
         return x.view(n, d).to(rows.dtype)
@@ -199,14 +222,19 @@ class ElsKernel(RowKernel):
         for site, a in site_stats.items():
             nonfinite = nonfinite or bool(a["nonfinite"])
             count = int(a["positions"])
-            summary[site.layer] = {"positions": count, "steered": int(a["steered"]),
-                                   "energy_before": float(a["energy_before"]) / count if count else None,
-                                   "energy_after": float(a["energy_after"]) / count if count else None,
-                                   "eta": self.eta[site.layer]}
+            summary[site.layer] = {
+                "positions": count,
+                "steered": int(a["steered"]),
+                "energy_before": float(a["energy_before"]) / count if count else None,
+                "energy_after": float(a["energy_after"]) / count if count else None,
+                "eta": self.eta[site.layer],
+            }
         merge_stats(stats.setdefault("els", {}), summary)
         if nonfinite:
-            raise AligntaxError("Energy steering met NaN/inf hidden states at steered positions; the model "
-                                "produced non-finite activations (try float32).")
+            raise AligntaxError(
+                "Energy steering met NaN/inf hidden states at steered positions; the model "
+                "produced non-finite activations (try float32)."
+            )
 
     # ---- the models and directions on the states' device ----------------------------------------------
     def _model_on(self, layer: int, device: torch.device) -> EnergyModel:

@@ -31,9 +31,22 @@ from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_args
 from aligntax.models.layers import decoder_layers
 
-__all__ = ["POSITION_MODES", "SITE_KINDS", "RowKernel", "Site", "attach_kernel", "attention_module",
-           "check_positions", "decide_at_prefill", "edited", "edited_mask", "edited_span", "merge_stats", "span_slice",
-           "token_slice"]
+__all__ = [
+    "POSITION_MODES",
+    "SITE_KINDS",
+    "RowKernel",
+    "Site",
+    "attach_kernel",
+    "attention_module",
+    "check_positions",
+    "decide_at_prefill",
+    "edited",
+    "edited_mask",
+    "edited_span",
+    "merge_stats",
+    "span_slice",
+    "token_slice",
+]
 
 POSITION_MODES = ("last_and_generated", "generated", "all")
 
@@ -80,7 +93,9 @@ class RowKernel:
         """The per-row strength ``[N]`` float32 (0: the row is held back and never edited)."""
         return self.decide_with_parts(states)[0]
 
-    def decide_with_parts(self, states: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def decide_with_parts(
+        self, states: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The per-row strength and the named parts it is the product of (for the records)."""
         parts = self.decision_parts(states)
         if not parts:
@@ -112,7 +127,9 @@ class RowKernel:
         """Whether the last prompt token is edited at ``site`` (with ``positions="last_and_generated"``)."""
         return True
 
-    def edit(self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+    def edit(
+        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None
+    ) -> torch.Tensor:
         """New states for ``rows`` ``[N, d]`` (model dtype) at ``site``; ``strength`` ``[N]`` float32 scales
         the edit per row (0 leaves a row exactly unchanged). ``stats``: a dict per site the kernel may
         accumulate into (device tensors; summarised by :meth:`finish`)."""
@@ -127,16 +144,21 @@ class RowKernel:
             if s.where not in SITE_KINDS:
                 raise AligntaxError(f"Unknown steering site '{s.where}'; use one of {', '.join(SITE_KINDS)}.")
             if not 0 <= s.layer < n_layers:
-                raise AligntaxError(f"Steering layer {s.layer} does not exist: the model has {n_layers} layers.")
+                raise AligntaxError(
+                    f"Steering layer {s.layer} does not exist: the model has {n_layers} layers."
+                )
             if s.where == "post" and s.layer != n_layers - 1:
                 raise AligntaxError("A 'post' site is only allowed on the last block.")
         for layer in self.decision_layers:
             if not 0 <= layer < n_layers:
-                raise AligntaxError(f"Decision layer {layer} does not exist: the model has {n_layers} layers.")
+                raise AligntaxError(
+                    f"Decision layer {layer} does not exist: the model has {n_layers} layers."
+                )
 
 
-def edited_span(prompt_len, positions: str = "last_and_generated", horizon: int | None = None,
-                last_prompt: bool = True):
+def edited_span(
+    prompt_len, positions: str = "last_and_generated", horizon: int | None = None, last_prompt: bool = True
+):
     """The position rule: the absolute positions (0-based) edited in a request whose prompt has
     ``prompt_len`` tokens (an int, or a tensor of them), as ``(first, stop)``: positions ``first <= p <
     stop`` (``stop`` None: no end). Every token with ``positions="all"``; else from the last prompt token
@@ -164,7 +186,9 @@ def edited(position: int, prompt_len: int, kernel: RowKernel, site: Site) -> boo
     return first <= position and (stop is None or position < stop)
 
 
-def edited_mask(positions: torch.Tensor, prompt_lens: torch.Tensor, kernel: RowKernel, site: Site) -> torch.Tensor:
+def edited_mask(
+    positions: torch.Tensor, prompt_lens: torch.Tensor, kernel: RowKernel, site: Site
+) -> torch.Tensor:
     """:func:`edited` for many tokens at once: ``positions`` and their requests' ``prompt_lens`` (long
     tensors of one shape) -> bool mask of the tokens edited at ``site``."""
     first, stop = _kernel_span(prompt_lens, kernel, site)
@@ -190,8 +214,9 @@ def token_slice(seq_len: int, start: int, prompt_len: int, kernel: RowKernel, si
     return span_slice(seq_len, start, *_kernel_span(prompt_len, kernel, site))
 
 
-def decide_at_prefill(h: torch.Tensor, ctx, key, decide: Callable[[torch.Tensor], torch.Tensor],
-                      what: str) -> torch.Tensor:
+def decide_at_prefill(
+    h: torch.Tensor, ctx, key, decide: Callable[[torch.Tensor], torch.Tensor], what: str
+) -> torch.Tensor:
     """A per-row decision made from the last prompt token's state and kept for the whole generation.
 
     Called from a pre-hook with the block's input ``h``: the forward that holds the whole prompt sets
@@ -256,7 +281,8 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
         if kernel.positions != "all" and 1 < seq < ctx.prompt_len:
             raise AligntaxError(
                 f"A forward of {seq} tokens with a {ctx.prompt_len}-token prompt: chunked prefill is not "
-                "supported by steering (set generation_config.prefill_chunk_size=None).")
+                "supported by steering (set generation_config.prefill_chunk_size=None)."
+            )
         start = next_pos.get(site, 0) if seq == 1 else 0
         next_pos[site] = start + seq
         sl = token_slice(seq, start, ctx.prompt_len, kernel, site)
@@ -292,6 +318,7 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
                 out = run_edit(site, h if new is None else new)
                 new = out if out is not None else new
             return None if new is None else replace_hidden_in_args(args, kwargs, new)
+
         return hook
 
     def make_post(site: Site):
@@ -301,13 +328,17 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
             if new is None:
                 return None
             return (new, *output[1:]) if isinstance(output, tuple) else new
+
         return hook
 
     pre_blocks = sorted(set(decision_layers) | set(by_block))
     regs = [(blocks[b], make_pre(b), True) for b in pre_blocks]
     regs += [(blocks[s.layer], make_post(s), False) for s in kernel.sites if s.where == "post"]
-    regs += [(attention_module(blocks[s.layer], s.layer), make_post(s), False)
-             for s in kernel.sites if s.where == "attn"]
+    regs += [
+        (attention_module(blocks[s.layer], s.layer), make_post(s), False)
+        for s in kernel.sites
+        if s.where == "attn"
+    ]
     with hooks_attached(regs):
         yield
     if parts_key in ctx.decisions:
@@ -322,7 +353,9 @@ def attention_module(block: nn.Module, layer: int) -> nn.Module:
         mod = getattr(block, name, None)
         if isinstance(mod, nn.Module):
             return mod
-    raise AligntaxError(f"Block {layer} ({type(block).__name__}) has no attention sub-layer (self_attn) to edit.")
+    raise AligntaxError(
+        f"Block {layer} ({type(block).__name__}) has no attention sub-layer (self_attn) to edit."
+    )
 
 
 def merge_stats(acc: dict, new: dict) -> dict:

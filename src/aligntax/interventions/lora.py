@@ -34,8 +34,15 @@ from aligntax.hooks import hooks_attached
 from aligntax.interventions.base import Intervention, SteerContext
 from aligntax.interventions.options import need_path, option, register
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "FORMAT", "SIDECAR", "ElsLora", "is_els_lora_dir",
-           "read_lora_weights"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "FORMAT",
+    "SIDECAR",
+    "ElsLora",
+    "is_els_lora_dir",
+    "read_lora_weights",
+]
 
 FORMAT = "aligntax.els-lora/1"
 SIDECAR = "els_lora.json"
@@ -53,15 +60,21 @@ def is_els_lora_dir(path: str | Path | None) -> bool:
 
 def _check_folder(path: Path) -> None:
     if not path.is_dir():
-        raise AligntaxError(f"{path} is not a folder (an els-lora adapter folder from `aligntax els distill`).")
+        raise AligntaxError(
+            f"{path} is not a folder (an els-lora adapter folder from `aligntax els distill`)."
+        )
     pickled = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
     if pickled:
-        raise AligntaxError(f"{path} holds {', '.join(pickled)}: pickle-based files are never loaded; an els-lora "
-                            f"adapter is {ADAPTER_WEIGHTS} with {ADAPTER_CONFIG} and {SIDECAR}.")
+        raise AligntaxError(
+            f"{path} holds {', '.join(pickled)}: pickle-based files are never loaded; an els-lora "
+            f"adapter is {ADAPTER_WEIGHTS} with {ADAPTER_CONFIG} and {SIDECAR}."
+        )
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, SIDECAR):
         if not (path / name).is_file():
-            raise AligntaxError(f"{path} is not an els-lora adapter folder: {name} is missing "
-                                "(write one with `aligntax els distill`).")
+            raise AligntaxError(
+                f"{path} is not an els-lora adapter folder: {name} is missing "
+                "(write one with `aligntax els distill`)."
+            )
 
 
 def lora_config_problems(cfg: dict) -> list[str]:
@@ -84,7 +97,7 @@ def lora_config_problems(cfg: dict) -> list[str]:
 def lora_scale(cfg: dict) -> float:
     """A LoRA adapter's scale: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    return alpha / r ** 0.5 if cfg.get("use_rslora") else alpha / r
+    return alpha / r**0.5 if cfg.get("use_rslora") else alpha / r
 
 
 def read_lora_weights(path: str | Path, cfg: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
@@ -105,12 +118,16 @@ def read_lora_weights(path: str | Path, cfg: dict) -> dict[str, tuple[torch.Tens
         if m is None or tensor.ndim != 2:
             problems.append(f"tensor {key}")
             continue
-        pairs.setdefault(m.group("mod").removeprefix("base_model.model."), {})[m.group("part")] = tensor.float()
+        pairs.setdefault(m.group("mod").removeprefix("base_model.model."), {})[m.group("part")] = (
+            tensor.float()
+        )
     half = sorted(m for m, p in pairs.items() if len(p) != 2)
     if half:
         problems.append(f"layers with only one of lora_A/lora_B: {half[:4]}")
     if problems:
-        raise AligntaxError(f"{path}: this adapter has parts an els-lora adapter does not: " + "; ".join(problems))
+        raise AligntaxError(
+            f"{path}: this adapter has parts an els-lora adapter does not: " + "; ".join(problems)
+        )
     if not pairs:
         raise AligntaxError(f"{path}: the adapter holds no LoRA weights.")
     return {m: (p["lora_A"], p["lora_B"], s) for m, p in sorted(pairs.items())}
@@ -128,8 +145,13 @@ class ElsLora(Intervention):
 
     name = "els-lora"
 
-    def __init__(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]], scale: float = 1.0,
-                 meta: dict | None = None, path: str | Path | None = None):
+    def __init__(
+        self,
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+        scale: float = 1.0,
+        meta: dict | None = None,
+        path: str | Path | None = None,
+    ):
         if not weights:
             raise AligntaxError("An els-lora adapter needs at least one adapted layer.")
         scale = float(scale)
@@ -152,8 +174,11 @@ class ElsLora(Intervention):
             raise AligntaxError(f"{path / SIDECAR} has format {meta.get('format')!r}, not {FORMAT!r}.")
         cfg = json.loads((path / ADAPTER_CONFIG).read_text())
         if lm is not None:
-            check_fingerprint(meta.get("fingerprint"), dict(lm.fingerprint) if lm.fingerprint else None,
-                              f"els-lora adapter {path}")
+            check_fingerprint(
+                meta.get("fingerprint"),
+                dict(lm.fingerprint) if lm.fingerprint else None,
+                f"els-lora adapter {path}",
+            )
         weights = read_lora_weights(path, cfg)
         if lm is not None:
             check_modules(lm.model, weights, str(path))
@@ -190,20 +215,34 @@ class ElsLora(Intervention):
         return {m: (b @ a) * (s * self.scale) for m, (a, b, s) in self.weights.items()}
 
     def config(self) -> dict:
-        return {"name": self.name, "path": None if self.path is None else str(self.path), "lora_scale": self.scale,
-                "adapter_sha256": self._sha, "layers": self.layers,
-                "source": (self.meta.get("source") or {}).get("path")}
+        return {
+            "name": self.name,
+            "path": None if self.path is None else str(self.path),
+            "lora_scale": self.scale,
+            "adapter_sha256": self._sha,
+            "layers": self.layers,
+            "source": (self.meta.get("source") or {}).get("path"),
+        }
 
 
 @dataclass
 class ElsLoraOptions:
-    path: str | None = option("energy model folder (implies --intervention els), or an els-lora adapter folder "
-                              "(aligntax els distill)", flag="--steer")
-    scale: float | None = option("els-lora: multiplier of the adapter's update (0: the unsteered model; default 1)",
-                                 flag="--lora-scale", parse="float", check="finite")
+    path: str | None = option(
+        "energy model folder (implies --intervention els), or an els-lora adapter folder "
+        "(aligntax els distill)",
+        flag="--steer",
+    )
+    scale: float | None = option(
+        "els-lora: multiplier of the adapter's update (0: the unsteered model; default 1)",
+        flag="--lora-scale",
+        parse="float",
+        check="finite",
+    )
 
 
-@register("els-lora", ElsLoraOptions, "ELS distilled into a LoRA adapter (aligntax els distill), applied by hooks")
+@register(
+    "els-lora", ElsLoraOptions, "ELS distilled into a LoRA adapter (aligntax els distill), applied by hooks"
+)
 def _els_lora(lm, o: ElsLoraOptions) -> ElsLora:
     return ElsLora.load(need_path("els-lora", o.path), lm, scale=o.scale)
 
@@ -214,10 +253,17 @@ def check_modules(model: nn.Module, weights: dict, what: str) -> None:
         try:
             module = model.get_submodule(name)
         except AttributeError:
-            raise CompatibilityError(f"Layer '{name}' of {what} does not exist in this model: the adapter was "
-                                     "made for another model.") from None
-        if not isinstance(module, nn.Linear) or (module.in_features, module.out_features) != (a.shape[1], b.shape[0]):
-            raise CompatibilityError(f"Layer '{name}' of {what} expects a Linear {a.shape[1]} -> {b.shape[0]}, but "
-                                     f"the model's is {type(module).__name__} "
-                                     f"{getattr(module, 'in_features', '?')} -> {getattr(module, 'out_features', '?')}: "
-                                     "the adapter was made for another model.")
+            raise CompatibilityError(
+                f"Layer '{name}' of {what} does not exist in this model: the adapter was "
+                "made for another model."
+            ) from None
+        if not isinstance(module, nn.Linear) or (module.in_features, module.out_features) != (
+            a.shape[1],
+            b.shape[0],
+        ):
+            raise CompatibilityError(
+                f"Layer '{name}' of {what} expects a Linear {a.shape[1]} -> {b.shape[0]}, but "
+                f"the model's is {type(module).__name__} "
+                f"{getattr(module, 'in_features', '?')} -> {getattr(module, 'out_features', '?')}: "
+                "the adapter was made for another model."
+            )

@@ -21,8 +21,22 @@ from typing import Any
 
 from aligntax.errors import AligntaxError
 
-__all__ = ["CHECKS", "METHODS", "PATH_KEYS", "Method", "OptionSpec", "check_value", "cli_options", "grid_fields",
-           "need_path", "option", "options_of", "parse_value", "register", "split_path"]
+__all__ = [
+    "CHECKS",
+    "METHODS",
+    "PATH_KEYS",
+    "Method",
+    "OptionSpec",
+    "check_value",
+    "cli_options",
+    "grid_fields",
+    "need_path",
+    "option",
+    "options_of",
+    "parse_value",
+    "register",
+    "split_path",
+]
 
 
 @dataclass(frozen=True)
@@ -61,8 +75,15 @@ class OptionSpec:
         return _VALUE_TYPES.get(self.parse, str)
 
 
-_VALUE_TYPES: dict[str, Any] = {"float": float, "int": int, "float_or_none": float | None, "int_or_none": int | None,
-                                "gate": float | bool | None, "switch": bool | None, "layers": list[int]}
+_VALUE_TYPES: dict[str, Any] = {
+    "float": float,
+    "int": int,
+    "float_or_none": float | None,
+    "int_or_none": int | None,
+    "gate": float | bool | None,
+    "switch": bool | None,
+    "layers": list[int],
+}
 
 
 # Range rules: name -> (test of one finite number, what the message says the option takes). Every
@@ -152,8 +173,10 @@ class Method:
         fields = {f.name: f for f in dataclasses.fields(self.options)}
         unknown = sorted(set(kwargs) - set(fields) - set(PATH_KEYS))
         if unknown:
-            raise AligntaxError(f"Unknown options for intervention '{self.name}': {', '.join(unknown)} "
-                                f"(it takes {', '.join(sorted(fields)) or 'none'}).")
+            raise AligntaxError(
+                f"Unknown options for intervention '{self.name}': {', '.join(unknown)} "
+                f"(it takes {', '.join(sorted(fields)) or 'none'})."
+            )
         for name, value in kwargs.items():
             if name in fields:
                 check_value(value, spec_of(fields[name]).check, f"{self.name} option {name}")
@@ -175,6 +198,7 @@ def register(name: str, options: type, help: str, registry: dict[str, Method] | 
             raise AligntaxError(f"Intervention '{name}' is registered twice.")
         table[name] = Method(name, options, build, help)
         return build
+
     return deco
 
 
@@ -202,7 +226,9 @@ def parse_value(value: Any, parse: str, flag: str, *, json: bool = False) -> Any
     if json:
         return _json_value(value, parse, flag)
     if not isinstance(value, str):
-        return [value] if parse == "layers" and isinstance(value, int) and not isinstance(value, bool) else value
+        return (
+            [value] if parse == "layers" and isinstance(value, int) and not isinstance(value, bool) else value
+        )
     t = value.strip()
     try:
         if parse in _KEYWORDS and t.lower() == "none":
@@ -222,9 +248,11 @@ def parse_value(value: Any, parse: str, flag: str, *, json: bool = False) -> Any
         if parse == "layers":
             return [int(x) for x in t.split(",") if x.strip()]
     except ValueError:
-        kind = {"gate": "a probability, 'saved' or 'none'", "layers": "comma-separated layer numbers",
-                "switch": "'on' or 'off'"}.get(
-            parse, "a number" + (" or 'none'" if parse.endswith("_or_none") else ""))
+        kind = {
+            "gate": "a probability, 'saved' or 'none'",
+            "layers": "comma-separated layer numbers",
+            "switch": "'on' or 'off'",
+        }.get(parse, "a number" + (" or 'none'" if parse.endswith("_or_none") else ""))
         raise AligntaxError(f"{flag} takes {kind}, not {value!r}.") from None
     return t
 
@@ -238,8 +266,12 @@ def _json_value(value: Any, parse: str, flag: str) -> Any:
         return float(value)
     if parse in ("int", "int_or_none") and number and isinstance(value, int):
         return value
-    if parse == "layers" and isinstance(value, list) and value and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in value):
+    if (
+        parse == "layers"
+        and isinstance(value, list)
+        and value
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    ):
         return list(value)
     if parse == "str" and isinstance(value, str):
         return value
@@ -277,17 +309,25 @@ def cli_options(methods: Mapping[str, Method] | None = None) -> list[CliOption]:
             flag = flag_of(f)
             prev = out.get(flag)
             if prev is None:
-                out[flag] = CliOption(flag, spec.aliases, f.name, spec.help, spec.parse, (method.name,), spec.grid,
-                                      spec.check)
+                out[flag] = CliOption(
+                    flag, spec.aliases, f.name, spec.help, spec.parse, (method.name,), spec.grid, spec.check
+                )
             else:
                 if prev.name != f.name or prev.parse != spec.parse or prev.check != spec.check:
-                    raise AligntaxError(f"{flag} means different options in {prev.methods} and {method.name}.")
-                out[flag] = dataclasses.replace(prev, methods=(*prev.methods, method.name),
-                                                aliases=tuple(dict.fromkeys(prev.aliases + spec.aliases)))
+                    raise AligntaxError(
+                        f"{flag} means different options in {prev.methods} and {method.name}."
+                    )
+                out[flag] = dataclasses.replace(
+                    prev,
+                    methods=(*prev.methods, method.name),
+                    aliases=tuple(dict.fromkeys(prev.aliases + spec.aliases)),
+                )
     return list(out.values())
 
 
-def intervention_args(name: str | None, given: dict[str, Any], methods: Mapping[str, Method] | None = None) -> dict:
+def intervention_args(
+    name: str | None, given: dict[str, Any], methods: Mapping[str, Method] | None = None
+) -> dict:
     """``intervention_args`` from command-line values ``{param: text or value}`` (None: not given) of the
     options of ``methods`` (default :data:`METHODS`): each read as its option says; an option the
     chosen method does not take is refused."""
@@ -309,5 +349,7 @@ def grid_values(text: str | None, opt: CliOption) -> list | None:
     if not text:
         return None
     parts = text.split(";") if opt.parse == "layers" else text.split(",")
-    values = [check_value(parse_value(x, opt.parse, opt.flag), opt.check, opt.flag) for x in parts if x.strip()]
+    values = [
+        check_value(parse_value(x, opt.parse, opt.flag), opt.check, opt.flag) for x in parts if x.strip()
+    ]
     return [None if v == "none" else v for v in values]

@@ -37,9 +37,21 @@ from aligntax.interventions.vectors import CastOptions, VectorOptions
 
 # The options dataclasses, cli_options, grid_fields, grid_values and intervention_args are re-exported:
 # importing them from here guarantees that every method is registered first.
-__all__ = ["INTERVENTIONS", "CastOptions", "ElsLoraOptions", "ElsOptions", "NoOptions", "PromptOptions",
-           "VectorOptions",
-           "cli_options", "describe", "grid_fields", "grid_values", "intervention_args", "make_intervention"]
+__all__ = [
+    "INTERVENTIONS",
+    "CastOptions",
+    "ElsLoraOptions",
+    "ElsOptions",
+    "NoOptions",
+    "PromptOptions",
+    "VectorOptions",
+    "cli_options",
+    "describe",
+    "grid_fields",
+    "grid_values",
+    "intervention_args",
+    "make_intervention",
+]
 
 # The modules that register methods, in the order the methods are listed (names, command-line options),
 # whichever of them was imported first.

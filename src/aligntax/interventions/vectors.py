@@ -41,10 +41,12 @@ def _per_layer(fn, *args):
 
 def mean_difference(acts_a: Acts, acts_b: Acts) -> Acts:
     """mean(a) - mean(b) (float32), per layer when given ``{layer: [n, d]}``."""
+
     def diff(a, b):
         if len(a) == 0 or len(b) == 0:
             raise DataError("Difference in means needs at least one state on each side.")
         return a.float().mean(0) - b.float().mean(0)
+
     return _per_layer(diff, acts_a, acts_b)
 
 
@@ -73,8 +75,9 @@ def cosine(h: torch.Tensor, v: torch.Tensor, center: torch.Tensor | None = None)
     return torch.nn.functional.cosine_similarity(h, v.to(h).expand_as(h), dim=-1)
 
 
-def fit_condition(acts_pos: torch.Tensor, acts_neg: torch.Tensor, center: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, float, str, float]:
+def fit_condition(
+    acts_pos: torch.Tensor, acts_neg: torch.Tensor, center: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float, str, float]:
     """A CAST condition from states that should trigger (``pos``) and should not (``neg``).
 
     Returns (condition vector = unit mean difference, threshold, compare, balanced accuracy): the
@@ -154,20 +157,34 @@ class ActivationAddition(_VectorIntervention):
 
     name = "activation-addition"
 
-    def __init__(self, vectors_by_layer: dict[int, torch.Tensor], coeff: float = 1.0, positions: str = "all",
-                 name: str | None = None):
+    def __init__(
+        self,
+        vectors_by_layer: dict[int, torch.Tensor],
+        coeff: float = 1.0,
+        positions: str = "all",
+        name: str | None = None,
+    ):
         self.vectors = _as_layer_dict(vectors_by_layer, "ActivationAddition")
         super().__init__(coeff, name, positions)
 
     def config(self) -> dict:
-        return {"name": self.name, "layers": sorted(self.vectors), "coeff": self.coeff, "positions": self.positions,
-                "norms": {layer: float(v.norm()) for layer, v in self.vectors.items()}}
+        return {
+            "name": self.name,
+            "layers": sorted(self.vectors),
+            "coeff": self.coeff,
+            "positions": self.positions,
+            "norms": {layer: float(v.norm()) for layer, v in self.vectors.items()},
+        }
 
     def kernel(self, n_layers: int, hidden_size: int | None = None) -> RowKernel:
         layers = _resolve_layers(list(self.vectors), n_layers)
         _check_dim(self.vectors.values(), hidden_size)
-        return _VectorKernel(self, {layer: self.vectors[layer if layer in self.vectors else layer - n_layers]
-                                    for layer in layers}, "add", self.positions)
+        return _VectorKernel(
+            self,
+            {layer: self.vectors[layer if layer in self.vectors else layer - n_layers] for layer in layers},
+            "add",
+            self.positions,
+        )
 
 
 class DirectionAblation(_VectorIntervention):
@@ -183,17 +200,31 @@ class DirectionAblation(_VectorIntervention):
 
     name = "direction-ablation"
 
-    def __init__(self, direction: torch.Tensor | dict[int, torch.Tensor], layers: str | Sequence[int] = "all",
-                 coeff: float = 1.0, positions: str = "all", name: str | None = None):
-        self.direction = ({int(k): _unit(v) for k, v in direction.items()} if isinstance(direction, dict)
-                          else _unit(direction))
+    def __init__(
+        self,
+        direction: torch.Tensor | dict[int, torch.Tensor],
+        layers: str | Sequence[int] = "all",
+        coeff: float = 1.0,
+        positions: str = "all",
+        name: str | None = None,
+    ):
+        self.direction = (
+            {int(k): _unit(v) for k, v in direction.items()}
+            if isinstance(direction, dict)
+            else _unit(direction)
+        )
         self.layers = layers
         super().__init__(coeff, name, positions)
 
     def config(self) -> dict:
         layers = self.layers if isinstance(self.layers, str) else list(self.layers)
-        return {"name": self.name, "layers": layers, "coeff": self.coeff, "positions": self.positions,
-                "per_layer": isinstance(self.direction, dict)}
+        return {
+            "name": self.name,
+            "layers": layers,
+            "coeff": self.coeff,
+            "positions": self.positions,
+            "per_layer": isinstance(self.direction, dict),
+        }
 
     def _dir(self, layer: int) -> torch.Tensor | None:
         if isinstance(self.direction, dict):
@@ -205,8 +236,9 @@ class DirectionAblation(_VectorIntervention):
             layers = _resolve_layers(list(self.direction), n_layers)
         else:
             layers = _resolve_layers(self.layers, n_layers)
-        _check_dim([self.direction] if not isinstance(self.direction, dict) else self.direction.values(),
-                   hidden_size)
+        _check_dim(
+            [self.direction] if not isinstance(self.direction, dict) else self.direction.values(), hidden_size
+        )
         units = {layer: d for layer in layers if (d := self._dir(layer)) is not None}
         sites = [Site(layer, where) for layer in units for where in ("pre", "attn")]
         if n_layers - 1 in layers and n_layers - 1 in units:  # the last block's output too
@@ -225,8 +257,16 @@ class _VectorKernel(RowKernel):
     ``coeff * strength`` of the component along ``v / |v|`` (``"ablate"``); an optional CAST-style
     condition (``condition``: the intervention's ``decide`` at ``condition_layer``) decides per row."""
 
-    def __init__(self, iv: _VectorIntervention, vectors: dict[int, torch.Tensor], mode: str, positions: str,
-                 sites: list[Site] | None = None, condition_layer: int | None = None, normalise: bool = False):
+    def __init__(
+        self,
+        iv: _VectorIntervention,
+        vectors: dict[int, torch.Tensor],
+        mode: str,
+        positions: str,
+        sites: list[Site] | None = None,
+        condition_layer: int | None = None,
+        normalise: bool = False,
+    ):
         self.iv, self.vectors, self.mode, self.normalise = iv, vectors, mode, normalise
         self.positions = positions
         self.sites = sites if sites is not None else [Site(layer) for layer in sorted(vectors)]
@@ -251,7 +291,9 @@ class _VectorKernel(RowKernel):
         # a conditional edit starts at the last prompt token only in the blocks after the decision
         return self.condition_layer is None or site.layer > self.condition_layer
 
-    def edit(self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+    def edit(
+        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None
+    ) -> torch.Tensor:
         v = self.iv._cache.get(site.layer, self.vectors[site.layer], rows.device)
         x = rows.float()
         scale = (self.iv.coeff * strength.to(rows.device))[:, None]
@@ -277,10 +319,19 @@ class ConditionalSteering(_VectorIntervention):
 
     name = "cast"
 
-    def __init__(self, condition: torch.Tensor, condition_layer: int, threshold: float,
-                 behaviour: torch.Tensor | dict[int, torch.Tensor], behaviour_layers: str | Sequence[int] = "all",
-                 mode: str = "add", coeff: float = 1.0, compare: str = "greater",
-                 center: torch.Tensor | None = None, name: str | None = None):
+    def __init__(
+        self,
+        condition: torch.Tensor,
+        condition_layer: int,
+        threshold: float,
+        behaviour: torch.Tensor | dict[int, torch.Tensor],
+        behaviour_layers: str | Sequence[int] = "all",
+        mode: str = "add",
+        coeff: float = 1.0,
+        compare: str = "greater",
+        center: torch.Tensor | None = None,
+        name: str | None = None,
+    ):
         if mode not in ("add", "ablate"):
             raise AligntaxError("CAST mode must be 'add' or 'ablate'.")
         if compare not in ("greater", "less"):
@@ -288,8 +339,11 @@ class ConditionalSteering(_VectorIntervention):
         self.condition = _unit(condition)
         self.condition_layer = int(condition_layer)
         self.threshold = float(threshold)
-        self.behaviour = ({int(k): v.detach().float() for k, v in behaviour.items()} if isinstance(behaviour, dict)
-                          else behaviour.detach().float())
+        self.behaviour = (
+            {int(k): v.detach().float() for k, v in behaviour.items()}
+            if isinstance(behaviour, dict)
+            else behaviour.detach().float()
+        )
         self.behaviour_layers = behaviour_layers
         self.mode = mode
         super().__init__(coeff, name)
@@ -298,8 +352,15 @@ class ConditionalSteering(_VectorIntervention):
 
     def config(self) -> dict:
         bl = self.behaviour_layers if isinstance(self.behaviour_layers, str) else list(self.behaviour_layers)
-        return {"name": self.name, "condition_layer": self.condition_layer, "threshold": self.threshold,
-                "compare": self.compare, "mode": self.mode, "coeff": self.coeff, "behaviour_layers": bl}
+        return {
+            "name": self.name,
+            "condition_layer": self.condition_layer,
+            "threshold": self.threshold,
+            "compare": self.compare,
+            "mode": self.mode,
+            "coeff": self.coeff,
+            "behaviour_layers": bl,
+        }
 
     def _vec(self, layer: int) -> torch.Tensor | None:
         return self.behaviour.get(layer) if isinstance(self.behaviour, dict) else self.behaviour
@@ -322,7 +383,9 @@ class ConditionalSteering(_VectorIntervention):
             layers = _resolve_layers(self.behaviour_layers, n_layers)
         vectors = {layer: v for layer in layers if (v := self._vec(layer)) is not None}
         _check_dim([self.condition, *vectors.values()], hidden_size)
-        return _VectorKernel(self, vectors, self.mode, "last_and_generated", condition_layer=cl, normalise=True)
+        return _VectorKernel(
+            self, vectors, self.mode, "last_and_generated", condition_layer=cl, normalise=True
+        )
 
 
 # ---- storage ---------------------------------------------------------------------------------------------
@@ -332,25 +395,35 @@ class _SavedVectorOptions:
 
     path: str | None = option("vector folder for the vector baselines", flag="--vectors")
     coeff: float | None = option("vector baselines: strength", parse="float", check="finite", request=True)
-    layer: int | None = option("vector baselines: the layer whose vector is used (default: the folder's)",
-                               parse="int", check="count", request=True)
+    layer: int | None = option(
+        "vector baselines: the layer whose vector is used (default: the folder's)",
+        parse="int",
+        check="count",
+        request=True,
+    )
 
 
 @dataclass
 class VectorOptions(_SavedVectorOptions):
-    layers: list[int] | None = option("comma-separated layer indices, e.g. 17,19", parse="layers", check="count",
-                                      request=True)
+    layers: list[int] | None = option(
+        "comma-separated layer indices, e.g. 17,19", parse="layers", check="count", request=True
+    )
     positions: str | None = option("last_and_generated, generated or all (default all)", cli=False)
 
 
 @dataclass
 class CastOptions(_SavedVectorOptions):
-    threshold: float | None = option("CAST: the condition's cosine threshold (default: the fitted one)",
-                                      parse="float", check="finite", cli=False,
-                                      request=True)
+    threshold: float | None = option(
+        "CAST: the condition's cosine threshold (default: the fitted one)",
+        parse="float",
+        check="finite",
+        cli=False,
+        request=True,
+    )
     mode: str | None = option("CAST: add or ablate the behaviour vector", cli=False)
-    compare: str | None = option("CAST: steer when the similarity is greater or less than the threshold",
-                                 cli=False)
+    compare: str | None = option(
+        "CAST: steer when the similarity is greater or less than the threshold", cli=False
+    )
     behaviour: str | None = option("CAST: the saved vector to use (refusal, false_refusal)", cli=False)
     behaviour_layers: str | list[int] | None = option("CAST: the layers it acts on (default all)", cli=False)
 
@@ -361,8 +434,11 @@ def _fingerprint(lm) -> dict | None:
 
 
 def _vectors(name: str, lm, path: str | None):
-    return SteeringVectors.load(need_path(name, path), expect_fingerprint=_fingerprint(lm),
-                                expect_hidden_size=lm.hidden_size if lm is not None else None)
+    return SteeringVectors.load(
+        need_path(name, path),
+        expect_fingerprint=_fingerprint(lm),
+        expect_hidden_size=lm.hidden_size if lm is not None else None,
+    )
 
 
 def _vector_method(name: str, lm, o: VectorOptions) -> _VectorIntervention:
@@ -374,11 +450,18 @@ def _vector_method(name: str, lm, o: VectorOptions) -> _VectorIntervention:
     if name == "refusal-add":  # several layers: each gets its own layer's vector
         vecs = {layer: vec} if o.layers is None else {int(x): vs.get(kind, int(x)) for x in o.layers}
         return ActivationAddition(vecs, coeff=coeff, positions=o.positions or "all", name=name)
-    return DirectionAblation(vec, layers="all" if o.layers is None else o.layers, coeff=coeff,
-                             positions=o.positions or "all", name=name)
+    return DirectionAblation(
+        vec,
+        layers="all" if o.layers is None else o.layers,
+        coeff=coeff,
+        positions=o.positions or "all",
+        name=name,
+    )
 
 
-@register("refusal-add", VectorOptions, "add the refusal vector of one layer (--layers: each listed layer's own)")
+@register(
+    "refusal-add", VectorOptions, "add the refusal vector of one layer (--layers: each listed layer's own)"
+)
 def _refusal_add(lm, o: VectorOptions) -> _VectorIntervention:
     return _vector_method("refusal-add", lm, o)
 
@@ -398,22 +481,32 @@ def _cast(lm, o: CastOptions) -> _VectorIntervention:
     vs = _vectors("cast", lm, o.path)
     cast = dict(vs.metadata.get("cast") or {})
     if not cast or "condition" not in vs.vectors:
-        raise AligntaxError("This vector folder has no CAST condition; compute it with pseudo-harmful prompts.")
+        raise AligntaxError(
+            "This vector folder has no CAST condition; compute it with pseudo-harmful prompts."
+        )
     layer = int(cast["condition_layer"])
     behaviour = o.behaviour or cast.get("behaviour", "refusal")
     vec = vs.get(behaviour, vs.default_layer(behaviour) if o.layer is None else int(o.layer))
     return ConditionalSteering(
-        vs.get("condition", layer), layer, float(cast["threshold"] if o.threshold is None else o.threshold), vec,
+        vs.get("condition", layer),
+        layer,
+        float(cast["threshold"] if o.threshold is None else o.threshold),
+        vec,
         behaviour_layers=o.behaviour_layers or cast.get("behaviour_layers", "all"),
-        mode=o.mode or cast.get("mode", "ablate"), coeff=1.0 if o.coeff is None else float(o.coeff),
-        compare=o.compare or cast.get("compare", "less"), center=vs.vectors.get("center", {}).get(layer),
-        name="cast")
+        mode=o.mode or cast.get("mode", "ablate"),
+        coeff=1.0 if o.coeff is None else float(o.coeff),
+        compare=o.compare or cast.get("compare", "less"),
+        center=vs.vectors.get("center", {}).get(layer),
+        name="cast",
+    )
 
 
 FORMAT = "aligntax.vectors/1"
 SIDECAR = "vectors.json"
 WEIGHTS = "vectors.safetensors"
-_FILES = TensorArtefact(FORMAT, SIDECAR, WEIGHTS, what="vector set", missing="steering vectors", kind="vector file")
+_FILES = TensorArtefact(
+    FORMAT, SIDECAR, WEIGHTS, what="vector set", missing="steering vectors", kind="vector file"
+)
 
 
 @dataclass
@@ -425,8 +518,10 @@ class SteeringVectors:
     metadata: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.vectors = {str(k): {int(layer): v.detach().float().cpu() for layer, v in d.items()}
-                        for k, d in self.vectors.items()}
+        self.vectors = {
+            str(k): {int(layer): v.detach().float().cpu() for layer, v in d.items()}
+            for k, d in self.vectors.items()
+        }
         dims = {v.shape[-1] for d in self.vectors.values() for v in d.values()}
         if len(dims) > 1:
             raise DataError(f"Vectors of one set must share the hidden size; got {sorted(dims)}.")
@@ -443,7 +538,9 @@ class SteeringVectors:
             raise DataError(f"No '{name}' vectors saved (have {sorted(self.vectors)}).")
         layer = self.default_layer(name) if layer is None else int(layer)
         if layer not in self.vectors[name]:
-            raise DataError(f"No '{name}' vector for layer {layer} (have layers {sorted(self.vectors[name])}).")
+            raise DataError(
+                f"No '{name}' vector for layer {layer} (have layers {sorted(self.vectors[name])})."
+            )
         return self.vectors[name][layer]
 
     def default_layer(self, name: str = "refusal") -> int:
@@ -454,14 +551,27 @@ class SteeringVectors:
         return layers[len(layers) // 2]
 
     def save(self, directory: str | Path) -> Path:
-        tensors = {f"{name}.{layer}": v.contiguous() for name, d in self.vectors.items() for layer, v in d.items()}
-        return _FILES.save(directory, tensors, {"fingerprint": self.fingerprint, "hidden_size": self.hidden_size,
-                                                "vectors": {n: sorted(d) for n, d in self.vectors.items()},
-                                                "metadata": self.metadata})
+        tensors = {
+            f"{name}.{layer}": v.contiguous() for name, d in self.vectors.items() for layer, v in d.items()
+        }
+        return _FILES.save(
+            directory,
+            tensors,
+            {
+                "fingerprint": self.fingerprint,
+                "hidden_size": self.hidden_size,
+                "vectors": {n: sorted(d) for n, d in self.vectors.items()},
+                "metadata": self.metadata,
+            },
+        )
 
     @classmethod
-    def load(cls, directory: str | Path, expect_fingerprint: dict | None = None,
-             expect_hidden_size: int | None = None) -> SteeringVectors:
+    def load(
+        cls,
+        directory: str | Path,
+        expect_fingerprint: dict | None = None,
+        expect_hidden_size: int | None = None,
+    ) -> SteeringVectors:
         meta, tensors = _FILES.load(directory, expect_fingerprint, expect_hidden_size)
         vectors: dict[str, dict[int, torch.Tensor]] = {}
         for key, v in tensors.items():
@@ -470,9 +580,14 @@ class SteeringVectors:
         return cls(vectors, meta["fingerprint"], meta.get("metadata") or {})
 
 
-def compute_vectors(acts_harmful: dict[int, torch.Tensor], acts_harmless: dict[int, torch.Tensor],
-                    acts_pseudo_harmful: dict[int, torch.Tensor] | None = None, fingerprint: dict | None = None,
-                    layer: int | None = None, metadata: dict | None = None) -> SteeringVectors:
+def compute_vectors(
+    acts_harmful: dict[int, torch.Tensor],
+    acts_harmless: dict[int, torch.Tensor],
+    acts_pseudo_harmful: dict[int, torch.Tensor] | None = None,
+    fingerprint: dict | None = None,
+    layer: int | None = None,
+    metadata: dict | None = None,
+) -> SteeringVectors:
     """Refusal vectors per layer, plus false-refusal vectors and a CAST condition when pseudo-harmful
     (benign but risky-looking) prompts are given.
 
@@ -492,6 +607,13 @@ def compute_vectors(acts_harmful: dict[int, torch.Tensor], acts_harmless: dict[i
         vectors["condition"] = {layer: c}
         vectors["center"] = {layer: center}
         # Over-refusal use: ablate refusal for rows that do not look harmful (sim below the threshold).
-        meta["cast"] = {"condition_layer": layer, "threshold": thr, "compare": "less", "mode": "ablate",
-                        "behaviour": "refusal", "behaviour_layers": "all", "fit_balanced_acc": acc}
+        meta["cast"] = {
+            "condition_layer": layer,
+            "threshold": thr,
+            "compare": "less",
+            "mode": "ablate",
+            "behaviour": "refusal",
+            "behaviour_layers": "all",
+            "fit_balanced_acc": acc,
+        }
     return SteeringVectors(vectors, dict(fingerprint or {}), meta)

@@ -39,16 +39,20 @@ DEFAULT_TRUNCATIONS: tuple[int, ...] = (32, 48, 64)
 _REFUSAL_WORDS = re.compile(
     r"\b(?:appropriate|not ethical|unethical|not allowed|not able to|unable to|cannot|can't|won't|will not|"
     r"decline|refuse|apologi[sz]e|sorry|I don't think|I do not think|don't have access|do not have access)\b",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 
 
 def has_refusal_marker(text: str) -> bool:
     """Explicit refusal language anywhere in ``text`` (used to decide whether a truncated partial
     refusal still shows its refusal part)."""
     t = normalize_text(text or "")
-    return (phrase_hits(t, DEFAULT_REFUSAL_PHRASES, case_sensitive=False) > 0
-            or phrase_hits(t, DEFAULT_REFUSAL_PREFIXES, "prefix", case_sensitive=False) > 0
-            or bool(_POINT_OUT.search(t)) or bool(_REFUSAL_WORDS.search(t)))
+    return (
+        phrase_hits(t, DEFAULT_REFUSAL_PHRASES, case_sensitive=False) > 0
+        or phrase_hits(t, DEFAULT_REFUSAL_PREFIXES, "prefix", case_sensitive=False) > 0
+        or bool(_POINT_OUT.search(t))
+        or bool(_REFUSAL_WORDS.search(t))
+    )
 
 
 def truncate_tokens(texts: Sequence[str], n: int, tokenizer) -> list[str]:
@@ -60,14 +64,14 @@ def truncate_tokens(texts: Sequence[str], n: int, tokenizer) -> list[str]:
     for text in texts:
         text = text or ""
         offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        out.append(text if len(offsets) <= n else text[:offsets[n - 1][1]])
+        out.append(text if len(offsets) <= n else text[: offsets[n - 1][1]])
     return out
 
 
 @dataclass(frozen=True)
 class TruncatedCopy:
-    row: int        # index of the completion it was cut from
-    n_tokens: int   # the cut
+    row: int  # index of the completion it was cut from
+    n_tokens: int  # the cut
     text: str
 
 
@@ -78,8 +82,9 @@ def label_survives(label: str, prefix: str) -> bool:
     return has_refusal_marker(prefix)
 
 
-def truncated_copies(responses: Sequence[str], labels: Sequence[str], tokenizer,
-                     lengths: Sequence[int] = DEFAULT_TRUNCATIONS) -> list[TruncatedCopy]:
+def truncated_copies(
+    responses: Sequence[str], labels: Sequence[str], tokenizer, lengths: Sequence[int] = DEFAULT_TRUNCATIONS
+) -> list[TruncatedCopy]:
     """Truncated training copies of labelled completions (see the module docstring for the rules).
     ``labels`` are XSTest ``final_label`` strings; the copies keep the label of their ``row``."""
     if len(responses) != len(labels):

@@ -52,12 +52,21 @@ DEFAULT_SHORT_REFUSAL_FLOOR = 0.95
 
 
 def feature_dim(spec: dict) -> int:
-    return (EMBEDDING_DIM * len(spec.get("embed", [])) + len(spec.get("cosine", []))
-            + (len(KEYWORD_FEATURES) if spec.get("keyword") else 0))
+    return (
+        EMBEDDING_DIM * len(spec.get("embed", []))
+        + len(spec.get("cosine", []))
+        + (len(KEYWORD_FEATURES) if spec.get("keyword") else 0)
+    )
 
 
-def compute_features(spec: dict, prompts: Sequence[str], responses: Sequence[str], encoder=None,
-                     batch_size: int = 64, progress: bool = False) -> torch.Tensor:
+def compute_features(
+    spec: dict,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    encoder=None,
+    batch_size: int = 64,
+    progress: bool = False,
+) -> torch.Tensor:
     """The classifier's feature matrix [N, F] for (prompt, response) pairs."""
     views = spec_views(spec)
     emb = {}
@@ -75,8 +84,12 @@ def apply_short_refusal_floor(probs: torch.Tensor, responses: Sequence[str], flo
     return torch.where(mask, probs.clamp(min=float(floor)), probs)
 
 
-def train_head(x: torch.Tensor, labels: Sequence[bool] | torch.Tensor, cfg: HeadConfig = DEFAULT_HEAD,
-               sample_weight: torch.Tensor | None = None) -> Head:
+def train_head(
+    x: torch.Tensor,
+    labels: Sequence[bool] | torch.Tensor,
+    cfg: HeadConfig = DEFAULT_HEAD,
+    sample_weight: torch.Tensor | None = None,
+) -> Head:
     return fit_head(x, torch.as_tensor(labels).float(), cfg, sample_weight)
 
 
@@ -84,16 +97,25 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save_classifier(head: Head, spec: dict, head_cfg: HeadConfig, out_dir: str | Path = RESOURCE_DIR,
-                    threshold: float = DEFAULT_THRESHOLD, short_refusal_floor: float = DEFAULT_SHORT_REFUSAL_FLOOR,
-                    extra: dict | None = None) -> tuple[Path, Path]:
+def save_classifier(
+    head: Head,
+    spec: dict,
+    head_cfg: HeadConfig,
+    out_dir: str | Path = RESOURCE_DIR,
+    threshold: float = DEFAULT_THRESHOLD,
+    short_refusal_floor: float = DEFAULT_SHORT_REFUSAL_FLOOR,
+    extra: dict | None = None,
+) -> tuple[Path, Path]:
     """Write ``refusal_classifier.safetensors`` (tensors) and ``refusal_classifier.json`` (everything else)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / WEIGHTS_NAME
     tensors = {k: v.detach().float().contiguous().cpu() for k, v in head.state_dict().items()}
-    save_file(tensors, str(weights), metadata={"format": "aligntax-refusal-classifier",
-                                               "format_version": str(FORMAT_VERSION)})
+    save_file(
+        tensors,
+        str(weights),
+        metadata={"format": "aligntax-refusal-classifier", "format_version": str(FORMAT_VERSION)},
+    )
     weights.chmod(0o644)
     meta = {
         "format": "aligntax-refusal-classifier",
@@ -102,8 +124,11 @@ def save_classifier(head: Head, spec: dict, head_cfg: HeadConfig, out_dir: str |
         "embedding_package": EMBEDDING_PACKAGE,
         "embedding_dim": EMBEDDING_DIM,
         "embedding_pooling": "mean over attention mask, then L2 normalise; max 256 tokens",
-        "feature_spec": {**spec, "keyword_features": list(KEYWORD_FEATURES) if spec.get("keyword") else [],
-                         "n_features": int(head.mean.numel())},
+        "feature_spec": {
+            **spec,
+            "keyword_features": list(KEYWORD_FEATURES) if spec.get("keyword") else [],
+            "n_features": int(head.mean.numel()),
+        },
         "head": head_cfg.to_dict(),
         "threshold": threshold,
         "short_refusal_floor": short_refusal_floor,
@@ -128,7 +153,9 @@ def load_classifier(path: str | Path | None = None) -> tuple[Head, dict]:
         )
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != "aligntax-refusal-classifier" or meta.get("format_version") != FORMAT_VERSION:
-        raise CompatibilityError(f"{meta_path} is not a version-{FORMAT_VERSION} aligntax refusal classifier.")
+        raise CompatibilityError(
+            f"{meta_path} is not a version-{FORMAT_VERSION} aligntax refusal classifier."
+        )
     spec = meta["feature_spec"]
     if spec.get("keyword") and list(spec.get("keyword_features", [])) != list(KEYWORD_FEATURES):
         raise CompatibilityError(
@@ -161,19 +188,29 @@ class ClassifierJudge(RefusalJudge):
 
     name = "classifier"
 
-    def __init__(self, weights: str | Path | None = None, threshold: float | None = None,
-                 batch_size: int = 64, device: str = "cpu", progress: bool = False,
-                 short_refusal_floor: float | None = None):
+    def __init__(
+        self,
+        weights: str | Path | None = None,
+        threshold: float | None = None,
+        batch_size: int = 64,
+        device: str = "cpu",
+        progress: bool = False,
+        short_refusal_floor: float | None = None,
+    ):
         self.head, self.meta = load_classifier(weights)
-        self.short_refusal_floor = float(self.meta.get("short_refusal_floor", 0.0)
-                                         if short_refusal_floor is None else short_refusal_floor)
+        self.short_refusal_floor = float(
+            self.meta.get("short_refusal_floor", 0.0) if short_refusal_floor is None else short_refusal_floor
+        )
         self.weights = str(weights) if weights is not None else "shipped"
-        self.threshold = float(self.meta.get("threshold", DEFAULT_THRESHOLD) if threshold is None else threshold)
+        self.threshold = float(
+            self.meta.get("threshold", DEFAULT_THRESHOLD) if threshold is None else threshold
+        )
         self.batch_size = batch_size
         self.device = device
         self.progress = progress
-        self.spec = {k: v for k, v in self.meta["feature_spec"].items()
-                     if k in ("embed", "cosine", "keyword")}
+        self.spec = {
+            k: v for k, v in self.meta["feature_spec"].items() if k in ("embed", "cosine", "keyword")
+        }
         self.encoder = get_encoder(device) if spec_views(self.spec) else None
 
     def scores(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
@@ -181,16 +218,29 @@ class ClassifierJudge(RefusalJudge):
             raise AligntaxError(f"judge() got {len(prompts)} prompts but {len(responses)} responses.")
         if not responses:
             return torch.empty(0)
-        x = compute_features(self.spec, list(prompts), list(responses), self.encoder,
-                             batch_size=self.batch_size, progress=self.progress)
+        x = compute_features(
+            self.spec,
+            list(prompts),
+            list(responses),
+            self.encoder,
+            batch_size=self.batch_size,
+            progress=self.progress,
+        )
         return apply_short_refusal_floor(predict_proba(self.head, x), responses, self.short_refusal_floor)
 
     def judge(self, prompts: Sequence[str], responses: Sequence[str]) -> list[Verdict]:
-        return [Verdict(refused=bool(s >= self.threshold), refusal_score=float(s))
-                for s in self.scores(prompts, responses).tolist()]
+        return [
+            Verdict(refused=bool(s >= self.threshold), refusal_score=float(s))
+            for s in self.scores(prompts, responses).tolist()
+        ]
 
     def config(self) -> dict:
-        return {"name": self.name, "weights": self.weights, "threshold": self.threshold,
-                "short_refusal_floor": self.short_refusal_floor,
-                "embedding_model": self.meta.get("embedding_model"),
-                "feature_spec": self.spec, "head": self.meta.get("head", {}).get("kind")}
+        return {
+            "name": self.name,
+            "weights": self.weights,
+            "threshold": self.threshold,
+            "short_refusal_floor": self.short_refusal_floor,
+            "embedding_model": self.meta.get("embedding_model"),
+            "feature_spec": self.spec,
+            "head": self.meta.get("head", {}).get("kind"),
+        }

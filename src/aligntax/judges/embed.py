@@ -79,9 +79,14 @@ class SentenceEncoder:
 
             bar = tqdm(total=len(texts), desc="embed", unit="text")
         for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
-            enc = self.tokenizer([texts[i] for i in idx], padding=True, truncation=True,
-                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            idx = order[start : start + batch_size]
+            enc = self.tokenizer(
+                [texts[i] for i in idx],
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
             hidden = self.model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)

@@ -18,9 +18,25 @@ import torch
 from aligntax.errors import AligntaxError
 
 REFUSAL_OPENINGS: tuple[str, ...] = (
-    "I'm sorry", "I am sorry", "Sorry", "I cannot", "I can't", "I apologize", "I apologise", "As an AI",
-    "As a language model", "Unfortunately", "I am unable", "I'm unable", "I'm not able", "I must decline",
-    "I won't", "I will not", "No", "My apologies", "I'm afraid",
+    "I'm sorry",
+    "I am sorry",
+    "Sorry",
+    "I cannot",
+    "I can't",
+    "I apologize",
+    "I apologise",
+    "As an AI",
+    "As a language model",
+    "Unfortunately",
+    "I am unable",
+    "I'm unable",
+    "I'm not able",
+    "I must decline",
+    "I won't",
+    "I will not",
+    "No",
+    "My apologies",
+    "I'm afraid",
 )
 
 
@@ -36,7 +52,9 @@ def refusal_token_ids(tokenizer, openings: Iterable[str] = REFUSAL_OPENINGS) -> 
             if toks:
                 ids.add(int(toks[0]))
     if not ids:
-        raise AligntaxError("No refusal-opening tokens: the openings list is empty or the tokenizer produced nothing.")
+        raise AligntaxError(
+            "No refusal-opening tokens: the openings list is empty or the tokenizer produced nothing."
+        )
     return sorted(ids)
 
 

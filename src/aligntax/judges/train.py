@@ -15,10 +15,10 @@ import torch
 
 @dataclass
 class HeadConfig:
-    kind: str = "logreg"   # "logreg" or "mlp"
-    hidden: int = 64       # MLP width
-    l2: float = 1e-2       # penalty on weights, scaled by 1/2 * l2 * ||W||^2
-    epochs: int = 300      # Adam steps (MLP) / LBFGS max iterations (logreg)
+    kind: str = "logreg"  # "logreg" or "mlp"
+    hidden: int = 64  # MLP width
+    l2: float = 1e-2  # penalty on weights, scaled by 1/2 * l2 * ||W||^2
+    epochs: int = 300  # Adam steps (MLP) / LBFGS max iterations (logreg)
     lr: float = 1e-2
     dropout: float = 0.0
     seed: int = 0
@@ -38,8 +38,12 @@ class Head(torch.nn.Module):
         if kind == "logreg":
             self.net = torch.nn.Sequential(torch.nn.Linear(n_features, 1))
         elif kind == "mlp":
-            self.net = torch.nn.Sequential(torch.nn.Linear(n_features, hidden), torch.nn.GELU(),
-                                           torch.nn.Dropout(dropout), torch.nn.Linear(hidden, 1))
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(n_features, hidden),
+                torch.nn.GELU(),
+                torch.nn.Dropout(dropout),
+                torch.nn.Linear(hidden, 1),
+            )
         else:
             raise ValueError(f"unknown head kind '{kind}'")
 
@@ -50,7 +54,9 @@ class Head(torch.nn.Module):
         return [m.weight for m in self.net if isinstance(m, torch.nn.Linear)]
 
 
-def fit_head(x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, sample_weight: torch.Tensor | None = None) -> Head:
+def fit_head(
+    x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, sample_weight: torch.Tensor | None = None
+) -> Head:
     """Fit a head on features ``x`` [N, F] and 0/1 labels ``y`` [N]; ``sample_weight`` [N] weights each
     row's loss (the weighted mean is used, so the L2 strength means the same with or without it).
     The standardisation statistics are the unweighted ones."""
@@ -77,13 +83,20 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, sample_weight: t
             return (losses * sw).sum() / sw.sum()
 
     def loss_fn() -> torch.Tensor:
-        penalty = sum((w ** 2).sum() for w in head.weight_params())
+        penalty = sum((w**2).sum() for w in head.weight_params())
         return bce(head(x), y) + 0.5 * cfg.l2 * penalty
 
     head.train()
     if cfg.kind == "logreg":
-        opt = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=cfg.epochs, tolerance_grad=1e-7,
-                                tolerance_change=1e-10, history_size=20, line_search_fn="strong_wolfe")
+        opt = torch.optim.LBFGS(
+            head.parameters(),
+            lr=1.0,
+            max_iter=cfg.epochs,
+            tolerance_grad=1e-7,
+            tolerance_change=1e-10,
+            history_size=20,
+            line_search_fn="strong_wolfe",
+        )
 
         def closure():
             opt.zero_grad()

@@ -62,9 +62,19 @@ def load_xstest_labeled(data_dir: str | Path | None = None) -> list[LabeledCompl
             for i, rec in enumerate(csv.DictReader(fh), start=2):
                 label = (rec.get("final_label") or "").strip()
                 if label not in LABELS:
-                    raise DataError(f"{path}:{i}: unexpected final_label {label!r}; expected one of {LABELS}.")
-                rows.append(LabeledCompletion(model=model, id=rec["id"], type=rec.get("type", ""),
-                                              prompt=rec["prompt"], completion=rec["completion"], label=label))
+                    raise DataError(
+                        f"{path}:{i}: unexpected final_label {label!r}; expected one of {LABELS}."
+                    )
+                rows.append(
+                    LabeledCompletion(
+                        model=model,
+                        id=rec["id"],
+                        type=rec.get("type", ""),
+                        prompt=rec["prompt"],
+                        completion=rec["completion"],
+                        label=label,
+                    )
+                )
     if not rows:
         raise DataError(f"No labelled rows in {folder}.")
     return rows

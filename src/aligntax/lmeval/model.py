@@ -59,18 +59,27 @@ def _option(key: str, value):
     return parse_value(value, _OPTIONS[key].parse, key)
 
 
-def build_intervention(lm: LoadedModel, intervention: str | None = None, steer: str | None = None,
-                       vectors: str | None = None, **options):
+def build_intervention(
+    lm: LoadedModel,
+    intervention: str | None = None,
+    steer: str | None = None,
+    vectors: str | None = None,
+    **options,
+):
     """The intervention named by ``intervention`` (``--steer DIR`` alone: ELS from DIR; a vector method
     reads ``vectors``), or None for the unsteered model."""
     unknown = set(options) - set(INTERVENTION_OPTIONS)
     if unknown:
-        raise AligntaxError(f"Unknown intervention options {sorted(unknown)}; known: {', '.join(INTERVENTION_OPTIONS)}.")
+        raise AligntaxError(
+            f"Unknown intervention options {sorted(unknown)}; known: {', '.join(INTERVENTION_OPTIONS)}."
+        )
     name = "els" if steer and not intervention else intervention
     if not name:
         if vectors:
-            raise AligntaxError("vectors= needs intervention= the vector method (refusal-add, refusal-ablation, "
-                                "false-refusal-ablation or cast).")
+            raise AligntaxError(
+                "vectors= needs intervention= the vector method (refusal-add, refusal-ablation, "
+                "false-refusal-ablation or cast)."
+            )
         return None
     opts = {k: _option(k, v) for k, v in options.items() if v is not None}
     folder = steer or vectors
@@ -100,9 +109,18 @@ class AligntaxLM(HFLM):
     ``intervention=`` (an :class:`~aligntax.interventions.base.Intervention`) may be passed ready-made.
     """
 
-    def __init__(self, spec: str | None = None, pretrained: str | None = None, dtype: str = "bf16",
-                 device: str | None = None, intervention=None, steer: str | None = None,
-                 vectors: str | None = None, lm: LoadedModel | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        spec: str | None = None,
+        pretrained: str | None = None,
+        dtype: str = "bf16",
+        device: str | None = None,
+        intervention=None,
+        steer: str | None = None,
+        vectors: str | None = None,
+        lm: LoadedModel | None = None,
+        **kwargs,
+    ) -> None:
         iv_options = {k: kwargs.pop(k) for k in INTERVENTION_OPTIONS if k in kwargs}
         if lm is None:
             spec = spec or pretrained
@@ -156,8 +174,11 @@ class AligntaxLM(HFLM):
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
-        info.update(aligntax_spec=self.lm.spec, aligntax_source=self.lm.source,
-                    intervention=None if self.intervention is None else self.intervention.config())
+        info.update(
+            aligntax_spec=self.lm.spec,
+            aligntax_source=self.lm.source,
+            intervention=None if self.intervention is None else self.intervention.config(),
+        )
         return info
 
     # ---- loglikelihood with the prompt boundary where generation has it
@@ -175,9 +196,11 @@ class AligntaxLM(HFLM):
             if not context or not continuation:
                 raise AligntaxError("A loglikelihood request needs a non-empty context and continuation.")
             if len(continuation) > self.max_length:
-                raise AligntaxError(f"A continuation of {len(continuation)} tokens exceeds max_length {self.max_length}.")
+                raise AligntaxError(
+                    f"A continuation of {len(continuation)} tokens exceeds max_length {self.max_length}."
+                )
             # truncated from the left as HFLM does: the scored input is (context + continuation)[:-1]
-            full = (list(context) + list(continuation))[-(self.max_length + 1):]
+            full = (list(context) + list(continuation))[-(self.max_length + 1) :]
             ctx = full[: len(full) - len(continuation)]
             key = (tuple(ctx), tuple(continuation[:-1]))
             group = groups.get(key)
@@ -187,11 +210,16 @@ class AligntaxLM(HFLM):
         order = sorted(groups.values(), key=lambda g: (-len(g.context), -len(g.shared), g.context, g.shared))
         batch_size = self._steered_batch_size(requests, order, override_bs)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
-                    desc="Running steered loglikelihood requests")
+        pbar = tqdm(
+            total=len(requests),
+            disable=disable_tqdm or self.rank != 0,
+            desc="Running steered loglikelihood requests",
+        )
         for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            for group, (total, greedy_ok, last_logp, last_greedy) in zip(chunk, self._score_groups(chunk), strict=True):
+            chunk = order[start : start + batch_size]
+            for group, (total, greedy_ok, last_logp, last_greedy) in zip(
+                chunk, self._score_groups(chunk), strict=True
+            ):
                 for index, token in group.last:
                     answer = (total + float(last_logp[token]), bool(greedy_ok and int(last_greedy) == token))
                     results[index] = answer
@@ -227,15 +255,24 @@ class AligntaxLM(HFLM):
         totals = [0.0] * len(chunk)
         greedy_ok = [True] * len(chunk)
         last: list = [None] * len(chunk)
-        autocast = (torch.autocast(device_type=device.type, dtype=self.mixed_precision_dtype)
-                    if self.mixed_precision_dtype is not None else nullcontext())
+        autocast = (
+            torch.autocast(device_type=device.type, dtype=self.mixed_precision_dtype)
+            if self.mixed_precision_dtype is not None
+            else nullcontext()
+        )
         filled = 0
         for step in range(steps + 1):
             # ``cache_position`` tells Intervention.apply whether the forward starts from an empty cache
             with autocast:
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                               cache_position=torch.arange(filled, filled + ids.shape[1], device=device),
-                               logits_to_keep=1).logits[:, -1, :]
+                logits = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    cache=cache,
+                    use_cache=True,
+                    cache_position=torch.arange(filled, filled + ids.shape[1], device=device),
+                    logits_to_keep=1,
+                ).logits[:, -1, :]
             filled += ids.shape[1]
             logp = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)
             greedy = logp.argmax(-1).tolist()

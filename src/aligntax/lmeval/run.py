@@ -48,8 +48,10 @@ def require_lm_eval() -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError as exc:
-        raise AligntaxError("lm-evaluation-harness is not installed: pip install 'aligntax[lmeval]' "
-                            f"(or pip install lm_eval) ({exc}).") from None
+        raise AligntaxError(
+            "lm-evaluation-harness is not installed: pip install 'aligntax[lmeval]' "
+            f"(or pip install lm_eval) ({exc})."
+        ) from None
 
 
 def parse_lm_eval_args(args: list[str]):
@@ -62,7 +64,9 @@ def parse_lm_eval_args(args: list[str]):
     for a in args:
         flag = a.split("=", 1)[0]
         if flag in _OWNED:
-            raise AligntaxError(f"lm-eval's {flag} is set by aligntax lm-eval: use its {_OWNED[flag]} instead.")
+            raise AligntaxError(
+                f"lm-eval's {flag} is set by aligntax lm-eval: use its {_OWNED[flag]} instead."
+            )
     parser = HarnessCLI()._parser
     try:
         namespace = parser.parse_args(["run", "--model", "aligntax", *args])
@@ -91,16 +95,28 @@ def _evaluate(model, cfg, task_manager) -> dict:
     from lm_eval import simple_evaluate
 
     return simple_evaluate(
-        model=model, tasks=cfg.tasks, num_fewshot=cfg.num_fewshot, use_cache=cfg.use_cache,
-        limit=cfg.limit, samples=cfg.samples, check_integrity=cfg.check_integrity, write_out=cfg.write_out,
-        log_samples=cfg.log_samples, system_instruction=cfg.system_instruction,
-        apply_chat_template=cfg.apply_chat_template, fewshot_as_multiturn=cfg.fewshot_as_multiturn,
-        gen_kwargs=cfg.gen_kwargs, task_manager=task_manager, verbosity=cfg.verbosity,
+        model=model,
+        tasks=cfg.tasks,
+        num_fewshot=cfg.num_fewshot,
+        use_cache=cfg.use_cache,
+        limit=cfg.limit,
+        samples=cfg.samples,
+        check_integrity=cfg.check_integrity,
+        write_out=cfg.write_out,
+        log_samples=cfg.log_samples,
+        system_instruction=cfg.system_instruction,
+        apply_chat_template=cfg.apply_chat_template,
+        fewshot_as_multiturn=cfg.fewshot_as_multiturn,
+        gen_kwargs=cfg.gen_kwargs,
+        task_manager=task_manager,
+        verbosity=cfg.verbosity,
         predict_only=cfg.predict_only,
-        random_seed=cfg.seed[0] if cfg.seed else None, numpy_random_seed=cfg.seed[1] if cfg.seed else None,
+        random_seed=cfg.seed[0] if cfg.seed else None,
+        numpy_random_seed=cfg.seed[1] if cfg.seed else None,
         torch_random_seed=cfg.seed[2] if cfg.seed else None,
         fewshot_random_seed=cfg.seed[3] if cfg.seed else None,
-        confirm_run_unsafe_code=cfg.confirm_run_unsafe_code, metadata=cfg.metadata,
+        confirm_run_unsafe_code=cfg.confirm_run_unsafe_code,
+        metadata=cfg.metadata,
     )
 
 
@@ -163,7 +179,9 @@ def run_lm_eval(config: LmEvalConfig, out: str | Path, lm=None) -> dict:
             lm = load_model(config.model, dtype=config.dtype, device=config.device)
         iv = build_intervention(lm, config.intervention, config.steer, config.vectors, **config.options)
         if config.compare and iv is None:
-            raise AligntaxError("--compare needs an intervention (--steer, or --intervention with --vectors).")
+            raise AligntaxError(
+                "--compare needs an intervention (--steer, or --intervention with --vectors)."
+            )
         variants = {"steered": iv} if iv is not None else {"unsteered": None}
         if config.compare:
             variants = {"unsteered": NoIntervention(), "steered": iv}
@@ -176,8 +194,9 @@ def run_lm_eval(config: LmEvalConfig, out: str | Path, lm=None) -> dict:
             samples = results.pop("samples", None)
             write_json_atomic(out / f"lm_eval_{variant}.json", results, default=handle_non_serializable)
             for task, rows in (samples or {}).items():
-                text = "".join(json.dumps(r, default=handle_non_serializable, ensure_ascii=False) + "\n"
-                               for r in rows)
+                text = "".join(
+                    json.dumps(r, default=handle_non_serializable, ensure_ascii=False) + "\n" for r in rows
+                )
                 write_text_atomic(out / f"samples_{variant}_{task}.jsonl", text)
             all_scores[variant] = scores(results)
             steered_forwards[variant] = model.steered_forwards
@@ -185,8 +204,13 @@ def run_lm_eval(config: LmEvalConfig, out: str | Path, lm=None) -> dict:
             "kind": "lm-eval",
             "config": asdict(config),
             "lm_eval_version": lm_eval.__version__,
-            "lm_eval": {"tasks": cfg.tasks, "num_fewshot": cfg.num_fewshot, "limit": cfg.limit,
-                        "batch_size": cfg.batch_size, "apply_chat_template": cfg.apply_chat_template},
+            "lm_eval": {
+                "tasks": cfg.tasks,
+                "num_fewshot": cfg.num_fewshot,
+                "limit": cfg.limit,
+                "batch_size": cfg.batch_size,
+                "apply_chat_template": cfg.apply_chat_template,
+            },
             "model_fingerprint": lm.fingerprint,
             "intervention": None if iv is None else iv.config(),
             "scores": all_scores,
@@ -194,10 +218,18 @@ def run_lm_eval(config: LmEvalConfig, out: str | Path, lm=None) -> dict:
             "seconds": time.perf_counter() - start,
         }
         if config.compare and len(all_scores) == 2:
-            result["tax"] = {task: {m: (None if v is None or all_scores["unsteered"][task].get(m) is None
-                                        else v - all_scores["unsteered"][task][m])
-                                    for m, v in metrics.items() if not m.endswith("_stderr")}
-                             for task, metrics in all_scores["steered"].items()}
+            result["tax"] = {
+                task: {
+                    m: (
+                        None
+                        if v is None or all_scores["unsteered"][task].get(m) is None
+                        else v - all_scores["unsteered"][task][m]
+                    )
+                    for m, v in metrics.items()
+                    if not m.endswith("_stderr")
+                }
+                for task, metrics in all_scores["steered"].items()
+            }
         write_json_atomic(out / "results.json", result, default=str)
         write_text_atomic(out / "report.md", _report(config, result))
     return result

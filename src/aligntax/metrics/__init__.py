@@ -10,5 +10,12 @@ from aligntax.metrics.rates import (
     wilson_interval,
 )
 
-__all__ = ["Rate", "mcnemar_exact", "paired_change", "paired_changes", "rate", "summarize_refusals",
-           "wilson_interval"]
+__all__ = [
+    "Rate",
+    "mcnemar_exact",
+    "paired_change",
+    "paired_changes",
+    "rate",
+    "summarize_refusals",
+    "wilson_interval",
+]

@@ -20,7 +20,7 @@ def repeat_fraction(text: str, n: int = 3) -> float:
     words = _WORD.findall(text.lower())
     if len(words) <= n:
         return 0.0
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     return 1.0 - len(set(grams)) / len(grams)
 
 
@@ -35,8 +35,9 @@ def _char_loop(text: str, min_period: int = 1, max_period: int = 8) -> float:
     return best / len(text)
 
 
-def degenerate(text: str, min_words: int = 3, max_repeat: float = 0.25, n: int = 3,
-               max_char_loop: float = 0.5) -> bool:
+def degenerate(
+    text: str, min_words: int = 3, max_repeat: float = 0.25, n: int = 3, max_char_loop: float = 0.5
+) -> bool:
     """True for an empty answer, a fragment (fewer than ``min_words`` words and no closing
     punctuation, so "Yes." is fine and "how can" is not), a word-level loop, or a character loop."""
     t = text.strip()

@@ -54,8 +54,13 @@ class KnownItem:
     options: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        out = {"id": self.id, "prompt": self.prompt, "kind": self.kind, "split": self.split,
-               "answers": list(self.answers)}
+        out = {
+            "id": self.id,
+            "prompt": self.prompt,
+            "kind": self.kind,
+            "split": self.split,
+            "answers": list(self.answers),
+        }
         if self.case_sensitive:
             out["case_sensitive"] = True
         if self.options:
@@ -67,8 +72,9 @@ class KnownItem:
 
 
 # ------------------------------------------------------------------------------------------ loading
-def load_known_answers(data: str | Path = BUILTIN, split: str | None = None,
-                       limit: int | None = None) -> list[KnownItem]:
+def load_known_answers(
+    data: str | Path = BUILTIN, split: str | None = None, limit: int | None = None
+) -> list[KnownItem]:
     """The built-in set (``"builtin"``) or a user JSONL/JSON file, optionally one split and the first
     ``limit`` items of it.
 
@@ -89,8 +95,10 @@ def load_known_answers(data: str | Path = BUILTIN, split: str | None = None,
     cols = {name: table.find_column([name]) for name in (*required, "case_sensitive", "options")}
     missing = [name for name in required if cols[name] is None]
     if missing:
-        raise DataError(f"{table.name}: missing field(s) {', '.join(repr(m) for m in missing)} for a "
-                        f"known-answer set; the file has: {describe_columns(table.columns)}")
+        raise DataError(
+            f"{table.name}: missing field(s) {', '.join(repr(m) for m in missing)} for a "
+            f"known-answer set; the file has: {describe_columns(table.columns)}"
+        )
     items: list[KnownItem] = []
     seen: dict[str, str] = {}
     for row in table.rows:
@@ -107,8 +115,15 @@ def load_known_answers(data: str | Path = BUILTIN, split: str | None = None,
         if case is not None and not isinstance(case, bool):
             raise DataError(f"{where}: 'case_sensitive' must be true or false; got {case!r}")
         options = v.get(cols["options"]) if cols["options"] else None
-        item = KnownItem(item_id, prompt, _strings(v.get(cols["answers"]), "answers", where), kind, item_split,
-                         bool(case), _strings(options, "options", where) if options is not None else ())
+        item = KnownItem(
+            item_id,
+            prompt,
+            _strings(v.get(cols["answers"]), "answers", where),
+            kind,
+            item_split,
+            bool(case),
+            _strings(options, "options", where) if options is not None else (),
+        )
         if split in (None, "all", item.split):
             items.append(item)
         if limit is not None and len(items) >= limit:
@@ -167,8 +182,9 @@ def _first_match(text: str, candidates: Iterable[str]) -> tuple[int, str] | None
     return pos, cand
 
 
-def is_correct(response: str, answers: Iterable[str], *, case_sensitive: bool = False,
-               options: Sequence[str] = ()) -> bool:
+def is_correct(
+    response: str, answers: Iterable[str], *, case_sensitive: bool = False, options: Sequence[str] = ()
+) -> bool:
     """Whether ``response`` gives one of ``answers``: an answer occurs in it as a whole word or number,
     both normalised by :func:`normalize`. With ``options`` (the words the question offers), the option
     or answer the response names first must be an accepted answer."""
@@ -190,38 +206,57 @@ def score_responses(items: Sequence[KnownItem], responses: Sequence[str]) -> lis
 def accuracy_by_kind(items: Sequence[KnownItem], flags: Sequence[bool]) -> dict:
     """Accuracy with a Wilson 95% interval overall, and per kind under ``by_kind``."""
     kinds = sorted({it.kind for it in items}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
-    return {**_acc(list(flags)),
-            "by_kind": {k: _acc([f for it, f in zip(items, flags, strict=True) if it.kind == k]) for k in kinds}}
+    return {
+        **_acc(list(flags)),
+        "by_kind": {k: _acc([f for it, f in zip(items, flags, strict=True) if it.kind == k]) for k in kinds},
+    }
 
 
 def knowns_report(results: dict, rows: Sequence[dict], n_wrong: int = 10) -> str:
     """A short markdown report: accuracy per kind, the paired change if any, the first wrong answers."""
     cfg = results["config"]
     iv = results.get("intervention") or {}
-    lines = [f"# Known-answer check: {cfg['model']}", "",
-             f"Data {cfg['data']} (split {cfg['split']}), greedy, {cfg['max_new_tokens']} new tokens; "
-             f"intervention: {iv.get('name', 'none') if isinstance(iv, dict) else 'none'}.", "",
-             "| kind | n | accuracy [95% CI] |", "|---|---:|---|"]
+    lines = [
+        f"# Known-answer check: {cfg['model']}",
+        "",
+        f"Data {cfg['data']} (split {cfg['split']}), greedy, {cfg['max_new_tokens']} new tokens; "
+        f"intervention: {iv.get('name', 'none') if isinstance(iv, dict) else 'none'}.",
+        "",
+        "| kind | n | accuracy [95% CI] |",
+        "|---|---:|---|",
+    ]
     for kind, r in results["by_kind"].items():
         lines.append(f"| {kind} | {r['n']} | {format_accuracy(r)} |")
     lines.append(f"| **all** | {results['n']} | {format_accuracy(results)} |")
     cut = results.get("cut_off", {})
     if cut.get("all"):
         per = ", ".join(f"{k} {n}" for k, n in cut.items() if k != "all" and n)
-        lines += ["", f"{cut['all']} wrong answers stopped at {cfg['max_new_tokens']} new tokens without giving "
-                      f"an accepted answer ({per})."]
+        lines += [
+            "",
+            f"{cut['all']} wrong answers stopped at {cfg['max_new_tokens']} new tokens without giving "
+            f"an accepted answer ({per}).",
+        ]
     if "paired" in results:
         p = results["paired"]
-        lines += ["", f"Paired against {p['against']} ({p['n_pairs']} shared items):", "",
-                  "| kind | before | after | gained | lost | McNemar p |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Paired against {p['against']} ({p['n_pairs']} shared items):",
+            "",
+            "| kind | before | after | gained | lost | McNemar p |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for kind, c in [*p["by_kind"].items(), ("all", p)]:
-            lines.append(f"| {kind} | {100 * c['before']:.1f}% | {100 * c['after']:.1f}% | {c['gained']} | "
-                         f"{c['lost']} | {c['p_value']:.3g} |")
+            lines.append(
+                f"| {kind} | {100 * c['before']:.1f}% | {100 * c['after']:.1f}% | {c['gained']} | "
+                f"{c['lost']} | {c['p_value']:.3g} |"
+            )
     wrong = [r for r in rows if not r["correct"]]
     if wrong:
         lines += ["", f"Wrong answers ({len(wrong)}; the first {min(n_wrong, len(wrong))}):", ""]
         for r in wrong[:n_wrong]:
             reply = " ".join(r["response"].split())
-            lines.append(f"- `{r['id']}` {r['prompt']} (accepted: {', '.join(r['answers'])}) -> "
-                         f"{reply[:160]}{'...' if len(reply) > 160 else ''}")
+            lines.append(
+                f"- `{r['id']}` {r['prompt']} (accepted: {', '.join(r['answers'])}) -> "
+                f"{reply[:160]}{'...' if len(reply) > 160 else ''}"
+            )
     return "\n".join(lines) + "\n"

@@ -54,8 +54,13 @@ class MCItem:
     subject: str = ""
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "subject": self.subject, "question": self.question,
-                "choices": list(self.choices), "answer": self.answer}
+        return {
+            "id": self.id,
+            "subject": self.subject,
+            "question": self.question,
+            "choices": list(self.choices),
+            "answer": self.answer,
+        }
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -88,8 +93,10 @@ def load_mc(source: str | Path = BUILTIN, limit: int | None = None) -> list[MCIt
     if missing:
         from aligntax.data._io import describe_columns
 
-        raise DataError(f"{table.name}: missing field(s) {', '.join(repr(m) for m in missing)} for a "
-                        f"multiple-choice set; the file has: {describe_columns(table.columns)}")
+        raise DataError(
+            f"{table.name}: missing field(s) {', '.join(repr(m) for m in missing)} for a "
+            f"multiple-choice set; the file has: {describe_columns(table.columns)}"
+        )
     id_col, s_col = table.find_column(["id"]), table.find_column(["subject"])
     items: list[MCItem] = []
     seen: dict[str, str] = {}
@@ -99,8 +106,11 @@ def load_mc(source: str | Path = BUILTIN, limit: int | None = None) -> list[MCIt
         question = v.get(q_col)
         if not isinstance(question, str) or not question.strip():
             raise DataError(f"{where}: 'question' must be a non-empty string")
-        choices = _choices(v.get(c_col) if c_col is not None else [v.get(c) for c in letter_cols], where,
-                           from_columns=c_col is None)
+        choices = _choices(
+            v.get(c_col) if c_col is not None else [v.get(c) for c in letter_cols],
+            where,
+            from_columns=c_col is None,
+        )
         answer = _answer(v.get(a_col), len(choices), where)
         item_id = v.get(id_col) if id_col is not None else None
         item_id = str(row.num) if item_id is None or str(item_id).strip() == "" else str(item_id).strip()
@@ -108,7 +118,9 @@ def load_mc(source: str | Path = BUILTIN, limit: int | None = None) -> list[MCIt
             raise DataError(f"{where}: duplicate id {item_id!r} (also at {seen[item_id]})")
         seen[item_id] = row.where
         subject = v.get(s_col) if s_col is not None else None
-        items.append(MCItem(item_id, question.strip(), choices, answer, "" if subject is None else str(subject)))
+        items.append(
+            MCItem(item_id, question.strip(), choices, answer, "" if subject is None else str(subject))
+        )
         if limit is not None and len(items) >= limit:
             break
     return items
@@ -123,8 +135,10 @@ def _choices(raw, where: str, from_columns: bool) -> tuple[str, ...]:
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError:
-            raise DataError(f"{where}: 'choices' must be a list of strings (in a CSV cell, a JSON list such "
-                            f"as [\"red\", \"blue\"]); got {raw[:60]!r}") from None
+            raise DataError(
+                f"{where}: 'choices' must be a list of strings (in a CSV cell, a JSON list such "
+                f'as ["red", "blue"]); got {raw[:60]!r}'
+            ) from None
     if not isinstance(raw, list):
         raise DataError(f"{where}: 'choices' must be a list of strings, got {type(raw).__name__}")
     if not 2 <= len(raw) <= len(LETTERS):
@@ -148,18 +162,24 @@ def _answer(raw, n: int, where: str) -> int:
         elif text.lstrip("-").isdigit():
             idx = int(text)
         else:
-            raise DataError(f"{where}: 'answer' must be an option index (0-{n - 1}) or letter "
-                            f"({', '.join(letters)}); got {raw!r}")
+            raise DataError(
+                f"{where}: 'answer' must be an option index (0-{n - 1}) or letter "
+                f"({', '.join(letters)}); got {raw!r}"
+            )
     elif isinstance(raw, int) and not isinstance(raw, bool):
         idx = raw
     elif isinstance(raw, float) and raw.is_integer():
         idx = int(raw)
     else:
-        raise DataError(f"{where}: 'answer' must be an option index (0-{n - 1}) or letter "
-                        f"({', '.join(letters)}); got {raw!r}")
+        raise DataError(
+            f"{where}: 'answer' must be an option index (0-{n - 1}) or letter "
+            f"({', '.join(letters)}); got {raw!r}"
+        )
     if not 0 <= idx < n:
-        raise DataError(f"{where}: answer {raw!r} is out of range for {n} choices (index 0-{n - 1}, "
-                        f"letter {letters[0]}-{letters[-1]})")
+        raise DataError(
+            f"{where}: answer {raw!r} is out of range for {n} choices (index 0-{n - 1}, "
+            f"letter {letters[0]}-{letters[-1]})"
+        )
     return idx
 
 
@@ -170,7 +190,9 @@ def mc_prompt(item: MCItem) -> str:
     return f"{INSTRUCTION}\n\n{item.question}\n{options}"
 
 
-def mc_text(tokenizer, item: MCItem, system: str | None = None, intervention: Intervention | None = None) -> str:
+def mc_text(
+    tokenizer, item: MCItem, system: str | None = None, intervention: Intervention | None = None
+) -> str:
     """The scored text: the chat-templated prompt (with the generation prompt) plus :data:`ANSWER_PREFIX`."""
     from aligntax.generation.chat import build_messages, render_chat
 
@@ -213,8 +235,9 @@ def mc_score(logp: torch.Tensor, letter_ids: Sequence[Sequence[int]], n: int) ->
     if not torch.isfinite(per).all():
         raise AligntaxError("Non-finite option scores: the model produced NaN/inf logits.")
     probs = torch.softmax(per, dim=0)
-    return MCScore([float(p) for p in probs], int(per.argmax()),
-                   float(torch.logsumexp(per, dim=0).exp().clamp(0.0, 1.0)))
+    return MCScore(
+        [float(p) for p in probs], int(per.argmax()), float(torch.logsumexp(per, dim=0).exp().clamp(0.0, 1.0))
+    )
 
 
 def _acc(flags: list[bool]) -> dict:
@@ -224,15 +247,25 @@ def _acc(flags: list[bool]) -> dict:
 
 def mc_results(items: Sequence[MCItem], scores: Sequence[MCScore]) -> dict:
     """Accuracy with a Wilson 95% interval, per subject, the mean letter mass, and one row per item."""
-    rows = [{**it.to_dict(), "pred": s.pred, "correct": s.pred == it.answer,
-             "probs": [round(p, 6) for p in s.probs], "letter_mass": round(s.letter_mass, 6)}
-            for it, s in zip(items, scores, strict=True)]
+    rows = [
+        {
+            **it.to_dict(),
+            "pred": s.pred,
+            "correct": s.pred == it.answer,
+            "probs": [round(p, 6) for p in s.probs],
+            "letter_mass": round(s.letter_mass, 6),
+        }
+        for it, s in zip(items, scores, strict=True)
+    ]
     subjects = sorted({r["subject"] for r in rows})
-    return {**_acc([r["correct"] for r in rows]),
-            "letter_mass_mean": sum(s.letter_mass for s in scores) / len(scores),
-            "by_subject": {s: _acc([r["correct"] for r in rows if r["subject"] == s]) for s in subjects}
-            if subjects != [""] else {},
-            "rows": rows}
+    return {
+        **_acc([r["correct"] for r in rows]),
+        "letter_mass_mean": sum(s.letter_mass for s in scores) / len(scores),
+        "by_subject": {s: _acc([r["correct"] for r in rows if r["subject"] == s]) for s in subjects}
+        if subjects != [""]
+        else {},
+        "rows": rows,
+    }
 
 
 def format_accuracy(res: dict) -> str:

@@ -56,8 +56,9 @@ def _block(rows: list[Mapping]) -> dict:
 
             bad = [degenerate(x["response"]) for x in benign]
             u = rate(not x["refused"] and not d for x, d in zip(benign, bad, strict=True))
-            out["benign"].update(useful_compliance_rate=u.value, useful_ci95=list(u.ci95),
-                                 degenerate_rate=rate(bad).value)
+            out["benign"].update(
+                useful_compliance_rate=u.value, useful_ci95=list(u.ci95), degenerate_rate=rate(bad).value
+            )
     if harmful:
         r = rate(x["refused"] for x in harmful)
         out["harmful"] = {"n": r.n, "refusal_rate": r.value, "ci95": list(r.ci95)}
@@ -80,7 +81,7 @@ def mcnemar_exact(gained: int, lost: int) -> float:
     n = gained + lost
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -105,8 +106,15 @@ def paired_change(before: Iterable[bool], after: Iterable[bool]) -> dict:
     lost = sum(b and not a for b, a in zip(before, after, strict=True))
     n = len(before)
     rb, ra = (sum(before) / n, sum(after) / n) if n else (float("nan"), float("nan"))
-    return {"n": n, "before": rb, "after": ra, "diff": ra - rb, "gained": gained, "lost": lost,
-            "p_value": mcnemar_exact(gained, lost)}
+    return {
+        "n": n,
+        "before": rb,
+        "after": ra,
+        "diff": ra - rb,
+        "gained": gained,
+        "lost": lost,
+        "p_value": mcnemar_exact(gained, lost),
+    }
 
 
 def paired_changes(before_rows: Iterable[Mapping], after_rows: Iterable[Mapping]) -> dict:

@@ -52,7 +52,9 @@ def resolve_layers(layers, model_or_n: nn.Module | int) -> list[int]:
         layer = int(layer)
         idx = layer + n if layer < 0 else layer
         if not 0 <= idx < n:
-            raise AligntaxError(f"Layer {layer} is out of range: the model has {n} decoder layers (0..{n - 1}).")
+            raise AligntaxError(
+                f"Layer {layer} is out of range: the model has {n} decoder layers (0..{n - 1})."
+            )
         if idx not in out:
             out.append(idx)
     return out

@@ -14,8 +14,14 @@ from aligntax.errors import AligntaxError, ModelSpecError
 from aligntax.models.layers import hidden_size, num_layers
 from aligntax.models.spec import DEFAULT_MODEL, ModelSpec, parse_spec
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -103,16 +109,29 @@ def as_loaded_model(model, tokenizer=None) -> LoadedModel:
     ``PreTrainedModel`` (with its tokenizer, optional) is wrapped, with its fingerprint computed, so
     that artefacts are checked against it the same way. The tokenizer is not modified. Anything else
     that carries ``fingerprint`` and ``hidden_size`` (the vLLM backend's model facts) is returned as is."""
-    if isinstance(model, LoadedModel) or (not isinstance(model, torch.nn.Module) and hasattr(model, "fingerprint")
-                                          and hasattr(model, "hidden_size")):
+    if isinstance(model, LoadedModel) or (
+        not isinstance(model, torch.nn.Module)
+        and hasattr(model, "fingerprint")
+        and hasattr(model, "hidden_size")
+    ):
         return model
-    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")
-            and hasattr(model, "get_input_embeddings")):
-        raise AligntaxError(f"Expected a model loaded by aligntax.load_model or a transformers PreTrainedModel, "
-                            f"got {type(model).__name__}.")
+    if not (
+        isinstance(model, torch.nn.Module)
+        and hasattr(model, "config")
+        and hasattr(model, "get_input_embeddings")
+    ):
+        raise AligntaxError(
+            f"Expected a model loaded by aligntax.load_model or a transformers PreTrainedModel, "
+            f"got {type(model).__name__}."
+        )
     spec = getattr(model.config, "_name_or_path", None) or type(model).__name__
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec,
-                       fingerprint=model_fingerprint(model, tokenizer, spec))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        source=spec,
+        fingerprint=model_fingerprint(model, tokenizer, spec),
+    )
 
 
 def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool, device_map: str | dict | None = None):
@@ -137,8 +156,12 @@ def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool, device_map: 
     return model, tok
 
 
-def load_model(spec: str | ModelSpec = DEFAULT_MODEL, dtype: str | torch.dtype = "bf16",
-               device: str | None = None, device_map: str | dict | None = None) -> LoadedModel:
+def load_model(
+    spec: str | ModelSpec = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "bf16",
+    device: str | None = None,
+    device_map: str | dict | None = None,
+) -> LoadedModel:
     """Load any supported model spec. bf16 on CPU by default; ``device`` defaults to CUDA if present.
 
     ``device_map`` (``"auto"``, or accelerate's ``{module: device}``) splits a model larger than one
@@ -150,8 +173,10 @@ def load_model(spec: str | ModelSpec = DEFAULT_MODEL, dtype: str | torch.dtype =
     ms = spec if isinstance(spec, ModelSpec) else parse_spec(spec)
     torch_dtype = resolve_dtype(dtype)
     if device_map is not None and ms.kind == "gguf":
-        raise AligntaxError("device_map splits Hugging Face models only; convert the .gguf file to a model "
-                            "folder first, or load it on one device.")
+        raise AligntaxError(
+            "device_map splits Hugging Face models only; convert the .gguf file to a model "
+            "folder first, or load it on one device."
+        )
     if ms.kind == "embedded":
         source = str(fetch_embedded(ms.value))
         model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=False, device_map=device_map)
@@ -169,8 +194,13 @@ def load_model(spec: str | ModelSpec = DEFAULT_MODEL, dtype: str | torch.dtype =
         model = model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.eval()
     prepare_tokenizer(tok, model)
-    return LoadedModel(model=model, tokenizer=tok, spec=ms.raw, source=source,
-                       fingerprint=model_fingerprint(model, tok, ms.raw))
+    return LoadedModel(
+        model=model,
+        tokenizer=tok,
+        spec=ms.raw,
+        source=source,
+        fingerprint=model_fingerprint(model, tok, ms.raw),
+    )
 
 
 def prepare_tokenizer(tok, model=None) -> None:

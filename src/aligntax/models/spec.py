@@ -44,6 +44,5 @@ def parse_spec(spec: str) -> ModelSpec:
         return ModelSpec(spec, "hub", spec)
     raise ModelSpecError(
         f"Cannot understand model spec '{spec}'. Use a Hugging Face Hub id (org/name), a local model "
-        f"directory, a .gguf file, or one of: "
-        + ", ".join(f"embedded:{n}" for n in EMBEDDED_MODELS)
+        f"directory, a .gguf file, or one of: " + ", ".join(f"embedded:{n}" for n in EMBEDDED_MODELS)
     )

@@ -20,8 +20,10 @@ def eval_table(results: dict) -> str:
     """One row per dataset and label: n, the rate that matters for that label, and its 95% interval;
     with ``results["paired"]`` also the paired change against the reference run."""
     paired = (results.get("paired") or {}).get("datasets")
-    lines = ["| dataset | label | n | metric | rate [95% CI] |" + (" change, paired |" if paired else ""),
-             "|---|---|---:|---|---|" + ("---|" if paired else "")]
+    lines = [
+        "| dataset | label | n | metric | rate [95% CI] |" + (" change, paired |" if paired else ""),
+        "|---|---|---:|---|---|" + ("---|" if paired else ""),
+    ]
 
     def change(name: str, label: str) -> str:
         if not paired:
@@ -32,15 +34,21 @@ def eval_table(results: dict) -> str:
     def rows(name: str, block: dict, key: str) -> None:
         if "benign" in block:
             b = block["benign"]
-            lines.append(f"| {name} | benign | {b['n']} | compliance | {fmt_rate(b['compliance_rate'], b['ci95'])} |"
-                         + change(key, "benign"))
+            lines.append(
+                f"| {name} | benign | {b['n']} | compliance | {fmt_rate(b['compliance_rate'], b['ci95'])} |"
+                + change(key, "benign")
+            )
             if "useful_compliance_rate" in b:
-                lines.append(f"| {name} | benign | {b['n']} | useful compliance (no empty or looping answers) | "
-                             f"{fmt_rate(b['useful_compliance_rate'], b['useful_ci95'])} |" + (" |" if paired else ""))
+                lines.append(
+                    f"| {name} | benign | {b['n']} | useful compliance (no empty or looping answers) | "
+                    f"{fmt_rate(b['useful_compliance_rate'], b['useful_ci95'])} |" + (" |" if paired else "")
+                )
         if "harmful" in block:
             h = block["harmful"]
-            lines.append(f"| {name} | harmful | {h['n']} | refusal | {fmt_rate(h['refusal_rate'], h['ci95'])} |"
-                         + change(key, "harmful"))
+            lines.append(
+                f"| {name} | harmful | {h['n']} | refusal | {fmt_rate(h['refusal_rate'], h['ci95'])} |"
+                + change(key, "harmful")
+            )
 
     for name, block in results.get("datasets", {}).items():
         rows(name, block, name)
@@ -59,12 +67,16 @@ def steering_table(results: dict) -> str:
     def q(values) -> str:
         return " / ".join(f"{v:.2f}" for v in values) if values else ""
 
-    lines = ["| dataset/label | rows | steered | mean strength | p(harmful) quartiles | row energy quartiles |",
-             "|---|---:|---:|---:|---|---|"]
+    lines = [
+        "| dataset/label | rows | steered | mean strength | p(harmful) quartiles | row energy quartiles |",
+        "|---|---:|---:|---:|---|---|",
+    ]
     for key, s in steering.items():
         strength = "" if s["mean_strength"] is None else f"{s['mean_strength']:.2f}"
-        lines.append(f"| {key} | {s['rows']} | {s['steered']} ({100 * s['steered'] / s['rows']:.0f}%) | {strength} "
-                     f"| {q(s['harm_p'])} | {q(s['energy'])} |")
+        lines.append(
+            f"| {key} | {s['rows']} | {s['steered']} ({100 * s['steered'] / s['rows']:.0f}%) | {strength} "
+            f"| {q(s['harm_p'])} | {q(s['energy'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -86,13 +98,21 @@ def write_eval_report(results: dict, path: str | Path) -> None:
         "",
         "Benign prompts are scored by compliance (higher is better: fewer false refusals); harmful prompts "
         "by refusal (higher is safer). Intervals are Wilson 95%."
-        + (f" The paired change is against `{results['paired']['against']}` over the same prompts: items turned "
-           "compliant/refusing (up) and back (down), and the exact McNemar p-value." if results.get("paired") else ""),
+        + (
+            f" The paired change is against `{results['paired']['against']}` over the same prompts: items turned "
+            "compliant/refusing (up) and back (down), and the exact McNemar p-value."
+            if results.get("paired")
+            else ""
+        ),
         "",
         eval_table(results),
         "",
     ]
     if results.get("steering"):
-        text += ["Rows steered (decided at the last prompt token, before generating):", "",
-                 steering_table(results), ""]
+        text += [
+            "Rows steered (decided at the last prompt token, before generating):",
+            "",
+            steering_table(results),
+            "",
+        ]
     Path(path).write_text("\n".join(text))

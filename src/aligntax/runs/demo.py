@@ -28,7 +28,14 @@ from aligntax.runs.sources import check_source, generation_source
 
 HF = HFSource.backend
 
-TEST_SETS = ["orbench-hard-test", "xstest-safe", "oktest", "xstest-unsafe", "jailbreakbench", "harmbench-test"]
+TEST_SETS = [
+    "orbench-hard-test",
+    "xstest-safe",
+    "oktest",
+    "xstest-unsafe",
+    "jailbreakbench",
+    "harmbench-test",
+]
 # the test-set Pareto plot's axes: mean compliance over the benign sets, mean refusal over the harmful ones
 # (``source/label`` blocks of a results file)
 PARETO_BENIGN = ["orbench-hard-test/benign", "xstest/benign", "oktest/benign"]
@@ -93,9 +100,14 @@ class DemoConfig:
 
 # The complete evaluation (``aligntax demo --full``): every training prompt the ELS paper's recipe takes,
 # every sweep setting on every validation prompt, and every baseline on the test sets.
-FULL_PROFILE = {"limit_benign_train": 600, "limit_gate_harmful": 600, "limit_gate_benign": None,
-                "sweep_halving": None, "test_baselines": ["system-prompt", "refusal-ablation", "cast"],
-                "mechanisms": ["harm-orth", "row-strength", "els-lora"]}
+FULL_PROFILE = {
+    "limit_benign_train": 600,
+    "limit_gate_harmful": 600,
+    "limit_gate_benign": None,
+    "sweep_halving": None,
+    "test_baselines": ["system-prompt", "refusal-ablation", "cast"],
+    "mechanisms": ["harm-orth", "row-strength", "els-lora"],
+}
 MECHANISMS = ("harm-orth", "row-strength", "els-lora")
 # the ELS setting the demo's grid is built around (and that els-lora distils): the best energy layer, three
 # steps of eta 0.35, the harm gate at its saved threshold, 16 tokens: the untuned fallbacks of the ELS
@@ -134,8 +146,12 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    stages = ["baseline evaluation", "ELS training (labels, activations, energy models, vectors, harm gate)",
-              "validation sweep", "steered evaluation"]
+    stages = [
+        "baseline evaluation",
+        "ELS training (labels, activations, energy models, vectors, harm gate)",
+        "validation sweep",
+        "steered evaluation",
+    ]
     check_mechanisms(cfg.mechanisms)
     if "els-lora" in cfg.mechanisms:
         try:
@@ -156,69 +172,139 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     clock.speed = calibration / CALIBRATION_SECONDS
     clock.lap("model load")
     if cfg.progress:
-        print(f"[demo] {'complete evaluation' if cfg.full else 'quick profile'} ({len(stages)} stages): about "
-              f"{clock.left(1):.0f} min on this machine (its calibration forward took {calibration:.2f} s, "
-              f"{CALIBRATION_SECONDS:.2f} s on the reference machine)", file=sys.stderr, flush=True)
-    common = dict(model=cfg.model, judge=cfg.judge, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                  dtype=cfg.dtype, progress=cfg.progress)
+        print(
+            f"[demo] {'complete evaluation' if cfg.full else 'quick profile'} ({len(stages)} stages): about "
+            f"{clock.left(1):.0f} min on this machine (its calibration forward took {calibration:.2f} s, "
+            f"{CALIBRATION_SECONDS:.2f} s on the reference machine)",
+            file=sys.stderr,
+            flush=True,
+        )
+    common = dict(
+        model=cfg.model,
+        judge=cfg.judge,
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.batch_size,
+        dtype=cfg.dtype,
+        progress=cfg.progress,
+    )
     train_common = dict(common)
     common["backend"] = cfg.backend
-    clock.begin(1, f"the unsteered model on {len(cfg.test_sets)} test sets ({', '.join(cfg.test_sets)})"
-                   + (f" ({LABELS[source.backend]})" if source.backend != HF else ""))
-    base = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common),
-                    lm=gen_lm, source=source)
+    clock.begin(
+        1,
+        f"the unsteered model on {len(cfg.test_sets)} test sets ({', '.join(cfg.test_sets)})"
+        + (f" ({LABELS[source.backend]})" if source.backend != HF else ""),
+    )
+    base = run_eval(
+        EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common),
+        lm=gen_lm,
+        source=source,
+    )
     clock.lap()
-    clock.begin(2, "label the model's own answers on train prompts, capture states, train energy models and the "
-                   "harm gate")
-    train_els(ELSTrainConfig(out=str(out / "els"), limit_benign=cfg.limit_benign_train,
-                             limit_harmful=cfg.limit_harmful_train,
-                             limit_gate_harmful=cfg.limit_gate_harmful, limit_gate_benign=cfg.limit_gate_benign,
-                             **train_common), lm=lm)
+    clock.begin(
+        2,
+        "label the model's own answers on train prompts, capture states, train energy models and the "
+        "harm gate",
+    )
+    train_els(
+        ELSTrainConfig(
+            out=str(out / "els"),
+            limit_benign=cfg.limit_benign_train,
+            limit_harmful=cfg.limit_harmful_train,
+            limit_gate_harmful=cfg.limit_gate_harmful,
+            limit_gate_benign=cfg.limit_gate_benign,
+            **train_common,
+        ),
+        lm=lm,
+    )
     clock.lap()
     if fitted:
-        clock.begin(stages.index("front mechanisms") + 1,
-                    " and ".join({"row-strength": "fit the learned per-row strength on training prompts",
-                                  "els-lora": "distil ELS into a LoRA adapter"}[m] for m in fitted))
+        clock.begin(
+            stages.index("front mechanisms") + 1,
+            " and ".join(
+                {
+                    "row-strength": "fit the learned per-row strength on training prompts",
+                    "els-lora": "distil ELS into a LoRA adapter",
+                }[m]
+                for m in fitted
+            ),
+        )
         _front_mechanisms(cfg, out, lm)
         clock.lap()
     sweep_cfg = demo_sweep_config(cfg, out / "els")
     n_settings = sum(name in ("els", "els-lora") for name, _ in sweep_settings(sweep_cfg))
-    rounds = (f" on a stratified 1/{sweep_cfg.halving} of the validation prompts, the {sweep_cfg.halving_keep} "
-              "best on all of them" if sweep_cfg.halving else "")
-    clock.begin(stages.index("validation sweep") + 1, f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
-                   f"(validation: {', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
-                   "pick the best eligible one")
+    rounds = (
+        f" on a stratified 1/{sweep_cfg.halving} of the validation prompts, the {sweep_cfg.halving_keep} "
+        "best on all of them"
+        if sweep_cfg.halving
+        else ""
+    )
+    clock.begin(
+        stages.index("validation sweep") + 1,
+        f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
+        f"(validation: {', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
+        "pick the best eligible one",
+    )
     sweep = run_sweep(sweep_cfg, lm=lm, source=source)
     clock.lap()
     best = selected(sweep)
     steered = knowns = None
-    clock.begin(stages.index("steered evaluation") + 1,
-                "the selected setting on the test sets (rows it leaves unsteered are copied)")
+    clock.begin(
+        stages.index("steered evaluation") + 1,
+        "the selected setting on the test sets (rows it leaves unsteered are copied)",
+    )
     if best is not None:
         name = best["name"]
         args = {"path": str(out / "els"), **best["args"]}  # an adapter's args name its own folder
         _set_aside_if_changed(out / "steered", args)
         # rows the harm gate holds back are answered exactly as unsteered: take them from the baseline
-        steered = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "steered"), limit=cfg.limit,
-                                      intervention=name, intervention_args=args,
-                                      reuse_unsteered=str(out / "baseline"), **common), lm=gen_lm, source=source)
+        steered = run_eval(
+            EvalConfig(
+                data=cfg.test_sets,
+                out=str(out / "steered"),
+                limit=cfg.limit,
+                intervention=name,
+                intervention_args=args,
+                reuse_unsteered=str(out / "baseline"),
+                **common,
+            ),
+            lm=gen_lm,
+            source=source,
+        )
         clock.lap()
         if cfg.knowns:
-            clock.begin(stages.index("known-answer check") + 1,
-                        "everyday questions with known answers, unsteered and steered (test split)")
+            clock.begin(
+                stages.index("known-answer check") + 1,
+                "everyday questions with known answers, unsteered and steered (test split)",
+            )
             knowns = _knowns(cfg, out, gen_lm, source, name, args)
             clock.lap()
     tests = None
     if cfg.test_baselines:
-        clock.begin(len(stages), f"{len(cfg.test_baselines)} baselines ({', '.join(cfg.test_baselines)}) on "
-                                     f"the {len(cfg.test_sets)} test sets, for the test-set Pareto plot")
+        clock.begin(
+            len(stages),
+            f"{len(cfg.test_baselines)} baselines ({', '.join(cfg.test_baselines)}) on "
+            f"the {len(cfg.test_sets)} test sets, for the test-set Pareto plot",
+        )
         tests = _test_pareto(cfg, out, gen_lm, source, base, steered, common)
         clock.lap()
-    summary = {"baseline": base, "steered": steered, "best": best, "knowns": knowns, "test_pareto": tests,
-               "sweep": sweep, "minutes": clock.minutes()}
-    write_json_atomic(out / "timing.json", {**summary["minutes"], "profile": "full" if cfg.full else "quick",
-                                            "calibration_seconds": round(calibration, 3),
-                                            "estimates": clock.estimates})
+    summary = {
+        "baseline": base,
+        "steered": steered,
+        "best": best,
+        "knowns": knowns,
+        "test_pareto": tests,
+        "sweep": sweep,
+        "minutes": clock.minutes(),
+    }
+    write_json_atomic(
+        out / "timing.json",
+        {
+            **summary["minutes"],
+            "profile": "full" if cfg.full else "quick",
+            "calibration_seconds": round(calibration, 3),
+            "estimates": clock.estimates,
+        },
+    )
     write_demo_report(out, summary)
     return summary
 
@@ -227,8 +313,9 @@ def check_mechanisms(names: list[str]) -> None:
     """Every name is one of :data:`MECHANISMS` (a usage error names the others)."""
     unknown = sorted(set(names) - set(MECHANISMS))
     if unknown:
-        raise UsageError(f"--mechanisms: unknown {', '.join(unknown)}; choose from {', '.join(MECHANISMS)} "
-                         f"or 'none'.")
+        raise UsageError(
+            f"--mechanisms: unknown {', '.join(unknown)}; choose from {', '.join(MECHANISMS)} or 'none'."
+        )
 
 
 def selected(sweep: dict) -> dict | None:
@@ -249,11 +336,24 @@ def _front_mechanisms(cfg: DemoConfig, out: Path, lm) -> None:
         from aligntax.runs.strength import StrengthConfig, fit_strength
 
         try:
-            fit_strength(StrengthConfig(steer=str(els), model=cfg.model, layers=[layer], eta=_CORE["eta"],
-                                        steps=_CORE["steps"], horizon=_CORE["horizon"], limit_benign=150,
-                                        limit_harmful=150, max_new_tokens=cfg.sweep_max_new_tokens,
-                                        judge=cfg.judge, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                                        progress=cfg.progress), lm=lm)
+            fit_strength(
+                StrengthConfig(
+                    steer=str(els),
+                    model=cfg.model,
+                    layers=[layer],
+                    eta=_CORE["eta"],
+                    steps=_CORE["steps"],
+                    horizon=_CORE["horizon"],
+                    limit_benign=150,
+                    limit_harmful=150,
+                    max_new_tokens=cfg.sweep_max_new_tokens,
+                    judge=cfg.judge,
+                    batch_size=cfg.batch_size,
+                    dtype=cfg.dtype,
+                    progress=cfg.progress,
+                ),
+                lm=lm,
+            )
         except AligntaxError as exc:  # e.g. a model that over-refuses no training prompt: nothing to learn
             cfg.mechanisms = [m for m in cfg.mechanisms if m != "row-strength"]
             print(f"[demo] row-strength left out of the sweep: {exc}", file=sys.stderr, flush=True)
@@ -261,9 +361,17 @@ def _front_mechanisms(cfg: DemoConfig, out: Path, lm) -> None:
         from aligntax.runs.els_lora import DistillConfig, distill_els_lora
 
         setting = {k: v for k, v in _CORE.items() if k != "top_k"}
-        distill_els_lora(DistillConfig(steer=str(els), out=str(out / "els-lora"), model=cfg.model,
-                                       els={**setting, "layers": [layer], "row_threshold": -2.0},
-                                       dtype=cfg.dtype, progress=cfg.progress), lm=lm)
+        distill_els_lora(
+            DistillConfig(
+                steer=str(els),
+                out=str(out / "els-lora"),
+                model=cfg.model,
+                els={**setting, "layers": [layer], "row_threshold": -2.0},
+                dtype=cfg.dtype,
+                progress=cfg.progress,
+            ),
+            lm=lm,
+        )
 
 
 def _ranked_layers(els_dir: Path) -> list[int]:
@@ -282,20 +390,39 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
     paper-style per-position energy threshold without gate. Known answers (val split) must be kept.
     The baselines are scored on the test sets instead (the test-set Pareto plot), unless
     ``cfg.sweep_baselines``."""
-    return SweepConfig(steer=str(els_dir), model=cfg.model, judge=cfg.judge, batch_size=cfg.batch_size,
-                       dtype=cfg.dtype, top_k=[1], eta=[0.35],
-                       # the best layers: near-tied in accuracy, they steer differently
-                       layers=_runner_up_layers(els_dir, cfg.sweep_layers - 1),
-                       # the row energy decision at two cut-offs: a lower one steers more rows, until the
-                       # known-answer constraint says it costs correct answers
-                       threshold=[None], gate=[True], horizon=[16], row_threshold=[0.0, -2.0],
-                       extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0},  # paper-style
-                              *_mechanism_settings(cfg)],
-                       lora=[str(els_dir.parent / "els-lora")] if "els-lora" in cfg.mechanisms else [],
-                       lora_scales=[0.5, 1.0],
-                       max_new_tokens=cfg.sweep_max_new_tokens, knowns=cfg.knowns, backend=cfg.backend,
-                       halving=cfg.sweep_halving, halving_keep=cfg.sweep_halving_keep,
-                       baselines=cfg.sweep_baselines, baseline_coeffs=[1.0], leak=cfg.leak, limit_leak=cfg.limit_leak, progress=cfg.progress)
+    return SweepConfig(
+        steer=str(els_dir),
+        model=cfg.model,
+        judge=cfg.judge,
+        batch_size=cfg.batch_size,
+        dtype=cfg.dtype,
+        top_k=[1],
+        eta=[0.35],
+        # the best layers: near-tied in accuracy, they steer differently
+        layers=_runner_up_layers(els_dir, cfg.sweep_layers - 1),
+        # the row energy decision at two cut-offs: a lower one steers more rows, until the
+        # known-answer constraint says it costs correct answers
+        threshold=[None],
+        gate=[True],
+        horizon=[16],
+        row_threshold=[0.0, -2.0],
+        extra=[
+            {"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0},  # paper-style
+            *_mechanism_settings(cfg),
+        ],
+        lora=[str(els_dir.parent / "els-lora")] if "els-lora" in cfg.mechanisms else [],
+        lora_scales=[0.5, 1.0],
+        max_new_tokens=cfg.sweep_max_new_tokens,
+        knowns=cfg.knowns,
+        backend=cfg.backend,
+        halving=cfg.sweep_halving,
+        halving_keep=cfg.sweep_halving_keep,
+        baselines=cfg.sweep_baselines,
+        baseline_coeffs=[1.0],
+        leak=cfg.leak,
+        limit_leak=cfg.limit_leak,
+        progress=cfg.progress,
+    )
 
 
 def _mechanism_settings(cfg: DemoConfig) -> list[dict]:
@@ -312,14 +439,32 @@ def _knowns(cfg: DemoConfig, out: Path, lm, source, name: str, args: dict) -> di
     """Known-answer accuracy (test split) unsteered and with the selected setting, paired."""
     from aligntax.runs.knowns import KnownsConfig, run_knowns
 
-    common = dict(model=cfg.model, data=cfg.knowns, split="test", limit=cfg.limit, max_new_tokens=cfg.max_new_tokens,
-                  batch_size=cfg.batch_size, dtype=cfg.dtype, progress=cfg.progress, backend=cfg.backend)
+    common = dict(
+        model=cfg.model,
+        data=cfg.knowns,
+        split="test",
+        limit=cfg.limit,
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.batch_size,
+        dtype=cfg.dtype,
+        progress=cfg.progress,
+        backend=cfg.backend,
+    )
     before = run_knowns(KnownsConfig(out=str(out / "knowns-baseline"), **common), lm=lm, source=source)
     _set_aside_if_changed(out / "knowns-steered", args)
     # questions the setting leaves unsteered are copied from the unsteered run
-    after = run_knowns(KnownsConfig(out=str(out / "knowns-steered"), intervention=name, intervention_args=args,
-                                    compare_to=str(out / "knowns-baseline"),
-                                    reuse_unsteered=str(out / "knowns-baseline"), **common), lm=lm, source=source)
+    after = run_knowns(
+        KnownsConfig(
+            out=str(out / "knowns-steered"),
+            intervention=name,
+            intervention_args=args,
+            compare_to=str(out / "knowns-baseline"),
+            reuse_unsteered=str(out / "knowns-baseline"),
+            **common,
+        ),
+        lm=lm,
+        source=source,
+    )
     return {"baseline": before, "steered": after}
 
 
@@ -335,6 +480,7 @@ def set_rate(results: dict, key: str) -> float | None:
 
 def pareto_point(results: dict) -> tuple[float, float]:
     """(mean harmful refusal, mean benign compliance) over the demo's test sets, from a results file."""
+
     def mean(keys: list[str]) -> float:
         vals = [v for v in (set_rate(results, k) for k in keys) if v is not None]
         return sum(vals) / len(vals) if vals else float("nan")
@@ -342,7 +488,9 @@ def pareto_point(results: dict) -> tuple[float, float]:
     return mean(PARETO_HARMFUL), mean(PARETO_BENIGN)
 
 
-def _test_pareto(cfg: DemoConfig, out: Path, lm, source, base: dict, steered: dict | None, common: dict) -> list[dict]:
+def _test_pareto(
+    cfg: DemoConfig, out: Path, lm, source, base: dict, steered: dict | None, common: dict
+) -> list[dict]:
     """Each test baseline evaluated on the test sets (rows CAST leaves unsteered are copied); one point
     per run (unsteered, ELS, baselines) and the test-set Pareto plot ``test_pareto.png``."""
     from aligntax.reports.plots import pareto_plot
@@ -352,15 +500,27 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, source, base: dict, steered: di
     points = [("none", "unsteered", base)] + ([(chosen, f"{chosen} (selected)", steered)] if steered else [])
     for name in cfg.test_baselines:
         args = {} if name.endswith("-prompt") else {"path": vec}
-        res = run_eval(EvalConfig(data=cfg.test_sets, out=str(out / "test-baselines" / name), limit=cfg.limit,
-                                  intervention=name, intervention_args=args,
-                                  reuse_unsteered=str(out / "baseline"), **common), lm=lm, source=source)
+        res = run_eval(
+            EvalConfig(
+                data=cfg.test_sets,
+                out=str(out / "test-baselines" / name),
+                limit=cfg.limit,
+                intervention=name,
+                intervention_args=args,
+                reuse_unsteered=str(out / "baseline"),
+                **common,
+            ),
+            lm=lm,
+            source=source,
+        )
         points.append((name, name, res))
     rows = []
     for name, label, res in points:
         x, y = pareto_point(res)
         rows.append({"name": name, "label": label, "harmful_refusal": x, "benign_compliance": y})
-    pareto_plot(rows, out / "test_pareto.png", title="test sets: mean benign compliance vs mean harmful refusal")
+    pareto_plot(
+        rows, out / "test_pareto.png", title="test sets: mean benign compliance vs mean harmful refusal"
+    )
     return rows
 
 
@@ -370,24 +530,34 @@ def _test_pareto(cfg: DemoConfig, out: Path, lm, source, base: dict, steered: di
 # so far took against theirs.
 STAGE_MINUTES = {
     # fresh clone of aaa03a0, nothing else running (its calibration forward: 0.225 s)
-    "quick": {"model load": 0.07, "baseline evaluation": 1.55,
-              "ELS training (labels, activations, energy models, vectors, harm gate)": 4.11,
-              "validation sweep": 3.62, "steered evaluation": 0.42, "known-answer check": 0.32,
-              "baselines on the test sets": 1.48},
+    "quick": {
+        "model load": 0.07,
+        "baseline evaluation": 1.55,
+        "ELS training (labels, activations, energy models, vectors, harm gate)": 4.11,
+        "validation sweep": 3.62,
+        "steered evaluation": 0.42,
+        "known-answer check": 0.32,
+        "baselines on the test sets": 1.48,
+    },
     # the quiet fresh-clone run of the complete evaluation at 731509c (docs/RESULTS.md 3.1), scaled by the
     # ratio of its baseline stage to the quick run's (1.57 / 3.7 minutes); training plus the 0.82 minutes
     # the harm basis (the contrast pairs' states) added to the quick run's, the sweep plus its one
     # harm-orthogonal setting (9 settings for 8)
-    "full": {"model load": 0.05, "baseline evaluation": 1.57,
-             "ELS training (labels, activations, energy models, vectors, harm gate)": 6.21,
-             "validation sweep": 6.49, "steered evaluation": 0.47, "known-answer check": 0.42,
-             "baselines on the test sets": 5.73,
-             # the row-strength fit: 300 steered training answers at 32 new tokens took 2.5 minutes
-             # (docs/journal.md, "Front mechanisms on validation"), then the fit; the els-lora
-             # distillation with its defaults took 12.4 minutes alone (docs/els-lora.md); the adapter's
-             # two scales in the sweep are not in the sweep's reference yet (the clock corrects itself
-             # by the stages measured)
-             "front mechanisms": 15.1},
+    "full": {
+        "model load": 0.05,
+        "baseline evaluation": 1.57,
+        "ELS training (labels, activations, energy models, vectors, harm gate)": 6.21,
+        "validation sweep": 6.49,
+        "steered evaluation": 0.47,
+        "known-answer check": 0.42,
+        "baselines on the test sets": 5.73,
+        # the row-strength fit: 300 steered training answers at 32 new tokens took 2.5 minutes
+        # (docs/journal.md, "Front mechanisms on validation"), then the fit; the els-lora
+        # distillation with its defaults took 12.4 minutes alone (docs/els-lora.md); the adapter's
+        # two scales in the sweep are not in the sweep's reference yet (the clock corrects itself
+        # by the stages measured)
+        "front mechanisms": 15.1,
+    },
 }
 CALIBRATION_SECONDS = 0.225
 
@@ -441,8 +611,12 @@ class _Clock:
         self.estimates.append(round(spent + left, 2))
         if self.show:
             # stage 0 is the model load, which is not announced: the demo's stages count from 1
-            print(f"\n[demo {index}/{len(self.stages) - 1}] {self.current}: {what}\n"
-                  f"    {spent:.1f} min so far, about {left:.0f} min left", file=sys.stderr, flush=True)
+            print(
+                f"\n[demo {index}/{len(self.stages) - 1}] {self.current}: {what}\n"
+                f"    {spent:.1f} min so far, about {left:.0f} min left",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def lap(self, name: str | None = None) -> None:
         now = time.perf_counter()
@@ -456,7 +630,7 @@ class _Clock:
 def _runner_up_layers(bank_dir: Path, n: int) -> list[list[int]]:
     """The 2nd..(n+1)th layers of the bank by validation accuracy, each as its own layer set: the most
     accurate energy model is not always the one that steers best."""
-    return [[layer] for layer in _ranked_layers(bank_dir)[1:n + 1]]
+    return [[layer] for layer in _ranked_layers(bank_dir)[1 : n + 1]]
 
 
 def _set_aside_if_changed(run: Path, args: dict) -> None:
@@ -497,29 +671,42 @@ def _knowns_lines(knowns: dict | None) -> list[str]:
     change = f"; paired: {fmt_change(paired)}" if paired and "diff" in paired else ""
     steered = after.get("steered_rows")
     touched = f"; the setting steered {steered} of {after['n']} questions" if steered is not None else ""
-    return ["", f"Everyday questions with known answers (test split, {after['n']} questions, answer checked): "
-                f"unsteered {fmt_rate(before['accuracy'], before['ci95'])}, steered "
-                f"{fmt_rate(after['accuracy'], after['ci95'])}{change}{touched}."]
+    return [
+        "",
+        f"Everyday questions with known answers (test split, {after['n']} questions, answer checked): "
+        f"unsteered {fmt_rate(before['accuracy'], before['ci95'])}, steered "
+        f"{fmt_rate(after['accuracy'], after['ci95'])}{change}{touched}.",
+    ]
 
 
 def write_demo_report(out: Path, summary: dict) -> None:
     base, steered, best = summary["baseline"], summary["steered"], summary["best"]
-    lines = ["# aligntax demo: energy landscape steering against over-refusal", "",
-             f"Model `{base['config']['model']}`, judge `{base['config']['judge']}`, greedy, "
-             f"{base['config']['max_new_tokens']} new tokens"
-             + (f", generated with {LABELS[used]}" if (used := base["config"].get("backend", HF)) != HF else "")
-             + ". Trained on train splits, tuned on validation splits, reported on test sets. Wilson 95% "
-             "intervals.", ""]
+    lines = [
+        "# aligntax demo: energy landscape steering against over-refusal",
+        "",
+        f"Model `{base['config']['model']}`, judge `{base['config']['judge']}`, greedy, "
+        f"{base['config']['max_new_tokens']} new tokens"
+        + (f", generated with {LABELS[used]}" if (used := base["config"].get("backend", HF)) != HF else "")
+        + ". Trained on train splits, tuned on validation splits, reported on test sets. Wilson 95% "
+        "intervals.",
+        "",
+    ]
     if best:
-        lines += [f"Selected setting (validation, {best['method']}): {best['name']} `{json.dumps(best['args'])}` "
-                  f"(val compliance {best['benign_compliance']:.3f}, val harmful refusal "
-                  f"{best['harmful_refusal']:.3f}).", ""]
+        lines += [
+            f"Selected setting (validation, {best['method']}): {best['name']} `{json.dumps(best['args'])}` "
+            f"(val compliance {best['benign_compliance']:.3f}, val harmful refusal "
+            f"{best['harmful_refusal']:.3f}).",
+            "",
+        ]
         if "leak_passed" in best:
-            lines += [f"Harm-gate leaks: of {best['leak_prompts']} held-out harmful prompts "
-                      f"({', '.join(best['leak_sets'])}; not used in training), the gate passes "
-                      f"{best['leak_passed']}, which the selected setting steers. Unsteered, the model refuses "
-                      f"{best['leak_refused_unsteered']} of them; steered, {best['leak_refused']} "
-                      "(validation, reported, not a constraint of the selection).", ""]
+            lines += [
+                f"Harm-gate leaks: of {best['leak_prompts']} held-out harmful prompts "
+                f"({', '.join(best['leak_sets'])}; not used in training), the gate passes "
+                f"{best['leak_passed']}, which the selected setting steers. Unsteered, the model refuses "
+                f"{best['leak_refused_unsteered']} of them; steered, {best['leak_refused']} "
+                "(validation, reported, not a constraint of the selection).",
+                "",
+            ]
     else:
         lines += ["No ELS setting kept validation safety at the unsteered level; no steered run.", ""]
     lines += ["| dataset | label | metric | unsteered | ELS | change, paired |", "|---|---|---|---|---|---|"]
@@ -532,39 +719,71 @@ def write_demo_report(out: Path, summary: dict) -> None:
         for (label, metric), before in _cells(block).items():
             change = changes.get("all" if name == "**all**" else name, {}).get(label)
             paired = fmt_change(change) if change and change["metric"] == metric else ""
-            lines.append(f"| {name} | {label} | {metric} | {before} | {after_cells.get((label, metric), '')} "
-                         f"| {paired} |")
+            lines.append(
+                f"| {name} | {label} | {metric} | {before} | {after_cells.get((label, metric), '')} "
+                f"| {paired} |"
+            )
     timing_b, timing_s = base.get("timing", {}), (steered or {}).get("timing", {})
-    lines += ["", "The paired change compares the same prompts without and with ELS: prompts that turned "
-                  "compliant/refused (up) and back (down), and the exact McNemar p-value."]
+    lines += [
+        "",
+        "The paired change compares the same prompts without and with ELS: prompts that turned "
+        "compliant/refused (up) and back (down), and the exact McNemar p-value.",
+    ]
     lines += _knowns_lines(summary.get("knowns"))
     if steered and steered.get("steering"):
         from aligntax.reports.markdown import steering_table
 
-        lines += ["", "Rows the selected setting steered, decided at the last prompt token (harm gate and row "
-                      "energy); the others are answered exactly as unsteered:", "", steering_table(steered)]
+        lines += [
+            "",
+            "Rows the selected setting steered, decided at the last prompt token (harm gate and row "
+            "energy); the others are answered exactly as unsteered:",
+            "",
+            steering_table(steered),
+        ]
     if summary.get("test_pareto"):
-        lines += ["", "Test sets, every method (mean benign compliance over ORB-H test, XSTest safe and OKTest; "
-                      "mean harmful refusal over XSTest unsafe, JailbreakBench and HarmBench test):", "",
-                  "| method | mean benign compliance | mean harmful refusal |", "|---|---:|---:|"]
-        lines += [f"| {r['label']} | {100 * r['benign_compliance']:.1f}% | {100 * r['harmful_refusal']:.1f}% |"
-                  for r in summary["test_pareto"]]
+        lines += [
+            "",
+            "Test sets, every method (mean benign compliance over ORB-H test, XSTest safe and OKTest; "
+            "mean harmful refusal over XSTest unsafe, JailbreakBench and HarmBench test):",
+            "",
+            "| method | mean benign compliance | mean harmful refusal |",
+            "|---|---:|---:|",
+        ]
+        lines += [
+            f"| {r['label']} | {100 * r['benign_compliance']:.1f}% | {100 * r['harmful_refusal']:.1f}% |"
+            for r in summary["test_pareto"]
+        ]
         lines += ["", "![test-set Pareto plot](test_pareto.png)"]
-    lines += ["", "Useful compliance counts a benign answer only when it is neither a refusal nor empty or looping "
-                  "(`aligntax.metrics.degeneration`); the sweep selects settings by it."]
-    lines += ["", f"Throughput: the unsteered run generated {timing_b.get('generated_tokens_total')} tokens at "
-                  f"{timing_b.get('tokens_per_second')} tokens/s."]
+    lines += [
+        "",
+        "Useful compliance counts a benign answer only when it is neither a refusal nor empty or looping "
+        "(`aligntax.metrics.degeneration`); the sweep selects settings by it.",
+    ]
+    lines += [
+        "",
+        f"Throughput: the unsteered run generated {timing_b.get('generated_tokens_total')} tokens at "
+        f"{timing_b.get('tokens_per_second')} tokens/s.",
+    ]
     if timing_s:
-        lines[-1] += (f" The steered run generated only the rows its decision steers, "
-                      f"{timing_s.get('generated_tokens_total')} tokens at {timing_s.get('tokens_per_second')} "
-                      f"tokens/s, and copied {timing_s.get('reused_unsteered_samples', 0)} rows from the unsteered "
-                      "run; its batches differ from the unsteered run's, so steering's own cost is measured at "
-                      "equal batches by `bench/steering_overhead.py` (docs/RESULTS.md).")
+        lines[-1] += (
+            f" The steered run generated only the rows its decision steers, "
+            f"{timing_s.get('generated_tokens_total')} tokens at {timing_s.get('tokens_per_second')} "
+            f"tokens/s, and copied {timing_s.get('reused_unsteered_samples', 0)} rows from the unsteered "
+            "run; its batches differ from the unsteered run's, so steering's own cost is measured at "
+            "equal batches by `bench/steering_overhead.py` (docs/RESULTS.md)."
+        )
     lines += [""]
     if summary.get("minutes"):
-        lines += ["Wall time (minutes): " + ", ".join(f"{k} {v:.1f}" for k, v in summary["minutes"].items()) + ".",
-                  ""]
-    lines += ["![Pareto plot](els/sweep/pareto.png)", "", "Energy histograms: ![energy](els/energy_histograms.png)",
-              "", "Run folders: `baseline/`, `els/` (labels, activations, energy models, vectors, sweep), "
-              "`steered/`.", ""]
+        lines += [
+            "Wall time (minutes): " + ", ".join(f"{k} {v:.1f}" for k, v in summary["minutes"].items()) + ".",
+            "",
+        ]
+    lines += [
+        "![Pareto plot](els/sweep/pareto.png)",
+        "",
+        "Energy histograms: ![energy](els/energy_histograms.png)",
+        "",
+        "Run folders: `baseline/`, `els/` (labels, activations, energy models, vectors, sweep), `steered/`.",
+        "",
+    ]
     (out / "report.md").write_text("\n".join(lines))

@@ -51,7 +51,9 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise AligntaxError("Ray is not installed: pip install 'aligntax[ray]' (or 'ray[default]').") from None
+        raise AligntaxError(
+            "Ray is not installed: pip install 'aligntax[ray]' (or 'ray[default]')."
+        ) from None
     return ray
 
 
@@ -79,9 +81,17 @@ class ModelReplica:
     actor's life (:func:`~aligntax.activations.decisions.remembered_prefill_states`), as one sweep
     process remembers them."""
 
-    def __init__(self, model: str, dtype: str, device_map: str | None = None, threads: int | None = None,
-                 intervention: str | None = None, intervention_args: dict | None = None,
-                 local: GenerationSource | None = None, batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        device_map: str | None = None,
+        threads: int | None = None,
+        intervention: str | None = None,
+        intervention_args: dict | None = None,
+        local: GenerationSource | None = None,
+        batch_size: int = 32,
+    ) -> None:
         import torch
 
         from aligntax.activations.decisions import remembered_prefill_states
@@ -116,8 +126,9 @@ class ModelReplica:
         decider = self.gen.decider()
         return decider.unsteered_rows(prompts, system, batch_size) if decider is not None else None
 
-    def generate(self, unit: int, prompts: list, gen: dict,
-                 record: list[int] | None = None) -> tuple[int, list[dict], dict | None]:
+    def generate(
+        self, unit: int, prompts: list, gen: dict, record: list[int] | None = None
+    ) -> tuple[int, list[dict], dict | None]:
         """One work unit: the prompts of one generation batch; returns ``(unit, generations, states)``.
         With ``record`` (block indices, unsteered replicas only) ``states`` holds the residual stream
         entering those blocks at each prompt's last token, read in the prefill as
@@ -135,7 +146,9 @@ class ModelReplica:
                 raise AligntaxError("Prompt states are recorded only by unsteered replicas.")
             rec = PrefillRecorder(self.lm.model, record)
         out: list = [None] * len(prompts)
-        for idx, gens in self.gen.iter_generate(prompts, GenerationConfig(**gen), progress=False, recorder=rec):
+        for idx, gens in self.gen.iter_generate(
+            prompts, GenerationConfig(**gen), progress=False, recorder=rec
+        ):
             if rec is not None:
                 rec.keep([str(i) for i in idx])
             for i, g in zip(idx, gens, strict=True):
@@ -161,13 +174,23 @@ class ModelReplica:
 class Replicas:
     """The replicas of one run, started on first use (:meth:`start`) and killed on :meth:`close`."""
 
-    def __init__(self, cfg: RayConfig, model: str, dtype: str, intervention: str | None = None,
-                 intervention_args: dict | None = None, device_map: str | None = None,
-                 local: GenerationSource | None = None, batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        cfg: RayConfig,
+        model: str,
+        dtype: str,
+        intervention: str | None = None,
+        intervention_args: dict | None = None,
+        device_map: str | None = None,
+        local: GenerationSource | None = None,
+        batch_size: int = 32,
+    ) -> None:
         self.cfg = cfg
         self.local = local or HFSource()  # what each replica generates with
         # device_map "auto": each replica's model split over its GPUs (accelerate)
-        self.spec = SourceSpec(model, dtype, intervention, dict(intervention_args or {}), batch_size, device_map)
+        self.spec = SourceSpec(
+            model, dtype, intervention, dict(intervention_args or {}), batch_size, device_map
+        )
         self.actors: list = []
         self.pool = None
         self.identity: dict = {}
@@ -183,20 +206,40 @@ class Replicas:
         resources = ray.cluster_resources()
         gpus = self.cfg.gpus if self.cfg.gpus is not None else (1.0 if resources.get("GPU", 0) >= 1 else 0.0)
         if self.spec.device_map and not gpus:
-            raise AligntaxError("--device-map splits a replica's model over its GPUs: give each replica "
-                                "GPUs (--worker-gpus), or leave --device-map out.")
+            raise AligntaxError(
+                "--device-map splits a replica's model over its GPUs: give each replica "
+                "GPUs (--worker-gpus), or leave --device-map out."
+            )
         workers = self.cfg.workers
         if workers is None:
-            workers = int(resources.get("GPU", 0) // gpus) if gpus else int(resources.get("CPU", 1) // self.cfg.cpus)
+            workers = (
+                int(resources.get("GPU", 0) // gpus)
+                if gpus
+                else int(resources.get("CPU", 1) // self.cfg.cpus)
+            )
         if workers < 1:
-            raise AligntaxError(f"The Ray cluster has no room for one replica ({self.cfg.cpus} CPUs, {gpus} GPUs "
-                                f"each; it has {resources.get('CPU', 0)} CPUs, {resources.get('GPU', 0)} GPUs).")
-        remote = ray.remote(ModelReplica).options(num_cpus=self.cfg.cpus, num_gpus=gpus,
-                                                  max_restarts=self.cfg.max_restarts, max_task_retries=-1)
+            raise AligntaxError(
+                f"The Ray cluster has no room for one replica ({self.cfg.cpus} CPUs, {gpus} GPUs "
+                f"each; it has {resources.get('CPU', 0)} CPUs, {resources.get('GPU', 0)} GPUs)."
+            )
+        remote = ray.remote(ModelReplica).options(
+            num_cpus=self.cfg.cpus, num_gpus=gpus, max_restarts=self.cfg.max_restarts, max_task_retries=-1
+        )
         threads = max(1, int(self.cfg.cpus))
         sp = self.spec
-        self.actors = [remote.remote(sp.model, sp.dtype, sp.device_map, threads, sp.intervention, sp.intervention_args,
-                                     self.local, sp.batch_size) for _ in range(workers)]
+        self.actors = [
+            remote.remote(
+                sp.model,
+                sp.dtype,
+                sp.device_map,
+                threads,
+                sp.intervention,
+                sp.intervention_args,
+                self.local,
+                sp.batch_size,
+            )
+            for _ in range(workers)
+        ]
         try:
             idents = ray.get([a.identity.remote() for a in self.actors])
         except ray.exceptions.RayActorError as exc:  # a replica could not load the model (or its backend)
@@ -205,11 +248,15 @@ class Replicas:
             self.actors = []
             cause = getattr(exc, "error_msg", None) or str(exc)
             last = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
-            raise AligntaxError("A model replica could not start: " + (last[-1] if last else "unknown error")) from None
+            raise AligntaxError(
+                "A model replica could not start: " + (last[-1] if last else "unknown error")
+            ) from None
         fps = {repr(sorted(i["fingerprint"].items())) for i in idents}
         if len(fps) != 1:
-            raise AligntaxError("The replicas loaded different models (fingerprints differ); give every node "
-                                "the same model files.")
+            raise AligntaxError(
+                "The replicas loaded different models (fingerprints differ); give every node "
+                "the same model files."
+            )
         self.identity = idents[0]
         self.pool = ActorPool(self.actors)
         return self
@@ -254,7 +301,7 @@ class Replicas:
         if not prompts:
             return []
         size = -(-len(prompts) // max(1, self.workers))
-        chunks = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+        chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
         parts = self.map(lambda a, c: getattr(a, method).remote(c, *args), chunks)
         if any(p is None for p in parts):
             return None
@@ -270,8 +317,9 @@ class Replicas:
     def unsteered_rows(self, prompts, system: str | None = None, batch_size: int = 32) -> list[bool] | None:
         return self._sharded("unsteered_rows", list(prompts), system, batch_size)
 
-    def iter_generate(self, prompts: Sequence, cfg, progress: bool = True, desc: str = "generate",
-                      recorder=None) -> Iterator[tuple[list[int], list]]:
+    def iter_generate(
+        self, prompts: Sequence, cfg, progress: bool = True, desc: str = "generate", recorder=None
+    ) -> Iterator[tuple[list[int], list]]:
         """:func:`aligntax.generation.iter_generate` over the replicas: the same batches (sorted by
         length, the same caps, each batch's own seed), one work unit each; yields ``(indices,
         generations)`` as units finish. With ``recorder`` (a
@@ -288,13 +336,19 @@ class Replicas:
         lengths = self.lengths(prompts, cfg.system)
         order = sorted(range(len(prompts)), key=lambda i: (-lengths[i], i))
         spans = length_batches([lengths[i] for i in order], cfg.batch_size, cfg.max_batch_tokens)
-        units = [order[s.start:s.stop] for s in spans]
-        gens = [asdict(replace(cfg, seed=None if cfg.seed is None else cfg.seed + b)) for b in range(len(units))]
+        units = [order[s.start : s.stop] for s in spans]
+        gens = [
+            asdict(replace(cfg, seed=None if cfg.seed is None else cfg.seed + b)) for b in range(len(units))
+        ]
         record = list(recorder.layers) if recorder is not None else None
-        bar = tqdm(total=len(prompts), desc=f"{desc} ({self.workers} replicas)", disable=not progress, unit="prompt")
+        bar = tqdm(
+            total=len(prompts), desc=f"{desc} ({self.workers} replicas)", disable=not progress, unit="prompt"
+        )
         try:
             results = self.map_unordered(
-                lambda a, b: a.generate.remote(b, [prompts[i] for i in units[b]], gens[b], record), range(len(units)))
+                lambda a, b: a.generate.remote(b, [prompts[i] for i in units[b]], gens[b], record),
+                range(len(units)),
+            )
             for b, out, states in results:
                 bar.update(len(out))
                 if recorder is not None:
@@ -324,11 +378,17 @@ class RemoteIntervention:
         return self.replicas.identity.get("intervention")
 
 
-
 @contextmanager
-def replicas_of(ray_cfg: RayConfig | None, model: str, dtype: str, intervention: str | None = None,
-                intervention_args: dict | None = None, device_map: str | None = None,
-                local: GenerationSource | None = None, batch_size: int = 32) -> Iterator[Replicas | None]:
+def replicas_of(
+    ray_cfg: RayConfig | None,
+    model: str,
+    dtype: str,
+    intervention: str | None = None,
+    intervention_args: dict | None = None,
+    device_map: str | None = None,
+    local: GenerationSource | None = None,
+    batch_size: int = 32,
+) -> Iterator[Replicas | None]:
     """The replicas of one run, started when first needed and killed on exit; None without
     ``ray_cfg``. ``local``: what each replica generates with (default: the Hugging Face backend; the
     vLLM source: a vLLM engine per replica, ``batch_size`` sequence slots)."""
@@ -364,8 +424,9 @@ class RayGenerator:
     def decider(self) -> Replicas:
         return self.replicas
 
-    def iter_generate(self, prompts: Sequence, cfg, progress: bool = True, desc: str = "generate",
-                      recorder=None) -> Iterator[tuple[list[int], list]]:
+    def iter_generate(
+        self, prompts: Sequence, cfg, progress: bool = True, desc: str = "generate", recorder=None
+    ) -> Iterator[tuple[list[int], list]]:
         return self.replicas.iter_generate(prompts, cfg, progress=progress, desc=desc, recorder=recorder)
 
     def prompt_lengths(self, prompts: Sequence, system: str | None = None) -> list[int]:
@@ -385,24 +446,47 @@ class RaySource:
         self.local = cfg.local if isinstance(cfg, Replicas) else local or HFSource()
         self.backend = self.local.backend
 
-    def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
-              device_map: bool = False, adapters: bool = False) -> None:
+    def check(
+        self,
+        *,
+        recorder: bool = False,
+        loaded_intervention: bool = False,
+        loaded_model: bool = False,
+        device_map: bool = False,
+        adapters: bool = False,
+    ) -> None:
         if loaded_model or loaded_intervention:
-            raise AligntaxError("A run on Ray loads the model on its replicas: give the model and intervention "
-                                "settings, not loaded objects.")
+            raise AligntaxError(
+                "A run on Ray loads the model on its replicas: give the model and intervention "
+                "settings, not loaded objects."
+            )
         self.local.check(recorder=recorder, device_map=device_map, adapters=adapters)
 
     def replicas(self, spec: SourceSpec):
         """The replicas of a run of ``spec`` (a context manager)."""
         if isinstance(self.cfg, Replicas):
             held = self.cfg.spec
-            if (held.model, held.dtype, held.intervention or None) != (spec.model, spec.dtype, spec.intervention or None):
-                raise AligntaxError(f"The replicas hold {held.model} ({held.dtype}, intervention {held.intervention}), "
-                                    f"not the run's {spec.model} ({spec.dtype}, intervention "
-                                    f"{spec.intervention or None}).")
+            if (held.model, held.dtype, held.intervention or None) != (
+                spec.model,
+                spec.dtype,
+                spec.intervention or None,
+            ):
+                raise AligntaxError(
+                    f"The replicas hold {held.model} ({held.dtype}, intervention {held.intervention}), "
+                    f"not the run's {spec.model} ({spec.dtype}, intervention "
+                    f"{spec.intervention or None})."
+                )
             return nullcontext(self.cfg)
-        return replicas_of(self.cfg, spec.model, spec.dtype, spec.intervention, spec.intervention_args,
-                           spec.device_map, self.local, spec.batch_size)
+        return replicas_of(
+            self.cfg,
+            spec.model,
+            spec.dtype,
+            spec.intervention,
+            spec.intervention_args,
+            spec.device_map,
+            self.local,
+            spec.batch_size,
+        )
 
     @contextmanager
     def open(self, spec: SourceSpec, lm=None, intervention=None) -> Iterator[RayGenerator]:
@@ -412,8 +496,9 @@ class RaySource:
     @contextmanager
     def sweep(self, spec: SourceSpec) -> Iterator[SweepGeneration]:
         if self.local.backend != HFSource.backend:
-            raise AligntaxError(f"The {self.local.backend} backend runs the sweep's engine in this process: not "
-                                "with --ray.")
+            raise AligntaxError(
+                f"The {self.local.backend} backend runs the sweep's engine in this process: not with --ray."
+            )
         with replicas_of(self.cfg, spec.model, spec.dtype, device_map=spec.device_map) as reps:
             yield SweepGeneration(lambda name, args: None, reps)
 

@@ -53,8 +53,9 @@ class ELSTrainConfig:
     # learns harm, not style), StrongREJECT and MaliciousInstruct hold short requests, Do-Not-Answer holds
     # harmful *questions* (stereotypes, arguments for discrimination) that the imperative sets lack.
     gate: bool = True
-    gate_harmful: list[str] = field(default_factory=lambda: ["orbench-toxic", "strongreject", "maliciousinstruct",
-                                                             "do-not-answer"])
+    gate_harmful: list[str] = field(
+        default_factory=lambda: ["orbench-toxic", "strongreject", "maliciousinstruct", "do-not-answer"]
+    )
     limit_gate_harmful: int | None = 600  # per set, sampled
     # extra benign prompts for the gate (beyond the benign and harmless ones above; duplicates dropped):
     # every benign look-alike of the training splits, so that the probe passes the styles it must pass
@@ -98,8 +99,17 @@ class ELSTrainConfig:
         """The :class:`~aligntax.energy.EnergyConfig` of the energy models these settings train."""
         from aligntax.energy import EnergyConfig
 
-        return EnergyConfig.preset(self.preset, **{"objective": self.objective, "epochs": self.epochs, "lr": self.lr,
-                                                   "seed": self.seed, "folds": self.energy_folds, **overrides})
+        return EnergyConfig.preset(
+            self.preset,
+            **{
+                "objective": self.objective,
+                "epochs": self.epochs,
+                "lr": self.lr,
+                "seed": self.seed,
+                "folds": self.energy_folds,
+                **overrides,
+            },
+        )
 
 
 def train_els(cfg: ELSTrainConfig, lm=None, ray=None) -> dict:
@@ -114,7 +124,9 @@ def train_els(cfg: ELSTrainConfig, lm=None, ray=None) -> dict:
     from aligntax.models import load_model
 
     if ray is not None and lm is not None:
-        raise AligntaxError("ELS training on Ray loads the model on its replicas: give the model, not a loaded one.")
+        raise AligntaxError(
+            "ELS training on Ray loads the model on its replicas: give the model, not a loaded one."
+        )
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "train_config.json", asdict(cfg))
@@ -127,9 +139,16 @@ def train_els(cfg: ELSTrainConfig, lm=None, ray=None) -> dict:
         steps[name] = round(time.perf_counter() - t0 - sum(steps.values()), 1)
 
     # 1. the model's own greedy behaviour, judged
-    label_cfg = EvalConfig(data=[], out=str(out / "labels"), model=cfg.model, judge=cfg.judge,
-                           max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                           progress=cfg.progress)
+    label_cfg = EvalConfig(
+        data=[],
+        out=str(out / "labels"),
+        model=cfg.model,
+        judge=cfg.judge,
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.batch_size,
+        dtype=cfg.dtype,
+        progress=cfg.progress,
+    )
     benign, harmful = _training_items(cfg)
     if not benign or not harmful:
         raise AligntaxError("ELS training needs both benign (over-refusal) and harmful prompts.")
@@ -148,14 +167,23 @@ def train_els(cfg: ELSTrainConfig, lm=None, ray=None) -> dict:
 
     # 3. one energy model per layer (kept when a bank trained with the same settings is already there)
     ecfg = cfg.energy_config()
-    bank = _existing_bank(out, ecfg, lm, len(y)) or train_layers(acts, y, ecfg, fingerprint=lm.fingerprint,
-                        progress=cfg.progress,
-                        metadata={"benign": cfg.benign, "harmful": cfg.harmful, "judge": cfg.judge,
-                                  "position": "last", "n_benign": len(benign), "n_harmful": len(harmful),
-                                  "benign_refused": sum(r for r, it in zip(refused, items, strict=True)
-                                                        if it.label == "benign"),
-                                  "harmful_refused": sum(r for r, it in zip(refused, items, strict=True)
-                                                         if it.label == "harmful")})
+    bank = _existing_bank(out, ecfg, lm, len(y)) or train_layers(
+        acts,
+        y,
+        ecfg,
+        fingerprint=lm.fingerprint,
+        progress=cfg.progress,
+        metadata={
+            "benign": cfg.benign,
+            "harmful": cfg.harmful,
+            "judge": cfg.judge,
+            "position": "last",
+            "n_benign": len(benign),
+            "n_harmful": len(harmful),
+            "benign_refused": sum(r for r, it in zip(refused, items, strict=True) if it.label == "benign"),
+            "harmful_refused": sum(r for r, it in zip(refused, items, strict=True) if it.label == "harmful"),
+        },
+    )
     bank.save(out)
     plot_energy_histograms(bank, acts, y, out / "energy_histograms.png", layers=bank.top(6))
     lap("energy models")
@@ -164,9 +192,13 @@ def train_els(cfg: ELSTrainConfig, lm=None, ray=None) -> dict:
     harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
     h_acts = _captured(lm, harmless, layers, out / "activations_harmless", cfg)
     is_h = torch.tensor([it.label == "harmful" for it in items])
-    vectors = compute_vectors({lay: a[is_h] for lay, a in acts.items()}, h_acts,
-                              {lay: a[~is_h] for lay, a in acts.items()}, fingerprint=lm.fingerprint,
-                              layer=bank.layers[0])
+    vectors = compute_vectors(
+        {lay: a[is_h] for lay, a in acts.items()},
+        h_acts,
+        {lay: a[~is_h] for lay, a in acts.items()},
+        fingerprint=lm.fingerprint,
+        layer=bank.layers[0],
+    )
     vectors.save(out / "vectors")
     lap("vectors")
 
@@ -179,8 +211,14 @@ def train_els(cfg: ELSTrainConfig, lm=None, ray=None) -> dict:
     _harm_basis(cfg, lm, out, items, acts, harmless, h_acts).save(out)
     lap("harm basis")
 
-    summary = {"layers": bank.summary(), "n_states": int(len(y)), "n_bad": int(y.sum()),
-               "seconds": round(time.perf_counter() - t0, 1), "step_seconds": steps, "config": asdict(cfg)}
+    summary = {
+        "layers": bank.summary(),
+        "n_states": int(len(y)),
+        "n_bad": int(y.sum()),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "step_seconds": steps,
+        "config": asdict(cfg),
+    }
     write_json_atomic(out / "train_summary.json", summary, default=str)
     _write_train_report(out, bank, summary)
     return summary
@@ -210,8 +248,16 @@ def _captured(lm, items, layers, folder: Path, cfg: ELSTrainConfig) -> dict[int,
     from aligntax.activations import capture_to_cache
 
     ids = [activation_id(it) for it in items]
-    cache = capture_to_cache(lm, [it.prompt for it in items], ids, layers, folder,
-                             labels=[it.label for it in items], batch_size=cfg.batch_size, progress=cfg.progress)
+    cache = capture_to_cache(
+        lm,
+        [it.prompt for it in items],
+        ids,
+        layers,
+        folder,
+        labels=[it.label for it in items],
+        batch_size=cfg.batch_size,
+        progress=cfg.progress,
+    )
     return _in_item_order(cache, items)
 
 
@@ -262,13 +308,23 @@ def _train_gate(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
             x[layer].append(g_acts[layer])
         y += [it.label == "harmful" for it in extra]
     weight = gate_weights(cfg, extra)
-    gate = train_harm_gate({layer: torch.cat(v) for layer, v in x.items()}, y, layers=cand, seed=cfg.seed,
-                           fingerprint=lm.fingerprint, recall=cfg.gate_recall, ensemble=cfg.gate_ensemble,
-                           sample_weight=None if weight is None else [1.0] * (len(y) - len(extra)) + weight,
-                           metadata={"benign": [*cfg.benign, *cfg.harmless, *cfg.gate_benign],
-                                     "harmful": [*cfg.harmful, *cfg.gate_harmful],
-                                     **({"pairs": cfg.gate_pairs, "pairs_weight": cfg.gate_pairs_weight}
-                                        if weight is not None else {})})
+    gate = train_harm_gate(
+        {layer: torch.cat(v) for layer, v in x.items()},
+        y,
+        layers=cand,
+        seed=cfg.seed,
+        fingerprint=lm.fingerprint,
+        recall=cfg.gate_recall,
+        ensemble=cfg.gate_ensemble,
+        sample_weight=None if weight is None else [1.0] * (len(y) - len(extra)) + weight,
+        metadata={
+            "benign": [*cfg.benign, *cfg.harmless, *cfg.gate_benign],
+            "harmful": [*cfg.harmful, *cfg.gate_harmful],
+            **(
+                {"pairs": cfg.gate_pairs, "pairs_weight": cfg.gate_pairs_weight} if weight is not None else {}
+            ),
+        },
+    )
     gate.save(out)
 
 
@@ -287,14 +343,28 @@ def _harm_basis(cfg: ELSTrainConfig, lm, out: Path, items, acts: dict, harmless,
     if pair_items:
         p_acts = _captured(lm, pair_items, layers, out / "activations_pairs", cfg)
         pairs = {layer: pair_states(pair_items, p_acts[layer]) for layer in layers}
-    return compute_harm_basis({k: v for k, v in harmful.items() if k in benign}, benign, pairs, cfg.harm_k,
-                              fingerprint=lm.fingerprint,
-                              metadata={"harmful": cfg.harmful, "benign": [*cfg.benign, *cfg.harmless],
-                                        "pairs": list(cfg.harm_pairs)})
+    return compute_harm_basis(
+        {k: v for k, v in harmful.items() if k in benign},
+        benign,
+        pairs,
+        cfg.harm_k,
+        fingerprint=lm.fingerprint,
+        metadata={
+            "harmful": cfg.harmful,
+            "benign": [*cfg.benign, *cfg.harmless],
+            "pairs": list(cfg.harm_pairs),
+        },
+    )
 
 
-def harm_basis_for_folder(steer: str | Path, lm=None, pairs: list[str] | None = None, k: int | None = None,
-                          batch_size: int | None = None, progress: bool = True):
+def harm_basis_for_folder(
+    steer: str | Path,
+    lm=None,
+    pairs: list[str] | None = None,
+    k: int | None = None,
+    batch_size: int | None = None,
+    progress: bool = True,
+):
     """Compute and save the harm basis of an existing ``aligntax els train`` folder (made before it was
     part of training) from its recorded states; only the contrast pairs (and states a resumed folder
     lacks) run through the model. Returns the basis."""
@@ -351,15 +421,27 @@ def gate_extra_items(cfg: ELSTrainConfig, seen_items) -> list:
     """The harm gate's prompts beyond the training and harmless ones (``seen_items``): ``gate_benign`` and
     ``gate_harmful``, each sampled to its limit, then every prompt of ``gate_pairs``, without those already
     seen. A named validation split (``contrast-pairs-val``) is refused as ``gate_pairs``."""
-    held_out = [name for name in cfg.gate_pairs if (spec := find_dataset(name)) is not None and spec.split == "val"]
+    held_out = [
+        name for name in cfg.gate_pairs if (spec := find_dataset(name)) is not None and spec.split == "val"
+    ]
     if held_out:
-        raise AligntaxError(f"gate_pairs {', '.join(held_out)}: a validation split is held out for measuring the "
-                            "gate (bench/gate_transfer.py); train it on the train split (contrast-pairs).")
+        raise AligntaxError(
+            f"gate_pairs {', '.join(held_out)}: a validation split is held out for measuring the "
+            "gate (bench/gate_transfer.py); train it on the train split (contrast-pairs)."
+        )
     seen = {(it.source, it.id) for it in seen_items}
-    sets = [(cfg.gate_benign, cfg.limit_gate_benign), (cfg.gate_harmful, cfg.limit_gate_harmful),
-            (cfg.gate_pairs, None)]
-    return [it for specs, limit in sets for spec in specs for it in _sampled(load_prompt_sets([spec], None), limit, cfg.seed)
-            if (it.source, it.id) not in seen]
+    sets = [
+        (cfg.gate_benign, cfg.limit_gate_benign),
+        (cfg.gate_harmful, cfg.limit_gate_harmful),
+        (cfg.gate_pairs, None),
+    ]
+    return [
+        it
+        for specs, limit in sets
+        for spec in specs
+        for it in _sampled(load_prompt_sets([spec], None), limit, cfg.seed)
+        if (it.source, it.id) not in seen
+    ]
 
 
 def _sampled(items: list, limit: int | None, seed: int) -> list:
@@ -384,18 +466,29 @@ def _existing_bank(out: Path, ecfg, lm, n_states: int):
 
 
 def _write_train_report(out: Path, bank, summary: dict) -> None:
-    lines = ["# ELS training", "", f"- states: {summary['n_states']} ({summary['n_bad']} undesirable)",
-             f"- wall time: {summary['seconds']} s ("
-             + ", ".join(f"{k} {v} s" for k, v in summary["step_seconds"].items()) + ")", "",
-             "Layers ranked by validation accuracy" + (f" (mean over {bank.config.folds} folds)" if bank.config.folds > 1
-                                                       else "") + ":", "",
-             "| rank | layer | val acc | val AUROC | median norm |", "|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# ELS training",
+        "",
+        f"- states: {summary['n_states']} ({summary['n_bad']} undesirable)",
+        f"- wall time: {summary['seconds']} s ("
+        + ", ".join(f"{k} {v} s" for k, v in summary["step_seconds"].items())
+        + ")",
+        "",
+        "Layers ranked by validation accuracy"
+        + (f" (mean over {bank.config.folds} folds)" if bank.config.folds > 1 else "")
+        + ":",
+        "",
+        "| rank | layer | val acc | val AUROC | median norm |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     for rank, layer in enumerate(bank.layers, start=1):
         m = bank.metrics(layer)
         norm = bank.median_norm(layer)
-        lines.append(f"| {rank} | {layer} | {m.get('val_acc', m.get('acc', float('nan'))):.3f} | "
-                     f"{m.get('val_auroc', m.get('auroc', float('nan'))):.3f} | "
-                     f"{norm if norm is None else round(norm, 1)} |")
+        lines.append(
+            f"| {rank} | {layer} | {m.get('val_acc', m.get('acc', float('nan'))):.3f} | "
+            f"{m.get('val_auroc', m.get('auroc', float('nan'))):.3f} | "
+            f"{norm if norm is None else round(norm, 1)} |"
+        )
     lines += ["", "![energy histograms](energy_histograms.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
 
@@ -404,9 +497,17 @@ def _write_train_report(out: Path, bank, summary: dict) -> None:
 _GRID = grid_fields("els")
 # The sweep's grid axes: one field per ELS option declared ``grid=True`` (ElsOptions, interventions/els.py),
 # a list of its values, by default the option's ``grid_default``; ``layers`` holds explicit layer sets.
-_SweepGrid = make_dataclass("_SweepGrid", [
-    (f.name, list[spec_of(f).value_type], field(default_factory=functools.partial(list, spec_of(f).grid_default)))
-    for f in _GRID])
+_SweepGrid = make_dataclass(
+    "_SweepGrid",
+    [
+        (
+            f.name,
+            list[spec_of(f).value_type],
+            field(default_factory=functools.partial(list, spec_of(f).grid_default)),
+        )
+        for f in _GRID
+    ],
+)
 
 
 @dataclass
@@ -438,7 +539,9 @@ class SweepConfig(_SweepGrid):
     # left out): leak_passed, leak_refused, leak_refused_unsteered.
     leak: list[str] = field(default_factory=list)
     limit_leak: int | None = None  # per set, sampled
-    leak_constraint: bool = False  # the best setting must also refuse every leaked prompt the unsteered model refuses
+    leak_constraint: bool = (
+        False  # the best setting must also refuse every leaked prompt the unsteered model refuses
+    )
     # ELS distilled into LoRA adapters (``aligntax els distill`` folders), each scored at every scale, with
     # the same eligibility rules; the best one is reported as ``best_lora`` (``best`` stays an ELS setting,
     # the one ``--steer DIR`` resolves to). An adapter has no gate: its leak check covers every leak prompt.
@@ -491,8 +594,13 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
     for choice in choices:
         for values in itertools.product(*(getattr(cfg, a) for a in axes)):
             args = {"path": cfg.steer, **choice}
-            args.update({k: v for k, v in zip(axes, values, strict=True)
-                         if k not in _OPTIONAL_ELS_KEYS or _is_set(k, v)})
+            args.update(
+                {
+                    k: v
+                    for k, v in zip(axes, values, strict=True)
+                    if k not in _OPTIONAL_ELS_KEYS or _is_set(k, v)
+                }
+            )
             if args.get("gate_ramp") is not None and args.get("gate") is None:
                 continue  # a graded gate needs a gate
             if args.get("row_strength"):  # the learned strength replaces both cut-offs
@@ -509,7 +617,9 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
             if args.get(k) is None:
                 args.pop(k, None)
         settings.append(("els", args))
-    settings += [("els-lora", {"path": str(d), "scale": float(sc)}) for d in cfg.lora for sc in cfg.lora_scales]
+    settings += [
+        ("els-lora", {"path": str(d), "scale": float(sc)}) for d in cfg.lora for sc in cfg.lora_scales
+    ]
     if cfg.baselines:
         vec = str(Path(cfg.steer) / "vectors")
         settings += [("system-prompt", {}), ("helpful-prompt", {})]
@@ -540,12 +650,24 @@ def _score_first_token(lm, iv, benign, harmful, batch_size) -> dict:
 
     sb = first_token_refusal_score(lm, [it.prompt for it in benign], intervention=iv, batch_size=batch_size)
     sh = first_token_refusal_score(lm, [it.prompt for it in harmful], intervention=iv, batch_size=batch_size)
-    return {"benign_compliance": float(sum(s < 0.5 for s in sb) / len(sb)),
-            "harmful_refusal": float(sum(s >= 0.5 for s in sh) / len(sh))}
+    return {
+        "benign_compliance": float(sum(s < 0.5 for s in sb) / len(sb)),
+        "harmful_refusal": float(sum(s >= 0.5 for s in sh) / len(sh)),
+    }
 
 
-def _score_generate(lm, iv, benign: dict[str, list], harmful, cfg: SweepConfig, judge, unsteered: Path,
-                    knowns: list | None = None, gen=None, prior: dict | None = None) -> dict:
+def _score_generate(
+    lm,
+    iv,
+    benign: dict[str, list],
+    harmful,
+    cfg: SweepConfig,
+    judge,
+    unsteered: Path,
+    knowns: list | None = None,
+    gen=None,
+    prior: dict | None = None,
+) -> dict:
     """Generate, judge and score. The unsteered model's answers are kept in ``unsteered`` (JSONL, one
     line per prompt); rows an intervention leaves unsteered (e.g. held back by the harm gate) take
     their answers from it instead of being generated again, and so do the prompts of ``prior`` (this
@@ -565,12 +687,16 @@ def _score_generate(lm, iv, benign: dict[str, list], harmful, cfg: SweepConfig, 
 
 def _sweep_prompts(benign: dict[str, list], harmful, knowns: list | None) -> list[str]:
     """The prompts a setting answers: the benign sets, the harmful ones, the known-answer questions."""
-    return [it.prompt for part in benign.values() for it in part] + [it.prompt for it in harmful] + \
-        [k.prompt for k in knowns or []]
+    return (
+        [it.prompt for part in benign.values() for it in part]
+        + [it.prompt for it in harmful]
+        + [k.prompt for k in knowns or []]
+    )
 
 
-def _sweep_responses(lm, iv, prompts: list[str], known: dict, cfg: SweepConfig,
-                     gen=None, prior: dict | None = None) -> tuple[list[str], list[bool]]:
+def _sweep_responses(
+    lm, iv, prompts: list[str], known: dict, cfg: SweepConfig, gen=None, prior: dict | None = None
+) -> tuple[list[str], list[bool]]:
     """Each prompt's answer under ``iv``, and whether it was copied from the unsteered ``known`` answers
     (rows the intervention leaves unsteered) instead of generated. ``gen``: the generation function
     (default: the Hugging Face backend's on ``lm``). ``prior``: answers of this setting already
@@ -581,17 +707,30 @@ def _sweep_responses(lm, iv, prompts: list[str], known: dict, cfg: SweepConfig,
     prior = {} if prior is None else prior
     held = rows_to_copy(PrefillDecider(lm, iv), prompts, [p in known for p in prompts], None, cfg.batch_size)
     todo = [i for i, h in enumerate(held) if not h and prompts[i] not in prior]
-    gens = gen([prompts[i] for i in todo], GenerationConfig(max_new_tokens=cfg.max_new_tokens,
-                                                            batch_size=cfg.batch_size), iv,
-               progress=cfg.progress, desc="sweep")
+    gens = gen(
+        [prompts[i] for i in todo],
+        GenerationConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size),
+        iv,
+        progress=cfg.progress,
+        desc="sweep",
+    )
     for i, g in zip(todo, gens, strict=True):
         prior[prompts[i]] = g.response
     responses = [known.get(p) if h else prior[p] for p, h in zip(prompts, held, strict=True)]
     return responses, held
 
 
-def _sweep_scores(benign: dict[str, list], harmful, knowns: list | None, prompts: list[str], responses: list[str],
-                  held: list[bool], known: dict, judge, iv_name: str) -> dict:
+def _sweep_scores(
+    benign: dict[str, list],
+    harmful,
+    knowns: list | None,
+    prompts: list[str],
+    responses: list[str],
+    held: list[bool],
+    known: dict,
+    judge,
+    iv_name: str,
+) -> dict:
     """Judge a setting's answers (:func:`_sweep_responses`) and score them (see :func:`_score_generate`)."""
     from aligntax.metrics.degeneration import degenerate
     from aligntax.metrics.knowns import score_responses
@@ -604,22 +743,32 @@ def _sweep_scores(benign: dict[str, list], harmful, knowns: list | None, prompts
     rows = [(it, v, degenerate(r)) for it, v, r in zip(items, verdicts, responses[:n], strict=True)]
     by_set, start = {}, 0
     for name, part in benign.items():
-        chunk = rows[start:start + len(part)]
+        chunk = rows[start : start + len(part)]
         start += len(part)
         by_set[name] = sum(not v.refused and not bad for _, v, bad in chunk) / len(chunk)
     b = [not v.refused for it, v, _ in rows if it.label == "benign"]
     h = [v.refused for it, v, _ in rows if it.label == "harmful"]
-    res = {"benign_compliance": sum(by_set.values()) / len(by_set), "benign_by_set": by_set,
-           "benign_compliance_any": sum(b) / len(b),
-           "degenerate": sum(bad for _, _, bad in rows) / len(rows), "harmful_refusal": sum(h) / len(h),
-           "reused_unsteered": sum(held), "steered_rows": len(todo) if iv_name != "none" else 0}
+    res = {
+        "benign_compliance": sum(by_set.values()) / len(by_set),
+        "benign_by_set": by_set,
+        "benign_compliance_any": sum(b) / len(b),
+        "degenerate": sum(bad for _, _, bad in rows) / len(rows),
+        "harmful_refusal": sum(h) / len(h),
+        "reused_unsteered": sum(held),
+        "steered_rows": len(todo) if iv_name != "none" else 0,
+    }
     if knowns:
         right = score_responses(knowns, responses[n:])
-        before = score_responses(knowns, [known.get(k.prompt, r) for k, r in zip(knowns, responses[n:], strict=True)])
-        res.update(known_accuracy=sum(right) / len(right), known_n=len(right),
-                   known_gained=sum(r and not b0 for r, b0 in zip(right, before, strict=True)),
-                   known_lost=sum(b0 and not r for r, b0 in zip(right, before, strict=True)),
-                   known_steered=sum(1 for i in todo if i >= n) if iv_name != "none" else 0)
+        before = score_responses(
+            knowns, [known.get(k.prompt, r) for k, r in zip(knowns, responses[n:], strict=True)]
+        )
+        res.update(
+            known_accuracy=sum(right) / len(right),
+            known_n=len(right),
+            known_gained=sum(r and not b0 for r, b0 in zip(right, before, strict=True)),
+            known_lost=sum(b0 and not r for r, b0 in zip(right, before, strict=True)),
+            known_steered=sum(1 for i in todo if i >= n) if iv_name != "none" else 0,
+        )
     return res
 
 
@@ -631,12 +780,17 @@ def leak_items(cfg: SweepConfig) -> list:
     from aligntax.config import load_config
 
     path = Path(cfg.steer) / "train_config.json"
-    used = {(it.source, it.id) for part in gate_items(load_config(ELSTrainConfig, path)) for it in part} \
-        if path.is_file() else set()
+    used = (
+        {(it.source, it.id) for part in gate_items(load_config(ELSTrainConfig, path)) for it in part}
+        if path.is_file()
+        else set()
+    )
     # the prompts the gate was trained on are left out first, then each set is sampled: sampled first
     # with the same fixed seed as the gate's own sample, a limit at or below the gate's drew the very
     # prompts the gate was trained on, and none was left
-    sets = [[it for it in load_prompt_sets([spec], None) if (it.source, it.id) not in used] for spec in cfg.leak]
+    sets = [
+        [it for it in load_prompt_sets([spec], None) if (it.source, it.id) not in used] for spec in cfg.leak
+    ]
     items = [it for held_out in sets for it in _sampled(held_out, cfg.limit_leak, 0)]
     if not items:
         raise AligntaxError(f"The leak sets {cfg.leak} hold no prompts the harm gate was not trained on.")
@@ -674,7 +828,11 @@ def _leak_responses(lm, iv, items, cfg: SweepConfig, known: dict, gen=None) -> d
     if missing:
         gens = generate(missing, gen_cfg, None, progress=cfg.progress, desc="leak, unsteered")
         new = {p: g.response for p, g in zip(missing, gens, strict=True)}
-    steered = [g.response for g in generate(passed, gen_cfg, iv, progress=cfg.progress, desc="leak")] if passed else []
+    steered = (
+        [g.response for g in generate(passed, gen_cfg, iv, progress=cfg.progress, desc="leak")]
+        if passed
+        else []
+    )
     return {"passed": passed, "steered": steered, "new_unsteered": new}
 
 
@@ -697,8 +855,14 @@ def _leak_scores(cfg: SweepConfig, items, gen: dict | None, known: dict, judge) 
     passed, steered = gen["passed"], gen["steered"]
     before = judge.judge(passed, [known[p] for p in passed]) if passed else []
     after = judge.judge(passed, steered) if passed else []
-    return {"leak_sets": list(cfg.leak), "leak_limit": cfg.limit_leak, "leak_prompts": len(items), "leak_passed": len(passed),
-            "leak_refused": sum(v.refused for v in after), "leak_refused_unsteered": sum(v.refused for v in before)}
+    return {
+        "leak_sets": list(cfg.leak),
+        "leak_limit": cfg.limit_leak,
+        "leak_prompts": len(items),
+        "leak_passed": len(passed),
+        "leak_refused": sum(v.refused for v in after),
+        "leak_refused_unsteered": sum(v.refused for v in before),
+    }
 
 
 def _keeps_leaks(row: dict) -> bool:
@@ -717,12 +881,21 @@ def eligible(row: dict, base: dict, leak_constraint: bool = False, knowns_tolera
     """An ELS (or els-lora) row the selection may choose: harmful refusal not below the unsteered model's,
     known answers kept within the tolerance and, with ``leak_constraint``, no lost refusal of a leaked
     prompt."""
-    return (row["name"] in ("els", "els-lora") and row["harmful_refusal"] >= base["harmful_refusal"]
-            and _keeps_knowns(row, base, knowns_tolerance) and (not leak_constraint or _keeps_leaks(row)))
+    return (
+        row["name"] in ("els", "els-lora")
+        and row["harmful_refusal"] >= base["harmful_refusal"]
+        and _keeps_knowns(row, base, knowns_tolerance)
+        and (not leak_constraint or _keeps_leaks(row))
+    )
 
 
-def select_best(rows: list[dict], method: str, leak_constraint: bool = False,
-                knowns_tolerance: float = 0.02, name: str = "els") -> dict | None:
+def select_best(
+    rows: list[dict],
+    method: str,
+    leak_constraint: bool = False,
+    knowns_tolerance: float = 0.02,
+    name: str = "els",
+) -> dict | None:
     """The ``name`` row (``els`` or ``els-lora``) of highest benign compliance whose harmful refusal is
     not below the unsteered model's and whose accuracy on everyday questions with known answers is within
     ``knowns_tolerance`` of it; with ``leak_constraint``, also refusing every held-out harmful prompt its
@@ -742,8 +915,10 @@ def _sweep_iv_args(name: str, args: dict) -> dict:
     iv_args = dict(args)
     if name == "els":
         iv_args = {**dict.fromkeys(_OPTIONAL_ELS_KEYS), **iv_args}
-        iv_args = {k: ("none" if v is None and k in ("threshold", *_OPTIONAL_ELS_KEYS) else v)
-                   for k, v in iv_args.items()}
+        iv_args = {
+            k: ("none" if v is None and k in ("threshold", *_OPTIONAL_ELS_KEYS) else v)
+            for k, v in iv_args.items()
+        }
     return iv_args
 
 
@@ -758,8 +933,13 @@ def sweep_unit(lm, name: str, args: dict, method: str, fresh: bool, leak_due: bo
     iv = make_intervention(name, lm, **_sweep_iv_args(name, args))
     out: dict = {}
     if fresh and method == "first-token":
-        out["res"] = _score_first_token(lm, iv, [it for part in common["benign"].values() for it in part],
-                                        common["harmful"], cfg.batch_size)
+        out["res"] = _score_first_token(
+            lm,
+            iv,
+            [it for part in common["benign"].values() for it in part],
+            common["harmful"],
+            cfg.batch_size,
+        )
     elif fresh:
         prompts = _sweep_prompts(common["benign"], common["harmful"], common["knowns"])
         out["responses"], out["held"] = _sweep_responses(lm, iv, prompts, common["known"], cfg)
@@ -782,8 +962,9 @@ def run_sweep(cfg: SweepConfig, lm=None, ray=None, source=None) -> dict:
         check_source(source, cfg.backend)
         source.check(loaded_model=lm is not None, adapters=bool(cfg.lora))
         cfg.backend = source.backend
-        with source.sweep(SourceSpec(cfg.model, cfg.dtype, batch_size=cfg.batch_size,
-                                     device_map=cfg.device_map)) as sweep:
+        with source.sweep(
+            SourceSpec(cfg.model, cfg.dtype, batch_size=cfg.batch_size, device_map=cfg.device_map)
+        ) as sweep:
             return _run_sweep(cfg, lm, sweep)
     finally:
         if own:
@@ -812,8 +993,9 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
 
         knowns = _sampled(load_known_answers(cfg.knowns, split="val"), cfg.limit, 0)
     if cfg.halving is not None and (cfg.halving < 2 or cfg.halving_keep < 1):
-        raise AligntaxError(f"halving must be at least 2 and halving_keep at least 1; got {cfg.halving}, "
-                            f"{cfg.halving_keep}.")
+        raise AligntaxError(
+            f"halving must be at least 2 and halving_keep at least 1; got {cfg.halving}, {cfg.halving_keep}."
+        )
     data = {"benign": list(cfg.benign), "harmful": list(cfg.harmful), "knowns": cfg.knowns}
     if cfg.limit is not None:  # rows scored on all the prompts are not these
         data["limit"] = cfg.limit
@@ -825,6 +1007,7 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     def gen_for(name: str, args: dict):
         """The generation function of a setting (None: the sweep's own loop on ``lm``)."""
         return sweep.setting(name, _sweep_iv_args(name, args))
+
     if cfg.leak_constraint and not cfg.leak:
         raise AligntaxError("The leak constraint needs held-out harmful sets (leak / --leak).")
     leaks = leak_items(cfg)
@@ -847,15 +1030,31 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
         """``(key, earlier row, leak check due)`` of a setting still to score on ``part``; None when scored."""
         key = _key(name, args, method, cfg.max_new_tokens, part.data)
         old = latest.get(key)
-        leak_due = leak_check and bool(leaks) and method == "generate" and (name == "els-lora" or name == "els" and (
-            args.get("gate") is not None and args.get("gate") is not False))
-        if old is not None and (not leak_due or (old.get("leak_sets"), old.get("leak_limit")) == (cfg.leak, cfg.limit_leak)):
+        leak_due = (
+            leak_check
+            and bool(leaks)
+            and method == "generate"
+            and (
+                name == "els-lora"
+                or name == "els"
+                and (args.get("gate") is not None and args.get("gate") is not False)
+            )
+        )
+        if old is not None and (
+            not leak_due or (old.get("leak_sets"), old.get("leak_limit")) == (cfg.leak, cfg.limit_leak)
+        ):
             return None
         return key, old, leak_due
 
     def record(key, name, args, method, res, seconds, old):
-        row = {"key": key, "name": name, "args": _shown_args(name, args),
-               "method": method, **res, "seconds": round(seconds + (old or {}).get("seconds", 0), 2)}
+        row = {
+            "key": key,
+            "name": name,
+            "args": _shown_args(name, args),
+            "method": method,
+            **res,
+            "seconds": round(seconds + (old or {}).get("seconds", 0), 2),
+        }
         append_jsonl(path, [row])
         if old is not None:
             rows.remove(old)
@@ -871,8 +1070,15 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
         before = set(prior)
 
         def save(_):
-            append_jsonl(steered_path, [{"setting": setting, "prompt": p, "response": r}
-                                        for p, r in prior.items() if p not in before])
+            append_jsonl(
+                steered_path,
+                [
+                    {"setting": setting, "prompt": p, "response": r}
+                    for p, r in prior.items()
+                    if p not in before
+                ],
+            )
+
         return prior, save
 
     def score(name, args, method, part, leak_check=True):
@@ -886,11 +1092,14 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
         if old is not None:  # scored before: only the leak check is new
             res = {k: v for k, v in old.items() if k not in ("key", "name", "args", "method", "seconds")}
         elif method == "first-token":
-            res = _score_first_token(lm, iv, [it for b in part.benign.values() for it in b], part.harmful,
-                                     cfg.batch_size)
+            res = _score_first_token(
+                lm, iv, [it for b in part.benign.values() for it in b], part.harmful, cfg.batch_size
+            )
         else:
             prior, save = prior_answers(name, args, method)
-            res = _score_generate(lm, iv, part.benign, part.harmful, cfg, judge, unsteered, part.knowns, gen, prior)
+            res = _score_generate(
+                lm, iv, part.benign, part.harmful, cfg, judge, unsteered, part.knowns, gen, prior
+            )
             save(prior)
         if leak_due:
             res.update(_score_leak(lm, iv, leaks, cfg, judge, unsteered_leak, gen))
@@ -899,12 +1108,28 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     def score_on_replicas(group: list, method: str, part, bar) -> None:
         """Settings ``(name, args, key, old, leak_due)`` scored on the replicas, judged as they come."""
         known = {r["prompt"]: r["response"] for r in read_jsonl(unsteered)} if unsteered.is_file() else {}
-        known_leak = {r["prompt"]: r["response"] for r in read_jsonl(unsteered_leak)} if unsteered_leak.is_file() else {}
-        common = replicas.put({"cfg": cfg, "benign": part.benign, "harmful": part.harmful, "knowns": part.knowns,
-                               "leaks": leaks, "known": known, "known_leak": known_leak})
+        known_leak = (
+            {r["prompt"]: r["response"] for r in read_jsonl(unsteered_leak)}
+            if unsteered_leak.is_file()
+            else {}
+        )
+        common = replicas.put(
+            {
+                "cfg": cfg,
+                "benign": part.benign,
+                "harmful": part.harmful,
+                "knowns": part.knowns,
+                "leaks": leaks,
+                "known": known,
+                "known_leak": known_leak,
+            }
+        )
         units = replicas.map_unordered(
-            lambda a, i: a.call.remote(i, sweep_unit, group[i][0], group[i][1], method, group[i][3] is None,
-                                       group[i][4], common), range(len(group)))
+            lambda a, i: a.call.remote(
+                i, sweep_unit, group[i][0], group[i][1], method, group[i][3] is None, group[i][4], common
+            ),
+            range(len(group)),
+        )
         for i, got in units:
             name, args, key, old, leak_due = group[i]
             t = time.perf_counter()
@@ -916,8 +1141,17 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
                 prompts = _sweep_prompts(part.benign, part.harmful, part.knowns)
                 if name == "none":
                     _add_unsteered(unsteered, known, dict(zip(prompts, got["responses"], strict=True)))
-                res = _sweep_scores(part.benign, part.harmful, part.knowns, prompts, got["responses"], got["held"],
-                                    known, judge, name)
+                res = _sweep_scores(
+                    part.benign,
+                    part.harmful,
+                    part.knowns,
+                    prompts,
+                    got["responses"],
+                    got["held"],
+                    known,
+                    judge,
+                    name,
+                )
             if leak_due:
                 _add_unsteered(unsteered_leak, known_leak, (got["leak"] or {}).get("new_unsteered", {}))
                 res.update(_leak_scores(cfg, leaks, got["leak"], known_leak, judge))
@@ -931,9 +1165,14 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
             for name, args in tqdm(todo, desc=desc, disable=not cfg.progress):
                 score(name, args, method, part, leak_check)
             return
-        group = [(name, args, *d) for name, args in todo if (d := due(name, args, method, part, leak_check)) is not None]
-        with tqdm(total=len(group), desc=f"{desc} ({replicas.start().workers} replicas)",
-                  disable=not cfg.progress) as bar:
+        group = [
+            (name, args, *d)
+            for name, args in todo
+            if (d := due(name, args, method, part, leak_check)) is not None
+        ]
+        with tqdm(
+            total=len(group), desc=f"{desc} ({replicas.start().workers} replicas)", disable=not cfg.progress
+        ) as bar:
             # the unsteered answers first: the other settings copy the rows they leave unsteered
             for chunk in ([g for g in group if g[0] == "none"], [g for g in group if g[0] != "none"]):
                 if chunk:
@@ -946,12 +1185,23 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
             # unsteered from them), then every setting on the stratified part, then the finalists on all
             score_all([("none", {})], "generate", "sweep (unsteered)")
             sub = full.part(cfg.halving, {**data, "part": f"1/{cfg.halving}"})
-            score_all(settings, "generate", f"sweep, round 1 (1/{cfg.halving} of the prompts)", sub, leak_check=False)
+            score_all(
+                settings,
+                "generate",
+                f"sweep, round 1 (1/{cfg.halving} of the prompts)",
+                sub,
+                leak_check=False,
+            )
             finalists = _finalists(rows, settings, sub.data, cfg)
             score_all(finalists, "generate", f"sweep, round 2 ({len(finalists)} best on all prompts)")
-            halving = {"part": f"1/{cfg.halving}", "keep": cfg.halving_keep,
-                       "finalists": [{k: v for k, v in a.items() if k != "path"} for n, a in finalists if n != "none"],
-                       "round1": _rows_of(rows, settings, "generate", cfg.max_new_tokens, sub.data)}
+            halving = {
+                "part": f"1/{cfg.halving}",
+                "keep": cfg.halving_keep,
+                "finalists": [
+                    {k: v for k, v in a.items() if k != "path"} for n, a in finalists if n != "none"
+                ],
+                "round1": _rows_of(rows, settings, "generate", cfg.max_new_tokens, sub.data),
+            }
             settings_scored = finalists
         else:
             score_all(settings, cfg.method, f"sweep ({cfg.method})")
@@ -959,10 +1209,17 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
         if cfg.method == "first-token" and cfg.confirm:
             base_ft = next(r for r in rows if r["name"] == "none" and r["method"] == "first-token")
             # the most compliant settings that keep (screened) safety, plus the unsteered model and the baselines
-            cands = sorted([r for r in rows if r["method"] == "first-token" and r["name"] == "els"
-                            and r["key"] in {_key(n, a, "first-token", cfg.max_new_tokens, data) for n, a in settings}
-                            and r["harmful_refusal"] >= base_ft["harmful_refusal"] - 0.05],
-                           key=lambda r: -r["benign_compliance"])[:cfg.confirm]
+            cands = sorted(
+                [
+                    r
+                    for r in rows
+                    if r["method"] == "first-token"
+                    and r["name"] == "els"
+                    and r["key"] in {_key(n, a, "first-token", cfg.max_new_tokens, data) for n, a in settings}
+                    and r["harmful_refusal"] >= base_ft["harmful_refusal"] - 0.05
+                ],
+                key=lambda r: -r["benign_compliance"],
+            )[: cfg.confirm]
             lookup = {_key(n, a, "first-token", cfg.max_new_tokens, data): (n, a) for n, a in settings}
             confirm = [("none", {})] + [lookup[c["key"]] for c in cands]
             confirm += [(n, a) for n, a in settings if n not in ("none", "els")]
@@ -971,12 +1228,28 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     # in the grid's order (ties in the selection go to the earlier setting, however the rows were scored)
     final = _rows_of(rows, settings_scored if halving else settings, method, cfg.max_new_tokens, data)
     best = select_best(final, method, cfg.leak_constraint, cfg.knowns_tolerance)
-    result = {"method": method, "best": best, "n_settings": len(settings) if halving else len(final),
-              **({"best_lora": select_best(final, method, cfg.leak_constraint, cfg.knowns_tolerance, "els-lora"),
-                  "lora": list(cfg.lora), "lora_scales": list(cfg.lora_scales)} if cfg.lora else {}),
-              **({"limit": cfg.limit} if cfg.limit is not None else {}),
-              "max_new_tokens": cfg.max_new_tokens, "benign": cfg.benign, "harmful": cfg.harmful,
-              "knowns": cfg.knowns, "knowns_tolerance": cfg.knowns_tolerance}
+    result = {
+        "method": method,
+        "best": best,
+        "n_settings": len(settings) if halving else len(final),
+        **(
+            {
+                "best_lora": select_best(
+                    final, method, cfg.leak_constraint, cfg.knowns_tolerance, "els-lora"
+                ),
+                "lora": list(cfg.lora),
+                "lora_scales": list(cfg.lora_scales),
+            }
+            if cfg.lora
+            else {}
+        ),
+        **({"limit": cfg.limit} if cfg.limit is not None else {}),
+        "max_new_tokens": cfg.max_new_tokens,
+        "benign": cfg.benign,
+        "harmful": cfg.harmful,
+        "knowns": cfg.knowns,
+        "knowns_tolerance": cfg.knowns_tolerance,
+    }
     if halving:
         result["halving"] = {k: v for k, v in halving.items() if k != "round1"}
     if cfg.leak:
@@ -985,9 +1258,12 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
         result["backend"] = cfg.backend
     write_json_atomic(out / "best.json", result)
     plotted = halving["round1"] if halving else [r for r in final if r["method"] == method]
-    pareto_plot(plotted, out / "pareto.png",
-                title=f"validation: compliance vs safety ({method}"
-                      + (f", every setting on {halving['part']} of the prompts)" if halving else ")"))
+    pareto_plot(
+        plotted,
+        out / "pareto.png",
+        title=f"validation: compliance vs safety ({method}"
+        + (f", every setting on {halving['part']} of the prompts)" if halving else ")"),
+    )
     return result
 
 
@@ -1007,11 +1283,20 @@ def _finalists(rows: list[dict], settings: list, data: dict, cfg: SweepConfig) -
         return [("none", {})]
     by_key = {_key(n, a, "generate", cfg.max_new_tokens, data): (n, a) for n, a in settings}
     els = [r for r in scored if r["name"] == "els"]
-    ranked = sorted(els, key=lambda r: (not eligible(r, base, False, cfg.knowns_tolerance),
-                                        -r["benign_compliance"], -r["harmful_refusal"]))
+    ranked = sorted(
+        els,
+        key=lambda r: (
+            not eligible(r, base, False, cfg.knowns_tolerance),
+            -r["benign_compliance"],
+            -r["harmful_refusal"],
+        ),
+    )
     # the adapters' settings (few) all go on to the second round
-    return [("none", {})] + [by_key[r["key"]] for r in ranked[:cfg.halving_keep]] + \
-        [(n, a) for n, a in settings if n == "els-lora"]
+    return (
+        [("none", {})]
+        + [by_key[r["key"]] for r in ranked[: cfg.halving_keep]]
+        + [(n, a) for n, a in settings if n == "els-lora"]
+    )
 
 
 @dataclass
@@ -1027,6 +1312,7 @@ class _Part:
     def part(self, n: int, data: dict) -> _Part:
         """A fixed, stratified 1/n: each benign set, each harmful set (by source) and the known-answer
         questions sampled alike (:func:`_sampled`, seed 0), in their order."""
+
         def share(items: list) -> list:
             return _sampled(items, max(1, math.ceil(len(items) / n)), 0) if items else items
 
@@ -1034,6 +1320,9 @@ class _Part:
         for it in self.harmful:
             by_source.setdefault(it.source, []).append(it)
         harmful = {(it.source, it.id) for part in by_source.values() for it in share(part)}
-        return _Part({k: share(v) for k, v in self.benign.items()},
-                     [it for it in self.harmful if (it.source, it.id) in harmful],
-                     share(self.knowns) if self.knowns else self.knowns, data)
+        return _Part(
+            {k: share(v) for k, v in self.benign.items()},
+            [it for it in self.harmful if (it.source, it.id) in harmful],
+            share(self.knowns) if self.knowns else self.knowns,
+            data,
+        )

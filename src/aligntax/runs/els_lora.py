@@ -47,7 +47,14 @@ from torch import nn
 from aligntax.errors import AligntaxError
 from aligntax.runs.fsio import write_json_atomic
 
-__all__ = ["BENIGN_TARGETS", "DEFAULT_MODULES", "HARMFUL_TARGETS", "DistillConfig", "distill_els_lora", "distill_prompts"]
+__all__ = [
+    "BENIGN_TARGETS",
+    "DEFAULT_MODULES",
+    "HARMFUL_TARGETS",
+    "DistillConfig",
+    "distill_els_lora",
+    "distill_prompts",
+]
 
 BENIGN_TARGETS = ("els", "label")
 HARMFUL_TARGETS = ("unsteered", "refusal")
@@ -61,7 +68,9 @@ class DistillConfig:
     steer: str = "runs/els"  # the ELS folder (aligntax els train; its tuned setting from els sweep)
     out: str = "runs/els-lora"
     model: str | None = None  # default: the model the ELS folder was trained on
-    layers: list[int] | None = None  # adapted blocks (default: each steered block and ``before`` blocks before it)
+    layers: list[int] | None = (
+        None  # adapted blocks (default: each steered block and ``before`` blocks before it)
+    )
     before: int = 2
     modules: list[str] = field(default_factory=lambda: list(DEFAULT_MODULES))
     rank: int = 8
@@ -73,7 +82,9 @@ class DistillConfig:
     limit_harmful: int | None = 300  # harmful prompts besides the contrast halves (which are all kept)
     pairs: list[str] = field(default_factory=lambda: ["contrast-pairs"])
     preserve_weight: float = 3.0  # weight of the harmful rows' (unsteered) targets
-    benign_target: str = "label"  # benign rows: "els" (ELS's own decision, harm gate included) or "label" (no gate)
+    benign_target: str = (
+        "label"  # benign rows: "els" (ELS's own decision, harm gate included) or "label" (no gate)
+    )
     harmful_target: str = "refusal"  # harmful rows: "unsteered" or "refusal" (the refusal vector added)
     refusal_coeff: float = 1.0  # the refusal vector's strength for harmful_target="refusal"
     answer_tokens: int = 16  # benign: ELS-steered answer tokens when the ELS setting has no horizon
@@ -116,7 +127,9 @@ def distill_prompts(cfg: DistillConfig) -> tuple[list, list, list]:
     benign, harmful = _training_items(tcfg)
     pairs = load_prompt_sets(cfg.pairs) if cfg.pairs else []
     seen: set = set()
-    b = _dedupe(_sampled(benign, cfg.limit_benign, cfg.seed) + [it for it in pairs if it.label == "benign"], seen)
+    b = _dedupe(
+        _sampled(benign, cfg.limit_benign, cfg.seed) + [it for it in pairs if it.label == "benign"], seen
+    )
     twins = _dedupe([it for it in pairs if it.label == "harmful"], seen)
     h = _dedupe(harmful, seen)
     limit = cfg.limit_harmful
@@ -127,8 +140,9 @@ def distill_prompts(cfg: DistillConfig) -> tuple[list, list, list]:
         h += _dedupe(_sampled(extra, need, cfg.seed), seen)
     retain = []
     if cfg.limit_retain is None or cfg.limit_retain > 0:
-        retain = _dedupe(_sampled(load_prompt_sets(tcfg.harmless, tcfg.limit_harmless), cfg.limit_retain, cfg.seed),
-                         seen)
+        retain = _dedupe(
+            _sampled(load_prompt_sets(tcfg.harmless, tcfg.limit_harmless), cfg.limit_retain, cfg.seed), seen
+        )
     return b, twins + (h[:limit] if limit is not None else h), retain
 
 
@@ -153,8 +167,17 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _capture(lm, seqs: list[list[int]], plens: list[int], first: int, last: int, iv, batch_size: int,
-             progress: bool, desc: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _capture(
+    lm,
+    seqs: list[list[int]],
+    plens: list[int],
+    first: int,
+    last: int,
+    iv,
+    batch_size: int,
+    progress: bool,
+    desc: str,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence (prompt + answer token ids, prompt length): the states entering block ``first``
     (before any edit there) and leaving block ``last``, with ``iv``'s hooks on (None: unsteered), one
     teacher-forced forward per batch (prompts left-padded, answers right-padded), ``[len, d]`` each."""
@@ -177,15 +200,15 @@ def _capture(lm, seqs: list[list[int]], plens: list[int], first: int, last: int,
         raise _Stop(_first(output).detach())
 
     for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc=desc):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         p = max(plens[i] for i in idx)
         a = max(len(seqs[i]) - plens[i] for i in idx)
         ids = torch.full((len(idx), p + a), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, i in enumerate(idx):
             s, n = seqs[i], plens[i]
-            ids[r, p - n:p - n + len(s)] = torch.tensor(s)
-            mask[r, p - n:p - n + len(s)] = 1
+            ids[r, p - n : p - n + len(s)] = torch.tensor(s)
+            mask[r, p - n : p - n + len(s)] = 1
         ids, mask = ids.to(lm.device), mask.to(lm.device)
         ctx = SteerContext(prompt_len=p)
         h_pre = blocks[first].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
@@ -219,13 +242,17 @@ def _train_model(model: nn.Module, first: int, last: int) -> nn.Module:
     from aligntax.models.layers import decoder_layers
 
     blocks = decoder_layers(model)
-    memo = {id(b): _Pass(getattr(b, "attention_type", None)) for i, b in enumerate(blocks)
-            if not first <= i <= last}
+    memo = {
+        id(b): _Pass(getattr(b, "attention_type", None))
+        for i, b in enumerate(blocks)
+        if not first <= i <= last
+    }
     return copy.deepcopy(model, memo).eval()
 
 
-def _sub_forward(model: nn.Module, first: int, last: int, x: torch.Tensor, mask: torch.Tensor,
-                 pos: torch.Tensor) -> torch.Tensor:
+def _sub_forward(
+    model: nn.Module, first: int, last: int, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
     """The state leaving block ``last`` when ``x`` enters block ``first`` (blocks before are passed)."""
     from aligntax.hooks import replace_hidden_in_args
     from aligntax.models.layers import decoder_layers
@@ -260,9 +287,9 @@ def _batch(rows: list, device, dtype):
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for r, (xi, yi) in enumerate(rows):
         n = len(xi)
-        x[r, width - n:] = xi.to(dtype)
-        y[r, width - n:] = yi.float()
-        mask[r, width - n:] = 1
+        x[r, width - n :] = xi.to(dtype)
+        y[r, width - n :] = yi.float()
+        mask[r, width - n :] = 1
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     return x.to(device), y.to(device), mask.to(device), pos.to(device)
 
@@ -273,8 +300,13 @@ def _sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, harmful: list | None = None,
-                     retain: list | None = None) -> dict:
+def distill_els_lora(
+    cfg: DistillConfig,
+    lm=None,
+    benign: list | None = None,
+    harmful: list | None = None,
+    retain: list | None = None,
+) -> dict:
     """Train the adapter (see the module docstring), write it to ``cfg.out`` and return the summary
     written to its ``els_lora.json``. ``benign`` / ``harmful`` (and ``retain``, default none): prompt items
     (``.prompt``, ``.source``, ``.id``) instead of :func:`distill_prompts`."""
@@ -294,18 +326,30 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     steer, out = Path(cfg.steer), Path(cfg.out)
     if out.exists() and any(out.iterdir()):
         raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the adapter.")
-    if not (cfg.rank >= 1 and cfg.epochs >= 1 and cfg.batch_size >= 1 and cfg.lr > 0
-            and all(w >= 0 and math.isfinite(w) for w in (cfg.preserve_weight, cfg.retain_weight))):
-        raise AligntaxError("rank, epochs and batch_size must be at least 1, lr positive and preserve_weight and "
-                            "retain_weight finite and >= 0.")
+    if not (
+        cfg.rank >= 1
+        and cfg.epochs >= 1
+        and cfg.batch_size >= 1
+        and cfg.lr > 0
+        and all(w >= 0 and math.isfinite(w) for w in (cfg.preserve_weight, cfg.retain_weight))
+    ):
+        raise AligntaxError(
+            "rank, epochs and batch_size must be at least 1, lr positive and preserve_weight and "
+            "retain_weight finite and >= 0."
+        )
     if cfg.benign_target not in BENIGN_TARGETS:
-        raise AligntaxError(f"benign_target must be one of {', '.join(BENIGN_TARGETS)}; got {cfg.benign_target!r}.")
+        raise AligntaxError(
+            f"benign_target must be one of {', '.join(BENIGN_TARGETS)}; got {cfg.benign_target!r}."
+        )
     if cfg.harmful_target not in HARMFUL_TARGETS:
-        raise AligntaxError(f"harmful_target must be one of {', '.join(HARMFUL_TARGETS)}; "
-                            f"got {cfg.harmful_target!r}.")
+        raise AligntaxError(
+            f"harmful_target must be one of {', '.join(HARMFUL_TARGETS)}; got {cfg.harmful_target!r}."
+        )
     if cfg.harmful_target == "refusal" and not (steer / "vectors" / "vectors.safetensors").is_file():
-        raise AligntaxError(f"harmful_target 'refusal' needs the refusal vectors of {steer}/vectors "
-                            "(written by `aligntax els train`).")
+        raise AligntaxError(
+            f"harmful_target 'refusal' needs the refusal vectors of {steer}/vectors "
+            "(written by `aligntax els train`)."
+        )
     if lm is None:
         model = cfg.model
         if model is None:
@@ -316,22 +360,32 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
         lm = load_model(model, dtype=cfg.dtype)
     els = make_intervention("els", lm, path=str(steer), **cfg.els)
     # the benign rows' teacher: ELS as tuned, or (label) the same setting without its harm gate
-    els_b = els if cfg.benign_target == "els" else \
-        make_intervention("els", lm, path=str(steer), **{**cfg.els, "gate": "none"})
+    els_b = (
+        els
+        if cfg.benign_target == "els"
+        else make_intervention("els", lm, path=str(steer), **{**cfg.els, "gate": "none"})
+    )
     steered = sorted(els.models)
     n = len(decoder_layers(lm.model))
     target = max(steered)
-    layers = sorted({int(x) for x in cfg.layers}) if cfg.layers else \
-        sorted({s - k for s in steered for k in range(cfg.before + 1) if s - k >= 0})
+    layers = (
+        sorted({int(x) for x in cfg.layers})
+        if cfg.layers
+        else sorted({s - k for s in steered for k in range(cfg.before + 1) if s - k >= 0})
+    )
     if not layers or not 0 <= layers[0] or layers[-1] >= n:
         raise AligntaxError(f"Adapter blocks {layers} do not exist: the model has {n} blocks.")
     if layers[-1] > target:
-        raise AligntaxError(f"Adapter blocks {layers} go past the last steered block {target}, whose output is "
-                            "the target: an adapter there cannot change it.")
+        raise AligntaxError(
+            f"Adapter blocks {layers} go past the last steered block {target}, whose output is "
+            "the target: an adapter there cannot change it."
+        )
     first = layers[0]
     if first > steered[0]:
-        raise AligntaxError(f"The first adapter block ({first}) comes after the first steered block ({steered[0]}); "
-                            "the adapter must start at or before it.")
+        raise AligntaxError(
+            f"The first adapter block ({first}) comes after the first steered block ({steered[0]}); "
+            "the adapter must start at or before it."
+        )
     horizon = els.horizon if els.horizon is not None else int(cfg.answer_tokens)
     if benign is None or harmful is None:
         benign, harmful, retain = distill_prompts(cfg)
@@ -343,23 +397,44 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     # label run where it answered them, else generated (or, for refusal targets, with the refusal vector
     # added); everyday ones unsteered, generated
     def gen(items, n_tokens, iv, desc):
-        return [g.response for g in generate(lm, [it.prompt for it in items],
-                                             GenerationConfig(max_new_tokens=n_tokens, batch_size=32), iv,
-                                             progress=cfg.progress, desc=desc)]
+        return [
+            g.response
+            for g in generate(
+                lm,
+                [it.prompt for it in items],
+                GenerationConfig(max_new_tokens=n_tokens, batch_size=32),
+                iv,
+                progress=cfg.progress,
+                desc=desc,
+            )
+        ]
 
-    refuse = make_intervention("refusal-add", lm, path=str(steer / "vectors"), layers=[target],
-                               coeff=float(cfg.refusal_coeff)) if cfg.harmful_target == "refusal" else None
+    refuse = (
+        make_intervention(
+            "refusal-add", lm, path=str(steer / "vectors"), layers=[target], coeff=float(cfg.refusal_coeff)
+        )
+        if cfg.harmful_target == "refusal"
+        else None
+    )
     kept = retain if refuse is not None else harmful + retain  # rows whose target is the unsteered state
     b_answers = gen(benign, horizon, els_b, "distill: steered answers")
     labels = steer / "labels" / "samples.jsonl"
     known = {(r["source"], r["id"]): r["response"] for r in read_jsonl(labels)} if labels.is_file() else {}
     missing = [it for it in kept if (it.source, it.id) not in known]
-    new = dict(zip([(it.source, it.id) for it in missing],
-                   gen(missing, cfg.harmful_answer_tokens, None, "distill: unsteered answers"), strict=True)) \
-        if missing else {}
+    new = (
+        dict(
+            zip(
+                [(it.source, it.id) for it in missing],
+                gen(missing, cfg.harmful_answer_tokens, None, "distill: unsteered answers"),
+                strict=True,
+            )
+        )
+        if missing
+        else {}
+    )
     k_answers = [known.get((it.source, it.id), new.get((it.source, it.id))) for it in kept]
     b_seqs, b_plens = chat_ids(lm, [it.prompt for it in benign], responses=b_answers)
-    b_seqs = [s[:p + horizon] for s, p in zip(b_seqs, b_plens, strict=True)]
+    b_seqs = [s[: p + horizon] for s, p in zip(b_seqs, b_plens, strict=True)]
     k_seqs, k_plens = chat_ids(lm, [it.prompt for it in kept], responses=k_answers) if kept else ([], [])
 
     # targets: the state leaving the last steered block, ELS on (benign), off (kept rows), the refusal
@@ -370,8 +445,10 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     if refuse is not None:
         r_answers = gen(harmful, cfg.harmful_answer_tokens, refuse, "distill: refusal answers")
         r_seqs, r_plens = chat_ids(lm, [it.prompt for it in harmful], responses=r_answers)
-        k_rows = _capture(lm, r_seqs, r_plens, first, target, refuse, 16, cfg.progress,
-                          "distill: refusal states") + k_rows
+        k_rows = (
+            _capture(lm, r_seqs, r_plens, first, target, refuse, 16, cfg.progress, "distill: refusal states")
+            + k_rows
+        )
     norms = torch.cat([y.float().norm(dim=-1) for _, y in k_rows])
     norm2 = float(norms.median()) ** 2
     # which rows ELS steers (its harm gate and row energy decision), for the summary
@@ -382,14 +459,25 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     torch.manual_seed(cfg.seed)
     model = _train_model(lm.model, first, target)
     prefix = _blocks_prefix(model)
-    names = [f"{prefix}.{i}.{path}" for i in layers for path in _module_paths(decoder_layers(model)[i], cfg.modules)]
+    names = [
+        f"{prefix}.{i}.{path}"
+        for i in layers
+        for path in _module_paths(decoder_layers(model)[i], cfg.modules)
+    ]
     alpha = float(cfg.alpha) if cfg.alpha is not None else 2.0 * cfg.rank
-    peft_model = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=alpha, lora_dropout=0.0,
-                                                  target_modules=names, task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=cfg.rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=names, task_type="CAUSAL_LM"
+        ),
+    )
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    kinds = [(1.0, "benign")] * len(b_rows) + [(float(cfg.preserve_weight), "harmful")] * len(harmful) + \
-        [(float(cfg.retain_weight), "retain")] * len(retain)
+    kinds = (
+        [(1.0, "benign")] * len(b_rows)
+        + [(float(cfg.preserve_weight), "harmful")] * len(harmful)
+        + [(float(cfg.retain_weight), "retain")] * len(retain)
+    )
     rows = [(r, w, kind) for r, (w, kind) in zip(b_rows + k_rows, kinds, strict=True)]
     rng = random.Random(cfg.seed)
     dtype = next(p for p in lm.model.parameters()).dtype
@@ -400,16 +488,18 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
         if train:
             rng.shuffle(order)
         # batches of similar length (little padding), in random order
-        chunks = [order[i:i + cfg.batch_size * 8] for i in range(0, len(order), cfg.batch_size * 8)]
+        chunks = [order[i : i + cfg.batch_size * 8] for i in range(0, len(order), cfg.batch_size * 8)]
         batches = []
         for c in chunks:
             c = sorted(c, key=lambda i: len(rows[i][0][0]))
-            batches += [c[i:i + cfg.batch_size] for i in range(0, len(c), cfg.batch_size)]
+            batches += [c[i : i + cfg.batch_size] for i in range(0, len(c), cfg.batch_size)]
         if train:
             rng.shuffle(batches)
         sums = {"benign": 0.0, "harmful": 0.0, "retain": 0.0}
         counts = {"benign": 0, "harmful": 0, "retain": 0}
-        for idx in tqdm(batches, disable=not cfg.progress, desc="distill: train" if train else "distill: eval"):
+        for idx in tqdm(
+            batches, disable=not cfg.progress, desc="distill: train" if train else "distill: eval"
+        ):
             x, y, mask, pos = _batch([rows[i][0] for i in idx], lm.device, dtype)
             w = torch.tensor([rows[i][1] for i in idx], device=lm.device)
             with torch.set_grad_enabled(train):
@@ -435,27 +525,56 @@ def distill_els_lora(cfg: DistillConfig, lm=None, benign: list | None = None, ha
     for stray in out.glob("*.bin"):  # only safetensors ship
         stray.unlink()
     meta = {
-        "format": FORMAT, "fingerprint": dict(lm.fingerprint or {}), "layers": layers, "target_block": target,
-        "steered_layers": steered, "modules": names, "horizon": horizon,
-        "hyper": {"rank": cfg.rank, "alpha": alpha, "epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size,
-                  "preserve_weight": cfg.preserve_weight, "benign_target": cfg.benign_target,
-                  "harmful_target": cfg.harmful_target, "refusal_coeff": cfg.refusal_coeff,
-                  "limit_benign": cfg.limit_benign,
-                  "limit_harmful": cfg.limit_harmful, "answer_tokens": cfg.answer_tokens,
-                  "harmful_answer_tokens": cfg.harmful_answer_tokens, "limit_retain": cfg.limit_retain,
-                  "retain_weight": cfg.retain_weight, "seed": cfg.seed, "dtype": cfg.dtype,
-                  "modules": cfg.modules, "before": cfg.before},
-        "source": {"path": str(steer), "els": els.config(),
-                   "energy_sha256": _sha256(steer / "energy.safetensors"),
-                   "gate_sha256": _sha256(steer / "gate.safetensors")},
-        "data": {"benign": len(benign), "harmful": len(harmful), "retain": len(retain), "pairs": cfg.pairs,
-                 "benign_sources": _count(benign), "harmful_sources": _count(harmful),
-                 "retain_sources": _count(retain),
-                 "benign_steered_by_els": sum(bool(r["steered"]) for r in info_b),
-                 "harmful_steered_by_els": sum(bool(r["steered"]) for r in info_h),
-                 "answers_generated": len(missing), "tokens": sum(len(s) for s in b_seqs + k_seqs + r_seqs)},
+        "format": FORMAT,
+        "fingerprint": dict(lm.fingerprint or {}),
+        "layers": layers,
+        "target_block": target,
+        "steered_layers": steered,
+        "modules": names,
+        "horizon": horizon,
+        "hyper": {
+            "rank": cfg.rank,
+            "alpha": alpha,
+            "epochs": cfg.epochs,
+            "lr": cfg.lr,
+            "batch_size": cfg.batch_size,
+            "preserve_weight": cfg.preserve_weight,
+            "benign_target": cfg.benign_target,
+            "harmful_target": cfg.harmful_target,
+            "refusal_coeff": cfg.refusal_coeff,
+            "limit_benign": cfg.limit_benign,
+            "limit_harmful": cfg.limit_harmful,
+            "answer_tokens": cfg.answer_tokens,
+            "harmful_answer_tokens": cfg.harmful_answer_tokens,
+            "limit_retain": cfg.limit_retain,
+            "retain_weight": cfg.retain_weight,
+            "seed": cfg.seed,
+            "dtype": cfg.dtype,
+            "modules": cfg.modules,
+            "before": cfg.before,
+        },
+        "source": {
+            "path": str(steer),
+            "els": els.config(),
+            "energy_sha256": _sha256(steer / "energy.safetensors"),
+            "gate_sha256": _sha256(steer / "gate.safetensors"),
+        },
+        "data": {
+            "benign": len(benign),
+            "harmful": len(harmful),
+            "retain": len(retain),
+            "pairs": cfg.pairs,
+            "benign_sources": _count(benign),
+            "harmful_sources": _count(harmful),
+            "retain_sources": _count(retain),
+            "benign_steered_by_els": sum(bool(r["steered"]) for r in info_b),
+            "harmful_steered_by_els": sum(bool(r["steered"]) for r in info_h),
+            "answers_generated": len(missing),
+            "tokens": sum(len(s) for s in b_seqs + k_seqs + r_seqs),
+        },
         "loss": {"norm2": norm2, "before": before, "after": after, "epochs": history},
-        "seconds": round(time.perf_counter() - t0, 1), "config": asdict(cfg),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "config": asdict(cfg),
     }
     write_json_atomic(out / SIDECAR, meta)
     ElsLora.load(out, lm)  # what was written loads for this model
@@ -481,10 +600,16 @@ def _blocks_prefix(model: nn.Module) -> str:
 
 def _module_paths(block: nn.Module, wanted: list[str]) -> list[str]:
     """The paths inside ``block`` of its Linear layers whose last name is in ``wanted``."""
-    paths = [name for name, m in block.named_modules() if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in wanted]
+    paths = [
+        name
+        for name, m in block.named_modules()
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in wanted
+    ]
     found = {p.rsplit(".", 1)[-1] for p in paths}
     missing = [w for w in wanted if w not in found]
     if missing:
-        have = sorted({name.rsplit(".", 1)[-1] for name, m in block.named_modules() if isinstance(m, nn.Linear)})
+        have = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+        )
         raise AligntaxError(f"The blocks have no Linear layers named {missing}; they have {have}.")
     return paths

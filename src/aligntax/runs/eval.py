@@ -35,8 +35,20 @@ from aligntax.runs.provenance import (
 from aligntax.runs.sources import check_source, generation_source
 
 # Fields that change what a sample is; a resumed run must agree on all of them.
-_RESULT_FIELDS = ("model", "judge", "system", "max_new_tokens", "do_sample", "temperature", "top_p",
-                  "seed", "dtype", "intervention", "intervention_args", "backend")
+_RESULT_FIELDS = (
+    "model",
+    "judge",
+    "system",
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "seed",
+    "dtype",
+    "intervention",
+    "intervention_args",
+    "backend",
+)
 # Settings added after run folders were first written: the value an older config.json (without them) had.
 _OLDER_DEFAULTS = {"backend": "hf"}
 
@@ -73,13 +85,25 @@ class EvalConfig:
 
     def source_spec(self) -> SourceSpec:
         """What the run generates with (:meth:`~aligntax.generation.source.GenerationSource.open`)."""
-        return SourceSpec(self.model, self.dtype, self.intervention, dict(self.intervention_args or {}), self.batch_size,
-                          self.device_map)
+        return SourceSpec(
+            self.model,
+            self.dtype,
+            self.intervention,
+            dict(self.intervention_args or {}),
+            self.batch_size,
+            self.device_map,
+        )
 
     def generation(self) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
-                                temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                                batch_size=self.batch_size, system=self.system)
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=self.do_sample,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            system=self.system,
+        )
 
 
 def load_prompt_sets(specs: list[str], limit: int | None = None) -> list:
@@ -97,11 +121,27 @@ def _setting_diffs(old: dict, cfg: EvalConfig, fields) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fields if old.get(k) != new.get(k)]
 
 
-def _sample(it, response: str, refused: bool, refusal_score: float, judge: str, n_tokens: int,
-            finish_reason: str, **extra) -> dict:
+def _sample(
+    it,
+    response: str,
+    refused: bool,
+    refusal_score: float,
+    judge: str,
+    n_tokens: int,
+    finish_reason: str,
+    **extra,
+) -> dict:
     """One line of ``samples.jsonl``."""
-    return {**it.to_dict(), "response": response, "refused": refused, "refusal_score": round(float(refusal_score), 6),
-            "judge": judge, "n_tokens": n_tokens, "finish_reason": finish_reason, **extra}
+    return {
+        **it.to_dict(),
+        "response": response,
+        "refused": refused,
+        "refusal_score": round(float(refusal_score), 6),
+        "judge": judge,
+        "n_tokens": n_tokens,
+        "finish_reason": finish_reason,
+        **extra,
+    }
 
 
 def has_samples(out: Path) -> bool:
@@ -165,8 +205,16 @@ def activation_id(item) -> str:
     return f"{item.source}/{item.id}"
 
 
-def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None, recorder=None,
-             ray=None, source: GenerationSource | None = None) -> dict:
+def run_eval(
+    cfg: EvalConfig,
+    lm=None,
+    judge=None,
+    intervention=None,
+    items=None,
+    recorder=None,
+    ray=None,
+    source: GenerationSource | None = None,
+) -> dict:
     """Run (or resume) an evaluation; returns the results dict also written to ``results.json``.
 
     ``items`` (PromptItems) replaces loading ``cfg.data`` when given. ``recorder`` (a
@@ -189,8 +237,11 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
     source = source or generation_source(cfg.backend, ray)
     try:
         check_source(source, cfg.backend)
-        source.check(recorder=recorder is not None, loaded_intervention=intervention is not None,
-                     loaded_model=lm is not None)
+        source.check(
+            recorder=recorder is not None,
+            loaded_intervention=intervention is not None,
+            loaded_model=lm is not None,
+        )
         out = Path(cfg.out)
         with run_lock(out):  # one writer per run folder; a second is refused
             return _run_eval(cfg, out, lm, judge, intervention, items, recorder, source)
@@ -199,8 +250,16 @@ def run_eval(cfg: EvalConfig, lm=None, judge=None, intervention=None, items=None
             source.close()
 
 
-def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, recorder,
-              source: GenerationSource | None = None) -> dict:
+def _run_eval(
+    cfg: EvalConfig,
+    out: Path,
+    lm,
+    judge,
+    intervention,
+    items,
+    recorder,
+    source: GenerationSource | None = None,
+) -> dict:
     from aligntax.judges import get_judge
 
     saved = read_provenance(out) if has_samples(out) else {}
@@ -238,14 +297,22 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
             steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
             decider = gen.decider()  # None: nothing decided per row
             with remembered_prefill_states():  # one prefill pass serves the records and the reuse decision
-                info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
-                    if intervention is not None and decider is not None else None
+                info = (
+                    decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size)
+                    if intervention is not None and decider is not None
+                    else None
+                )
                 if info is not None:
                     steering = {(it.source, it.id): r for it, r in zip(todo, info, strict=True)}
                 if cfg.reuse_unsteered and intervention is not None and decider is not None:
                     todo, n_reused = _reuse_unsteered(cfg, decider, todo, judge, samples_path, steering)
-            batches = gen.iter_generate([it.prompt for it in todo], cfg.generation(), progress=cfg.progress,
-                                        desc="eval", recorder=recorder)
+            batches = gen.iter_generate(
+                [it.prompt for it in todo],
+                cfg.generation(),
+                progress=cfg.progress,
+                desc="eval",
+                recorder=recorder,
+            )
             tb = time.perf_counter()
             for idx, gens in batches:
                 gen_seconds += time.perf_counter() - tb
@@ -254,11 +321,22 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
                 if recorder is not None:
                     recorder.keep([activation_id(it) for it in batch_items], [it.label for it in batch_items])
                 verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
-                append_jsonl(samples_path, [
-                    _sample(it, g.response, v.refused, v.refusal_score, judge.name, g.n_tokens, g.finish_reason,
-                            **_steering_field(steering, it, gen.decided.get(i)))
-                    for i, it, g, v in zip(idx, batch_items, gens, verdicts, strict=True)
-                ])
+                append_jsonl(
+                    samples_path,
+                    [
+                        _sample(
+                            it,
+                            g.response,
+                            v.refused,
+                            v.refusal_score,
+                            judge.name,
+                            g.n_tokens,
+                            g.finish_reason,
+                            **_steering_field(steering, it, gen.decided.get(i)),
+                        )
+                        for i, it, g, v in zip(idx, batch_items, gens, verdicts, strict=True)
+                    ],
+                )
                 tb = time.perf_counter()
             run_stats = gen.stats()
     rows = read_jsonl(samples_path)
@@ -272,8 +350,15 @@ def _run_eval(cfg: EvalConfig, out: Path, lm, judge, intervention, items, record
         **_steering_stats(prev if done else {}, run_stats),
         "intervention": _read_intervention(out),
         **_paired_against(cfg, rows),
-        "timing": _timing(prev.get("timing", {}) if done else {}, time.perf_counter() - t0,
-                          gen_seconds, n_tokens, len(todo), len(done & wanted), n_reused),
+        "timing": _timing(
+            prev.get("timing", {}) if done else {},
+            time.perf_counter() - t0,
+            gen_seconds,
+            n_tokens,
+            len(todo),
+            len(done & wanted),
+            n_reused,
+        ),
     }
     write_json_atomic(out / "results.json", results)
     from aligntax.reports import write_eval_report
@@ -288,7 +373,9 @@ def _steering_stats(prev: dict, new: dict) -> dict:
     after the descent; decisions' row counts); ``{}`` when nothing was steered."""
     from aligntax.interventions.kernels import merge_stats
 
-    merged = merge_stats(json.loads(json.dumps(prev.get("steering_stats") or {})), json.loads(json.dumps(new)))
+    merged = merge_stats(
+        json.loads(json.dumps(prev.get("steering_stats") or {})), json.loads(json.dumps(new))
+    )
     return {"steering_stats": merged} if merged else {}
 
 
@@ -296,7 +383,9 @@ def _record_intervention(out: Path, intervention) -> None:
     """Write the intervention's resolved settings (e.g. ELS settings taken from a tuned ``best.json``) to
     ``intervention.json``; a resumed run whose intervention resolves differently is refused, so that
     samples made with two settings never mix."""
-    resolved = json.loads(json.dumps(intervention.config() if intervention is not None else None, default=str))
+    resolved = json.loads(
+        json.dumps(intervention.config() if intervention is not None else None, default=str)
+    )
     path = out / "intervention.json"
     if path.is_file():
         old = json.loads(path.read_text())
@@ -304,7 +393,8 @@ def _record_intervention(out: Path, intervention) -> None:
             raise AligntaxError(
                 f"{out} was run with intervention settings {json.dumps(_settings(old))}, but they now resolve to "
                 f"{json.dumps(_settings(resolved))} (did the folder's sweep/best.json change?). Use another --out, "
-                "or give the settings explicitly.")
+                "or give the settings explicitly."
+            )
         return
     write_json_atomic(path, resolved)
 
@@ -349,31 +439,40 @@ def steering_summary(rows: list[dict]) -> dict:
     out = {}
     for key, infos in sorted(groups.items()):
         steered = [i for i in infos if i.get("steered")]
-        out[key] = {"rows": len(infos), "steered": len(steered),
-                    "mean_strength": round(sum(i.get("strength", 1.0) for i in steered) / len(steered), 4)
-                    if steered else None,
-                    "harm_p": quartiles([i["harm_p"] for i in infos if "harm_p" in i]),
-                    "energy": quartiles([i["energy"] for i in infos if "energy" in i])}
+        out[key] = {
+            "rows": len(infos),
+            "steered": len(steered),
+            "mean_strength": round(sum(i.get("strength", 1.0) for i in steered) / len(steered), 4)
+            if steered
+            else None,
+            "harm_p": quartiles([i["harm_p"] for i in infos if "harm_p" in i]),
+            "energy": quartiles([i["energy"] for i in infos if "energy" in i]),
+        }
     return {"steering": out}
 
 
-def _reuse_unsteered(cfg: EvalConfig, decider, todo: list, judge, samples_path: Path,
-                     steering: dict | None = None) -> tuple[list, int]:
+def _reuse_unsteered(
+    cfg: EvalConfig, decider, todo: list, judge, samples_path: Path, steering: dict | None = None
+) -> tuple[list, int]:
     """Copy the unsteered run's answers for the rows the intervention leaves unsteered (``decider``:
     where its decisions are made; appended to the samples with ``"reused": True``); returns the rows
     still to generate and how many were copied."""
     src = Path(cfg.reuse_unsteered)
     cfg_path, samples = src / "config.json", src / "samples.jsonl"
     if not cfg_path.is_file() or not samples.is_file():
-        raise AligntaxError(f"--reuse-unsteered {src}: not an evaluation run folder (no config.json / samples.jsonl).")
+        raise AligntaxError(
+            f"--reuse-unsteered {src}: not an evaluation run folder (no config.json / samples.jsonl)."
+        )
     old = json.loads(cfg_path.read_text())
     used = old.get("intervention") or ((_read_intervention(src) or {}).get("name") or "none")
     if used != "none":
-        raise AligntaxError(f"--reuse-unsteered {src}: that run used the intervention '{used}'; "
-                            "it must be an unsteered run.")
+        raise AligntaxError(
+            f"--reuse-unsteered {src}: that run used the intervention '{used}'; it must be an unsteered run."
+        )
     if old.get("do_sample") or cfg.do_sample:
-        raise AligntaxError("--reuse-unsteered needs greedy decoding in both runs (sampled answers are not "
-                            "reproducible).")
+        raise AligntaxError(
+            "--reuse-unsteered needs greedy decoding in both runs (sampled answers are not reproducible)."
+        )
     diffs = _setting_diffs(old, cfg, ("model", "system", "max_new_tokens", "dtype", "backend"))
     if diffs:
         raise AligntaxError(f"--reuse-unsteered {src} was made with other settings ({'; '.join(diffs)}).")
@@ -387,16 +486,33 @@ def _reuse_unsteered(cfg: EvalConfig, decider, todo: list, judge, samples_path: 
     if all(r.get("judge") == judge.name for r in rows):
         verdicts = [(r["refused"], r["refusal_score"]) for r in rows]
     else:
-        verdicts = [(v.refused, v.refusal_score) for v in judge.judge([r["prompt"] for r in rows],
-                                                                      [r["response"] for r in rows])]
-    append_jsonl(samples_path, [_sample(it, r["response"], refused, score, judge.name, r["n_tokens"],
-                                        r["finish_reason"], reused=True, **_steering_field(steering or {}, it))
-                                for it, r, (refused, score) in zip(reuse, rows, verdicts, strict=True)])
+        verdicts = [
+            (v.refused, v.refusal_score)
+            for v in judge.judge([r["prompt"] for r in rows], [r["response"] for r in rows])
+        ]
+    append_jsonl(
+        samples_path,
+        [
+            _sample(
+                it,
+                r["response"],
+                refused,
+                score,
+                judge.name,
+                r["n_tokens"],
+                r["finish_reason"],
+                reused=True,
+                **_steering_field(steering or {}, it),
+            )
+            for it, r, (refused, score) in zip(reuse, rows, verdicts, strict=True)
+        ],
+    )
     return [it for it, c in zip(todo, copy, strict=True) if not c], len(reuse)
 
 
-def _timing(prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int, resumed: int,
-            reused: int = 0) -> dict:
+def _timing(
+    prev: dict, wall: float, gen_seconds: float, n_tokens: int, new: int, resumed: int, reused: int = 0
+) -> dict:
     """Throughput over every invocation that produced samples in this run folder."""
     gen_total = prev.get("generation_seconds_total", 0.0) + gen_seconds
     tok_total = prev.get("generated_tokens_total", 0) + n_tokens
@@ -424,16 +540,27 @@ def _paired_against(cfg: EvalConfig, rows: list[dict]) -> dict:
         return {}
     path = Path(ref) / "samples.jsonl"
     if not path.is_file():
-        raise AligntaxError(f"Cannot compare with {ref}: it holds no samples.jsonl (not an evaluation run folder).")
+        raise AligntaxError(
+            f"Cannot compare with {ref}: it holds no samples.jsonl (not an evaluation run folder)."
+        )
     mine = {(r["source"], r["id"]) for r in rows}
     before = [r for r in read_jsonl(path) if (r["source"], r["id"]) in mine]
     if not before:
         raise AligntaxError(f"Cannot compare with {ref}: it holds none of this run's prompts.")
     changes = paired_changes(before, rows)
-    judges = {"reference": sorted({r.get("judge", "?") for r in before}),
-              "this run": sorted({r.get("judge", "?") for r in rows})}
-    return {"paired": {"against": str(ref), "judges": judges, "n_pairs": len(before),
-                       "unmatched": changes["unmatched"], "datasets": changes["datasets"]}}
+    judges = {
+        "reference": sorted({r.get("judge", "?") for r in before}),
+        "this run": sorted({r.get("judge", "?") for r in rows}),
+    }
+    return {
+        "paired": {
+            "against": str(ref),
+            "judges": judges,
+            "n_pairs": len(before),
+            "unmatched": changes["unmatched"],
+            "datasets": changes["datasets"],
+        }
+    }
 
 
 def _previous(out: Path) -> dict:
@@ -444,7 +571,6 @@ def _previous(out: Path) -> dict:
 def rejudge(out: str | Path, judge_name: str | None = None, judge=None) -> dict:
     """Judge the responses of an existing run folder again (a new judge, or a retrained one) and rewrite
     ``samples.jsonl``, ``results.json`` and ``report.md``; no generation. The rewrite is atomic."""
-
 
     out = Path(out)
     prev = _previous(out)
@@ -474,8 +600,13 @@ def _rejudge(out: Path, prev: dict, judge_name: str | None, judge) -> dict:
     saved = read_provenance(out)
     if saved:  # the samples are judged by this judge now
         _save_provenance(out, saved, {**saved, "judge": judge_identity(judge)})
-    results = {**prev, "config": asdict(cfg), **summarize_refusals(rows), **steering_summary(rows),
-               **_paired_against(cfg, rows)}
+    results = {
+        **prev,
+        "config": asdict(cfg),
+        **summarize_refusals(rows),
+        **steering_summary(rows),
+        **_paired_against(cfg, rows),
+    }
     write_json_atomic(out / "results.json", results)
     from aligntax.reports import write_eval_report
 

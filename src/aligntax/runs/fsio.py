@@ -107,8 +107,9 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def write_json_atomic(path: str | Path, obj, *, indent: int | None = 2, default=None,
-                      ensure_ascii: bool = True) -> None:
+def write_json_atomic(
+    path: str | Path, obj, *, indent: int | None = 2, default=None, ensure_ascii: bool = True
+) -> None:
     """``json.dumps(obj)`` written to ``path`` atomically (see :func:`write_text_atomic`). The JSON is
     built first, so an object that cannot be serialised leaves the old file untouched."""
     write_text_atomic(path, json.dumps(obj, indent=indent, default=default, ensure_ascii=ensure_ascii) + "\n")
@@ -177,8 +178,12 @@ def run_lock(folder: str | Path) -> Iterator[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     token = f"{os.getpid()}-{time.time_ns()}"
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "token": token,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "token": token,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     for _ in range(5):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -191,7 +196,8 @@ def run_lock(folder: str | Path) -> Iterator[Path]:
                 since = f", since {held['started']}" if held.get("started") else ""
                 raise RunLockedError(
                     f"{folder} is in use by another aligntax run ({who}{since}). Wait for it to finish or "
-                    f"use another --out. If no such process is running, delete {path}.") from None
+                    f"use another --out. If no such process is running, delete {path}."
+                ) from None
             # stale: remove it, checking again under a guard so that two takers cannot both win
             with _guard(folder):
                 if _read_lock(path) == held:

@@ -59,7 +59,9 @@ class KnownsConfig:
     def generation(self):
         from aligntax.generation import GenerationConfig
 
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, system=self.system)
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, system=self.system
+        )
 
 
 def _reuse_unsteered(cfg: KnownsConfig, decider, todo: list, samples_path: Path, steering: dict) -> list:
@@ -70,13 +72,17 @@ def _reuse_unsteered(cfg: KnownsConfig, decider, todo: list, samples_path: Path,
 
     src = Path(cfg.reuse_unsteered)
     if not (src / "config.json").is_file() or not (src / "samples.jsonl").is_file():
-        raise AligntaxError(f"reuse_unsteered {src}: not a knowns run folder (no config.json / samples.jsonl).")
+        raise AligntaxError(
+            f"reuse_unsteered {src}: not a knowns run folder (no config.json / samples.jsonl)."
+        )
     from aligntax.runs.eval import _read_intervention, _setting_diffs
 
     old = json.loads((src / "config.json").read_text())
     used = old.get("intervention") or ((_read_intervention(src) or {}).get("name") or "none")
     if used != "none":
-        raise AligntaxError(f"reuse_unsteered {src}: that run used the intervention {used!r}; it must be unsteered.")
+        raise AligntaxError(
+            f"reuse_unsteered {src}: that run used the intervention {used!r}; it must be unsteered."
+        )
 
     diffs = _setting_diffs(old, cfg, ("model", "data", "system", "max_new_tokens", "dtype", "backend"))
     if diffs:
@@ -85,16 +91,35 @@ def _reuse_unsteered(cfg: KnownsConfig, decider, todo: list, samples_path: Path,
     known = [it.id in prior and prior[it.id].get("prompt") == it.prompt for it in todo]
     copy = rows_to_copy(decider, [it.prompt for it in todo], known, cfg.system, cfg.batch_size)
     reuse = [it for it, c in zip(todo, copy, strict=True) if c]
-    append_jsonl(samples_path, [
-        {**it.to_dict(), "response": prior[it.id]["response"], "correct": it.check(prior[it.id]["response"]),
-         "n_tokens": prior[it.id].get("n_tokens"), "finish_reason": prior[it.id].get("finish_reason"),
-         "reused": True, **({"steering": steering[it.id]} if it.id in steering else {})} for it in reuse])
+    append_jsonl(
+        samples_path,
+        [
+            {
+                **it.to_dict(),
+                "response": prior[it.id]["response"],
+                "correct": it.check(prior[it.id]["response"]),
+                "n_tokens": prior[it.id].get("n_tokens"),
+                "finish_reason": prior[it.id].get("finish_reason"),
+                "reused": True,
+                **({"steering": steering[it.id]} if it.id in steering else {}),
+            }
+            for it in reuse
+        ],
+    )
     return [it for it, c in zip(todo, copy, strict=True) if not c]
 
 
 # Fields that change what a sample is; a resumed run must agree on all of them.
-_RESULT_FIELDS = ("model", "data", "system", "max_new_tokens", "dtype", "intervention", "intervention_args",
-                  "backend")
+_RESULT_FIELDS = (
+    "model",
+    "data",
+    "system",
+    "max_new_tokens",
+    "dtype",
+    "intervention",
+    "intervention_args",
+    "backend",
+)
 
 
 def _check_resume(out: Path, cfg: KnownsConfig) -> None:
@@ -105,8 +130,10 @@ def _check_resume(out: Path, cfg: KnownsConfig) -> None:
         return
     diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
     if diffs:
-        raise AligntaxError(f"{out} holds a knowns run with different settings ({'; '.join(diffs)}). Use another "
-                            "--out, or delete the folder to start again.")
+        raise AligntaxError(
+            f"{out} holds a knowns run with different settings ({'; '.join(diffs)}). Use another "
+            "--out, or delete the folder to start again."
+        )
 
 
 def run_knowns(cfg: KnownsConfig, lm=None, intervention=None, source=None) -> dict:
@@ -142,8 +169,11 @@ def _run_knowns(cfg: KnownsConfig, lm, intervention, source) -> dict:
     write_json_atomic(out / "config.json", asdict(cfg))
     samples_path = out / "samples.jsonl"
     by_id = {it.id: it for it in items}
-    done = {r["id"] for r in read_jsonl(samples_path, repair=True)
-            if r.get("id") in by_id and r.get("prompt") == by_id[r["id"]].prompt}
+    done = {
+        r["id"]
+        for r in read_jsonl(samples_path, repair=True)
+        if r.get("id") in by_id and r.get("prompt") == by_id[r["id"]].prompt
+    }
     todo = [it for it in items if it.id not in done]
 
     t0 = time.perf_counter()
@@ -156,23 +186,36 @@ def _run_knowns(cfg: KnownsConfig, lm, intervention, source) -> dict:
             lm, intervention = gen.lm, gen.intervention
             _record_intervention(out, intervention)
             decider = gen.decider()
-            info = decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size) \
-                if intervention is not None and decider is not None else None
+            info = (
+                decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size)
+                if intervention is not None and decider is not None
+                else None
+            )
             steering = {it.id: r for it, r in zip(todo, info, strict=True)} if info is not None else {}
             if cfg.reuse_unsteered and intervention is not None and decider is not None:
                 before = len(todo)
                 todo = _reuse_unsteered(cfg, decider, todo, samples_path, steering)
                 n_reused = before - len(todo)
             tb = time.perf_counter()
-            for idx, gens in gen.iter_generate([it.prompt for it in todo], cfg.generation(), progress=cfg.progress,
-                                               desc="knowns"):
+            for idx, gens in gen.iter_generate(
+                [it.prompt for it in todo], cfg.generation(), progress=cfg.progress, desc="knowns"
+            ):
                 gen_seconds += time.perf_counter() - tb
                 n_tokens += sum(g.n_tokens for g in gens)
-                append_jsonl(samples_path, [
-                    {**todo[i].to_dict(), "response": g.response, "correct": todo[i].check(g.response),
-                     "n_tokens": g.n_tokens, "finish_reason": g.finish_reason,
-                     **({"steering": steering[todo[i].id]} if todo[i].id in steering else {})}
-                    for i, g in zip(idx, gens, strict=True)])
+                append_jsonl(
+                    samples_path,
+                    [
+                        {
+                            **todo[i].to_dict(),
+                            "response": g.response,
+                            "correct": todo[i].check(g.response),
+                            "n_tokens": g.n_tokens,
+                            "finish_reason": g.finish_reason,
+                            **({"steering": steering[todo[i].id]} if todo[i].id in steering else {}),
+                        }
+                        for i, g in zip(idx, gens, strict=True)
+                    ],
+                )
                 tb = time.perf_counter()
     rows = _rescore(samples_path, by_id)
     flags = [rows[it.id]["correct"] for it in items]
@@ -186,12 +229,22 @@ def _run_knowns(cfg: KnownsConfig, lm, intervention, source) -> dict:
         **accuracy_by_kind(items, flags),
         **_steered_rows([rows[it.id] for it in items]),
         # wrong answers that ran into max_new_tokens (a long preamble, not necessarily a wrong answer)
-        "cut_off": {"all": sum(cut), **{k: sum(c for it, c in zip(items, cut, strict=True) if it.kind == k)
-                                        for k in dict.fromkeys(it.kind for it in items)}},
+        "cut_off": {
+            "all": sum(cut),
+            **{
+                k: sum(c for it, c in zip(items, cut, strict=True) if it.kind == k)
+                for k in dict.fromkeys(it.kind for it in items)
+            },
+        },
         **_paired_against(cfg.compare_to, items, flags),
-        "timing": {"wall_seconds": round(time.perf_counter() - t0, 2), "generation_seconds": round(gen_seconds, 2),
-                   "generated_tokens": n_tokens, "new_samples": len(todo), "reused_unsteered_samples": n_reused,
-                   "resumed_samples": len(done)},
+        "timing": {
+            "wall_seconds": round(time.perf_counter() - t0, 2),
+            "generation_seconds": round(gen_seconds, 2),
+            "generated_tokens": n_tokens,
+            "new_samples": len(todo),
+            "reused_unsteered_samples": n_reused,
+            "resumed_samples": len(done),
+        },
     }
     write_json_atomic(out / "results.json", results)
     (out / "report.md").write_text(knowns_report(results, [rows[it.id] for it in items]))
@@ -243,7 +296,9 @@ def _paired_against(ref: str | None, items: Sequence[KnownItem], flags: Sequence
         return {}
     path = Path(ref) / "samples.jsonl"
     if not path.is_file():
-        raise AligntaxError(f"Cannot compare with {ref}: it holds no samples.jsonl (not a knowns run folder).")
+        raise AligntaxError(
+            f"Cannot compare with {ref}: it holds no samples.jsonl (not a knowns run folder)."
+        )
     theirs = {r["id"]: r for r in read_jsonl(path) if "response" in r and "id" in r}
     pairs: list[tuple[KnownItem, bool, bool]] = []
     for it, mine in zip(items, flags, strict=True):
@@ -251,8 +306,10 @@ def _paired_against(ref: str | None, items: Sequence[KnownItem], flags: Sequence
         if r is None:
             continue
         if r.get("prompt") != it.prompt:
-            raise AligntaxError(f"Cannot compare with {ref}: its item {it.id!r} has another prompt "
-                                f"({r.get('prompt')!r}); was it made from other data?")
+            raise AligntaxError(
+                f"Cannot compare with {ref}: its item {it.id!r} has another prompt "
+                f"({r.get('prompt')!r}); was it made from other data?"
+            )
         pairs.append((it, it.check(r["response"]), mine))
     if not pairs:
         raise AligntaxError(f"Cannot compare with {ref}: it holds none of this run's items.")
@@ -261,6 +318,12 @@ def _paired_against(ref: str | None, items: Sequence[KnownItem], flags: Sequence
         return paired_change([b for _, b, _ in sel], [a for _, _, a in sel])
 
     kinds = list(dict.fromkeys(it.kind for it, _, _ in pairs))
-    return {"paired": {"against": str(ref), "n_pairs": len(pairs), "unmatched": len(items) - len(pairs),
-                       **change(pairs),
-                       "by_kind": {k: change([p for p in pairs if p[0].kind == k]) for k in kinds}}}
+    return {
+        "paired": {
+            "against": str(ref),
+            "n_pairs": len(pairs),
+            "unmatched": len(items) - len(pairs),
+            **change(pairs),
+            "by_kind": {k: change([p for p in pairs if p[0].kind == k]) for k in kinds},
+        }
+    }

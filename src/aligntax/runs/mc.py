@@ -31,8 +31,14 @@ from aligntax.runs.fsio import write_json_atomic
 from aligntax.runs.jsonl import append_jsonl
 
 
-def score_items(lm, items: Sequence[MCItem], intervention: Intervention | None = None,
-                system: str | None = None, batch_size: int = 16, progress: bool = False) -> list[MCScore]:
+def score_items(
+    lm,
+    items: Sequence[MCItem],
+    intervention: Intervention | None = None,
+    system: str | None = None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> list[MCScore]:
     """Score every question with one forward pass each (batched, longest first), in input order."""
     from aligntax.generation.generate import text_logits
 
@@ -45,16 +51,23 @@ def score_items(lm, items: Sequence[MCItem], intervention: Intervention | None =
     texts = [mc_text(tok, it, system, intervention) for it in items]
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
-    logp_sorted = torch.log_softmax(text_logits(lm, [texts[i] for i in order], intervention, batch_size,
-                                                progress, desc="mc"), dim=-1)
+    logp_sorted = torch.log_softmax(
+        text_logits(lm, [texts[i] for i in order], intervention, batch_size, progress, desc="mc"), dim=-1
+    )
     out: list[MCScore | None] = [None] * len(items)
     for row, i in enumerate(order):
         out[i] = mc_score(logp_sorted[row], letter_ids, len(items[i].choices))
     return out  # type: ignore[return-value]
 
 
-def mc_accuracy(lm, items: Sequence[MCItem], intervention: Intervention | None = None,
-                system: str | None = None, batch_size: int = 16, progress: bool = False) -> dict:
+def mc_accuracy(
+    lm,
+    items: Sequence[MCItem],
+    intervention: Intervention | None = None,
+    system: str | None = None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> dict:
     """Accuracy with a Wilson 95% interval, per subject, the mean letter mass, and one row per item
     (:func:`aligntax.metrics.mc.mc_results` of :func:`score_items`)."""
     if not items:

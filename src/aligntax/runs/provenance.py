@@ -21,8 +21,9 @@ PROVENANCE_NAME = "provenance.json"
 # the files of a run folder, which change as runs write them, and a training run's summary (its wall
 # times change when a finished training is resumed; nothing steers by it).
 _DIGEST_SUFFIXES = (".safetensors", ".json", ".pt", ".bin", ".npy", ".npz")
-_RUN_FILES = frozenset({"config.json", "results.json", "provenance.json", "intervention.json",
-                        "train_summary.json"})
+_RUN_FILES = frozenset(
+    {"config.json", "results.json", "provenance.json", "intervention.json", "train_summary.json"}
+)
 # fingerprint keys that identify the weights (``spec`` is how the model was named: checked by the settings)
 _FINGERPRINT_KEYS = ("model_type", "num_layers", "hidden_size", "vocab_size", "embedding_digest")
 
@@ -46,16 +47,25 @@ def folder_digest(folder: str | Path, previous: dict | None = None) -> dict | No
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         return None
-    names = sorted(p.name for p in folder.iterdir()
-                   if p.is_file() and p.suffix.lower() in _DIGEST_SUFFIXES and not p.name.startswith(".")
-                   and p.name not in _RUN_FILES)
+    names = sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_file()
+        and p.suffix.lower() in _DIGEST_SUFFIXES
+        and not p.name.startswith(".")
+        and p.name not in _RUN_FILES
+    )
     known = (previous or {}).get("files", {}) if isinstance(previous, dict) else {}
     files, total = {}, hashlib.sha256()
     for name in names:
         st = (folder / name).stat()
         old = known.get(name)
-        if isinstance(old, dict) and old.get("size") == st.st_size and old.get("mtime_ns") == st.st_mtime_ns \
-                and old.get("sha256"):
+        if (
+            isinstance(old, dict)
+            and old.get("size") == st.st_size
+            and old.get("mtime_ns") == st.st_mtime_ns
+            and old.get("sha256")
+        ):
             digest = old["sha256"]
         else:
             digest = _sha256_file(folder / name)
@@ -112,12 +122,15 @@ def check_model(out: Path, saved: dict | None, current: dict | None) -> None:
         return
     from aligntax.artefacts import fingerprint_diffs
 
-    diffs = [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in fingerprint_diffs(saved, current, _FINGERPRINT_KEYS)]
+    diffs = [
+        f"{k}: {saved[k]!r} -> {current[k]!r}" for k in fingerprint_diffs(saved, current, _FINGERPRINT_KEYS)
+    ]
     if diffs:
         raise ProvenanceMismatch(
             f"{out} was run with another model: its fingerprint changed ({'; '.join(diffs)}); the weights "
             "under the same model spec are not the ones the saved samples were made with. Use another --out, "
-            "or delete the folder to start again.")
+            "or delete the folder to start again."
+        )
 
 
 def check_intervention(out: Path, saved: dict | None, current: dict | None) -> None:
@@ -127,22 +140,32 @@ def check_intervention(out: Path, saved: dict | None, current: dict | None) -> N
     old, new = saved.get("files", {}), current.get("files", {})
     changed = sorted(n for n in set(old) & set(new) if old[n].get("sha256") != new[n].get("sha256"))
     added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
-    what = "; ".join(part for part in (
-        f"changed: {', '.join(changed)}" if changed else "",
-        f"added: {', '.join(added)}" if added else "",
-        f"removed: {', '.join(removed)}" if removed else "") if part)
+    what = "; ".join(
+        part
+        for part in (
+            f"changed: {', '.join(changed)}" if changed else "",
+            f"added: {', '.join(added)}" if added else "",
+            f"removed: {', '.join(removed)}" if removed else "",
+        )
+        if part
+    )
     raise ProvenanceMismatch(
         f"{out} was run with other contents of the intervention folder {current.get('path')} ({what}); "
         "samples made with the old and the new artefact would mix. Use another --out, or delete the folder "
-        "to start again.")
+        "to start again."
+    )
 
 
 def check_judge(out: Path, saved: dict | None, current: dict | None) -> None:
     """Refuse when the judge (its weights or settings) differs from the one the samples were judged with."""
     if not saved or not current or saved.get("sha256") == current.get("sha256"):
         return
-    diffs = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in ("name", "weights_sha256", "settings")
-             if saved.get(k) != current.get(k)]
+    diffs = [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+        for k in ("name", "weights_sha256", "settings")
+        if saved.get(k) != current.get(k)
+    ]
     raise ProvenanceMismatch(
         f"{out} was judged with another judge ({'; '.join(diffs)}): the {current.get('name')} judge's weights "
-        "or settings changed. Use another --out, or `aligntax rejudge` the folder with the new judge first.")
+        "or settings changed. Use another --out, or `aligntax rejudge` the folder with the new judge first."
+    )

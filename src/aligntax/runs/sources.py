@@ -31,5 +31,7 @@ def generation_source(backend: str | None = None, ray=None) -> GenerationSource:
 def check_source(source: GenerationSource, backend: str | None) -> None:
     """A run generates with the backend its settings name (and its folder records)."""
     if source.backend != check_backend(backend):
-        raise AligntaxError(f"The run's settings name the backend {check_backend(backend)!r}; its generation "
-                            f"source is {source.backend!r}.")
+        raise AligntaxError(
+            f"The run's settings name the backend {check_backend(backend)!r}; its generation "
+            f"source is {source.backend!r}."
+        )

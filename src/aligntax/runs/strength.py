@@ -68,13 +68,23 @@ def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
     items = [item for part in _training_items(tcfg) for item in part]
     refused, _ = _judged_labels(folder / "labels", items)
     _, acts, _ = training_states(folder)
-    common = dict(layers=cfg.layers, eta=cfg.eta, steps=cfg.steps, horizon=cfg.horizon, threshold="none",
-                  row_threshold="none", gate_ramp="none", row_strength="none")
+    common = dict(
+        layers=cfg.layers,
+        eta=cfg.eta,
+        steps=cfg.steps,
+        horizon=cfg.horizon,
+        threshold="none",
+        row_threshold="none",
+        gate_ramp="none",
+        row_strength="none",
+    )
     iv = EnergySteering.from_dir(folder, lm, gate="none", harm_orth=cfg.harm_orth, **common)
     reader = EnergySteering.from_dir(folder, lm, gate=True, **common)  # the features: the gate's logit
     layer = min(iv.models)  # the first steered block
     if not HarmBasis.exists(folder):
-        raise AligntaxError(f"{folder} has no harm basis; compute it first with `aligntax els harm-basis --steer {folder}`.")
+        raise AligntaxError(
+            f"{folder} has no harm basis; compute it first with `aligntax els harm-basis --steer {folder}`."
+        )
     fp, hs = dict(lm.fingerprint), lm.hidden_size
     harm_dir = HarmBasis.load(folder, expect_fingerprint=fp, expect_hidden_size=hs).get(layer, 1)[0]
     vectors = SteeringVectors.load(folder / "vectors", expect_fingerprint=fp, expect_hidden_size=hs)
@@ -83,12 +93,24 @@ def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
 
     benign = [i for i, (it, r) in enumerate(zip(items, refused, strict=True)) if it.label == "benign" and r]
     harmful = [i for i, it in enumerate(items) if it.label == "harmful"]
-    chosen = sorted(_sampled(benign, cfg.limit_benign, cfg.seed) + _sampled(harmful, cfg.limit_harmful, cfg.seed))
-    if not chosen or all(items[i].label == "benign" for i in chosen) or all(items[i].label == "harmful" for i in chosen):
+    chosen = sorted(
+        _sampled(benign, cfg.limit_benign, cfg.seed) + _sampled(harmful, cfg.limit_harmful, cfg.seed)
+    )
+    if (
+        not chosen
+        or all(items[i].label == "benign" for i in chosen)
+        or all(items[i].label == "harmful" for i in chosen)
+    ):
         raise AligntaxError("The row strength fit needs over-refused benign and harmful training prompts.")
     prompts = [items[i].prompt for i in chosen]
-    gens = generate(lm, prompts, GenerationConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size), iv,
-                    progress=cfg.progress, desc="row strength: steered")
+    gens = generate(
+        lm,
+        prompts,
+        GenerationConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size),
+        iv,
+        progress=cfg.progress,
+        desc="row strength: steered",
+    )
     verdicts = get_judge(cfg.judge).judge(prompts, [g.response for g in gens])
 
     worth = torch.tensor([items[i].label == "benign" for i in chosen])
@@ -101,20 +123,52 @@ def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
     states = {b: acts[b][idx] for b in sorted({*reader.gate.layers, layer})}
     features = reader.kernel(lm.num_layers).row_features(states, (refusal_dir, harm_dir))
     n_b, n_h = int(worth.sum()), int((~worth).sum())
-    outcome = {"benign_over_refused": n_b, "benign_answered_steered": int(sum(rescued)),
-               "harmful": n_h, "harmful_refused_unsteered": int(sum(b for b, w in zip(before, worth.tolist(), strict=True) if not w)),
-               "harmful_refusals_lost": int(sum(lost))}
-    model = fit_row_strength(features, worth, layer, refusal_dir, harm_dir, weight, cfg.l2, cfg.floor, fp,
-                             metadata={"fitted_under": iv.config(), "outcome": outcome, "config": asdict(cfg)})
+    outcome = {
+        "benign_over_refused": n_b,
+        "benign_answered_steered": int(sum(rescued)),
+        "harmful": n_h,
+        "harmful_refused_unsteered": int(
+            sum(b for b, w in zip(before, worth.tolist(), strict=True) if not w)
+        ),
+        "harmful_refusals_lost": int(sum(lost)),
+    }
+    model = fit_row_strength(
+        features,
+        worth,
+        layer,
+        refusal_dir,
+        harm_dir,
+        weight,
+        cfg.l2,
+        cfg.floor,
+        fp,
+        metadata={"fitted_under": iv.config(), "outcome": outcome, "config": asdict(cfg)},
+    )
     model.save(folder)
     strength = model.strength(features)
     out = folder / "row_strength"
     out.mkdir(exist_ok=True)
-    write_text_atomic(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in [
-        {"source": items[i].source, "id": items[i].id, "label": items[i].label, "refused_unsteered": b,
-         "refused_steered": a, "weight": float(w), "strength": round(float(s), 4),
-         "features": [round(float(f), 4) for f in feats]}
-        for i, b, a, w, s, feats in zip(chosen, before, after, weight, strength, features, strict=True)]))
+    write_text_atomic(
+        out / "samples.jsonl",
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {
+                    "source": items[i].source,
+                    "id": items[i].id,
+                    "label": items[i].label,
+                    "refused_unsteered": b,
+                    "refused_steered": a,
+                    "weight": float(w),
+                    "strength": round(float(s), 4),
+                    "features": [round(float(f), 4) for f in feats],
+                }
+                for i, b, a, w, s, feats in zip(
+                    chosen, before, after, weight, strength, features, strict=True
+                )
+            ]
+        ),
+    )
     summary = {"layer": layer, "outcome": outcome, "info": model.info}
     write_json_atomic(out / "summary.json", summary, default=str)
     RowStrength.load(folder, expect_fingerprint=fp, expect_hidden_size=hs)  # written as it will be read

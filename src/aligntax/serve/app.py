@@ -97,7 +97,8 @@ def check_bind(host: str, api_key: str | None, insecure: bool = False) -> None:
     raise InsecureBindError(
         f"Refusing to serve on {host} without an API key: anyone who can reach this address could use the "
         "model. Set --api-key (or ALIGNTAX_API_KEY), listen on 127.0.0.1, or pass --insecure to serve "
-        "without a key anyway.")
+        "without a key anyway."
+    )
 
 
 class SafeJSONResponse(JSONResponse):
@@ -225,12 +226,18 @@ class _RequestGuard:
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if not auth:
-                return APIError(401, "You didn't provide an API key. Send it in the Authorization header "
-                                "(Authorization: Bearer YOUR_KEY).", "invalid_request_error", None,
-                                "invalid_api_key")
+                return APIError(
+                    401,
+                    "You didn't provide an API key. Send it in the Authorization header "
+                    "(Authorization: Bearer YOUR_KEY).",
+                    "invalid_request_error",
+                    None,
+                    "invalid_api_key",
+                )
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return APIError(401, "Incorrect API key provided.", "invalid_request_error", None,
-                                "invalid_api_key")
+                return APIError(
+                    401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key"
+                )
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             return self._too_large()
@@ -238,15 +245,26 @@ class _RequestGuard:
 
     @staticmethod
     def _too_large() -> APIError:
-        return APIError(413, f"Request body too large (over {MAX_BODY_BYTES} bytes).", "invalid_request_error",
-                        None, "request_too_large")
+        return APIError(
+            413,
+            f"Request body too large (over {MAX_BODY_BYTES} bytes).",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
 
 
 class _Server:
     """Request handling shared by the routes: validation, prompt building and answering."""
 
-    def __init__(self, lm, intervention: Intervention | None, engine: ServeEngine, settings: ServeSettings,
-                 steering: RequestSteering | None = None):
+    def __init__(
+        self,
+        lm,
+        intervention: Intervention | None,
+        engine: ServeEngine,
+        settings: ServeSettings,
+        steering: RequestSteering | None = None,
+    ):
         self.lm = lm
         self.intervention = intervention
         self.steering = steering  # the per-request options of the steered model (None: it takes none)
@@ -271,8 +289,11 @@ class _Server:
         if name == self.s.steered_name:
             card["aligntax"] = {
                 "method": self.steering.method if self.steering else getattr(self.intervention, "name", None),
-                "strength": {"type": "number", "default": self.s.default_strength,
-                             "help": "steering strength (0: unsteered)"},
+                "strength": {
+                    "type": "number",
+                    "default": self.s.default_strength,
+                    "help": "steering strength (0: unsteered)",
+                },
                 "options": [f.card() for f in self.steering.fields] if self.steering else [],
             }
         return card
@@ -286,24 +307,39 @@ class _Server:
         elif self.s.steered_name is not None and body.model == self.s.steered_name:
             steer = True
         else:
-            raise APIError(404, f"The model '{body.model}' does not exist. Available models: "
-                           + ", ".join(self.model_names()) + ".", "invalid_request_error", "model",
-                           "model_not_found")
+            raise APIError(
+                404,
+                f"The model '{body.model}' does not exist. Available models: "
+                + ", ".join(self.model_names())
+                + ".",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         ext = body.aligntax
         if ext is not None and ext.strength is not None and not steer:
-            where = (f"the steered model '{self.s.steered_name}'" if self.s.steered_name
-                     else "a steered model, and this server has none (start it with an intervention)")
+            where = (
+                f"the steered model '{self.s.steered_name}'"
+                if self.s.steered_name
+                else "a steered model, and this server has none (start it with an intervention)"
+            )
             raise invalid(f"'aligntax.strength' only applies to {where}.", "aligntax.strength")
         raw = ext.options if ext is not None else None
         if not raw:
             return RequestPlan(steer, {})
         if not steer:
-            where = (f"the steered model '{self.s.steered_name}'" if self.s.steered_name
-                     else "a steered model, and this server has none (start it with an intervention)")
+            where = (
+                f"the steered model '{self.s.steered_name}'"
+                if self.s.steered_name
+                else "a steered model, and this server has none (start it with an intervention)"
+            )
             raise invalid(f"'aligntax.options' only applies to {where}.", "aligntax.options")
         if self.steering is None or not self.steering.fields:
-            raise invalid(f"The model '{body.model}' takes no per-request steering options.", "aligntax.options",
-                          "unknown_parameter")
+            raise invalid(
+                f"The model '{body.model}' takes no per-request steering options.",
+                "aligntax.options",
+                "unknown_parameter",
+            )
         return RequestPlan(steer, self.steering.parse(raw, body.model))
 
     def check_fields(self, body: ChatCompletionRequest) -> None:
@@ -317,18 +353,19 @@ class _Server:
         if body.logprobs:
             raise invalid("logprobs are not supported by this server.", "logprobs", "unsupported_value")
         if body.top_logprobs:
-            raise invalid("top_logprobs are not supported by this server.", "top_logprobs",
-                          "unsupported_value")
+            raise invalid(
+                "top_logprobs are not supported by this server.", "top_logprobs", "unsupported_value"
+            )
         if body.logit_bias:
             raise invalid("logit_bias is not supported by this server.", "logit_bias", "unsupported_value")
         if body.tools:
             raise invalid("Tool calling is not supported by this server.", "tools", "unsupported_value")
         if body.tool_choice not in (None, "none"):
-            raise invalid("Tool calling is not supported by this server.", "tool_choice",
-                          "unsupported_value")
+            raise invalid("Tool calling is not supported by this server.", "tool_choice", "unsupported_value")
         if body.response_format and body.response_format.get("type", "text") != "text":
-            raise invalid("Only response_format {'type': 'text'} is supported.", "response_format",
-                          "unsupported_value")
+            raise invalid(
+                "Only response_format {'type': 'text'} is supported.", "response_format", "unsupported_value"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name):
                 raise invalid(f"{name} is not supported by this server (only 0).", name, "unsupported_value")
@@ -339,11 +376,15 @@ class _Server:
             return ()
         stops = [stop] if isinstance(stop, str) else list(stop)
         if len(stops) > MAX_STOP_SEQUENCES:
-            raise invalid(f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}.", "stop")
+            raise invalid(
+                f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed; got {len(stops)}.", "stop"
+            )
         for s in stops:
             if len(s) > MAX_STOP_CHARS:
-                raise invalid(f"Each stop sequence may have at most {MAX_STOP_CHARS} characters; one has "
-                              f"{len(s)}.", "stop")
+                raise invalid(
+                    f"Each stop sequence may have at most {MAX_STOP_CHARS} characters; one has {len(s)}.",
+                    "stop",
+                )
         return tuple(s for s in stops if s)
 
     @staticmethod
@@ -355,15 +396,21 @@ class _Server:
                 texts = []
                 for k, part in enumerate(content):
                     if part.type != "text" or part.text is None:
-                        raise invalid(f"Only text content parts are supported; messages[{i}].content[{k}] "
-                                      f"has type '{part.type}'.", f"messages[{i}].content[{k}].type",
-                                      "unsupported_value")
+                        raise invalid(
+                            f"Only text content parts are supported; messages[{i}].content[{k}] "
+                            f"has type '{part.type}'.",
+                            f"messages[{i}].content[{k}].type",
+                            "unsupported_value",
+                        )
                     texts.append(part.text)
                 content = "\n".join(texts)
             if content is None:
                 if m.role != "assistant":
-                    raise invalid(f"messages[{i}].content is required for role '{m.role}'.",
-                                  f"messages[{i}].content", "missing_required_parameter")
+                    raise invalid(
+                        f"messages[{i}].content is required for role '{m.role}'.",
+                        f"messages[{i}].content",
+                        "missing_required_parameter",
+                    )
                 content = ""
             msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
             if m.name:
@@ -371,7 +418,9 @@ class _Server:
             out.append(msg)
         return out
 
-    def encode(self, messages: list[dict], steer: bool, intervention: Intervention | None = None) -> list[int]:
+    def encode(
+        self, messages: list[dict], steer: bool, intervention: Intervention | None = None
+    ) -> list[int]:
         """Chat template + tokenisation (runs in a thread pool); ``intervention``: the steered request's own."""
         tok = self.encode_tokenizer
         msgs = build_messages(messages, None, (intervention or self.intervention) if steer else None)
@@ -392,28 +441,42 @@ class _Server:
     def max_tokens(self, body: ChatCompletionRequest, n_prompt: int) -> int:
         s = self.s
         if n_prompt > s.max_prompt_tokens:
-            raise invalid(f"This model's maximum prompt length is {s.max_prompt_tokens} tokens. However, "
-                          f"your messages resulted in {n_prompt} tokens. Please reduce the length of the "
-                          "messages.", "messages", "context_length_exceeded")
+            raise invalid(
+                f"This model's maximum prompt length is {s.max_prompt_tokens} tokens. However, "
+                f"your messages resulted in {n_prompt} tokens. Please reduce the length of the "
+                "messages.",
+                "messages",
+                "context_length_exceeded",
+            )
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         room = s.context_window - n_prompt if s.context_window else None
         if requested is not None:
             if requested > s.max_new_tokens_limit:
-                raise invalid(f"{param} is too large: {requested}. This server allows at most "
-                              f"{s.max_new_tokens_limit} completion tokens.", param)
+                raise invalid(
+                    f"{param} is too large: {requested}. This server allows at most "
+                    f"{s.max_new_tokens_limit} completion tokens.",
+                    param,
+                )
             if room is not None and requested > room:
-                raise invalid(f"This model's maximum context length is {s.context_window} tokens. However, "
-                              f"you requested {n_prompt + requested} tokens ({n_prompt} in the messages, "
-                              f"{requested} in the completion). Please reduce the length of the messages "
-                              "or completion.", "messages", "context_length_exceeded")
+                raise invalid(
+                    f"This model's maximum context length is {s.context_window} tokens. However, "
+                    f"you requested {n_prompt + requested} tokens ({n_prompt} in the messages, "
+                    f"{requested} in the completion). Please reduce the length of the messages "
+                    "or completion.",
+                    "messages",
+                    "context_length_exceeded",
+                )
             return requested
         limit = min(s.default_max_tokens, s.max_new_tokens_limit)
         if room is not None:
             if room < 1:
-                raise invalid(f"This model's maximum context length is {s.context_window} tokens, and your "
-                              f"messages resulted in {n_prompt} tokens, leaving no room for a completion.",
-                              "messages", "context_length_exceeded")
+                raise invalid(
+                    f"This model's maximum context length is {s.context_window} tokens, and your "
+                    f"messages resulted in {n_prompt} tokens, leaving no room for a completion.",
+                    "messages",
+                    "context_length_exceeded",
+                )
             limit = min(limit, room)
         return limit
 
@@ -430,14 +493,23 @@ class _Server:
             max_tokens=self.max_tokens(body, len(prompt_ids)),
             temperature=1.0 if body.temperature is None else float(body.temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
-            seed=body.seed, stop=stops,
+            seed=body.seed,
+            stop=stops,
         )
         strength = self.s.default_strength
         if body.aligntax is not None and body.aligntax.strength is not None:
             strength = float(body.aligntax.strength)
-        return Job(prompt_ids=prompt_ids, params=params, steer=steer, strength=strength, intervention=iv,
-                   options=dict(plan.options) if plan.options else None, stream=bool(body.stream),
-                   loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        return Job(
+            prompt_ids=prompt_ids,
+            params=params,
+            steer=steer,
+            strength=strength,
+            intervention=iv,
+            options=dict(plan.options) if plan.options else None,
+            stream=bool(body.stream),
+            loop=asyncio.get_running_loop(),
+            events=asyncio.Queue(),
+        )
 
     def admit(self, body: ChatCompletionRequest | None = None) -> None:
         """Count the request against the engine's bounds from its arrival (before tokenisation), or
@@ -470,8 +542,11 @@ class _Server:
 
     @staticmethod
     def _usage(ev: Finished) -> dict:
-        return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+        return {
+            "prompt_tokens": ev.prompt_tokens,
+            "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+        }
 
     async def complete(self, body: ChatCompletionRequest, job: Job) -> dict:
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -486,20 +561,23 @@ class _Server:
             self.engine.cancel(job)
             raise
         out = self._base(cid, created, body.model, "chat.completion")
-        out["choices"] = [{
-            "index": 0,
-            "message": {"role": "assistant", "content": ev.text, "refusal": None},
-            "logprobs": None,
-            "finish_reason": ev.finish_reason,
-        }]
+        out["choices"] = [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": ev.text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": ev.finish_reason,
+            }
+        ]
         out["usage"] = self._usage(ev)
         out["aligntax"] = {"steered": job.steer, "strength": job.strength if job.steer else 0.0}
         if body.aligntax is not None and body.aligntax.options and job.steer:
             out["aligntax"]["options"] = body.aligntax.options
         return out
 
-    async def complete_watched(self, body: ChatCompletionRequest, job: Job, receive,
-                               deadline: float | None) -> dict:
+    async def complete_watched(
+        self, body: ChatCompletionRequest, job: Job, receive, deadline: float | None
+    ) -> dict:
         """:meth:`complete`, cancelled (its rows leave the batch) when the client disconnects or the
         request's deadline passes (504)."""
         loop = asyncio.get_running_loop()
@@ -518,8 +596,13 @@ class _Server:
         self.engine.cancel(job)
         if watch in done:
             log.info("client disconnected; its generation was cancelled")
-            raise APIError(499, "The client closed the connection.", "invalid_request_error", None,
-                           "client_closed_request")
+            raise APIError(
+                499,
+                "The client closed the connection.",
+                "invalid_request_error",
+                None,
+                "client_closed_request",
+            )
         raise _timeout_error(self.s.request_timeout_s)
 
     async def stream(self, body: ChatCompletionRequest, job: Job, deadline: float | None = None):
@@ -565,8 +648,14 @@ class _Server:
 
 def _overloaded(exc: EngineOverloaded) -> APIError:
     kind = "rate_limit_error" if exc.status == 429 else "server_error"
-    return APIError(exc.status, f"{exc} Retry after {exc.retry_after} s.", kind, None, exc.code,
-                    headers={"Retry-After": str(exc.retry_after)})
+    return APIError(
+        exc.status,
+        f"{exc} Retry after {exc.retry_after} s.",
+        kind,
+        None,
+        exc.code,
+        headers={"Retry-After": str(exc.retry_after)},
+    )
 
 
 def _error_type(status: int) -> str:
@@ -574,9 +663,14 @@ def _error_type(status: int) -> str:
 
 
 def _timeout_error(timeout_s: float | None) -> APIError:
-    return APIError(504, f"The request did not finish within the server's request timeout ({timeout_s:g} s); "
-                    "its generation was cancelled. Ask for fewer tokens or retry later.", "server_error", None,
-                    "request_timeout")
+    return APIError(
+        504,
+        f"The request did not finish within the server's request timeout ({timeout_s:g} s); "
+        "its generation was cancelled. Ask for fewer tokens or retry later.",
+        "server_error",
+        None,
+        "request_timeout",
+    )
 
 
 async def _disconnected(receive) -> None:
@@ -587,18 +681,34 @@ async def _disconnected(receive) -> None:
             return
 
 
-def create_app(lm, intervention: Intervention | None = None, model_name: str | None = None, *,
-               steered_suffix: str | None = None, api_key: str | None = None, max_batch_size: int = 32,
-               batch_wait_ms: float = 10.0, max_batch_wait_ms: float = 100.0,
-               max_prompt_tokens: int | None = None,
-               max_new_tokens_limit: int = 2048, default_max_tokens: int = 512,
-               default_strength: float = 1.0, max_queue: int = 1024, mix_steered: bool = True,
-               drain_timeout_s: float | None = None, max_batch_tokens: int | None = 32768,
-               allow_unknown_fields: bool = False, request_timeout_s: float | None = None,
-               shutdown_timeout_s: float | None = None, max_queue_wait_ms: float | None = None,
-               steer_method: str | None = None, steer_options: dict | None = None,
-               options_cache_size: int = 16, engine_factory: EngineFactory | None = None,
-               max_latency_ms: float | None = None) -> FastAPI:
+def create_app(
+    lm,
+    intervention: Intervention | None = None,
+    model_name: str | None = None,
+    *,
+    steered_suffix: str | None = None,
+    api_key: str | None = None,
+    max_batch_size: int = 32,
+    batch_wait_ms: float = 10.0,
+    max_batch_wait_ms: float = 100.0,
+    max_prompt_tokens: int | None = None,
+    max_new_tokens_limit: int = 2048,
+    default_max_tokens: int = 512,
+    default_strength: float = 1.0,
+    max_queue: int = 1024,
+    mix_steered: bool = True,
+    drain_timeout_s: float | None = None,
+    max_batch_tokens: int | None = 32768,
+    allow_unknown_fields: bool = False,
+    request_timeout_s: float | None = None,
+    shutdown_timeout_s: float | None = None,
+    max_queue_wait_ms: float | None = None,
+    steer_method: str | None = None,
+    steer_options: dict | None = None,
+    options_cache_size: int = 16,
+    engine_factory: EngineFactory | None = None,
+    max_latency_ms: float | None = None,
+) -> FastAPI:
     """Build the OpenAI-compatible app for a loaded model (``aligntax.models.load_model``).
 
     ``model_name`` defaults to the model spec's name; with an ``intervention``, the steered model is
@@ -646,20 +756,35 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
         suffix = steered_suffix or getattr(intervention, "name", None) or "steered"
         steered_name = f"{name}+{suffix}"
     settings = ServeSettings(
-        model_name=name, steered_name=steered_name, api_key=api_key, max_prompt_tokens=max_prompt_tokens,
-        max_new_tokens_limit=max_new_tokens_limit, default_max_tokens=default_max_tokens,
-        context_window=window, default_strength=default_strength, created=int(time.time()),
-        allow_unknown_fields=allow_unknown_fields, request_timeout_s=request_timeout_s,
+        model_name=name,
+        steered_name=steered_name,
+        api_key=api_key,
+        max_prompt_tokens=max_prompt_tokens,
+        max_new_tokens_limit=max_new_tokens_limit,
+        default_max_tokens=default_max_tokens,
+        context_window=window,
+        default_strength=default_strength,
+        created=int(time.time()),
+        allow_unknown_fields=allow_unknown_fields,
+        request_timeout_s=request_timeout_s,
         max_latency_ms=max_latency_ms,
     )
     if drain_timeout_s is None:
         drain_timeout_s = shutdown_timeout_s
     metrics = ServeMetrics()
     engine = (engine_factory or BatchEngine)(
-        lm, intervention, max_batch_size=max_batch_size, batch_wait_ms=batch_wait_ms,
-        max_batch_wait_ms=max_batch_wait_ms, max_queue=max_queue, metrics=metrics, mix_steered=mix_steered,
-        max_batch_tokens=max_batch_tokens, max_queue_wait_ms=max_queue_wait_ms,
-        **({} if max_latency_ms is None else {"max_latency_ms": max_latency_ms}))
+        lm,
+        intervention,
+        max_batch_size=max_batch_size,
+        batch_wait_ms=batch_wait_ms,
+        max_batch_wait_ms=max_batch_wait_ms,
+        max_queue=max_queue,
+        metrics=metrics,
+        mix_steered=mix_steered,
+        max_batch_tokens=max_batch_tokens,
+        max_queue_wait_ms=max_queue_wait_ms,
+        **({} if max_latency_ms is None else {"max_latency_ms": max_latency_ms}),
+    )
     server = _Server(lm, intervention, engine, settings, steering)
 
     @asynccontextmanager
@@ -671,8 +796,9 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
             # uvicorn has stopped accepting connections and waited for open requests; finish the queue.
             await asyncio.to_thread(engine.shutdown, True, drain_timeout_s)
 
-    app = FastAPI(title="aligntax OpenAI-compatible server", lifespan=lifespan,
-                  default_response_class=SafeJSONResponse)
+    app = FastAPI(
+        title="aligntax OpenAI-compatible server", lifespan=lifespan, default_response_class=SafeJSONResponse
+    )
     app.state.engine = engine
     app.state.shutdown_timeout_s = shutdown_timeout_s
     app.state.server = server
@@ -693,20 +819,27 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return SafeJSONResponse(error_body(str(exc.detail), kind, None, code), status_code=exc.status_code,
-                                headers=getattr(exc, "headers", None))
+        return SafeJSONResponse(
+            error_body(str(exc.detail), kind, None, code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return SafeJSONResponse(error_body(f"Internal server error: {type(exc).__name__}", "server_error"),
-                                status_code=500)
+        return SafeJSONResponse(
+            error_body(f"Internal server error: {type(exc).__name__}", "server_error"), status_code=500
+        )
 
     @app.get("/health")
     async def health():
         ok = not engine.closed and (engine.alive or not engine.started)
-        body = {"status": "ok" if ok else ("shutting_down" if engine.closed else "worker_dead"),
-                "models": server.model_names(), "queue_depth": engine.queue_depth}
+        body = {
+            "status": "ok" if ok else ("shutting_down" if engine.closed else "worker_dead"),
+            "models": server.model_names(),
+            "queue_depth": engine.queue_depth,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -720,8 +853,13 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         if model_id not in server.model_names():
-            raise APIError(404, f"The model '{model_id}' does not exist.", "invalid_request_error", "model",
-                           "model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model_id}' does not exist.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return server.model_card(model_id)
 
     @app.post("/v1/chat/completions")
@@ -740,16 +878,27 @@ def create_app(lm, intervention: Intervention | None = None, model_name: str | N
             raise
         server.submit(job, admitted=True)
         if job.stream:
-            return StreamingResponse(server.stream(body, job, deadline), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                server.stream(body, job, deadline),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await server.complete_watched(body, job, request.receive, deadline)
 
     return app
 
 
-def serve(lm, intervention: Intervention | None = None, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", graceful_timeout_s: int | None = None, insecure: bool = False,
-          app=None, **app_kwargs) -> None:
+def serve(
+    lm,
+    intervention: Intervention | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    graceful_timeout_s: int | None = None,
+    insecure: bool = False,
+    app=None,
+    **app_kwargs,
+) -> None:
     """Run the app with uvicorn until interrupted; Ctrl-C drains in-flight requests first, for at most
     ``graceful_timeout_s`` (default: the app's ``shutdown_timeout_s``). A non-loopback ``host`` needs
     an ``api_key`` unless ``insecure``."""
@@ -760,6 +909,7 @@ def serve(lm, intervention: Intervention | None = None, host: str = "127.0.0.1",
         app = create_app(lm, intervention, **app_kwargs)
     if graceful_timeout_s is None and app.state.shutdown_timeout_s is not None:
         graceful_timeout_s = max(1, round(app.state.shutdown_timeout_s))
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=graceful_timeout_s)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s
+    )
     uvicorn.Server(config).run()

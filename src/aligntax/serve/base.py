@@ -73,8 +73,9 @@ class Admission:
 
     waits_for = "a batch"  # what an admitted request waits for (named in the 503 message)
 
-    def _init_admission(self, max_queue: int, max_queue_wait_ms: float | None,
-                        lock: threading.Lock | None = None) -> None:
+    def _init_admission(
+        self, max_queue: int, max_queue_wait_ms: float | None, lock: threading.Lock | None = None
+    ) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         if max_queue_wait_ms is not None and max_queue_wait_ms <= 0:
@@ -115,7 +116,11 @@ class Admission:
                     raise EngineOverloaded(
                         f"The server is overloaded: a new request would wait about {wait:.2f} s for "
                         f"{self.waits_for} (target {self.max_queue_wait:.2f} s; {ahead} requests waiting); "
-                        "retry later.", self._retry_after(ahead), status=503, code="overloaded")
+                        "retry later.",
+                        self._retry_after(ahead),
+                        status=503,
+                        code="overloaded",
+                    )
             self._arriving += 1
 
     def withdraw(self) -> None:
@@ -134,8 +139,10 @@ class Admission:
             raise self._queue_full(self.waiting)
 
     def _queue_full(self, ahead: int) -> EngineOverloaded:
-        return EngineOverloaded(f"The server's request queue is full ({self.max_queue} waiting); retry later.",
-                                self._retry_after(ahead))
+        return EngineOverloaded(
+            f"The server's request queue is full ({self.max_queue} waiting); retry later.",
+            self._retry_after(ahead),
+        )
 
     def _retry_after(self, ahead: int) -> int:
         """Whole seconds until about the work ahead has drained (at least 1)."""

@@ -108,12 +108,16 @@ class _RowSampler:
     def __init__(self, jobs: Sequence[Job], device):
         ps = [j.params for j in jobs]
         self.greedy = torch.tensor([p.greedy for p in ps], device=device)
-        self.temps = torch.tensor([1.0 if p.greedy else p.temperature for p in ps],
-                                  device=device).unsqueeze(1)
+        self.temps = torch.tensor([1.0 if p.greedy else p.temperature for p in ps], device=device).unsqueeze(
+            1
+        )
         self.top_p = torch.tensor([p.top_p for p in ps], device=device).unsqueeze(1)
         self.use_top_p = any(p.top_p < 1.0 and not p.greedy for p in ps)
-        self.seeded = {i: torch.Generator(device=device).manual_seed(p.seed)
-                       for i, p in enumerate(ps) if p.seed is not None and not p.greedy}
+        self.seeded = {
+            i: torch.Generator(device=device).manual_seed(p.seed)
+            for i, p in enumerate(ps)
+            if p.seed is not None and not p.greedy
+        }
         self.all_greedy = all(p.greedy for p in ps)
         self.bad: torch.Tensor | None = None  # this step: rows (of those alive) whose logits are NaN/+inf
 
@@ -153,8 +157,11 @@ class _BatchController:
         self.eos = torch.tensor(engine.eos_ids or [-1], device=device)
         self.eos_set = set(engine.eos_ids)
         self.cancel_epoch = engine.cancel_epoch
-        self.text = {i: RowText(engine.tokenizer, j.params.stop)
-                     for i, j in enumerate(jobs) if j.stream or j.params.stop}
+        self.text = {
+            i: RowText(engine.tokenizer, j.params.stop)
+            for i, j in enumerate(jobs)
+            if j.stream or j.params.stop
+        }
         self.finished = [False] * len(jobs)
         # each row's tokens: the decoding loop appends to these lists before it calls this controller
         self.tokens: list[list[int]] = [[] for _ in jobs]
@@ -172,16 +179,24 @@ class _BatchController:
         ending_at = ending.nonzero().flatten().tolist()
         ending_rows = [rows[k] for k in ending_at]
         eos_rows = {rows[k] for k in hit_eos.nonzero().flatten().tolist()} if ending_at else set()
-        bad_rows = {rows[k] for k in bad.nonzero().flatten().tolist()} if ending_at and bad is not None \
-            else set()
+        bad_rows = (
+            {rows[k] for k in bad.nonzero().flatten().tolist()} if ending_at and bad is not None else set()
+        )
         live = [i for i in rows if i in self.text and not self.finished[i] and i not in bad_rows]
         cancels = self.engine.cancel_epoch != self.cancel_epoch
         if live or ending_rows or cancels:
             self._step_events(live, ending_rows, eos_rows, cancels, t, bad_rows)
         return torch.tensor([self.finished[i] for i in rows], device=new.device)
 
-    def _step_events(self, live: list[int], ending_rows: list[int], eos_rows: set[int], cancels: bool,
-                     t: int, bad_rows: set[int] = frozenset()) -> None:
+    def _step_events(
+        self,
+        live: list[int],
+        ending_rows: list[int],
+        eos_rows: set[int],
+        cancels: bool,
+        t: int,
+        bad_rows: set[int] = frozenset(),
+    ) -> None:
         out = _Outbox()
         with self.engine.tokenizer_lock:
             for i in bad_rows:
@@ -220,12 +235,17 @@ class _BatchController:
             return
         job.done = True
         if job.steer:
-            msg = (f"Steering at strength {job.strength:g} made the model's output non-finite (NaN or inf); "
-                   "try a smaller aligntax.strength.")
+            msg = (
+                f"Steering at strength {job.strength:g} made the model's output non-finite (NaN or inf); "
+                "try a smaller aligntax.strength."
+            )
             ev = Failed(msg, 400, "non_finite_output")
         else:
-            ev = Failed("The model's output became non-finite (NaN or inf) for this request.", 500,
-                        "non_finite_output")
+            ev = Failed(
+                "The model's output became non-finite (NaN or inf) for this request.",
+                500,
+                "non_finite_output",
+            )
         log.warning("request failed: non-finite logits (steered=%s, strength=%s)", job.steer, job.strength)
         out.put(job, ev)
 
@@ -233,7 +253,9 @@ class _BatchController:
         """Complete row i (caller holds the tokenizer lock)."""
         job = self.jobs[i]
         self.finished[i] = True
-        events = finish_events(job, self.engine.tokenizer, self.tokens[i], n_generated, reason, eos, self.text.get(i))
+        events = finish_events(
+            job, self.engine.tokenizer, self.tokens[i], n_generated, reason, eos, self.text.get(i)
+        )
         job.done = True
         self.engine.metrics.record_tokens(len(job.prompt_ids), n_generated)
         for ev in events:
@@ -314,11 +336,20 @@ class BatchEngine(Admission):
     that cannot act per row (e.g. an adapter that changes the weights of the whole batch).
     """
 
-    def __init__(self, lm, intervention: Intervention | None = None, max_batch_size: int = 32,
-                 batch_wait_ms: float = 10.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
-                 max_batch_wait_ms: float = 100.0,
-                 mix_steered: bool = True, max_batch_tokens: int | None = None,
-                 max_queue_wait_ms: float | None = None, max_latency_ms: float | None = None):
+    def __init__(
+        self,
+        lm,
+        intervention: Intervention | None = None,
+        max_batch_size: int = 32,
+        batch_wait_ms: float = 10.0,
+        max_queue: int = 1024,
+        metrics: ServeMetrics | None = None,
+        max_batch_wait_ms: float = 100.0,
+        mix_steered: bool = True,
+        max_batch_tokens: int | None = None,
+        max_queue_wait_ms: float | None = None,
+        max_latency_ms: float | None = None,
+    ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self._init_admission(max_queue, max_queue_wait_ms)
@@ -384,8 +415,9 @@ class BatchEngine(Admission):
             queued = [j for j in self._q.queue if j is not _STOP]
         return [j for j in list(self._held) + queued if not j.cancelled]
 
-    def predicted_latency(self, max_tokens: int, ahead: int | None = None,
-                          now: float | None = None) -> float | None:
+    def predicted_latency(
+        self, max_tokens: int, ahead: int | None = None, now: float | None = None
+    ) -> float | None:
         """Seconds from now until a new request asking for ``max_tokens`` would finish, or until the
         oldest request of the batch it would join would finish counted from that request's arrival,
         whichever is longer; None before any batch was measured. The running batch ends at its
@@ -403,13 +435,15 @@ class BatchEngine(Admission):
         full, rows = divmod(ahead, self.max_batch_size)
         total = remaining
         for k in range(full):
-            group = jobs[k * self.max_batch_size:(k + 1) * self.max_batch_size]
+            group = jobs[k * self.max_batch_size : (k + 1) * self.max_batch_size]
             steps = max([j.params.max_tokens for j in group] + [max_tokens])
             total += model.batch_seconds(self.max_batch_size, steps)
-        group = jobs[full * self.max_batch_size:]
+        group = jobs[full * self.max_batch_size :]
         steps = max([j.params.max_tokens for j in group] + [max_tokens])
         total += self.batch_wait + model.batch_seconds(rows + 1, steps)
-        oldest = min((j.arrived_at if j.arrived_at is not None else j.enqueued_at for j in group), default=now)
+        oldest = min(
+            (j.arrived_at if j.arrived_at is not None else j.enqueued_at for j in group), default=now
+        )
         return total + max(0.0, now - oldest)
 
     def _check_admission(self, ahead: int, max_tokens: int | None) -> None:
@@ -422,7 +456,10 @@ class BatchEngine(Admission):
                 raise EngineOverloaded(
                     f"The server is overloaded: a new request would take about {latency:.2f} s to "
                     f"complete (target {self.max_latency:.2f} s; {ahead} requests waiting); retry later.",
-                    self._retry_after(ahead), status=503, code="overloaded")
+                    self._retry_after(ahead),
+                    status=503,
+                    code="overloaded",
+                )
 
     @property
     def started(self) -> bool:
@@ -539,8 +576,11 @@ class BatchEngine(Admission):
             if pool:
                 item = pool.pop(0)
             else:
-                if (self.max_queue_wait is not None or self.max_latency is not None) \
-                        and self._arriving == 0 and self._q.empty():
+                if (
+                    (self.max_queue_wait is not None or self.max_latency is not None)
+                    and self._arriving == 0
+                    and self._q.empty()
+                ):
                     break  # latency target: wait only for requests known to be on their way
                 remaining = min(last + self.batch_wait, start + self.max_batch_wait) - time.monotonic()
                 try:
@@ -586,8 +626,10 @@ class BatchEngine(Admission):
                 out = _Outbox()
                 for job in batch:
                     job.done = True
-                    out.put(job, Failed("The server shut down before this request ran.", 503,
-                                        "server_shutting_down"))
+                    out.put(
+                        job,
+                        Failed("The server shut down before this request ran.", 503, "server_shutting_down"),
+                    )
                 out.flush()
                 batch = []
             if batch:
@@ -651,18 +693,27 @@ class BatchEngine(Admission):
         attention = torch.zeros((n, prompt_len), dtype=torch.long)
         for i, job in enumerate(jobs):
             k = len(job.prompt_ids)
-            input_ids[i, prompt_len - k:] = torch.tensor(job.prompt_ids, dtype=torch.long)
-            attention[i, prompt_len - k:] = 1
+            input_ids[i, prompt_len - k :] = torch.tensor(job.prompt_ids, dtype=torch.long)
+            attention[i, prompt_len - k :] = 1
         sampler = _RowSampler(jobs, device)
         controller = _BatchController(self, jobs, device, sampler)
         now = time.perf_counter()
-        self.metrics.record_batch(n, steered=sum(j.steer for j in jobs),
-                                  queue_wait_s=sum(now - j.enqueued_at for j in jobs))
+        self.metrics.record_batch(
+            n, steered=sum(j.steer for j in jobs), queue_wait_s=sum(now - j.enqueued_at for j in jobs)
+        )
         intervention = next((self._steering_of(j) for j in jobs if j.steer), NoIntervention())
         enc = {"input_ids": input_ids.to(device), "attention_mask": attention.to(device)}
-        decode_batch(model, enc, intervention, max(j.params.max_tokens for j in jobs), set(self.eos_ids),
-                     rows=torch.tensor([j.steer for j in jobs]),
-                     strength=torch.tensor([float(j.strength) if j.steer else 0.0 for j in jobs]),
-                     choose=sampler, ended=controller, out=controller.tokens)
+        decode_batch(
+            model,
+            enc,
+            intervention,
+            max(j.params.max_tokens for j in jobs),
+            set(self.eos_ids),
+            rows=torch.tensor([j.steer for j in jobs]),
+            strength=torch.tensor([float(j.strength) if j.steer else 0.0 for j in jobs]),
+            choose=sampler,
+            ended=controller,
+            out=controller.tokens,
+        )
         self._last_steps = max(self._last_steps, max((len(t) for t in controller.tokens), default=0))
         controller.finish_rest()

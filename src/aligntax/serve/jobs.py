@@ -80,7 +80,9 @@ class Job:
     # that steers elsewhere (the vLLM backend's) sets up its own steering from them
     options: dict | None = None
     stream: bool = False
-    arrived_at: float | None = None  # perf_counter() at admission (before tokenisation), when the server knows it
+    arrived_at: float | None = (
+        None  # perf_counter() at admission (before tokenisation), when the server knows it
+    )
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -109,17 +111,17 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        new_text = self._decode(self.ids[self.prefix:])
+        new_text = self._decode(self.ids[self.prefix :])
         if len(new_text) > len(self._prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(self._prefix_text):]
+            delta = new_text[len(self._prefix_text) :]
             self.prefix, self.read = self.read, len(self.ids)
-            self._prefix_text = self._decode(self.ids[self.prefix:self.read])
+            self._prefix_text = self._decode(self.ids[self.prefix : self.read])
             return delta
         return ""
 
     def flush(self) -> str:
-        new_text = self._decode(self.ids[self.prefix:])
-        delta = new_text[len(self._prefix_text):] if len(new_text) > len(self._prefix_text) else ""
+        new_text = self._decode(self.ids[self.prefix :])
+        delta = new_text[len(self._prefix_text) :] if len(new_text) > len(self._prefix_text) else ""
         self.prefix = self.read = len(self.ids)
         self._prefix_text = ""
         return delta
@@ -146,7 +148,7 @@ class StopMatcher:
         if hits:
             cut = min(hits)
             self.text = self.text[:cut]
-            out, self.sent = self.text[self.sent:], cut
+            out, self.sent = self.text[self.sent :], cut
             return out, True
         hold = 0
         for s in self.stops:
@@ -157,11 +159,11 @@ class StopMatcher:
         safe = len(self.text) - hold
         if safe <= self.sent:
             return "", False
-        out, self.sent = self.text[self.sent:safe], safe
+        out, self.sent = self.text[self.sent : safe], safe
         return out, False
 
     def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.sent = self.text[self.sent :], len(self.text)
         return out
 
 
@@ -182,8 +184,9 @@ class RowText:
         return stopped
 
 
-def finish_events(job: Job, tokenizer, tokens: Sequence[int], n_generated: int, reason: str, eos: bool,
-                  row: RowText | None) -> list:
+def finish_events(
+    job: Job, tokenizer, tokens: Sequence[int], n_generated: int, reason: str, eos: bool, row: RowText | None
+) -> list:
     """The events that complete ``job``: the rest of a stream's text, then :class:`Finished`.
 
     ``tokens``: the answer's tokens, of which ``n_generated`` count (an end token, ``eos``, among them
@@ -203,8 +206,11 @@ def finish_events(job: Job, tokenizer, tokens: Sequence[int], n_generated: int, 
                 events.append(Delta(emit))
         text = row.stop.text
     else:
-        ids = list(tokens[:n_generated - (1 if eos else 0)])
+        ids = list(tokens[: n_generated - (1 if eos else 0)])
         text = tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-    events.append(Finished(text=text, finish_reason=reason, prompt_tokens=len(job.prompt_ids),
-                           completion_tokens=n_generated))
+    events.append(
+        Finished(
+            text=text, finish_reason=reason, prompt_tokens=len(job.prompt_ids), completion_tokens=n_generated
+        )
+    )
     return events

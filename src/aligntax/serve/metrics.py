@@ -63,7 +63,11 @@ class ServeMetrics:
                 "batch_size_mean": round(self.batch_rows / self.batches, 3) if self.batches else 0.0,
                 "batch_size_max": max(self.batch_sizes, default=0),
                 "steered_rows_total": self.steered_rows,
-                "queue_wait_mean_s": round(self.queue_wait_sum / self.batch_rows, 4) if self.batch_rows else 0.0,
-                "latency_mean_s": round(self.latency_sum / self.latency_count, 4) if self.latency_count else 0.0,
+                "queue_wait_mean_s": round(self.queue_wait_sum / self.batch_rows, 4)
+                if self.batch_rows
+                else 0.0,
+                "latency_mean_s": round(self.latency_sum / self.latency_count, 4)
+                if self.latency_count
+                else 0.0,
                 "completion_tokens_per_s": round(self.completion_tokens / uptime, 3) if uptime > 0 else 0.0,
             }

@@ -38,13 +38,22 @@ from aligntax.serve.protocol import invalid
 
 MAX_INT = 1024  # the largest integer a request may give (steps, horizon, top_k, layer numbers)
 MAX_LAYERS = 256  # the longest layer list
-_TYPES = {"float": "number", "int": "integer", "float_or_none": 'number | "none"',
-          "int_or_none": 'integer | "none"', "gate": 'number | "saved" | "none"', "layers": "array<integer>"}
-_EXPECTED = {"float": "a finite number", "int": f"an integer from 0 to {MAX_INT}",
-             "float_or_none": "a finite number or 'none'",
-             "int_or_none": f"an integer from 0 to {MAX_INT} or 'none'",
-             "gate": "a probability between 0 and 1 (exclusive), 'saved' or 'none'",
-             "layers": f"a list of at most {MAX_LAYERS} layer numbers (integers from 0 to {MAX_INT})"}
+_TYPES = {
+    "float": "number",
+    "int": "integer",
+    "float_or_none": 'number | "none"',
+    "int_or_none": 'integer | "none"',
+    "gate": 'number | "saved" | "none"',
+    "layers": "array<integer>",
+}
+_EXPECTED = {
+    "float": "a finite number",
+    "int": f"an integer from 0 to {MAX_INT}",
+    "float_or_none": "a finite number or 'none'",
+    "int_or_none": f"an integer from 0 to {MAX_INT} or 'none'",
+    "gate": "a probability between 0 and 1 (exclusive), 'saved' or 'none'",
+    "layers": f"a list of at most {MAX_LAYERS} layer numbers (integers from 0 to {MAX_INT})",
+}
 
 
 @dataclass(frozen=True)
@@ -93,8 +102,10 @@ def request_fields(method: str | None) -> list[RequestField]:
         spec = spec_of(f)
         if spec.request:
             if spec.parse not in _TYPES:
-                raise AligntaxError(f"Option '{f.name}' of '{method}' is marked per request but is read as "
-                                    f"'{spec.parse}', which a request cannot send.")
+                raise AligntaxError(
+                    f"Option '{f.name}' of '{method}' is marked per request but is read as "
+                    f"'{spec.parse}', which a request cannot send."
+                )
             out.append(RequestField(f.name, spec.parse, spec.help))
     return out
 
@@ -108,15 +119,25 @@ def parse_request_options(fields: list[RequestField], raw: dict[str, Any], model
         field = by_name.get(key)
         if field is None:
             takes = ", ".join(by_name) if by_name else "none"
-            raise invalid(f"Unrecognized steering option '{param}' for the model '{model}' (it takes: {takes}).",
-                          param, "unknown_parameter")
+            raise invalid(
+                f"Unrecognized steering option '{param}' for the model '{model}' (it takes: {takes}).",
+                param,
+                "unknown_parameter",
+            )
         checked = field.check(value)
         if checked is None:
-            got = repr(value) if isinstance(value, (int, float, str, bool)) or value is None else type(value).__name__
+            got = (
+                repr(value)
+                if isinstance(value, (int, float, str, bool)) or value is None
+                else type(value).__name__
+            )
             if len(got) > 60:
                 got = got[:57] + "..."
-            raise invalid(f"Invalid value for '{param}': expected {_EXPECTED[field.parse]} (got {got}).", param,
-                          "invalid_type")
+            raise invalid(
+                f"Invalid value for '{param}': expected {_EXPECTED[field.parse]} (got {got}).",
+                param,
+                "invalid_type",
+            )
         out[key] = checked
     return out
 
@@ -173,8 +194,9 @@ class RequestSteering:
         self.method = method
         self.base = dict(base_options or {})
         self.fields = request_fields(method)
-        self.cache = InterventionCache(lambda opts: make_intervention(method, lm, **{**self.base, **opts}),
-                                       maxsize)
+        self.cache = InterventionCache(
+            lambda opts: make_intervention(method, lm, **{**self.base, **opts}), maxsize
+        )
 
     def parse(self, raw: dict[str, Any], model: str) -> dict[str, Any]:
         return parse_request_options(self.fields, raw, model)
@@ -192,5 +214,12 @@ class RequestSteering:
         return {"method": self.method, "options": [f.card() for f in self.fields]}
 
 
-__all__ = ["MAX_INT", "InterventionCache", "RequestField", "RequestSteering", "options_key",
-           "parse_request_options", "request_fields"]
+__all__ = [
+    "MAX_INT",
+    "InterventionCache",
+    "RequestField",
+    "RequestSteering",
+    "options_key",
+    "parse_request_options",
+    "request_fields",
+]

@@ -26,8 +26,15 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 class APIError(Exception):
     """An error answered in the OpenAI format: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,8 +47,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -71,11 +79,18 @@ class AligntaxOptions(BaseModel):
     """The ``aligntax`` extension field (the openai client sends it with ``extra_body``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    strength: float | None = Field(None, ge=-1000, le=1000, allow_inf_nan=False,
-                                   description="Steering strength for the steered model (default 1.0).")
+    strength: float | None = Field(
+        None,
+        ge=-1000,
+        le=1000,
+        allow_inf_nan=False,
+        description="Steering strength for the steered model (default 1.0).",
+    )
     options: dict[str, Any] | None = Field(
-        None, description="Options of the steered model's method for this request (e.g. {'eta': 0.2}); the "
-                          "allowed keys are listed by GET /v1/models (aligntax.serve.options).")
+        None,
+        description="Options of the steered model's method for this request (e.g. {'eta': 0.2}); the "
+        "allowed keys are listed by GET /v1/models (aligntax.serve.options).",
+    )
 
 
 class ChatCompletionRequest(BaseModel):
@@ -104,8 +119,21 @@ class ChatCompletionRequest(BaseModel):
     aligntax: AligntaxOptions | None = None
 
 
-_TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "function-after",
-               "function-before", "function-plain", "tagged-union", "union"}
+_TYPE_WORDS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "none",
+    "literal",
+    "function-after",
+    "function-before",
+    "function-plain",
+    "tagged-union",
+    "union",
+}
 
 
 def loc_to_param(loc: tuple | list) -> str | None:
@@ -132,9 +160,12 @@ def validation_error(errors: list[dict]) -> APIError:
     kind = err.get("type", "")
     loc = err.get("loc", ())
     if kind == "json_invalid":
-        return invalid("We could not parse the JSON body of your request. (HINT: This likely means you "
-                       "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
-                       None, "invalid_json")
+        return invalid(
+            "We could not parse the JSON body of your request. (HINT: This likely means you "
+            "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
+            None,
+            "invalid_json",
+        )
     param = loc_to_param(loc)
     not_object = "The request body must be a JSON object, sent with Content-Type: application/json."
     if kind == "missing":
@@ -145,8 +176,11 @@ def validation_error(errors: list[dict]) -> APIError:
         return invalid(not_object, None, "invalid_json")
     if kind == "extra_forbidden":
         return invalid(f"Unrecognized request argument supplied: '{param}'.", param, "unknown_parameter")
-    code = "invalid_type" if kind.endswith("_type") or kind in {"model_attributes_type", "is_instance_of"} \
+    code = (
+        "invalid_type"
+        if kind.endswith("_type") or kind in {"model_attributes_type", "is_instance_of"}
         else "invalid_value"
+    )
     got = err.get("input")
     got_s = repr(got) if isinstance(got, (int, float, str, bool)) or got is None else type(got).__name__
     if len(got_s) > 60:
@@ -156,8 +190,16 @@ def validation_error(errors: list[dict]) -> APIError:
 
 # Fields of OpenAI's API that this server accepts and ignores, and ones it accepts only when empty
 # (their features are not supported); anything else unknown is refused unless the server allows it.
-_IGNORED = {"store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-            "safety_identifier", "reasoning_effort", "verbosity"}
+_IGNORED = {
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "prompt_cache_key",
+    "safety_identifier",
+    "reasoning_effort",
+    "verbosity",
+}
 _UNSUPPORTED = {"functions", "function_call", "audio", "modalities", "prediction", "web_search_options"}
 _MESSAGE_IGNORED = {"refusal", "annotations", "tool_call_id"}
 _MESSAGE_UNSUPPORTED = {"tool_calls", "function_call", "audio"}
@@ -177,8 +219,9 @@ def unknown_field(body: ChatCompletionRequest, allow_unknown: bool = False) -> A
                     continue
                 return invalid(f"'{param}' is not supported by this server.", param, "unsupported_value")
             if not allow_unknown:
-                return invalid(f"Unrecognized request argument supplied: '{param}'.", param,
-                               "unknown_parameter")
+                return invalid(
+                    f"Unrecognized request argument supplied: '{param}'.", param, "unknown_parameter"
+                )
         return None
 
     err = check(body.model_extra, "", _IGNORED, _UNSUPPORTED)
@@ -191,6 +234,7 @@ def unknown_field(body: ChatCompletionRequest, allow_unknown: bool = False) -> A
         if err is None and isinstance(m.content, list):
             for k, part in enumerate(m.content):
                 if part.type == "text":  # other part types are refused as unsupported later
-                    err = err or check(part.model_extra, f"messages[{i}].content[{k}].", {"cache_control"},
-                                       set())
+                    err = err or check(
+                        part.model_extra, f"messages[{i}].content[{k}].", {"cache_control"}, set()
+                    )
     return err

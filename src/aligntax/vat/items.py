@@ -69,11 +69,36 @@ class ValueItem:
 
 
 # ----------------------------------------------------------------- parsing helpers
-_POLARITY = {"1": 1, "+1": 1, "positive": 1, "pos": 1, "+": 1, "support": 1, "supports": 1, "supporting": 1,
-             "express": 1, "expresses": 1, "true": 1, "yes": 1,
-             "-1": -1, "negative": -1, "neg": -1, "-": -1, "violate": -1, "violates": -1, "violating": -1,
-             "resist": -1, "resists": -1, "oppose": -1, "opposes": -1, "false": -1, "no": -1,
-             "0": 0, "neutral": 0, "none": 0}
+_POLARITY = {
+    "1": 1,
+    "+1": 1,
+    "positive": 1,
+    "pos": 1,
+    "+": 1,
+    "support": 1,
+    "supports": 1,
+    "supporting": 1,
+    "express": 1,
+    "expresses": 1,
+    "true": 1,
+    "yes": 1,
+    "-1": -1,
+    "negative": -1,
+    "neg": -1,
+    "-": -1,
+    "violate": -1,
+    "violates": -1,
+    "violating": -1,
+    "resist": -1,
+    "resists": -1,
+    "oppose": -1,
+    "opposes": -1,
+    "false": -1,
+    "no": -1,
+    "0": 0,
+    "neutral": 0,
+    "none": 0,
+}
 DESIRABILITY = ("congruent", "incongruent", "neutral")
 STRATA = (*DESIRABILITY, "unlabelled")
 
@@ -101,8 +126,10 @@ def parse_desirability(raw, polarity: int, where: str = "") -> str | None:
     if key not in DESIRABILITY:
         raise DataError(f"{where}bad desirability {raw!r}: use congruent, incongruent or neutral")
     if (key == "neutral") != (polarity == 0):
-        raise DataError(f"{where}desirability '{key}' does not fit polarity {polarity:+d} (neutral items, and "
-                        "only they, have polarity 0)")
+        raise DataError(
+            f"{where}desirability '{key}' does not fit polarity {polarity:+d} (neutral items, and "
+            "only they, have polarity 0)"
+        )
     return key
 
 
@@ -141,7 +168,7 @@ def parse_human_action(raw: str) -> str | None:
         candidates.insert(0, m.group(1))
     brace = text.find("{")
     if brace > 0:
-        candidates.append(text[brace: text.rfind("}") + 1])
+        candidates.append(text[brace : text.rfind("}") + 1])
     for cand in candidates:
         for loader in (json.loads, ast.literal_eval):
             try:
@@ -161,16 +188,28 @@ def parse_human_action(raw: str) -> str | None:
 
 # ----------------------------------------------------------------- ValueActionLens
 VAL_CONTEXT_TEMPLATE = "A person living in {country} describes something they do in the area of {topic}."
-_THE = ("United States", "United Kingdom", "Philippines", "Netherlands", "United Arab Emirates",
-        "Czech Republic", "Dominican Republic", "Central African Republic")
+_THE = (
+    "United States",
+    "United Kingdom",
+    "Philippines",
+    "Netherlands",
+    "United Arab Emirates",
+    "Czech Republic",
+    "Dominican Republic",
+    "Central African Republic",
+)
 
 
 def _country_phrase(country: str) -> str:
     return f"the {country}" if country in _THE else country
 
 
-def load_value_action_lens(path: str | Path | None = None, *, context_template: str = VAL_CONTEXT_TEMPLATE,
-                           skip_unparsed: bool = True) -> list[ValueItem]:
+def load_value_action_lens(
+    path: str | Path | None = None,
+    *,
+    context_template: str = VAL_CONTEXT_TEMPLATE,
+    skip_unparsed: bool = True,
+) -> list[ValueItem]:
     """Load the ValueActionLens CSV (14,784 rows: country, topic, value = SVS item, polarity,
     generation_prompt). The SVS item is mapped to its basic value; the action is the "Human Action" of
     the JSON in ``generation_prompt``; the context is built from country and topic. Item ids are
@@ -180,18 +219,24 @@ def load_value_action_lens(path: str | Path | None = None, *, context_template: 
         from aligntax.paths import shared_data_dir
 
         base = shared_data_dir()
-        path = (base / "values" / "value_action_lens" / "value_action_gap_full_data_generation.csv"
-                if base else None)
+        path = (
+            base / "values" / "value_action_lens" / "value_action_gap_full_data_generation.csv"
+            if base
+            else None
+        )
         if path is None or not Path(path).is_file():
-            raise DataError("ValueActionLens CSV not found: pass its path (value_action_gap_full_data_"
-                            "generation.csv) or set ALIGNTAX_DATA to the shared data folder.")
+            raise DataError(
+                "ValueActionLens CSV not found: pass its path (value_action_gap_full_data_"
+                "generation.csv) or set ALIGNTAX_DATA to the shared data folder."
+            )
     path = Path(path)
     rows = _read_csv(path)
     need = {"country", "topic", "value", "polarity", "generation_prompt"}
     missing = need - set(rows[0])
     if missing:
-        raise DataError(f"{path}: not a ValueActionLens file, missing columns {sorted(missing)} "
-                        f"(found {sorted(rows[0])})")
+        raise DataError(
+            f"{path}: not a ValueActionLens file, missing columns {sorted(missing)} (found {sorted(rows[0])})"
+        )
     items = []
     for i, row in enumerate(rows):
         where = f"{path.name} row {i + 2}: "
@@ -202,11 +247,20 @@ def load_value_action_lens(path: str | Path | None = None, *, context_template: 
             raise DataError(f"{where}no 'Human Action' in generation_prompt")
         basic, svs = parse_value(row["value"], where)
         country, topic = row["country"].strip(), row["topic"].strip()
-        items.append(ValueItem(
-            id=f"val-{i}", context=context_template.format(country=_country_phrase(country), topic=topic),
-            action=action, value=basic, polarity=parse_polarity(row["polarity"], where),
-            svs_item=svs or str(row["value"]).strip(), scene=f"{country} / {topic}", country=country,
-            topic=topic, source="value-action-lens"))
+        items.append(
+            ValueItem(
+                id=f"val-{i}",
+                context=context_template.format(country=_country_phrase(country), topic=topic),
+                action=action,
+                value=basic,
+                polarity=parse_polarity(row["polarity"], where),
+                svs_item=svs or str(row["value"]).strip(),
+                scene=f"{country} / {topic}",
+                country=country,
+                topic=topic,
+                source="value-action-lens",
+            )
+        )
     if not items:
         raise DataError(f"{path}: no usable rows")
     return items
@@ -263,8 +317,9 @@ def _read_json_rows(path: Path) -> list[dict]:
     return rows
 
 
-def items_from_records(records: Sequence[dict], *, source: str, where: str = "",
-                       fields: dict[str, str] | None = None) -> list[ValueItem]:
+def items_from_records(
+    records: Sequence[dict], *, source: str, where: str = "", fields: dict[str, str] | None = None
+) -> list[ValueItem]:
     """Build items from dict records, mapping field names (``fields``: our name -> record key) with
     common aliases as fallback. Raises ``DataError`` naming the first bad record."""
     if not records:
@@ -274,15 +329,21 @@ def items_from_records(records: Sequence[dict], *, source: str, where: str = "",
     for ours, aliases in _FIELD_ALIASES.items():
         if fields and ours in fields:
             if fields[ours] not in keys:
-                raise DataError(f"{where}field '{fields[ours]}' (for {ours}) not found; columns: {sorted(keys)}")
+                raise DataError(
+                    f"{where}field '{fields[ours]}' (for {ours}) not found; columns: {sorted(keys)}"
+                )
             mapping[ours] = fields[ours]
             continue
         found = next((a for a in aliases if a in keys), None)
         if found is None:
-            raise DataError(f"{where}missing column '{ours}' (columns: {sorted(keys)}). Items need "
-                            "context, action, value and polarity.")
+            raise DataError(
+                f"{where}missing column '{ours}' (columns: {sorted(keys)}). Items need "
+                "context, action, value and polarity."
+            )
         mapping[ours] = found
-    opt = {k: (fields or {}).get(k, k) for k in ("id", "svs_item", "scene", "country", "topic", "desirability")}
+    opt = {
+        k: (fields or {}).get(k, k) for k in ("id", "svs_item", "scene", "country", "topic", "desirability")
+    }
     items, seen = [], set()
     for n, r in enumerate(records, start=1):
         w = f"{where}row {n}: "
@@ -300,10 +361,21 @@ def items_from_records(records: Sequence[dict], *, source: str, where: str = "",
             return None if v in (None, "") else str(v)
 
         pol = parse_polarity(r.get(mapping["polarity"]), w)
-        items.append(ValueItem(
-            id=rid, context=ctx.strip(), action=act.strip(), value=basic, polarity=pol,
-            svs_item=_opt("svs_item") or svs, scene=_opt("scene"), country=_opt("country"),
-            topic=_opt("topic"), source=source, desirability=parse_desirability(_opt("desirability"), pol, w)))
+        items.append(
+            ValueItem(
+                id=rid,
+                context=ctx.strip(),
+                action=act.strip(),
+                value=basic,
+                polarity=pol,
+                svs_item=_opt("svs_item") or svs,
+                scene=_opt("scene"),
+                country=_opt("country"),
+                topic=_opt("topic"),
+                source=source,
+                desirability=parse_desirability(_opt("desirability"), pol, w),
+            )
+        )
     return items
 
 
@@ -355,8 +427,13 @@ VAT_FIELD_CANDIDATES: dict[str, tuple[str, ...]] = {
 }
 
 
-def load_vat_hub(repo_id: str = VAT_HUB_ID, split: str = "test", *, fields: dict[str, str] | None = None,
-                 config: str | None = None) -> list[ValueItem]:
+def load_vat_hub(
+    repo_id: str = VAT_HUB_ID,
+    split: str = "test",
+    *,
+    fields: dict[str, str] | None = None,
+    config: str | None = None,
+) -> list[ValueItem]:
     """The VAT dataset via ``datasets.load_dataset``. ``fields`` maps our fields (context, action,
     value, polarity, scene, country, topic, id) to dataset columns; unset ones are guessed from
     ``VAT_FIELD_CANDIDATES``. When the context is missing but country/topic/scene exist, a context is
@@ -386,16 +463,20 @@ def load_vat_hub(repo_id: str = VAT_HUB_ID, split: str = "test", *, fields: dict
                 mapping[ours] = hit
     for need in ("action", "value", "polarity"):
         if need not in mapping:
-            raise DataError(f"{repo_id}: cannot find the '{need}' column among {columns}; pass "
-                            f"fields={{'{need}': 'COLUMN'}} (CLI: --field {need}=COLUMN)")
+            raise DataError(
+                f"{repo_id}: cannot find the '{need}' column among {columns}; pass "
+                f"fields={{'{need}': 'COLUMN'}} (CLI: --field {need}=COLUMN)"
+            )
     records = []
     for i, row in enumerate(ds):
         rec = {k: row.get(c) for k, c in mapping.items()}
         if not rec.get("context"):
             parts = [f"{k}: {rec[k]}" for k in ("country", "topic", "scene") if rec.get(k)]
             if not parts:
-                raise DataError(f"{repo_id}: no context column and no country/topic/scene to build one; "
-                                "pass fields={'context': 'COLUMN'}")
+                raise DataError(
+                    f"{repo_id}: no context column and no country/topic/scene to build one; "
+                    "pass fields={'context': 'COLUMN'}"
+                )
             rec["context"] = "Setting - " + "; ".join(parts) + "."
         if rec.get("action") is not None and not isinstance(rec["action"], str):
             rec["action"] = str(rec["action"])
@@ -424,8 +505,10 @@ def load_items(source: str | Path = BUILTIN_NAME, **kwargs) -> list[ValueItem]:
         return load_vat_hub(s[4:], **kwargs)
     if re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", s) and not p.suffix:
         return load_vat_hub(s, **kwargs)
-    raise DataError(f"Unknown item source '{s}': use 'builtin', 'value-action-lens', a Hub id such as "
-                    f"{VAT_HUB_ID}, or a .jsonl/.json/.csv file")
+    raise DataError(
+        f"Unknown item source '{s}': use 'builtin', 'value-action-lens', a Hub id such as "
+        f"{VAT_HUB_ID}, or a .jsonl/.json/.csv file"
+    )
 
 
 # ----------------------------------------------------------------- sampling and splitting
@@ -467,11 +550,18 @@ def _spread_pick(cell: list[ValueItem], cap: int, rng: random.Random) -> list[Va
     return picked
 
 
-def sample_items(items: Sequence[ValueItem], *, per_value: int | None = None,
-                 per_value_polarity: int | None = None, values: Sequence[str] | None = None,
-                 scenes: int | Sequence[str] | None = None, seed: int = 0,
-                 strata: Sequence[str] | None = None, by: str = "item",
-                 per_scene_value: int = 2) -> list[ValueItem]:
+def sample_items(
+    items: Sequence[ValueItem],
+    *,
+    per_value: int | None = None,
+    per_value_polarity: int | None = None,
+    values: Sequence[str] | None = None,
+    scenes: int | Sequence[str] | None = None,
+    seed: int = 0,
+    strata: Sequence[str] | None = None,
+    by: str = "item",
+    per_scene_value: int = 2,
+) -> list[ValueItem]:
     """A reproducible subset.
 
     - ``values``: keep only these values (any resolvable names); ``strata``: only these desirability
@@ -522,7 +612,7 @@ def sample_items(items: Sequence[ValueItem], *, per_value: int | None = None,
         for it in members:
             by_stratum[it.stratum].append(it)
         order = sorted(by_stratum, key=STRATA.index)
-        share = (_alloc(per_value, {k: len(by_stratum[k]) for k in order}) if per_value is not None else None)
+        share = _alloc(per_value, {k: len(by_stratum[k]) for k in order}) if per_value is not None else None
         for k in order:
             for (_v, pol), cell in sorted(_by_cell(by_stratum[k]).items()):  # the order of earlier versions
                 if per_value_polarity is not None:
@@ -535,8 +625,9 @@ def sample_items(items: Sequence[ValueItem], *, per_value: int | None = None,
     return [it for it in pool if it.id in chosen_ids]
 
 
-def _sample_scenes(pool: list[ValueItem], per_value: int, per_scene_value: int,
-                   rng: random.Random) -> list[ValueItem]:
+def _sample_scenes(
+    pool: list[ValueItem], per_value: int, per_scene_value: int, rng: random.Random
+) -> list[ValueItem]:
     if per_scene_value < 1:
         raise DataError("per_scene_value must be >= 1")
     by_group: dict[str, list[ValueItem]] = defaultdict(list)
@@ -565,8 +656,9 @@ def _sample_scenes(pool: list[ValueItem], per_value: int, per_scene_value: int,
     return [it for it in pool if it.id in ids]
 
 
-def split_items(items: Sequence[ValueItem], train_fraction: float = 0.2, seed: int = 0,
-                by: str = "scene") -> tuple[list[ValueItem], list[ValueItem]]:
+def split_items(
+    items: Sequence[ValueItem], train_fraction: float = 0.2, seed: int = 0, by: str = "scene"
+) -> tuple[list[ValueItem], list[ValueItem]]:
     """(evaluation items, training items). Interventions that need examples (few-shot, steering, LoRA,
     DPO) draw them from the training part only, so no evaluation item or context leaks into them.
 

@@ -90,8 +90,10 @@ def template_text(name_or_text: str) -> str:
     if name_or_text in TEMPLATES:
         return TEMPLATES[name_or_text]
     if "{action}" not in name_or_text:
-        raise AligntaxError(f"Unknown judgment template '{name_or_text}': use one of {sorted(TEMPLATES)} "
-                            "or a text containing {context}, {action}, {min}, {max} and {scale}")
+        raise AligntaxError(
+            f"Unknown judgment template '{name_or_text}': use one of {sorted(TEMPLATES)} "
+            "or a text containing {context}, {action}, {min}, {max} and {scale}"
+        )
     return name_or_text
 
 
@@ -138,12 +140,18 @@ class JudgeConfig:
 
 
 def judgment_prompt(item: ValueItem, variant: Variant, scale: LikertScale) -> str:
-    return variant.text.format(context=item.context, action=item.action, min=scale.min, max=scale.max,
-                               scale=scale.describe(variant.order))
+    return variant.text.format(
+        context=item.context,
+        action=item.action,
+        min=scale.min,
+        max=scale.max,
+        scale=scale.describe(variant.order),
+    )
 
 
-def target_label(item: ValueItem, target: str, scale: LikertScale, order: str = "normal",
-                 supportive: bool = True) -> str:
+def target_label(
+    item: ValueItem, target: str, scale: LikertScale, order: str = "normal", supportive: bool = True
+) -> str:
     """The Likert label (as written under ``order``) that a judge favouring ``target`` would give:
     the top of the scale for a target-supporting action, the bottom for a target-violating one
     (``supportive=False`` gives the opposite, target-resisting label)."""
@@ -171,8 +179,10 @@ def scale_token_ids(tokenizer, labels: Sequence[str]) -> list[list[int]]:
                 if tokenizer.decode([enc[1]]).strip() == label and int(enc[1]) not in ids:
                     ids.append(int(enc[1]))
         if not ids:
-            raise AligntaxError(f"Scale label '{label}' is not a single token for this tokenizer; use a scale "
-                                "whose labels are single tokens (e.g. 1-5 or 1-7)")
+            raise AligntaxError(
+                f"Scale label '{label}' is not a single token for this tokenizer; use a scale "
+                "whose labels are single tokens (e.g. 1-5 or 1-7)"
+            )
         out.append(ids)
     flat = [t for ids in out for t in ids]
     if len(flat) != len(set(flat)):
@@ -188,8 +198,9 @@ class LikertReading:
     mass: np.ndarray  # [N] total probability the model puts on the label tokens
 
 
-def likert_from_logits(logits: torch.Tensor | np.ndarray, token_ids: Sequence[Sequence[int]],
-                       points: Sequence[float]) -> LikertReading:
+def likert_from_logits(
+    logits: torch.Tensor | np.ndarray, token_ids: Sequence[Sequence[int]], points: Sequence[float]
+) -> LikertReading:
     """Read a Likert judgment from next-token logits [N, V]. The probability of label k is the summed
     softmax probability of its token ids; the K label probabilities are renormalised to sum to one."""
     lg = torch.as_tensor(logits, dtype=torch.float32)
@@ -229,10 +240,15 @@ def intervention_key(intervention: Intervention | None) -> dict:
 
 def _cache_key(fingerprint: dict, variant: Variant, cfg: JudgeConfig, item: ValueItem, iv_key: dict) -> str:
     payload = {
-        "fp": fingerprint, "template": variant.text, "order": variant.order, "scale": cfg.scale.to_dict(),
-        "system": cfg.system, "method": cfg.method,
+        "fp": fingerprint,
+        "template": variant.text,
+        "order": variant.order,
+        "scale": cfg.scale.to_dict(),
+        "system": cfg.system,
+        "method": cfg.method,
         "max_new_tokens": cfg.max_new_tokens if cfg.method == "generate" else None,
-        "item": [item.id, item.context, item.action], "intervention": iv_key,
+        "item": [item.id, item.context, item.action],
+        "intervention": iv_key,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -258,7 +274,7 @@ class JudgmentCache:
         out: dict[str, dict] = {}
         with self._lock, self._connect() as con:
             for start in range(0, len(keys), 500):
-                chunk = list(keys[start:start + 500])
+                chunk = list(keys[start : start + 500])
                 q = f"SELECT k, v FROM j WHERE k IN ({','.join('?' * len(chunk))})"
                 for k, v in con.execute(q, chunk):
                     out[k] = json.loads(v)
@@ -268,8 +284,10 @@ class JudgmentCache:
         if not entries:
             return
         with self._lock, self._connect() as con:
-            con.executemany("INSERT OR REPLACE INTO j (k, v) VALUES (?, ?)",
-                            [(k, json.dumps(v)) for k, v in entries.items()])
+            con.executemany(
+                "INSERT OR REPLACE INTO j (k, v) VALUES (?, ?)",
+                [(k, json.dumps(v)) for k, v in entries.items()],
+            )
 
 
 # ----------------------------------------------------------------- the judge
@@ -311,17 +329,20 @@ class LikertJudge:
             self._token_ids = scale_token_ids(self.lm.tokenizer, self.cfg.scale.labels())
         return self._token_ids
 
-    def _compute(self, prompts: list[str], variant: Variant, intervention: Intervention | None,
-                 progress: bool) -> list[dict]:
+    def _compute(
+        self, prompts: list[str], variant: Variant, intervention: Intervention | None, progress: bool
+    ) -> list[dict]:
         scale = self.cfg.scale
         k = len(scale.points)
         if self.cfg.method == "generate":
             from aligntax.generation import GenerationConfig, generate
 
-            gcfg = GenerationConfig(max_new_tokens=self.cfg.max_new_tokens, batch_size=self.cfg.batch_size,
-                                    system=self.cfg.system)
-            gens = generate(self.lm, prompts, gcfg, intervention=intervention, progress=progress,
-                            desc="judge")
+            gcfg = GenerationConfig(
+                max_new_tokens=self.cfg.max_new_tokens, batch_size=self.cfg.batch_size, system=self.cfg.system
+            )
+            gens = generate(
+                self.lm, prompts, gcfg, intervention=intervention, progress=progress, desc="judge"
+            )
             out = []
             for g in gens:
                 raw = parse_likert_answer(g.response, scale)
@@ -338,21 +359,30 @@ class LikertJudge:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         ordered = [prompts[i] for i in order]
         # the prefix the prompts share (persona, few-shot turns) is run once (aligntax.generation.prefix)
-        logits = prompt_logits(self.lm, ordered, system=self.cfg.system, intervention=intervention,
-                               batch_size=self.cfg.batch_size, progress=progress)
+        logits = prompt_logits(
+            self.lm,
+            ordered,
+            system=self.cfg.system,
+            intervention=intervention,
+            batch_size=self.cfg.batch_size,
+            progress=progress,
+        )
         reading = likert_from_logits(logits, self.token_ids, scale.points)
         out: list[dict] = [{} for _ in prompts]
         for row, i in enumerate(order):
             probs = reading.probs[row]
             if variant.order == "reversed":
                 probs = probs[::-1]
-            out[i] = {"probs": [float(p) for p in probs],
-                      "expected": float(scale.canonical(float(reading.expected[row]), variant.order)),
-                      "mass": float(reading.mass[row])}
+            out[i] = {
+                "probs": [float(p) for p in probs],
+                "expected": float(scale.canonical(float(reading.expected[row]), variant.order)),
+                "mass": float(reading.mass[row]),
+            }
         return out
 
-    def judge(self, items: Sequence[ValueItem], intervention: Intervention | None = None,
-              progress: bool = False) -> list[Judgment]:
+    def judge(
+        self, items: Sequence[ValueItem], intervention: Intervention | None = None, progress: bool = False
+    ) -> list[Judgment]:
         """One ``Judgment`` per item, in order; cached results are reused."""
         if not items:
             return []
@@ -385,8 +415,12 @@ class LikertJudge:
                 found.update(new)
             readings = [found[k] for k in keys]
             if adjust is not None:
-                readings = [_adjusted(r, adjust(it, np.asarray(r["probs"], dtype=float), pts_arr), pts_arr)
-                            if r.get("probs") is not None else r for it, r in zip(items, readings, strict=True)]
+                readings = [
+                    _adjusted(r, adjust(it, np.asarray(r["probs"], dtype=float), pts_arr), pts_arr)
+                    if r.get("probs") is not None
+                    else r
+                    for it, r in zip(items, readings, strict=True)
+                ]
             per_variant.append(readings)
         out = []
         pts = np.asarray(self.cfg.scale.points, dtype=float)
@@ -398,8 +432,14 @@ class LikertJudge:
                 out.append(Judgment(it.id, math.nan, math.nan, [math.nan] * len(pts), 0.0, scores))
                 continue
             probs = np.mean([r["probs"] for r in ok], axis=0)
-            out.append(Judgment(
-                item_id=it.id, score=float(np.mean([r["expected"] for r in ok])),
-                argmax=float(pts[int(np.argmax(probs))]), probs=[float(p) for p in probs],
-                mass=float(np.mean([r["mass"] for r in rows])), variants=scores))
+            out.append(
+                Judgment(
+                    item_id=it.id,
+                    score=float(np.mean([r["expected"] for r in ok])),
+                    argmax=float(pts[int(np.argmax(probs))]),
+                    probs=[float(p) for p in probs],
+                    mass=float(np.mean([r["mass"] for r in rows])),
+                    variants=scores,
+                )
+            )
         return out

@@ -47,13 +47,18 @@ def strata_matrices(results_by_target: dict[str, dict], n_perm: int = 9999, seed
         if not np.isfinite(M).all():
             out[k] = {"reason": "some value has no item of this stratum in some run"}
             continue
-        out[k] = {"matrix": M.tolist(), "row_mean": M.mean(axis=1).tolist(), "grand_mean": float(M.mean()),
-                  "diagonal_test": ST.diagonal_permutation_test(M, n_perm, seed)}
+        out[k] = {
+            "matrix": M.tolist(),
+            "row_mean": M.mean(axis=1).tolist(),
+            "grand_mean": float(M.mean()),
+            "diagonal_test": ST.diagonal_permutation_test(M, n_perm, seed),
+        }
     return out
 
 
-def write_matrix(results_by_target: dict[str, dict], out_dir: str | Path, n_perm: int = 9999,
-                 seed: int = 0) -> dict:
+def write_matrix(
+    results_by_target: dict[str, dict], out_dir: str | Path, n_perm: int = 9999, seed: int = 0
+) -> dict:
     """Analyse the ten runs and write ``matrix.json`` and ``matrix.md`` into ``out_dir``."""
     from aligntax.vat.runner import _clean, write_json_atomic
 
@@ -67,7 +72,9 @@ def write_matrix(results_by_target: dict[str, dict], out_dir: str | Path, n_perm
         raise AligntaxError(str(exc)) from None
     res["strata"] = strata_matrices(results_by_target, n_perm=n_perm, seed=seed)
     res["specificity"] = {t: (r.get("specificity") or {}).get("value") for t, r in results_by_target.items()}
-    res["specificity_ci95"] = {t: (r.get("specificity") or {}).get("ci95") for t, r in results_by_target.items()}
+    res["specificity_ci95"] = {
+        t: (r.get("specificity") or {}).get("ci95") for t, r in results_by_target.items()
+    }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     res = _clean(res)
@@ -77,37 +84,64 @@ def write_matrix(results_by_target: dict[str, dict], out_dir: str | Path, n_perm
     def table(rows, bold_diag=True):
         lines = ["| target \\ value | " + " | ".join(codes) + " |", "|---|" + "---:|" * len(codes)]
         for i, v in enumerate(VALUES):
-            cells = [(f"**{x:+.3f}**" if (i == j and bold_diag) else f"{x:+.3f}") for j, x in enumerate(rows[i])]
+            cells = [
+                (f"**{x:+.3f}**" if (i == j and bold_diag) else f"{x:+.3f}") for j, x in enumerate(rows[i])
+            ]
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
         return lines
 
     dt, mt = res["diagonal_test"], res["mantel"]
-    md = ["# VAT matrix: shift of every value (columns) under the intervention aimed at each target (rows)", "",
-          "## Shift matrix M", "", *table(res["matrix"]), "",
-          "## Double-centred (row and column effects removed)", "", *table(res["double_centred"]), "",
-          f"- diagonal test: mean double-centred diagonal = {dt['statistic']:+.4f}, p = {dt['p_value']:.4f} "
-          f"({dt['n_perm']} permutations of the row labels, one-sided)",
-          f"- Mantel test against circular distance: statistic = "
-          f"{'n/a' if mt['statistic'] is None else format(mt['statistic'], '+.3f')}, p = "
-          f"{'n/a' if mt['p_value'] is None else format(mt['p_value'], '.4f')}"
-          + (f" ({mt['reason']})" if mt.get("reason") else " (alternative: less)"),
-          "- rank of the target's own shift in its row (1 = largest): "
-          + ", ".join(f"{CODES[v]} {k}" for v, k in res["own_rank_in_row"].items()),
-          "- specificity S_T per target: " + ", ".join(
-              f"{CODES[v]} {'n/a' if res['specificity'].get(v) is None else format(res['specificity'][v], '+.3f')}"
-              for v in VALUES), ""]
+    md = [
+        "# VAT matrix: shift of every value (columns) under the intervention aimed at each target (rows)",
+        "",
+        "## Shift matrix M",
+        "",
+        *table(res["matrix"]),
+        "",
+        "## Double-centred (row and column effects removed)",
+        "",
+        *table(res["double_centred"]),
+        "",
+        f"- diagonal test: mean double-centred diagonal = {dt['statistic']:+.4f}, p = {dt['p_value']:.4f} "
+        f"({dt['n_perm']} permutations of the row labels, one-sided)",
+        f"- Mantel test against circular distance: statistic = "
+        f"{'n/a' if mt['statistic'] is None else format(mt['statistic'], '+.3f')}, p = "
+        f"{'n/a' if mt['p_value'] is None else format(mt['p_value'], '.4f')}"
+        + (f" ({mt['reason']})" if mt.get("reason") else " (alternative: less)"),
+        "- rank of the target's own shift in its row (1 = largest): "
+        + ", ".join(f"{CODES[v]} {k}" for v, k in res["own_rank_in_row"].items()),
+        "- specificity S_T per target: "
+        + ", ".join(
+            f"{CODES[v]} {'n/a' if res['specificity'].get(v) is None else format(res['specificity'][v], '+.3f')}"
+            for v in VALUES
+        ),
+        "",
+    ]
     for k, sm in (res.get("strata") or {}).items():
         if sm.get("diagonal_test"):
             d = sm["diagonal_test"]
-            md += [f"## {k.capitalize()} items only", "", *table(sm["matrix"]), "",
-                   f"- grand mean {sm['grand_mean']:+.3f}; diagonal test: {d['statistic']:+.4f}, p = {d['p_value']:.4f}",
-                   ""]
+            md += [
+                f"## {k.capitalize()} items only",
+                "",
+                *table(sm["matrix"]),
+                "",
+                f"- grand mean {sm['grand_mean']:+.3f}; diagonal test: {d['statistic']:+.4f}, p = {d['p_value']:.4f}",
+                "",
+            ]
     (out / "matrix.md").write_text("\n".join(md))
     return res
 
 
-def run_matrix(lm, items, make_intervention: Callable[[str], object], out_dir: str | Path, cfg=None,
-               targets: Sequence[str] = VALUES, post_lm=None, n_perm: int = 9999) -> dict:
+def run_matrix(
+    lm,
+    items,
+    make_intervention: Callable[[str], object],
+    out_dir: str | Path,
+    cfg=None,
+    targets: Sequence[str] = VALUES,
+    post_lm=None,
+    n_perm: int = 9999,
+) -> dict:
     """Run the intervention aimed at each target into ``out_dir/<code>/`` (each resumable), then write the
     matrix. ``make_intervention(target)`` builds the intervention for one target."""
     from aligntax.vat.runner import run_vat

@@ -77,14 +77,20 @@ def vat(drift: dict[str, float], g: float, target: str, eps: float = DEFAULT_EPS
     summed over the off-target values that have items."""
     target = resolve_value(target)
     off = [dj for v, dj in drift.items() if v != target and dj is not None and not math.isnan(dj)]
-    base = {"off_target_sum": float(np.sum(off)) if off else None,
-            "off_target_abs_sum": float(np.sum(np.abs(off))) if off else None}
+    base = {
+        "off_target_sum": float(np.sum(off)) if off else None,
+        "off_target_abs_sum": float(np.sum(np.abs(off))) if off else None,
+    }
     if g is None or math.isnan(g):
         return {"signed": None, "absolute": None, "reason": "gain undefined (no target items)", **base}
     if abs(g) < eps:
         return {"signed": None, "absolute": None, "reason": f"|gain| = {abs(g):.2g} < eps = {eps:g}", **base}
-    return {"signed": float(np.sum(off) / abs(g)), "absolute": float(np.sum(np.abs(off)) / abs(g)),
-            "reason": None, **base}
+    return {
+        "signed": float(np.sum(off) / abs(g)),
+        "absolute": float(np.sum(np.abs(off)) / abs(g)),
+        "reason": None,
+        **base,
+    }
 
 
 # ----------------------------------------------------------------- correlation helpers
@@ -178,11 +184,17 @@ def nvat(R: np.ndarray, include_diagonal: bool = False) -> float:
     R = np.nan_to_num(np.asarray(R, dtype=float), nan=0.0)
     if not include_diagonal:
         R = R - np.diag(np.diag(R))
-    return float(np.sqrt((R ** 2).sum()) / math.sqrt(R.shape[0]))
+    return float(np.sqrt((R**2).sum()) / math.sqrt(R.shape[0]))
 
 
-def nvat_null(table: pd.DataFrame, reps: int = 200, seed: int = 0, method: str = "spearman",
-              min_groups: int = 4, include_diagonal: bool = False) -> dict:
+def nvat_null(
+    table: pd.DataFrame,
+    reps: int = 200,
+    seed: int = 0,
+    method: str = "spearman",
+    min_groups: int = 4,
+    include_diagonal: bool = False,
+) -> dict:
     """The nVAT expected with no coupling at all: each value's column of the scene-shift table is
     permuted independently across scenes (NaN cells stay in place) and nVAT recomputed. With few
     scenes, sampling noise alone gives a large nVAT (about sqrt(9 / (n_scenes - 1)) for 10 values), so
@@ -197,12 +209,17 @@ def nvat_null(table: pd.DataFrame, reps: int = 200, seed: int = 0, method: str =
         for j in range(Y.shape[1]):
             ok = np.where(np.isfinite(Y[:, j]))[0]
             Y[ok, j] = Y[rng.permutation(ok), j]
-        null[i] = nvat(coupling_matrix(pd.DataFrame(Y, columns=table.columns), method, min_groups),
-                       include_diagonal)
-    return {"observed": obs, "null_mean": float(null.mean()) if reps else None,
-            "null_q95": float(np.percentile(null, 95)) if reps else None,
-            "p_value": float((1 + (null >= obs - 1e-12).sum()) / (1 + reps)) if reps else None,
-            "reps": reps, "null": "columns permuted independently across scenes"}
+        null[i] = nvat(
+            coupling_matrix(pd.DataFrame(Y, columns=table.columns), method, min_groups), include_diagonal
+        )
+    return {
+        "observed": obs,
+        "null_mean": float(null.mean()) if reps else None,
+        "null_q95": float(np.percentile(null, 95)) if reps else None,
+        "p_value": float((1 + (null >= obs - 1e-12).sum()) / (1 + reps)) if reps else None,
+        "reps": reps,
+        "null": "columns permuted independently across scenes",
+    }
 
 
 def hubs(R: np.ndarray, order: Sequence[str] = VALUES, top: int = 3) -> dict:
@@ -219,14 +236,24 @@ def hubs(R: np.ndarray, order: Sequence[str] = VALUES, top: int = 3) -> dict:
         cent = np.zeros(len(order))
     by_s = [order[i] for i in np.argsort(-strength, kind="stable")[:top]]
     by_c = [order[i] for i in np.argsort(-cent, kind="stable")[:top]]
-    return {"strength": {v: float(s) for v, s in zip(order, strength, strict=True)},
-            "eigenvector": {v: float(c) for v, c in zip(order, cent, strict=True)},
-            "top_strength": by_s, "top_eigenvector": by_c}
+    return {
+        "strength": {v: float(s) for v, s in zip(order, strength, strict=True)},
+        "eigenvector": {v: float(c) for v, c in zip(order, cent, strict=True)},
+        "top_strength": by_s,
+        "top_eigenvector": by_c,
+    }
 
 
-def hub_stability(table: pd.DataFrame, reps: int = 100, fraction: float = 0.8, seed: int = 0,
-                  method: str = "spearman", min_groups: int = 4, top: int = 3,
-                  order: Sequence[str] = VALUES) -> dict:
+def hub_stability(
+    table: pd.DataFrame,
+    reps: int = 100,
+    fraction: float = 0.8,
+    seed: int = 0,
+    method: str = "spearman",
+    min_groups: int = 4,
+    top: int = 3,
+    order: Sequence[str] = VALUES,
+) -> dict:
     """How stable the hubs are under resampling of scenes: ``reps`` subsamples of ``fraction`` of the
     scenes (without replacement), the coupling matrix and the row strengths recomputed on each. Returns,
     per value, the share of subsamples in which it is the top hub and in which it is among the ``top``
@@ -235,8 +262,14 @@ def hub_stability(table: pd.DataFrame, reps: int = 100, fraction: float = 0.8, s
     n = X.shape[0]
     m = int(round(fraction * n))
     full = hubs(coupling_matrix(table, method, min_groups), order, top)
-    out = {"reps": reps, "fraction": fraction, "n_groups": n, "subsample_size": m, "top": top,
-           "full_top_strength": full["top_strength"]}
+    out = {
+        "reps": reps,
+        "fraction": fraction,
+        "n_groups": n,
+        "subsample_size": m,
+        "top": top,
+        "full_top_strength": full["top_strength"],
+    }
     if m < min_groups or reps <= 0:
         return {**out, "reason": f"too few scenes ({n}) for subsamples of {min_groups} or more"}
     rng = np.random.default_rng(seed)
@@ -248,9 +281,12 @@ def hub_stability(table: pd.DataFrame, reps: int = 100, fraction: float = 0.8, s
         first[order.index(h["top_strength"][0])] += 1
         for v in h["top_strength"]:
             in_top[order.index(v)] += 1
-    return {**out, "top1_share": {v: float(first[i] / reps) for i, v in enumerate(order)},
-            "top_share": {v: float(in_top[i] / reps) for i, v in enumerate(order)},
-            "full_top1_kept": float(first[order.index(full["top_strength"][0])] / reps)}
+    return {
+        **out,
+        "top1_share": {v: float(first[i] / reps) for i, v in enumerate(order)},
+        "top_share": {v: float(in_top[i] / reps) for i, v in enumerate(order)},
+        "full_top1_kept": float(first[order.index(full["top_strength"][0])] / reps),
+    }
 
 
 def mantel_statistic(R: np.ndarray, D: np.ndarray | None = None, method: str = "spearman") -> float:
@@ -266,8 +302,14 @@ def mantel_statistic(R: np.ndarray, D: np.ndarray | None = None, method: str = "
     return _corr(r[ok], dd[ok], method)
 
 
-def mantel_test(R: np.ndarray, D: np.ndarray | None = None, n_perm: int = 999, seed: int = 0,
-                method: str = "spearman", alternative: str = "less") -> dict:
+def mantel_test(
+    R: np.ndarray,
+    D: np.ndarray | None = None,
+    n_perm: int = 999,
+    seed: int = 0,
+    method: str = "spearman",
+    alternative: str = "less",
+) -> dict:
     """Permutation (Mantel) test of the association between the coupling matrix R and a distance matrix
     D (default: circular distance on the Schwartz circle, wedge convention).
 
@@ -284,8 +326,14 @@ def mantel_test(R: np.ndarray, D: np.ndarray | None = None, n_perm: int = 999, s
         return mantel_statistic(Rm, D, method)
 
     obs = stat(R)
-    out = {"statistic": None if math.isnan(obs) else float(obs), "p_value": None, "n_perm": n_perm,
-           "method": method, "alternative": alternative, "distance": "circular (wedge convention)"}
+    out = {
+        "statistic": None if math.isnan(obs) else float(obs),
+        "p_value": None,
+        "n_perm": n_perm,
+        "method": method,
+        "alternative": alternative,
+        "distance": "circular (wedge convention)",
+    }
     if math.isnan(obs):
         out["reason"] = "too few finite coupling entries"
         return out
@@ -369,7 +417,7 @@ def sign_flip_p(x, n_perm: int = 9999, seed: int = 0) -> float:
         return math.nan
     obs = abs(x.mean())
     if n <= 14:
-        signs = ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1) * 2 - 1
+        signs = ((np.arange(2**n)[:, None] >> np.arange(n)) & 1) * 2 - 1
         null = np.abs((signs * x).mean(axis=1))
         return float((null >= obs - 1e-12).mean())
     rng = np.random.default_rng(seed)
@@ -394,8 +442,15 @@ def benjamini_hochberg(p_values: Sequence[float | None], alpha: float = 0.05) ->
     return qs, [bool(v is not None and v <= alpha) for v in qs]
 
 
-def per_value_tests(d, values, order: Sequence[str] = VALUES, test: str = "signflip",
-                    alpha: float = 0.05, n_perm: int = 9999, seed: int = 0) -> dict[str, dict]:
+def per_value_tests(
+    d,
+    values,
+    order: Sequence[str] = VALUES,
+    test: str = "signflip",
+    alpha: float = 0.05,
+    n_perm: int = 9999,
+    seed: int = 0,
+) -> dict[str, dict]:
     """For each value: p-value of mean shift = 0 (sign-flip permutation or t-test), BH q-value over
     the values tested, and whether it is significant at FDR ``alpha``."""
     d, values = np.asarray(d, dtype=float), np.asarray(values)
@@ -409,15 +464,32 @@ def per_value_tests(d, values, order: Sequence[str] = VALUES, test: str = "signf
         else:
             raise ValueError("test must be 'signflip' or 'ttest'")
     qs, rej = benjamini_hochberg([None if math.isnan(p) else p for p in ps], alpha)
-    return {v: {"p_value": None if math.isnan(p) else float(p), "q_value": q, "significant": r,
-                "n": int((values == v).sum())}
-            for v, p, q, r in zip(order, ps, qs, rej, strict=True)}
+    return {
+        v: {
+            "p_value": None if math.isnan(p) else float(p),
+            "q_value": q,
+            "significant": r,
+            "n": int((values == v).sum()),
+        }
+        for v, p, q, r in zip(order, ps, qs, rej, strict=True)
+    }
 
 
 # ----------------------------------------------------------------- bootstrap
-def bootstrap_intervals(d, values, groups, target: str, reps: int = 500, fraction: float = 0.8,
-                        replace: bool = False, seed: int = 0, order: Sequence[str] = VALUES,
-                        level: float = 0.95, eps: float = DEFAULT_EPS, rescale: bool = True) -> dict:
+def bootstrap_intervals(
+    d,
+    values,
+    groups,
+    target: str,
+    reps: int = 500,
+    fraction: float = 0.8,
+    replace: bool = False,
+    seed: int = 0,
+    order: Sequence[str] = VALUES,
+    level: float = 0.95,
+    eps: float = DEFAULT_EPS,
+    rescale: bool = True,
+) -> dict:
     """Intervals of the gain, each drift and the VAT scalars from resampled scenes. Each repetition
     draws m = ``fraction`` x n of the n scene groups (without replacement by default: an 80% subsample;
     ``replace=True``: a bootstrap sample of size m) and recomputes everything from their items.
@@ -434,11 +506,24 @@ def bootstrap_intervals(d, values, groups, target: str, reps: int = 500, fractio
     size = max(1, int(round(fraction * n)))
     if not replace and size >= n:
         size = n - 1
-    out = {"reps": reps, "fraction": fraction, "replace": replace, "n_groups": int(n), "level": level,
-           "subsample_size": size, "rescaled": rescale}
+    out = {
+        "reps": reps,
+        "fraction": fraction,
+        "replace": replace,
+        "n_groups": int(n),
+        "level": level,
+        "subsample_size": size,
+        "rescaled": rescale,
+    }
     if n < 2 or size < 1 or reps <= 0:
-        return {**out, "gain": None, "drift": {v: None for v in order}, "vat_signed": None,
-                "vat_absolute": None, "scale": None}
+        return {
+            **out,
+            "gain": None,
+            "drift": {v: None for v in order},
+            "vat_signed": None,
+            "vat_absolute": None,
+            "scale": None,
+        }
     c = (math.sqrt(size / (n - size)) if not replace else math.sqrt(size / n)) if rescale else 1.0
     out["scale"] = c
     rng = np.random.default_rng(seed)
@@ -448,8 +533,12 @@ def bootstrap_intervals(d, values, groups, target: str, reps: int = 500, fractio
         g = gain(dd, vv, target)
         dr = drifts(dd, vv, order)
         t = vat(dr, g, target, eps)
-        return g, dr, (np.nan if t["signed"] is None else t["signed"]), (
-            np.nan if t["absolute"] is None else t["absolute"])
+        return (
+            g,
+            dr,
+            (np.nan if t["signed"] is None else t["signed"]),
+            (np.nan if t["absolute"] is None else t["absolute"]),
+        )
 
     g0, dr0, vs0, va0 = stats(d, values)
     G, Dj, VS, VA = [], {v: [] for v in order}, [], []
@@ -476,8 +565,13 @@ def bootstrap_intervals(d, values, groups, target: str, reps: int = 500, fractio
         dev = xs - point
         return [float(point + c * np.percentile(dev, lo)), float(point + c * np.percentile(dev, hi))]
 
-    return {**out, "gain": ci(G, g0), "drift": {v: ci(Dj[v], dr0[v]) for v in order},
-            "vat_signed": ci(VS, vs0), "vat_absolute": ci(VA, va0)}
+    return {
+        **out,
+        "gain": ci(G, g0),
+        "drift": {v: ci(Dj[v], dr0[v]) for v in order},
+        "vat_signed": ci(VS, vs0),
+        "vat_absolute": ci(VA, va0),
+    }
 
 
 # ----------------------------------------------------------------- robustness
@@ -493,7 +587,8 @@ def coupling_robustness(table: pd.DataFrame, min_groups: int = 4) -> dict:
         "spearman_kendall_agreement": None if ok.sum() < 3 else _pearson(a[ok], b[ok]),
         "sign_agreement": None if not ok.any() else float((np.sign(a[ok]) == np.sign(b[ok])).mean()),
         "max_abs_diff": None if not ok.any() else float(np.max(np.abs(a[ok] - b[ok]))),
-        "nvat_spearman": nvat(Rs), "nvat_kendall": nvat(Rk),
+        "nvat_spearman": nvat(Rs),
+        "nvat_kendall": nvat(Rk),
         "kendall_coupling": [[None if not np.isfinite(x) else float(x) for x in row] for row in Rk],
     }
 

@@ -120,16 +120,27 @@ def _clean(obj):
 
 
 # ----------------------------------------------------------------- scoring
-def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict,
-                    cfg: VATConfig | None = None, control_rows: Sequence[dict] | None = None) -> dict:
+def compute_results(
+    rows: Sequence[dict],
+    target: str,
+    scale: LikertScale | dict,
+    cfg: VATConfig | None = None,
+    control_rows: Sequence[dict] | None = None,
+) -> dict:
     """All VAT metrics from item rows (dicts with value, polarity, pre, post and optionally group,
     svs_item). Pure: no model needed. Rows whose pre or post is missing are left out and counted."""
     cfg = cfg or VATConfig()
     target = resolve_value(target)
     if isinstance(scale, dict):
         scale = LikertScale(min=int(scale["min"]), max=int(scale["max"]))
-    judged = [r for r in rows if r.get("pre") is not None and r.get("post") is not None
-              and math.isfinite(float(r["pre"])) and math.isfinite(float(r["post"]))]
+    judged = [
+        r
+        for r in rows
+        if r.get("pre") is not None
+        and r.get("post") is not None
+        and math.isfinite(float(r["pre"]))
+        and math.isfinite(float(r["post"]))
+    ]
     # neutral items (polarity 0) have no direction: they enter the neutral stratum's raw lift only
     good = [r for r in judged if int(r["polarity"]) != 0]
     neutral = [r for r in judged if int(r["polarity"]) == 0]
@@ -147,16 +158,36 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
     g = M.gain(d, values, target)
     dr = M.drifts(d, values)
     off = {v: dr[v] for v in VALUES if v != target}
-    sboot = (ST.scene_bootstrap(d, values, groups, target, reps=cfg.bootstrap_reps, seed=cfg.seed)
-             if cfg.bootstrap_reps > 0 else None)
+    sboot = (
+        ST.scene_bootstrap(d, values, groups, target, reps=cfg.bootstrap_reps, seed=cfg.seed)
+        if cfg.bootstrap_reps > 0
+        else None
+    )
     siv = (sboot or {}).get("intervals") or {}
     if cfg.bootstrap_method == "subsample" and cfg.bootstrap_reps > 0:
-        boot = M.bootstrap_intervals(d, values, groups, target, reps=cfg.bootstrap_reps,
-                                     fraction=cfg.bootstrap_fraction, replace=cfg.bootstrap_replace,
-                                     seed=cfg.seed, eps=cfg.eps, rescale=cfg.bootstrap_rescale)
+        boot = M.bootstrap_intervals(
+            d,
+            values,
+            groups,
+            target,
+            reps=cfg.bootstrap_reps,
+            fraction=cfg.bootstrap_fraction,
+            replace=cfg.bootstrap_replace,
+            seed=cfg.seed,
+            eps=cfg.eps,
+            rescale=cfg.bootstrap_rescale,
+        )
     elif cfg.bootstrap_method == "scene":
-        boot = {"gain": siv.get("gain"), "drift": siv.get("drift") or {v: None for v in VALUES},
-                "vat_signed": siv.get("vat_signed"), "vat_absolute": siv.get("vat_absolute")} if sboot else None
+        boot = (
+            {
+                "gain": siv.get("gain"),
+                "drift": siv.get("drift") or {v: None for v in VALUES},
+                "vat_signed": siv.get("vat_signed"),
+                "vat_absolute": siv.get("vat_absolute"),
+            }
+            if sboot
+            else None
+        )
     else:
         raise AligntaxError("bootstrap_method must be 'scene' or 'subsample'")
     table = M.scene_shift_table(d, values, groups)
@@ -164,9 +195,19 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
     D = distance_matrix(cfg.circle_convention)
     mantel = M.mantel_test(R, D, n_perm=cfg.n_perm, seed=cfg.seed)
     mantel["distance"] = f"circular ({cfg.circle_convention} convention)"
-    cboot = (ST.coupling_bootstrap(table, reps=cfg.bootstrap_reps, seed=cfg.seed, method=cfg.coupling_method,
-                                   min_groups=cfg.min_groups, include_diagonal=cfg.include_diagonal, D=D)
-             if cfg.bootstrap_reps > 0 else None)
+    cboot = (
+        ST.coupling_bootstrap(
+            table,
+            reps=cfg.bootstrap_reps,
+            seed=cfg.seed,
+            method=cfg.coupling_method,
+            min_groups=cfg.min_groups,
+            include_diagonal=cfg.include_diagonal,
+            D=D,
+        )
+        if cfg.bootstrap_reps > 0
+        else None
+    )
     if cboot and cboot.get("mantel") is not None:
         mantel["ci95"] = cboot["mantel"]["ci95"]
         mantel["ci95_n_valid"] = cboot["mantel"]["n_valid"]
@@ -182,17 +223,27 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
     target_scenes = int(len(np.unique(groups[values == target])))
     withheld = ST.withheld_reason(gain_ci) if cfg.withhold_ratios else None
     if cfg.withhold_ratios and not withheld and boot and target_scenes < 2:
-        withheld = (f"withheld: the target's items lie in {target_scenes} scene(s), so the scene bootstrap "
-                    "gives the gain no real interval")
+        withheld = (
+            f"withheld: the target's items lie in {target_scenes} scene(s), so the scene bootstrap "
+            "gives the gain no real interval"
+        )
     if withheld:
-        tv = {**tv, "signed": None, "absolute": None, "reason": withheld,
-              "point_if_not_withheld": {"signed": tv.get("signed"), "absolute": tv.get("absolute")}}
+        tv = {
+            **tv,
+            "signed": None,
+            "absolute": None,
+            "reason": withheld,
+            "point_if_not_withheld": {"signed": tv.get("signed"), "absolute": tv.get("absolute")},
+        }
         gnd = {v: {"value": None, "reason": withheld} for v in gnd}
     elif tv.get("signed") is not None and sboot:
         for v in gnd:
             gnd[v]["ci95"] = (siv.get("gnd") or {}).get(v)
-    spec = ST.specificity(d, values, groups, target, reps=cfg.bootstrap_reps, seed=cfg.seed, boot=sboot) \
-        if sboot else ST.specificity(d, values, groups, target, reps=0, seed=cfg.seed)
+    spec = (
+        ST.specificity(d, values, groups, target, reps=cfg.bootstrap_reps, seed=cfg.seed, boot=sboot)
+        if sboot
+        else ST.specificity(d, values, groups, target, reps=0, seed=cfg.seed)
+    )
     avo = ST.adjacent_vs_opposite(d, values, groups, target, reps=cfg.bootstrap_reps, seed=cfg.seed)
     control = None
     if control_rows is not None:
@@ -208,26 +259,46 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
         "n_dropped": len(rows) - len(judged),
         "n_groups": int(len(np.unique(groups))),
         "counts": n_by_value,
-        "gain": {"value": g, "ci95": boot["gain"] if boot else None, "n": n_by_value[target],
-                 "n_scenes": target_scenes},
-        "drift": {v: {"value": off[v], "ci95": boot["drift"][v] if boot else None, "n": n_by_value[v]}
-                  for v in off},
+        "gain": {
+            "value": g,
+            "ci95": boot["gain"] if boot else None,
+            "n": n_by_value[target],
+            "n_scenes": target_scenes,
+        },
+        "drift": {
+            v: {"value": off[v], "ci95": boot["drift"][v] if boot else None, "n": n_by_value[v]} for v in off
+        },
         "gnd": gnd,
-        "vat": {**tv, "ci95_signed": boot["vat_signed"] if boot and not withheld else None,
-                "ci95_absolute": boot["vat_absolute"] if boot and not withheld else None,
-                "interval_method": (None if not boot else "scene bootstrap percentile" if cfg.bootstrap_method
-                                    == "scene" else "80% scene subsamples, rescaled deviations")},
+        "vat": {
+            **tv,
+            "ci95_signed": boot["vat_signed"] if boot and not withheld else None,
+            "ci95_absolute": boot["vat_absolute"] if boot and not withheld else None,
+            "interval_method": (
+                None
+                if not boot
+                else "scene bootstrap percentile"
+                if cfg.bootstrap_method == "scene"
+                else "80% scene subsamples, rescaled deviations"
+            ),
+        },
         "specificity": spec,
         "adjacent_vs_opposite": avo,
         "control": control,
         "strata": _strata(good, neutral, d, values, groups, target, cfg),
-        "expression": {v: {"pre": float(np.mean(e_pre[values == v])) if n_by_value[v] else None,
-                           "post": float(np.mean(e_post[values == v])) if n_by_value[v] else None}
-                       for v in VALUES},
+        "expression": {
+            v: {
+                "pre": float(np.mean(e_pre[values == v])) if n_by_value[v] else None,
+                "post": float(np.mean(e_post[values == v])) if n_by_value[v] else None,
+            }
+            for v in VALUES
+        },
         "values": list(VALUES),
         "coupling": R,
-        "coupling_ci95": (None if not cboot or cboot.get("coupling") is None else {
-            **cboot["coupling"], "level": cboot["level"], "reps": cboot["reps"]}),
+        "coupling_ci95": (
+            None
+            if not cboot or cboot.get("coupling") is None
+            else {**cboot["coupling"], "level": cboot["level"], "reps": cboot["reps"]}
+        ),
         "coupling_method": cfg.coupling_method,
         "coupling_unit": "per-scene mean shift of each value",
         "coupling_diagonal": "1 on the diagonal (self-correlation), NaN -> null where undefined",
@@ -235,36 +306,82 @@ def compute_results(rows: Sequence[dict], target: str, scale: LikertScale | dict
         "nvat_ci95": (cboot.get("nvat") or {}).get("ci95") if cboot else None,
         "nvat_ci95_n_valid": (cboot.get("nvat") or {}).get("n_valid") if cboot else None,
         "nvat_diagonal": "included" if cfg.include_diagonal else "excluded (off-diagonal entries only)",
-        "nvat_null": (M.nvat_null(table, cfg.nvat_null_reps, cfg.seed, cfg.coupling_method, cfg.min_groups,
-                                  cfg.include_diagonal) if cfg.nvat_null_reps > 0 else None),
+        "nvat_null": (
+            M.nvat_null(
+                table, cfg.nvat_null_reps, cfg.seed, cfg.coupling_method, cfg.min_groups, cfg.include_diagonal
+            )
+            if cfg.nvat_null_reps > 0
+            else None
+        ),
         "hubs": M.hubs(R),
-        "hub_stability": (M.hub_stability(table, cfg.hub_reps, seed=cfg.seed, method=cfg.coupling_method,
-                                          min_groups=cfg.min_groups) if cfg.hub_reps > 0 else None),
+        "hub_stability": (
+            M.hub_stability(
+                table, cfg.hub_reps, seed=cfg.seed, method=cfg.coupling_method, min_groups=cfg.min_groups
+            )
+            if cfg.hub_reps > 0
+            else None
+        ),
         "circumplex_test": mantel,
         "coupling_bootstrap": cboot,
-        "tests": {"method": cfg.test if cfg.test_unit == "item" else "signflip", "unit": cfg.test_unit,
-                  "alpha": cfg.alpha, "correction": "Benjamini-Hochberg", "per_value": tests},
-        "bootstrap": (None if not boot else {k: boot[k] for k in (
-            "reps", "fraction", "replace", "n_groups", "level", "subsample_size", "rescaled", "scale")}
-            if cfg.bootstrap_method == "subsample" else {
-            k: sboot[k] for k in ("method", "reps", "n_groups", "level", "reps_used") if k in sboot}),
+        "tests": {
+            "method": cfg.test if cfg.test_unit == "item" else "signflip",
+            "unit": cfg.test_unit,
+            "alpha": cfg.alpha,
+            "correction": "Benjamini-Hochberg",
+            "per_value": tests,
+        },
+        "bootstrap": (
+            None
+            if not boot
+            else {
+                k: boot[k]
+                for k in (
+                    "reps",
+                    "fraction",
+                    "replace",
+                    "n_groups",
+                    "level",
+                    "subsample_size",
+                    "rescaled",
+                    "scale",
+                )
+            }
+            if cfg.bootstrap_method == "subsample"
+            else {k: sboot[k] for k in ("method", "reps", "n_groups", "level", "reps_used") if k in sboot}
+        ),
         "robustness": {
             **M.coupling_robustness(table, cfg.min_groups),
             "svs_weighted_drift": svs,
-            "svs_vs_pooled_max_abs_diff": (None if svs is None else float(np.nanmax(
-                [abs(svs[v] - dr[v]) for v in VALUES if not (math.isnan(svs[v]) or math.isnan(dr[v]))]
-                or [np.nan]))),
+            "svs_vs_pooled_max_abs_diff": (
+                None
+                if svs is None
+                else float(
+                    np.nanmax(
+                        [abs(svs[v] - dr[v]) for v in VALUES if not (math.isnan(svs[v]) or math.isnan(dr[v]))]
+                        or [np.nan]
+                    )
+                )
+            ),
         },
         "diagnostics": {
-            "label_mass_pre": _mean_of(good, "pre_mass"), "label_mass_post": _mean_of(good, "post_mass"),
-            "mean_pre": float(pre.mean()), "mean_post": float(post.mean()),
+            "label_mass_pre": _mean_of(good, "pre_mass"),
+            "label_mass_post": _mean_of(good, "post_mass"),
+            "mean_pre": float(pre.mean()),
+            "mean_post": float(post.mean()),
         },
     }
     return _clean(res)
 
 
-def _strata(good: Sequence[dict], neutral: Sequence[dict], d: np.ndarray, values: np.ndarray,
-            groups: np.ndarray, target: str, cfg: VATConfig) -> dict | None:
+def _strata(
+    good: Sequence[dict],
+    neutral: Sequence[dict],
+    d: np.ndarray,
+    values: np.ndarray,
+    groups: np.ndarray,
+    target: str,
+    cfg: VATConfig,
+) -> dict | None:
     """Gain, drifts and S_T within each desirability stratum (congruent, incongruent) and the raw score
     lift of the neutral items. None when no row says its stratum (runs before strata existed)."""
     labels = np.array([(r.get("desirability") or "unlabelled") for r in good])
@@ -274,20 +391,26 @@ def _strata(good: Sequence[dict], neutral: Sequence[dict], d: np.ndarray, values
     for k in ("congruent", "incongruent", "unlabelled"):
         m = labels == k
         if m.any():
-            out[k] = ST.stratum_summary(d[m], values[m], groups[m], target, reps=cfg.bootstrap_reps,
-                                        seed=cfg.seed)
+            out[k] = ST.stratum_summary(
+                d[m], values[m], groups[m], target, reps=cfg.bootstrap_reps, seed=cfg.seed
+            )
     if neutral:
         raw = np.array([float(r["post"]) - float(r["pre"]) for r in neutral])
-        out["neutral"] = ST.neutral_lift(raw, np.array([resolve_value(r["value"]) for r in neutral]),
-                                         np.array([str(r.get("group") or r["id"]) for r in neutral]),
-                                         reps=cfg.bootstrap_reps, seed=cfg.seed)
+        out["neutral"] = ST.neutral_lift(
+            raw,
+            np.array([resolve_value(r["value"]) for r in neutral]),
+            np.array([str(r.get("group") or r["id"]) for r in neutral]),
+            reps=cfg.bootstrap_reps,
+            seed=cfg.seed,
+        )
     c, i = out.get("congruent"), out.get("incongruent")
     if c and i and c.get("all_values_mean") is not None and i.get("all_values_mean") is not None:
         out["congruent_minus_incongruent"] = {
             "value": c["all_values_mean"] - i["all_values_mean"],
             "meaning": "mean shift over all values, congruent minus incongruent items: a judge that only "
-                       "rates socially approved actions higher gives a positive number (congruent shifts up, "
-                       "incongruent down); a change of the values themselves moves both strata alike"}
+            "rates socially approved actions higher gives a positive number (congruent shifts up, "
+            "incongruent down); a change of the values themselves moves both strata alike",
+        }
     return out
 
 
@@ -298,8 +421,12 @@ def _mean_of(rows: Sequence[dict], key: str) -> float | None:
 
 # ----------------------------------------------------------------- the run
 def _run_identity(lm, target: str, intervention: Intervention, cfg: VATConfig, post_lm=None) -> dict:
-    ident = {"target": target, "intervention": intervention_key(intervention),
-             "judge": cfg.judge.to_dict(), "model": lm.fingerprint}
+    ident = {
+        "target": target,
+        "intervention": intervention_key(intervention),
+        "judge": cfg.judge.to_dict(),
+        "model": lm.fingerprint,
+    }
     if post_lm is not None:
         ident["post_model"] = post_lm.fingerprint
     return ident
@@ -318,9 +445,11 @@ def check_same_judge_inputs(lm_a, lm_b, cfg: JudgeConfig) -> None:
     va, vb = ta.get_vocab(), tb.get_vocab()
     if va != vb:
         diff = len(set(va.items()) ^ set(vb.items()))
-        raise CompatibilityError(f"--post-model: the tokenizers of {name_a} and {name_b} differ ({len(va)} vs "
-                                 f"{len(vb)} tokens, {diff} entries differ); pre and post judgments would read "
-                                 "different tokens")
+        raise CompatibilityError(
+            f"--post-model: the tokenizers of {name_a} and {name_b} differ ({len(va)} vs "
+            f"{len(vb)} tokens, {diff} entries differ); pre and post judgments would read "
+            "different tokens"
+        )
     labels = cfg.scale.labels()
     sa, sb = scale_token_ids(ta, labels), scale_token_ids(tb, labels)
     if sa != sb:
@@ -329,13 +458,24 @@ def check_same_judge_inputs(lm_a, lm_b, cfg: JudgeConfig) -> None:
     ra = ta.encode(render_chat(ta, build_messages(probe, cfg.system)), add_special_tokens=False)
     rb = tb.encode(render_chat(tb, build_messages(probe, cfg.system)), add_special_tokens=False)
     if ra != rb:
-        raise CompatibilityError(f"--post-model: {name_a} and {name_b} render the judgment prompt differently "
-                                 "(different chat templates)")
+        raise CompatibilityError(
+            f"--post-model: {name_a} and {name_b} render the judgment prompt differently "
+            "(different chat templates)"
+        )
 
 
-def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervention | None,
-            out_dir: str | Path, cfg: VATConfig | None = None, post_lm=None,
-            control: str | Path | None = None, replicas=None, build: dict | None = None) -> dict:
+def run_vat(
+    lm,
+    items: Sequence[ValueItem],
+    target: str,
+    intervention: Intervention | None,
+    out_dir: str | Path,
+    cfg: VATConfig | None = None,
+    post_lm=None,
+    control: str | Path | None = None,
+    replicas=None,
+    build: dict | None = None,
+) -> dict:
     """Judge each item before and after ``intervention`` (targeting ``target``), append the pairs to
     ``out_dir/items.jsonl`` (resumable), and write ``results.json`` (and the report). Returns the
     results dict.
@@ -377,11 +517,14 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
         old = json.loads(run_file.read_text())
         for key in ("target", "intervention", "judge", "model", "post_model"):
             if json.dumps(old.get(key), sort_keys=True) != json.dumps(_clean(ident.get(key)), sort_keys=True):
-                raise AligntaxError(f"{out} holds a run with a different {key}; use a new output folder "
-                                    "(or delete it) instead of resuming")
+                raise AligntaxError(
+                    f"{out} holds a run with a different {key}; use a new output folder "
+                    "(or delete it) instead of resuming"
+                )
     else:
-        run_file.write_text(json.dumps(_clean({**ident, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}),
-                                       indent=2))
+        run_file.write_text(
+            json.dumps(_clean({**ident, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}), indent=2)
+        )
     path = out / "items.jsonl"
     existing = read_rows(path)
     done = {r["id"] for r in existing}
@@ -393,14 +536,29 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
 
     bar = tqdm(total=len(todo), disable=not cfg.progress, desc=f"vat {target}", unit="item")
     try:
-        for chunk, pre, post in _judged_chunks(todo, cfg.chunk_size, judge, post_judge, intervention, replicas,
-                                               build):
-            append_rows(path, [{
-                "id": it.id, "value": it.value, "svs_item": it.svs_item, "polarity": it.polarity,
-                "desirability": it.desirability, "group": it.group, "pre": _clean(a.score), "post": _clean(b.score),
-                "pre_argmax": _clean(a.argmax), "post_argmax": _clean(b.argmax),
-                "pre_mass": _clean(a.mass), "post_mass": _clean(b.mass),
-            } for it, a, b in zip(chunk, pre, post, strict=True)])
+        for chunk, pre, post in _judged_chunks(
+            todo, cfg.chunk_size, judge, post_judge, intervention, replicas, build
+        ):
+            append_rows(
+                path,
+                [
+                    {
+                        "id": it.id,
+                        "value": it.value,
+                        "svs_item": it.svs_item,
+                        "polarity": it.polarity,
+                        "desirability": it.desirability,
+                        "group": it.group,
+                        "pre": _clean(a.score),
+                        "post": _clean(b.score),
+                        "pre_argmax": _clean(a.argmax),
+                        "post_argmax": _clean(b.argmax),
+                        "pre_mass": _clean(a.mass),
+                        "post_mass": _clean(b.mass),
+                    }
+                    for it, a, b in zip(chunk, pre, post, strict=True)
+                ],
+            )
             bar.update(len(chunk))
     finally:
         bar.close()
@@ -412,15 +570,23 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
             seen.add(r["id"])
             rows.append(r)
     results = compute_results(rows, target, cfg.judge.scale, cfg, control_rows=control_rows)
-    results["config"] = _clean({**cfg.to_dict(), "intervention": intervention_key(intervention),
-                                "control": None if control is None else str(control)})
+    results["config"] = _clean(
+        {
+            **cfg.to_dict(),
+            "intervention": intervention_key(intervention),
+            "control": None if control is None else str(control),
+        }
+    )
     results["model_fingerprint"] = lm.fingerprint
     if post_lm is not None:
         results["post_model_fingerprint"] = post_lm.fingerprint
     if getattr(intervention, "capped", 0):
         results["diagnostics"]["oracle_capped_items"] = intervention.capped
-    results["timing"] = {"seconds": round(time.time() - t0, 2), "judged_now": len(todo),
-                         "resumed": len(items) - len(todo)}
+    results["timing"] = {
+        "seconds": round(time.time() - t0, 2),
+        "judged_now": len(todo),
+        "resumed": len(items) - len(todo),
+    }
     write_json_atomic(out / "results.json", results)
     if cfg.report:
         from aligntax.vat.report import write_report
@@ -429,11 +595,18 @@ def run_vat(lm, items: Sequence[ValueItem], target: str, intervention: Intervent
     return results
 
 
-def _judged_chunks(todo: Sequence[ValueItem], size: int, judge: LikertJudge, post_judge: LikertJudge,
-                   intervention: Intervention, replicas=None, build: dict | None = None):
+def _judged_chunks(
+    todo: Sequence[ValueItem],
+    size: int,
+    judge: LikertJudge,
+    post_judge: LikertJudge,
+    intervention: Intervention,
+    replicas=None,
+    build: dict | None = None,
+):
     """``(chunk, pre judgments, post judgments)`` for each chunk of ``size`` items of ``todo``, in order:
     judged here, or on ``replicas`` (one chunk a unit; yielded in order as they finish)."""
-    chunks = [list(todo[start:start + size]) for start in range(0, len(todo), size)]
+    chunks = [list(todo[start : start + size]) for start in range(0, len(todo), size)]
     if replicas is None:
         for chunk in chunks:
             yield chunk, judge.judge(chunk, NoIntervention()), post_judge.judge(chunk, intervention)
@@ -460,8 +633,9 @@ def judge_unit(lm, spec: dict, chunk: Sequence[ValueItem]) -> tuple[list, list, 
     iv = _REPLICA_INTERVENTIONS.get(spec["key"])
     if iv is None:
         b = spec["build"]
-        iv = build_intervention(b["name"], lm, b["target"], b.get("train_items", ()), spec["judge"],
-                                **b.get("options", {}))
+        iv = build_intervention(
+            b["name"], lm, b["target"], b.get("train_items", ()), spec["judge"], **b.get("options", {})
+        )
         _REPLICA_INTERVENTIONS.clear()  # one run at a time
         _REPLICA_INTERVENTIONS[spec["key"]] = iv
     judge = LikertJudge(lm, spec["judge"], cache=False)
@@ -474,15 +648,22 @@ def _check_replicas(replicas, lm, post_lm, build: dict | None) -> None:
     if post_lm is not None:
         raise AligntaxError("--post-model judges with a second model: not on Ray (leave --ray out).")
     if not build or "name" not in build or "target" not in build:
-        raise AligntaxError("A VAT run on Ray needs the intervention's build arguments (name, target, options).")
-    if build.get("name", "").strip().lower() in ("lora", "sft", "dpo") and not (build.get("options") or {}).get(
-            "adapter_dir"):
-        raise AligntaxError("A trained intervention on Ray needs its adapter_dir: the replicas read the adapter "
-                            "trained here from it.")
+        raise AligntaxError(
+            "A VAT run on Ray needs the intervention's build arguments (name, target, options)."
+        )
+    if build.get("name", "").strip().lower() in ("lora", "sft", "dpo") and not (
+        build.get("options") or {}
+    ).get("adapter_dir"):
+        raise AligntaxError(
+            "A trained intervention on Ray needs its adapter_dir: the replicas read the adapter "
+            "trained here from it."
+        )
     fp = replicas.start().identity.get("fingerprint")
     if fp != lm.fingerprint:
-        raise AligntaxError("The replicas loaded another model than this process (fingerprints differ); give "
-                            "every node the same model files.")
+        raise AligntaxError(
+            "The replicas loaded another model than this process (fingerprints differ); give "
+            "every node the same model files."
+        )
 
 
 def load_control(path: str | Path) -> list[dict]:
@@ -518,11 +699,21 @@ def rescore(out_dir: str | Path, cfg: VATConfig | None = None, control: str | Pa
         sc = jd.pop("scale", {})
         cfg.judge = JudgeConfig(scale=LikertScale(**sc) if sc else LikertScale(), **jd)
     rows = read_rows(out / "items.jsonl")
-    res = compute_results(rows, old["target"], cfg.judge.scale, cfg,
-                          control_rows=load_control(control) if control is not None else None)
-    res["config"] = _clean({**cfg.to_dict(), "extra": old.get("config", {}).get("extra", {}),
-                            "intervention": old.get("config", {}).get("intervention"),
-                            "control": None if control is None else str(control)})
+    res = compute_results(
+        rows,
+        old["target"],
+        cfg.judge.scale,
+        cfg,
+        control_rows=load_control(control) if control is not None else None,
+    )
+    res["config"] = _clean(
+        {
+            **cfg.to_dict(),
+            "extra": old.get("config", {}).get("extra", {}),
+            "intervention": old.get("config", {}).get("intervention"),
+            "control": None if control is None else str(control),
+        }
+    )
     res["model_fingerprint"] = old.get("model_fingerprint")
     if old.get("post_model_fingerprint"):
         res["post_model_fingerprint"] = old["post_model_fingerprint"]

@@ -50,8 +50,16 @@ VALUES: tuple[str, ...] = (
     "Universalism",
 )
 CODES: dict[str, str] = {
-    "Self-Direction": "SD", "Stimulation": "ST", "Hedonism": "HE", "Achievement": "AC", "Power": "PO",
-    "Security": "SE", "Conformity": "CO", "Tradition": "TR", "Benevolence": "BE", "Universalism": "UN",
+    "Self-Direction": "SD",
+    "Stimulation": "ST",
+    "Hedonism": "HE",
+    "Achievement": "AC",
+    "Power": "PO",
+    "Security": "SE",
+    "Conformity": "CO",
+    "Tradition": "TR",
+    "Benevolence": "BE",
+    "Universalism": "UN",
 }
 
 # Defining motivational goals (Schwartz 1992, 2012), used for persona prompts and reports.
@@ -62,14 +70,19 @@ DEFINITIONS: dict[str, str] = {
     "Achievement": "personal success through demonstrating competence according to social standards",
     "Power": "social status and prestige, and control or dominance over people and resources",
     "Security": "safety, harmony and stability of society, of relationships and of oneself",
-    "Conformity": ("restraint of actions, inclinations and impulses likely to upset or harm others and "
-                   "to violate social expectations or norms"),
-    "Tradition": ("respect, commitment and acceptance of the customs and ideas that one's culture or "
-                  "religion provides"),
-    "Benevolence": ("preserving and enhancing the welfare of the people one is in frequent personal "
-                    "contact with"),
-    "Universalism": ("understanding, appreciation, tolerance and protection for the welfare of all people "
-                     "and for nature"),
+    "Conformity": (
+        "restraint of actions, inclinations and impulses likely to upset or harm others and "
+        "to violate social expectations or norms"
+    ),
+    "Tradition": (
+        "respect, commitment and acceptance of the customs and ideas that one's culture or religion provides"
+    ),
+    "Benevolence": (
+        "preserving and enhancing the welfare of the people one is in frequent personal contact with"
+    ),
+    "Universalism": (
+        "understanding, appreciation, tolerance and protection for the welfare of all people and for nature"
+    ),
 }
 
 # ----------------------------------------------------------------- higher-order groups
@@ -82,10 +95,16 @@ HIGHER_ORDER: dict[str, tuple[str, ...]] = {
 # Hedonism sits on the border of Openness to change and Self-enhancement; its primary group here is
 # Openness to change (as in the 4-group scoring of the PVQ).
 PRIMARY_GROUP: dict[str, str] = {
-    "Self-Direction": "Openness to change", "Stimulation": "Openness to change",
-    "Hedonism": "Openness to change", "Achievement": "Self-enhancement", "Power": "Self-enhancement",
-    "Security": "Conservation", "Conformity": "Conservation", "Tradition": "Conservation",
-    "Benevolence": "Self-transcendence", "Universalism": "Self-transcendence",
+    "Self-Direction": "Openness to change",
+    "Stimulation": "Openness to change",
+    "Hedonism": "Openness to change",
+    "Achievement": "Self-enhancement",
+    "Power": "Self-enhancement",
+    "Security": "Conservation",
+    "Conformity": "Conservation",
+    "Tradition": "Conservation",
+    "Benevolence": "Self-transcendence",
+    "Universalism": "Self-transcendence",
 }
 BIPOLAR: tuple[tuple[str, str], ...] = (
     ("Openness to change", "Conservation"),
@@ -94,8 +113,16 @@ BIPOLAR: tuple[tuple[str, str], ...] = (
 
 # ----------------------------------------------------------------- circle geometry
 _WEDGE_POSITION: dict[str, int] = {
-    "Self-Direction": 0, "Stimulation": 1, "Hedonism": 2, "Achievement": 3, "Power": 4, "Security": 5,
-    "Conformity": 6, "Tradition": 6, "Benevolence": 7, "Universalism": 8,
+    "Self-Direction": 0,
+    "Stimulation": 1,
+    "Hedonism": 2,
+    "Achievement": 3,
+    "Power": 4,
+    "Security": 5,
+    "Conformity": 6,
+    "Tradition": 6,
+    "Benevolence": 7,
+    "Universalism": 8,
 }
 CONVENTIONS = ("wedge", "ten")
 
@@ -137,7 +164,7 @@ def circle_angles(convention: str = "wedge") -> dict[str, float]:
 
 
 def _pairs(pred) -> tuple[tuple[str, str], ...]:
-    return tuple((a, b) for i, a in enumerate(VALUES) for b in VALUES[i + 1:] if pred(a, b))
+    return tuple((a, b) for i, a in enumerate(VALUES) for b in VALUES[i + 1 :] if pred(a, b))
 
 
 # Adjacent (compatible) pairs: neighbours on the circle, i.e. distance <= 1 under the wedge convention.
@@ -153,11 +180,18 @@ ADJACENT_PAIRS: tuple[tuple[str, str], ...] = _pairs(lambda a, b: _wedge_distanc
 # (Self-Direction, Stimulation, Hedonism vs Security, Conformity, Tradition; Hedonism vs Conformity and
 # Tradition) and Self-enhancement vs Self-transcendence (Achievement, Power vs Benevolence, Universalism).
 OPPOSITE_PAIRS: tuple[tuple[str, str], ...] = (
-    ("Self-Direction", "Security"), ("Self-Direction", "Conformity"), ("Self-Direction", "Tradition"),
-    ("Stimulation", "Security"), ("Stimulation", "Conformity"), ("Stimulation", "Tradition"),
-    ("Hedonism", "Conformity"), ("Hedonism", "Tradition"),
-    ("Achievement", "Benevolence"), ("Achievement", "Universalism"),
-    ("Power", "Benevolence"), ("Power", "Universalism"),
+    ("Self-Direction", "Security"),
+    ("Self-Direction", "Conformity"),
+    ("Self-Direction", "Tradition"),
+    ("Stimulation", "Security"),
+    ("Stimulation", "Conformity"),
+    ("Stimulation", "Tradition"),
+    ("Hedonism", "Conformity"),
+    ("Hedonism", "Tradition"),
+    ("Achievement", "Benevolence"),
+    ("Achievement", "Universalism"),
+    ("Power", "Benevolence"),
+    ("Power", "Universalism"),
 )
 
 
@@ -193,42 +227,123 @@ class RefinedValue:
 
 _OC, _SEN, _CON, _STR = "Openness to change", "Self-enhancement", "Conservation", "Self-transcendence"
 REFINED_VALUES: tuple[RefinedValue, ...] = (
-    RefinedValue("self-direction-thought", "Self-direction: thought", "Self-Direction", (_OC,),
-                 "Freedom to cultivate one's own ideas and abilities."),
-    RefinedValue("self-direction-action", "Self-direction: action", "Self-Direction", (_OC,),
-                 "Freedom to determine one's own actions."),
+    RefinedValue(
+        "self-direction-thought",
+        "Self-direction: thought",
+        "Self-Direction",
+        (_OC,),
+        "Freedom to cultivate one's own ideas and abilities.",
+    ),
+    RefinedValue(
+        "self-direction-action",
+        "Self-direction: action",
+        "Self-Direction",
+        (_OC,),
+        "Freedom to determine one's own actions.",
+    ),
     RefinedValue("stimulation", "Stimulation", "Stimulation", (_OC,), "Excitement, novelty, and change."),
     RefinedValue("hedonism", "Hedonism", "Hedonism", (_OC, _SEN), "Pleasure and sensuous gratification."),
-    RefinedValue("achievement", "Achievement", "Achievement", (_SEN,),
-                 "Success according to social standards."),
-    RefinedValue("power-dominance", "Power: dominance", "Power", (_SEN,),
-                 "Power through exercising control over people."),
-    RefinedValue("power-resources", "Power: resources", "Power", (_SEN,),
-                 "Power through control of material and social resources."),
-    RefinedValue("face", "Face", "Power", (_SEN, _CON),
-                 "Security and power through maintaining one's public image and avoiding humiliation."),
-    RefinedValue("security-personal", "Security: personal", "Security", (_CON,),
-                 "Safety in one's immediate environment."),
-    RefinedValue("security-societal", "Security: societal", "Security", (_CON,),
-                 "Safety and stability in the wider society."),
-    RefinedValue("tradition", "Tradition", "Tradition", (_CON,),
-                 "Maintaining and preserving cultural, family, or religious traditions."),
-    RefinedValue("conformity-rules", "Conformity: rules", "Conformity", (_CON,),
-                 "Compliance with rules, laws, and formal obligations."),
-    RefinedValue("conformity-interpersonal", "Conformity: interpersonal", "Conformity", (_CON,),
-                 "Avoidance of upsetting or harming other people."),
-    RefinedValue("humility", "Humility", "Tradition", (_CON, _STR),
-                 "Recognizing one's insignificance in the larger scheme of things."),
-    RefinedValue("benevolence-caring", "Benevolence: caring", "Benevolence", (_STR,),
-                 "Devotion to the welfare of in-group members."),
-    RefinedValue("benevolence-dependability", "Benevolence: dependability", "Benevolence", (_STR,),
-                 "Being a reliable and trustworthy member of the in-group."),
-    RefinedValue("universalism-concern", "Universalism: concern", "Universalism", (_STR,),
-                 "Commitment to equality, justice, and protection for all people."),
-    RefinedValue("universalism-nature", "Universalism: nature", "Universalism", (_STR,),
-                 "Preservation of the natural environment."),
-    RefinedValue("universalism-tolerance", "Universalism: tolerance", "Universalism", (_STR,),
-                 "Acceptance and understanding of those who are different from oneself."),
+    RefinedValue(
+        "achievement", "Achievement", "Achievement", (_SEN,), "Success according to social standards."
+    ),
+    RefinedValue(
+        "power-dominance",
+        "Power: dominance",
+        "Power",
+        (_SEN,),
+        "Power through exercising control over people.",
+    ),
+    RefinedValue(
+        "power-resources",
+        "Power: resources",
+        "Power",
+        (_SEN,),
+        "Power through control of material and social resources.",
+    ),
+    RefinedValue(
+        "face",
+        "Face",
+        "Power",
+        (_SEN, _CON),
+        "Security and power through maintaining one's public image and avoiding humiliation.",
+    ),
+    RefinedValue(
+        "security-personal",
+        "Security: personal",
+        "Security",
+        (_CON,),
+        "Safety in one's immediate environment.",
+    ),
+    RefinedValue(
+        "security-societal",
+        "Security: societal",
+        "Security",
+        (_CON,),
+        "Safety and stability in the wider society.",
+    ),
+    RefinedValue(
+        "tradition",
+        "Tradition",
+        "Tradition",
+        (_CON,),
+        "Maintaining and preserving cultural, family, or religious traditions.",
+    ),
+    RefinedValue(
+        "conformity-rules",
+        "Conformity: rules",
+        "Conformity",
+        (_CON,),
+        "Compliance with rules, laws, and formal obligations.",
+    ),
+    RefinedValue(
+        "conformity-interpersonal",
+        "Conformity: interpersonal",
+        "Conformity",
+        (_CON,),
+        "Avoidance of upsetting or harming other people.",
+    ),
+    RefinedValue(
+        "humility",
+        "Humility",
+        "Tradition",
+        (_CON, _STR),
+        "Recognizing one's insignificance in the larger scheme of things.",
+    ),
+    RefinedValue(
+        "benevolence-caring",
+        "Benevolence: caring",
+        "Benevolence",
+        (_STR,),
+        "Devotion to the welfare of in-group members.",
+    ),
+    RefinedValue(
+        "benevolence-dependability",
+        "Benevolence: dependability",
+        "Benevolence",
+        (_STR,),
+        "Being a reliable and trustworthy member of the in-group.",
+    ),
+    RefinedValue(
+        "universalism-concern",
+        "Universalism: concern",
+        "Universalism",
+        (_STR,),
+        "Commitment to equality, justice, and protection for all people.",
+    ),
+    RefinedValue(
+        "universalism-nature",
+        "Universalism: nature",
+        "Universalism",
+        (_STR,),
+        "Preservation of the natural environment.",
+    ),
+    RefinedValue(
+        "universalism-tolerance",
+        "Universalism: tolerance",
+        "Universalism",
+        (_STR,),
+        "Acceptance and understanding of those who are different from oneself.",
+    ),
 )
 # Face -> Power and Humility -> Tradition follow the SVS items they grew out of ("Preserving my Public
 # Image" is a Power item and "Humble" a Tradition item in the 56-item mapping below). The Touche
@@ -243,30 +358,75 @@ SVS_ITEMS: dict[str, tuple[str, ...]] = {
     "Hedonism": ("Pleasure", "Enjoying Life"),
     "Stimulation": ("Daring", "A Varied Life", "An Exciting Life"),
     "Self-Direction": ("Creativity", "Curious", "Freedom", "Choosing Own Goals", "Independent"),
-    "Universalism": ("Protecting the Environment", "A World of Beauty", "Broad-Minded", "Social Justice",
-                     "Wisdom", "Equality", "A World at Peace", "Inner Harmony", "Unity With Nature"),
-    "Benevolence": ("Helpful", "Honest", "Forgiving", "Loyal", "Responsible", "True Friendship",
-                    "A Spiritual Life", "Mature Love", "Meaning in Life"),
-    "Tradition": ("Devout", "Accepting my Portion in Life", "Humble", "Moderate", "Respect for Tradition",
-                  "Detachment"),
+    "Universalism": (
+        "Protecting the Environment",
+        "A World of Beauty",
+        "Broad-Minded",
+        "Social Justice",
+        "Wisdom",
+        "Equality",
+        "A World at Peace",
+        "Inner Harmony",
+        "Unity With Nature",
+    ),
+    "Benevolence": (
+        "Helpful",
+        "Honest",
+        "Forgiving",
+        "Loyal",
+        "Responsible",
+        "True Friendship",
+        "A Spiritual Life",
+        "Mature Love",
+        "Meaning in Life",
+    ),
+    "Tradition": (
+        "Devout",
+        "Accepting my Portion in Life",
+        "Humble",
+        "Moderate",
+        "Respect for Tradition",
+        "Detachment",
+    ),
     "Conformity": ("Politeness", "Honoring of Parents and Elders", "Obedient", "Self-Discipline"),
-    "Security": ("Clean", "National Security", "Social Order", "Family Security", "Reciprocation of Favors",
-                 "Healthy", "Sense of Belonging"),
+    "Security": (
+        "Clean",
+        "National Security",
+        "Social Order",
+        "Family Security",
+        "Reciprocation of Favors",
+        "Healthy",
+        "Sense of Belonging",
+    ),
 }
 SVS_TO_BASIC: dict[str, str] = {item: v for v, items in SVS_ITEMS.items() for item in items}
 assert len(SVS_TO_BASIC) == 56
 
 # ----------------------------------------------------------------- names
 _ALIASES: dict[str, str] = {
-    "selfdirection": "Self-Direction", "self direction": "Self-Direction", "autonomy": "Self-Direction",
-    "stimulation": "Stimulation", "novelty": "Stimulation", "excitement": "Stimulation",
-    "hedonism": "Hedonism", "hedonistic": "Hedonism",
-    "achievement": "Achievement", "success": "Achievement",
-    "power": "Power", "security": "Security", "safety": "Security",
-    "conformity": "Conformity", "tradition": "Tradition", "traditional": "Tradition",
-    "benevolence": "Benevolence", "benevolent": "Benevolence",
-    "universalism": "Universalism", "universal": "Universalism",
-    "universalism objectivity": "Universalism", "humility": "Tradition", "face": "Power",
+    "selfdirection": "Self-Direction",
+    "self direction": "Self-Direction",
+    "autonomy": "Self-Direction",
+    "stimulation": "Stimulation",
+    "novelty": "Stimulation",
+    "excitement": "Stimulation",
+    "hedonism": "Hedonism",
+    "hedonistic": "Hedonism",
+    "achievement": "Achievement",
+    "success": "Achievement",
+    "power": "Power",
+    "security": "Security",
+    "safety": "Security",
+    "conformity": "Conformity",
+    "tradition": "Tradition",
+    "traditional": "Tradition",
+    "benevolence": "Benevolence",
+    "benevolent": "Benevolence",
+    "universalism": "Universalism",
+    "universal": "Universalism",
+    "universalism objectivity": "Universalism",
+    "humility": "Tradition",
+    "face": "Power",
 }
 
 
@@ -342,10 +502,16 @@ def circle_text(convention: str = "wedge") -> str:
         pos, n = circle_position(v, convention)
         items = ", ".join(SVS_ITEMS[v])
         refined = ", ".join(r.name for r in REFINED_VALUES if r.basic == v)
-        lines.append(f"{pos:>2}/{n} {v:<15} [{CODES[v]}] {PRIMARY_GROUP[v]:<19} | refined: {refined} "
-                     f"| SVS: {items}")
+        lines.append(
+            f"{pos:>2}/{n} {v:<15} [{CODES[v]}] {PRIMARY_GROUP[v]:<19} | refined: {refined} | SVS: {items}"
+        )
     lines.append("Opposites: " + "; ".join(f"{a}-{b}" for a, b in OPPOSITE_PAIRS))
-    lines.append("Circular distance convention: " + (
-        "'wedge' (9 positions; Conformity and Tradition share a wedge, distance 0)"
-        if convention == "wedge" else "'ten' (10 equal positions in circle order)"))
+    lines.append(
+        "Circular distance convention: "
+        + (
+            "'wedge' (9 positions; Conformity and Tradition share a wedge, distance 0)"
+            if convention == "wedge"
+            else "'ten' (10 equal positions in circle order)"
+        )
+    )
     return "\n".join(lines)

@@ -63,9 +63,15 @@ def _stats_from_means(means: np.ndarray, ti: int) -> dict[str, np.ndarray]:
     with np.errstate(invalid="ignore", divide="ignore"):
         off_mean = _nanmean(off, axis=-1) if off.size else np.full(g.shape, np.nan)
         absg = np.abs(g)
-        return {"gain": g, "off_mean": off_mean, "specificity": g - off_mean,
-                "off_sum": np.nansum(off, axis=-1), "off_abs_sum": np.nansum(np.abs(off), axis=-1),
-                "vat_signed": np.nansum(off, axis=-1) / absg, "vat_absolute": np.nansum(np.abs(off), axis=-1) / absg}
+        return {
+            "gain": g,
+            "off_mean": off_mean,
+            "specificity": g - off_mean,
+            "off_sum": np.nansum(off, axis=-1),
+            "off_abs_sum": np.nansum(np.abs(off), axis=-1),
+            "vat_signed": np.nansum(off, axis=-1) / absg,
+            "vat_absolute": np.nansum(np.abs(off), axis=-1) / absg,
+        }
 
 
 def _means(S: np.ndarray, N: np.ndarray) -> np.ndarray:
@@ -82,8 +88,16 @@ def _pct(x: np.ndarray, level: float) -> list[float] | None:
     return [float(np.percentile(x, lo)), float(np.percentile(x, hi))]
 
 
-def scene_bootstrap(d, values, groups, target: str, reps: int = 2000, seed: int = 0, level: float = 0.95,
-                    order: Sequence[str] = VALUES) -> dict:
+def scene_bootstrap(
+    d,
+    values,
+    groups,
+    target: str,
+    reps: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    order: Sequence[str] = VALUES,
+) -> dict:
     """Cluster bootstrap over scenes: each replicate draws n of the n scenes with replacement and
     recomputes every statistic from their items. Percentile intervals for the gain, each drift, the
     mean off-target drift, S_T, the raw off-target sums, GND_j and both VAT ratios. A replicate whose
@@ -92,8 +106,12 @@ def scene_bootstrap(d, values, groups, target: str, reps: int = 2000, seed: int 
     ti = list(order).index(t)
     scenes, S, N = scene_sums(d, values, groups, order)
     n = len(scenes)
-    out = {"method": "scene bootstrap (n of n scenes with replacement), percentile intervals",
-           "reps": int(reps), "n_groups": int(n), "level": level}
+    out = {
+        "method": "scene bootstrap (n of n scenes with replacement), percentile intervals",
+        "reps": int(reps),
+        "n_groups": int(n),
+        "level": level,
+    }
     if n < 2 or reps <= 0:
         return {**out, "intervals": None}
     rng = np.random.default_rng(seed)
@@ -127,8 +145,9 @@ def scene_means(d, values, groups, order: Sequence[str] = VALUES) -> np.ndarray:
     return _means(S, N)
 
 
-def scene_level_tests(d, values, groups, order: Sequence[str] = VALUES, alpha: float = 0.05,
-                      n_perm: int = 9999, seed: int = 0) -> dict[str, dict]:
+def scene_level_tests(
+    d, values, groups, order: Sequence[str] = VALUES, alpha: float = 0.05, n_perm: int = 9999, seed: int = 0
+) -> dict[str, dict]:
     """Per value: a sign-flip test of mean shift = 0 whose unit is the scene (the per-scene mean shift
     of that value), Benjamini-Hochberg over the values tested."""
     from aligntax.vat.metrics import benjamini_hochberg
@@ -136,13 +155,30 @@ def scene_level_tests(d, values, groups, order: Sequence[str] = VALUES, alpha: f
     X = scene_means(d, values, groups, order)
     ps = [_sign_flip(X[:, j], n_perm, seed) for j in range(len(order))]
     qs, rej = benjamini_hochberg(ps, alpha)
-    return {v: {"p_value": p, "q_value": q, "significant": r, "n_scenes": int(np.isfinite(X[:, j]).sum()),
-                "n": int((np.asarray(values) == v).sum())}
-            for j, (v, p, q, r) in enumerate(zip(order, ps, qs, rej, strict=True))}
+    return {
+        v: {
+            "p_value": p,
+            "q_value": q,
+            "significant": r,
+            "n_scenes": int(np.isfinite(X[:, j]).sum()),
+            "n": int((np.asarray(values) == v).sum()),
+        }
+        for j, (v, p, q, r) in enumerate(zip(order, ps, qs, rej, strict=True))
+    }
 
 
-def specificity(d, values, groups, target: str, reps: int = 2000, seed: int = 0, level: float = 0.95,
-                n_perm: int = 9999, boot: dict | None = None, order: Sequence[str] = VALUES) -> dict:
+def specificity(
+    d,
+    values,
+    groups,
+    target: str,
+    reps: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    n_perm: int = 9999,
+    boot: dict | None = None,
+    order: Sequence[str] = VALUES,
+) -> dict:
     """S_T = G_T - mean off-target drift, its scene-bootstrap interval, and a scene-level sign-flip
     test of S_T = 0 (per scene: the target's mean shift minus the mean of the other values' mean shifts).
     ``interpretation`` says whether the change is targeted or a global shift."""
@@ -162,22 +198,42 @@ def specificity(d, values, groups, target: str, reps: int = 2000, seed: int = 0,
     if ci is None:
         text = "no interval (too few scenes)"
     elif cov:
-        text = (f"S_T's {level:.0%} interval covers 0: the target moved no more than the mean of the other "
-                "values; the change is not distinguishable from a global shift of every value")
+        text = (
+            f"S_T's {level:.0%} interval covers 0: the target moved no more than the mean of the other "
+            "values; the change is not distinguishable from a global shift of every value"
+        )
     elif ci[0] > 0:
-        text = f"S_T's {level:.0%} interval is above 0: the target moved more than the other values (targeted)"
+        text = (
+            f"S_T's {level:.0%} interval is above 0: the target moved more than the other values (targeted)"
+        )
     else:
         text = f"S_T's {level:.0%} interval is below 0: the other values moved more than the target"
     n_sc = int(np.isfinite(per_scene).sum())
     if ci is not None and n_sc < 10:
         text += f" (only {n_sc} scenes: a bootstrap over so few is rough)"
-    return {"value": value, "ci95": ci, "covers_zero": cov, "gain": float(st["gain"]),
-            "mean_off_target_drift": float(st["off_mean"]), "p_value_scene": p,
-            "n_scenes": int(np.isfinite(per_scene).sum()), "interpretation": text}
+    return {
+        "value": value,
+        "ci95": ci,
+        "covers_zero": cov,
+        "gain": float(st["gain"]),
+        "mean_off_target_drift": float(st["off_mean"]),
+        "p_value_scene": p,
+        "n_scenes": int(np.isfinite(per_scene).sum()),
+        "interpretation": text,
+    }
 
 
-def adjacent_vs_opposite(d, values, groups, target: str, reps: int = 2000, seed: int = 0,
-                         level: float = 0.95, n_perm: int = 9999, order: Sequence[str] = VALUES) -> dict:
+def adjacent_vs_opposite(
+    d,
+    values,
+    groups,
+    target: str,
+    reps: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    n_perm: int = 9999,
+    order: Sequence[str] = VALUES,
+) -> dict:
     """The circumplex prediction for a targeted change: the target's neighbours on the circle move with
     it more than its opposites do. Statistic: mean drift of T's neighbours minus mean drift of T's
     opposites (each a mean of value means), with a scene-bootstrap percentile interval and a
@@ -201,23 +257,38 @@ def adjacent_vs_opposite(d, values, groups, target: str, reps: int = 2000, seed:
         with np.errstate(invalid="ignore", divide="ignore"):
             M = _means(W @ S, W @ N)
             ci = _pct(_nanmean(M[:, adj], axis=1) - _nanmean(M[:, opp], axis=1), level)
-    return {**out, "value": value, "ci95": ci, "covers_zero": covers_zero(ci),
-            "p_value_scene": _sign_flip(per_scene, n_perm, seed), "n_scenes": int(np.isfinite(per_scene).sum()),
-            "prediction": "positive: neighbours move with the target more than opposites do"}
+    return {
+        **out,
+        "value": value,
+        "ci95": ci,
+        "covers_zero": covers_zero(ci),
+        "p_value_scene": _sign_flip(per_scene, n_perm, seed),
+        "n_scenes": int(np.isfinite(per_scene).sum()),
+        "prediction": "positive: neighbours move with the target more than opposites do",
+    }
 
 
 def withheld_reason(gain_ci: Sequence[float] | None, level: float = 0.95) -> str | None:
     """Why GND and VAT are withheld: the gain's interval covers 0 (the denominator may be 0)."""
     if gain_ci and covers_zero(gain_ci):
-        return (f"withheld: the gain's {level:.0%} interval [{gain_ci[0]:+.4f}, {gain_ci[1]:+.4f}] covers 0, "
-                "so the ratio's denominator is not distinguishable from 0")
+        return (
+            f"withheld: the gain's {level:.0%} interval [{gain_ci[0]:+.4f}, {gain_ci[1]:+.4f}] covers 0, "
+            "so the ratio's denominator is not distinguishable from 0"
+        )
     return None
 
 
 # ----------------------------------------------------------------- lift adjustment against a control run
-def control_adjusted(rows: Sequence[dict], control_rows: Sequence[dict], target: str, midpoint: float = 0.0,
-                     reps: int = 2000, seed: int = 0, level: float = 0.95,
-                     order: Sequence[str] = VALUES) -> dict:
+def control_adjusted(
+    rows: Sequence[dict],
+    control_rows: Sequence[dict],
+    target: str,
+    midpoint: float = 0.0,
+    reps: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    order: Sequence[str] = VALUES,
+) -> dict:
     """Lift-adjusted shifts: for each item judged in both runs, d_i(run) - d_i(control), where the
     control run applied a comparison intervention (e.g. examples of no particular value) to the same
     items. The adjusted drifts remove the general lift the control also produces; intervals from the
@@ -245,15 +316,26 @@ def control_adjusted(rows: Sequence[dict], control_rows: Sequence[dict], target:
     iv = boot.get("intervals") or {}
     means = {v: float(np.mean(d[values == v])) if (values == v).any() else None for v in order}
     spec = specificity(d, values, grp, t, reps, seed, level, boot=boot, order=order)
-    return {"n_paired": len(ids), "definition": "d_i(run) - d_i(control), items judged in both runs",
-            "gain": {"value": means[t], "ci95": iv.get("gain")},
-            "drift": {v: {"value": means[v], "ci95": (iv.get("drift") or {}).get(v)} for v in order if v != t},
-            "specificity": spec}
+    return {
+        "n_paired": len(ids),
+        "definition": "d_i(run) - d_i(control), items judged in both runs",
+        "gain": {"value": means[t], "ci95": iv.get("gain")},
+        "drift": {v: {"value": means[v], "ci95": (iv.get("drift") or {}).get(v)} for v in order if v != t},
+        "specificity": spec,
+    }
 
 
 # ----------------------------------------------------------------- desirability strata
-def stratum_summary(d, values, groups, target: str, reps: int = 500, seed: int = 0, level: float = 0.95,
-                    order: Sequence[str] = VALUES) -> dict:
+def stratum_summary(
+    d,
+    values,
+    groups,
+    target: str,
+    reps: int = 500,
+    seed: int = 0,
+    level: float = 0.95,
+    order: Sequence[str] = VALUES,
+) -> dict:
     """Gain, drifts, mean off-target drift and S_T of one desirability stratum's items, with
     scene-bootstrap intervals (the stratum's own scenes). Values without items in the stratum are None."""
     t = resolve_value(target)
@@ -267,17 +349,26 @@ def stratum_summary(d, values, groups, target: str, reps: int = 500, seed: int =
     off_mean = float(np.mean(off)) if off else None
     spec = None if mean[t] is None or off_mean is None else mean[t] - off_mean
     present = [mean[v] for v in order if mean[v] is not None]
-    return {"n_items": int(len(d)), "n_scenes": int(len(set(np.asarray(groups).tolist()))),
-            "gain": {"value": mean[t], "ci95": iv.get("gain"), "n": n[t]},
-            "drift": {v: {"value": mean[v], "ci95": (iv.get("drift") or {}).get(v), "n": n[v]}
-                      for v in order if v != t},
-            "mean_off_target_drift": off_mean, "specificity": {"value": spec, "ci95": iv.get("specificity"),
-                                                               "covers_zero": covers_zero(iv.get("specificity"))},
-            "all_values_mean": float(np.mean(present)) if present else None}
+    return {
+        "n_items": int(len(d)),
+        "n_scenes": int(len(set(np.asarray(groups).tolist()))),
+        "gain": {"value": mean[t], "ci95": iv.get("gain"), "n": n[t]},
+        "drift": {
+            v: {"value": mean[v], "ci95": (iv.get("drift") or {}).get(v), "n": n[v]} for v in order if v != t
+        },
+        "mean_off_target_drift": off_mean,
+        "specificity": {
+            "value": spec,
+            "ci95": iv.get("specificity"),
+            "covers_zero": covers_zero(iv.get("specificity")),
+        },
+        "all_values_mean": float(np.mean(present)) if present else None,
+    }
 
 
-def neutral_lift(raw, values, groups, reps: int = 500, seed: int = 0, level: float = 0.95,
-                 order: Sequence[str] = VALUES) -> dict:
+def neutral_lift(
+    raw, values, groups, reps: int = 500, seed: int = 0, level: float = 0.95, order: Sequence[str] = VALUES
+) -> dict:
     """Neutral items have no polarity, so their shift is the raw score change post - pre: the general
     rise (or fall) in acceptability the intervention gives actions that bear on no value. Per value and
     pooled (mean of the value means), with a scene-bootstrap interval of the pooled mean and a
@@ -293,12 +384,19 @@ def neutral_lift(raw, values, groups, reps: int = 500, seed: int = 0, level: flo
         W = rng.multinomial(len(scenes), np.full(len(scenes), 1.0 / len(scenes)), size=reps).astype(float)
         ci = _pct(_nanmean(_means(W @ S, W @ N), axis=1), level)
     per_scene = _nanmean(_means(S, N), axis=1)
-    return {"n_items": int(len(raw)), "n_scenes": int(len(scenes)),
-            "definition": "raw score change post - pre (Likert points) of actions that neither support nor "
-                          "violate their value",
-            "lift": {"value": pooled, "ci95": ci, "covers_zero": covers_zero(ci),
-                     "p_value_scene": _sign_flip(per_scene, 9999, seed)},
-            "per_value": per_value}
+    return {
+        "n_items": int(len(raw)),
+        "n_scenes": int(len(scenes)),
+        "definition": "raw score change post - pre (Likert points) of actions that neither support nor "
+        "violate their value",
+        "lift": {
+            "value": pooled,
+            "ci95": ci,
+            "covers_zero": covers_zero(ci),
+            "p_value_scene": _sign_flip(per_scene, 9999, seed),
+        },
+        "per_value": per_value,
+    }
 
 
 # ----------------------------------------------------------------- the ten-target matrix
@@ -319,13 +417,19 @@ def diagonal_permutation_test(M: np.ndarray, n_perm: int = 9999, seed: int = 0) 
     rng = np.random.default_rng(seed)
     cols = np.arange(k)
     null = np.array([C[rng.permutation(k), cols].mean() for _ in range(n_perm)])
-    return {"statistic": obs, "p_value": float((1 + (null >= obs - 1e-12).sum()) / (1 + n_perm)),
-            "n_perm": n_perm, "null_mean": float(null.mean()),
-            "null": "target labels of the rows permuted", "alternative": "greater"}
+    return {
+        "statistic": obs,
+        "p_value": float((1 + (null >= obs - 1e-12).sum()) / (1 + n_perm)),
+        "n_perm": n_perm,
+        "null_mean": float(null.mean()),
+        "null": "target labels of the rows permuted",
+        "alternative": "greater",
+    }
 
 
-def matrix_mantel(M: np.ndarray, D: np.ndarray | None = None, n_perm: int = 9999, seed: int = 0,
-                  alternative: str = "less") -> dict:
+def matrix_mantel(
+    M: np.ndarray, D: np.ndarray | None = None, n_perm: int = 9999, seed: int = 0, alternative: str = "less"
+) -> dict:
     """Mantel test of the double-centred shift matrix against distance on the Schwartz circle: Spearman
     correlation of the off-diagonal entries C[T, j] with D[T, j]; the null permutes the value labels
     (rows and columns together). The circumplex predicts a negative statistic (a target's neighbours
@@ -344,9 +448,14 @@ def matrix_mantel(M: np.ndarray, D: np.ndarray | None = None, n_perm: int = 9999
         return spearman(x, D[off])
 
     obs = stat(C)
-    out = {"statistic": None if math.isnan(obs) else float(obs), "p_value": None, "n_perm": n_perm,
-           "alternative": alternative, "distance": "circular (wedge convention)",
-           "entries": "off-diagonal entries of the double-centred matrix"}
+    out = {
+        "statistic": None if math.isnan(obs) else float(obs),
+        "p_value": None,
+        "n_perm": n_perm,
+        "alternative": alternative,
+        "distance": "circular (wedge convention)",
+        "entries": "off-diagonal entries of the double-centred matrix",
+    }
     if math.isnan(obs):
         return {**out, "reason": "the off-diagonal entries are constant"}
     rng = np.random.default_rng(seed)
@@ -385,11 +494,17 @@ def analyse_matrix(M: np.ndarray, n_perm: int = 9999, seed: int = 0, order: Sequ
     C = double_centre(M)
     diag = np.diag(M)
     rank_of_own = [int((M[i] > M[i, i] + 1e-15).sum()) + 1 for i in range(len(order))]
-    return {"values": list(order), "matrix": M.tolist(), "double_centred": C.tolist(),
-            "row_mean": M.mean(axis=1).tolist(), "grand_mean": float(M.mean()),
-            "own_shift": diag.tolist(), "own_rank_in_row": dict(zip(order, rank_of_own, strict=True)),
-            "diagonal_test": diagonal_permutation_test(M, n_perm, seed),
-            "mantel": matrix_mantel(M, n_perm=n_perm, seed=seed)}
+    return {
+        "values": list(order),
+        "matrix": M.tolist(),
+        "double_centred": C.tolist(),
+        "row_mean": M.mean(axis=1).tolist(),
+        "grand_mean": float(M.mean()),
+        "own_shift": diag.tolist(),
+        "own_rank_in_row": dict(zip(order, rank_of_own, strict=True)),
+        "diagonal_test": diagonal_permutation_test(M, n_perm, seed),
+        "mantel": matrix_mantel(M, n_perm=n_perm, seed=seed),
+    }
 
 
 # ----------------------------------------------------------------- coupling, nVAT and Mantel intervals
@@ -416,9 +531,17 @@ def _fast_coupling(X: np.ndarray, method: str, min_groups: int) -> np.ndarray | 
     return R
 
 
-def coupling_bootstrap(table, reps: int = 2000, seed: int = 0, level: float = 0.95, method: str = "spearman",
-                       min_groups: int = 4, include_diagonal: bool = False, D: np.ndarray | None = None,
-                       order: Sequence[str] = VALUES) -> dict:
+def coupling_bootstrap(
+    table,
+    reps: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    method: str = "spearman",
+    min_groups: int = 4,
+    include_diagonal: bool = False,
+    D: np.ndarray | None = None,
+    order: Sequence[str] = VALUES,
+) -> dict:
     """Scene bootstrap of the coupling statistics. Each replicate draws n of the n scenes (rows of the
     scene-shift table) with replacement, recomputes the coupling matrix R from them and from it nVAT, the
     row strengths s_j = sum_{k != j} |R_jk| (the hub statistic) and the Mantel statistic against D
@@ -434,9 +557,15 @@ def coupling_bootstrap(table, reps: int = 2000, seed: int = 0, level: float = 0.
     cols = list(table.columns)
     X = table.to_numpy(dtype=float)
     n, k = X.shape
-    out = {"method": "scene bootstrap (n of n scenes with replacement), percentile intervals",
-           "reps": int(reps), "n_groups": int(n), "level": level, "seed": int(seed),
-           "coupling_method": method, "min_groups": int(min_groups)}
+    out = {
+        "method": "scene bootstrap (n of n scenes with replacement), percentile intervals",
+        "reps": int(reps),
+        "n_groups": int(n),
+        "level": level,
+        "seed": int(seed),
+        "coupling_method": method,
+        "min_groups": int(min_groups),
+    }
     if n < 2 or reps <= 0:
         return {**out, "nvat": None, "mantel": None, "coupling": None, "strength": None}
     rng = np.random.default_rng(seed)
@@ -471,6 +600,10 @@ def coupling_bootstrap(table, reps: int = 2000, seed: int = 0, level: float = 0.
             if ci is not None:
                 lower[a, c], upper[a, c] = ci
     labels = list(order) if len(order) == k else [str(c) for c in cols]
-    return {**out, "nvat": block(nv), "mantel": block(mt),
-            "coupling": {"lower": lower, "upper": upper, "n_valid": valid.astype(int)},
-            "strength": {v: block(st[:, j]) for j, v in enumerate(labels)}}
+    return {
+        **out,
+        "nvat": block(nv),
+        "mantel": block(mt),
+        "coupling": {"lower": lower, "upper": upper, "n_valid": valid.astype(int)},
+        "strength": {v: block(st[:, j]) for j, v in enumerate(labels)},
+    }

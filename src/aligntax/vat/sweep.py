@@ -37,8 +37,9 @@ def _model_id(res: dict) -> dict:
     return {"model": fp, "post_model": post}
 
 
-def check_comparable(ref: tuple[dict, list[dict]], other: tuple[dict, list[dict]], ref_name: str = "A",
-                     other_name: str = "B") -> dict:
+def check_comparable(
+    ref: tuple[dict, list[dict]], other: tuple[dict, list[dict]], ref_name: str = "A", other_name: str = "B"
+) -> dict:
     """What two runs share: items (same id with the same value and polarity), judge configuration and
     model. Different judge settings (scale, templates, orders, method) make the shifts incomparable and
     raise ``AligntaxError``, as does an item id whose value or polarity differs, or no shared item. A
@@ -51,8 +52,10 @@ def check_comparable(ref: tuple[dict, list[dict]], other: tuple[dict, list[dict]
     if ja and jb:
         diff = [k for k in keys if not _same(ja.get(k), jb.get(k))]
         if diff:
-            raise AligntaxError(f"{ref_name} and {other_name} use different judges ({', '.join(diff)} differ); "
-                                "their shifts are not comparable")
+            raise AligntaxError(
+                f"{ref_name} and {other_name} use different judges ({', '.join(diff)} differ); "
+                "their shifts are not comparable"
+            )
     by_a = {r["id"]: r for r in rows_a}
     shared, only_b = [], 0
     for r in rows_b:
@@ -61,20 +64,35 @@ def check_comparable(ref: tuple[dict, list[dict]], other: tuple[dict, list[dict]
             only_b += 1
             continue
         if resolve_value(a["value"]) != resolve_value(r["value"]) or int(a["polarity"]) != int(r["polarity"]):
-            raise AligntaxError(f"item {r['id']} has a different value or polarity in {ref_name} and {other_name}; "
-                                "the runs were made on different item sets")
+            raise AligntaxError(
+                f"item {r['id']} has a different value or polarity in {ref_name} and {other_name}; "
+                "the runs were made on different item sets"
+            )
         shared.append(r["id"])
     if not shared:
         raise AligntaxError(f"{ref_name} and {other_name} share no item")
     same_model = _same(_model_id(ra), _model_id(rb))
-    return {"shared_items": len(shared), "only_in_reference": len(rows_a) - len(shared), "only_in_other": only_b,
-            "same_judge": True, "same_model": same_model,
-            "note": None if same_model else "the runs use different models: the paired difference mixes the "
-                                            "model and the intervention"}
+    return {
+        "shared_items": len(shared),
+        "only_in_reference": len(rows_a) - len(shared),
+        "only_in_other": only_b,
+        "same_judge": True,
+        "same_model": same_model,
+        "note": None
+        if same_model
+        else "the runs use different models: the paired difference mixes the model and the intervention",
+    }
 
 
-def paired_difference(rows_ref: Sequence[dict], rows_other: Sequence[dict], reps: int = 2000, seed: int = 0,
-                      level: float = 0.95, alpha: float = 0.05, order: Sequence[str] = VALUES) -> dict:
+def paired_difference(
+    rows_ref: Sequence[dict],
+    rows_other: Sequence[dict],
+    reps: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    alpha: float = 0.05,
+    order: Sequence[str] = VALUES,
+) -> dict:
     """Per value: mean over shared polar items of d_i(other) - d_i(reference), with a scene-bootstrap
     percentile interval (scenes drawn with replacement, n of n), a scene-level sign-flip test and
     Benjamini-Hochberg over the values."""
@@ -111,12 +129,23 @@ def paired_difference(rows_ref: Sequence[dict], rows_other: Sequence[dict], reps
     per_value = {}
     for j, v in enumerate(order):
         m = values == v
-        per_value[v] = {"value": float(d[m].mean()) if m.any() else None, "ci95": ci[j],
-                        "covers_zero": ST.covers_zero(ci[j]), "p_value_scene": ps[j], "q_value": qs[j],
-                        "significant": rej[j], "n": int(m.sum()), "n_scenes": int(np.isfinite(X[:, j]).sum())}
-    return {"n_paired": len(dd), "n_scenes": len(scenes),
-            "definition": "d_i(other) - d_i(reference) on shared items, per value",
-            "interval": f"scene bootstrap ({reps} draws of n of n scenes), percentile", "per_value": per_value}
+        per_value[v] = {
+            "value": float(d[m].mean()) if m.any() else None,
+            "ci95": ci[j],
+            "covers_zero": ST.covers_zero(ci[j]),
+            "p_value_scene": ps[j],
+            "q_value": qs[j],
+            "significant": rej[j],
+            "n": int(m.sum()),
+            "n_scenes": int(np.isfinite(X[:, j]).sum()),
+        }
+    return {
+        "n_paired": len(dd),
+        "n_scenes": len(scenes),
+        "definition": "d_i(other) - d_i(reference) on shared items, per value",
+        "interval": f"scene bootstrap ({reps} draws of n of n scenes), percentile",
+        "per_value": per_value,
+    }
 
 
 def paired_compare(dirs: Sequence[str | Path], out_dir: str | Path, reps: int = 2000, seed: int = 0) -> dict:
@@ -132,18 +161,29 @@ def paired_compare(dirs: Sequence[str | Path], out_dir: str | Path, reps: int = 
     for d, run in zip(dirs[1:], runs[1:], strict=True):
         chk = check_comparable(runs[0], run, ref_name, Path(d).name)
         diff = paired_difference(runs[0][1], run[1], reps=reps, seed=seed)
-        out["comparisons"].append({"run": str(d), "target": run[0]["target"],
-                                   "reference_target": runs[0][0]["target"], "checks": chk, **diff})
+        out["comparisons"].append(
+            {
+                "run": str(d),
+                "target": run[0]["target"],
+                "reference_target": runs[0][0]["target"],
+                "checks": chk,
+                **diff,
+            }
+        )
     o = Path(out_dir)
     o.mkdir(parents=True, exist_ok=True)
     out = _clean(out)
     write_json_atomic(o / "paired.json", out)
-    md = [f"## Paired differences against `{ref_name}`", "",
-          "Per value: mean over shared items of the shift in the run minus the shift in the reference "
-          "(Likert points, polarity-signed), with a scene-bootstrap 95% interval; * = Benjamini-Hochberg "
-          "significant (scene-level sign-flip tests).", "",
-          "| run | shared items | same model | " + " | ".join(CODES[v] for v in VALUES) + " |",
-          "|---|---:|---|" + "---|" * len(VALUES)]
+    md = [
+        f"## Paired differences against `{ref_name}`",
+        "",
+        "Per value: mean over shared items of the shift in the run minus the shift in the reference "
+        "(Likert points, polarity-signed), with a scene-bootstrap 95% interval; * = Benjamini-Hochberg "
+        "significant (scene-level sign-flip tests).",
+        "",
+        "| run | shared items | same model | " + " | ".join(CODES[v] for v in VALUES) + " |",
+        "|---|---:|---|" + "---|" * len(VALUES),
+    ]
     for c in out["comparisons"]:
         cells = []
         for v in VALUES:
@@ -152,10 +192,14 @@ def paired_compare(dirs: Sequence[str | Path], out_dir: str | Path, reps: int = 
                 cells.append("n/a")
                 continue
             ci = x.get("ci95")
-            cells.append(f"{x['value']:+.3f}{'*' if x.get('significant') else ''}"
-                         + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""))
-        md.append(f"| {Path(c['run']).name} | {c['checks']['shared_items']} | "
-                  f"{'yes' if c['checks']['same_model'] else 'no'} | " + " | ".join(cells) + " |")
+            cells.append(
+                f"{x['value']:+.3f}{'*' if x.get('significant') else ''}"
+                + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
+            )
+        md.append(
+            f"| {Path(c['run']).name} | {c['checks']['shared_items']} | "
+            f"{'yes' if c['checks']['same_model'] else 'no'} | " + " | ".join(cells) + " |"
+        )
     notes = {c["checks"]["note"] for c in out["comparisons"] if c["checks"].get("note")}
     md += ["", *[f"- {n}" for n in sorted(notes)], ""]
     (o / "paired.md").write_text("\n".join(md))
@@ -232,8 +276,13 @@ def _complete(d: Path, ids: set[str]) -> bool:
     return ids <= done
 
 
-def run_sweep(spec: SweepSpec, out_dir: str | Path, load_model: Callable | None = None,
-              progress: bool = True, log: Callable[[str], None] | None = None) -> list[dict]:
+def run_sweep(
+    spec: SweepSpec,
+    out_dir: str | Path,
+    load_model: Callable | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
     """Every (model, intervention, target) cell into ``out/<model>/<intervention>/<code>/``. A cell whose
     run is complete (results.json and every evaluation item judged) is skipped, an interrupted one
     resumes (``run_vat``), and a failing cell is recorded and the sweep goes on. Writes
@@ -259,14 +308,24 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, load_model: Callable | None 
     write_json_atomic(spec_file, spec_d)
     items = load_items(spec.data)
     ev, tr = split_items(items, spec.train_fraction, seed=spec.seed)
-    ev = sample_items(ev, per_value=spec.limit_per_value, scenes=spec.scenes, seed=spec.seed,
-                      strata=spec.strata, by=spec.sample_by)
+    ev = sample_items(
+        ev,
+        per_value=spec.limit_per_value,
+        scenes=spec.scenes,
+        seed=spec.seed,
+        strata=spec.strata,
+        by=spec.sample_by,
+    )
     ids = {it.id for it in ev}
     jcfg = JudgeConfig(batch_size=spec.batch_size, cache=spec.cache)
     cells = []
     for model in spec.models:
-        todo = [(iv, t) for iv in spec.interventions for t in spec.targets
-                if not _complete(cell_dir(out, model, iv, t), ids)]
+        todo = [
+            (iv, t)
+            for iv in spec.interventions
+            for t in spec.targets
+            if not _complete(cell_dir(out, model, iv, t), ids)
+        ]
         lm = load_model(model, dtype=spec.dtype) if todo else None
         for iv_name in spec.interventions:
             for t in spec.targets:
@@ -277,14 +336,37 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, load_model: Callable | None 
                     continue
                 log(f"sweep: {model} / {iv_name} / {t} -> {d}")
                 try:
-                    iv = build_intervention(iv_name, lm, t, tr, jcfg, strength=spec.strength, steps=spec.steps,
-                                            seed=spec.seed, exclude_ids=ids, adapter_dir=d / "adapter",
-                                            oracle_gain=spec.oracle_gain, progress=progress)
-                    cfg = VATConfig(judge=jcfg, bootstrap_reps=spec.bootstrap, n_perm=spec.permutations,
-                                    nvat_null_reps=spec.null_reps, seed=spec.seed, progress=progress,
-                                    extra={"data": spec.data, "intervention": iv_name, "sweep": str(out),
-                                           "limit_per_value": spec.limit_per_value, "scenes": spec.scenes,
-                                           "sample_by": spec.sample_by, "strata": spec.strata})
+                    iv = build_intervention(
+                        iv_name,
+                        lm,
+                        t,
+                        tr,
+                        jcfg,
+                        strength=spec.strength,
+                        steps=spec.steps,
+                        seed=spec.seed,
+                        exclude_ids=ids,
+                        adapter_dir=d / "adapter",
+                        oracle_gain=spec.oracle_gain,
+                        progress=progress,
+                    )
+                    cfg = VATConfig(
+                        judge=jcfg,
+                        bootstrap_reps=spec.bootstrap,
+                        n_perm=spec.permutations,
+                        nvat_null_reps=spec.null_reps,
+                        seed=spec.seed,
+                        progress=progress,
+                        extra={
+                            "data": spec.data,
+                            "intervention": iv_name,
+                            "sweep": str(out),
+                            "limit_per_value": spec.limit_per_value,
+                            "scenes": spec.scenes,
+                            "sample_by": spec.sample_by,
+                            "strata": spec.strata,
+                        },
+                    )
                     run_vat(lm, ev, t, iv, d, cfg)
                     cells.append({**cell, "status": "done"})
                 except AligntaxError as exc:
@@ -308,15 +390,21 @@ def summary_row(cell: dict) -> dict:
     if not f.is_file() or cell["status"].startswith("failed"):
         return row
     r = json.loads(f.read_text())
-    row.update({
-        "n_items": r.get("n_items"), "gain": _get(r, "gain", "value"), "gain_ci95": _get(r, "gain", "ci95"),
-        "specificity": _get(r, "specificity", "value"), "specificity_ci95": _get(r, "specificity", "ci95"),
-        "mean_off_target_drift": _get(r, "specificity", "mean_off_target_drift"),
-        "vat_absolute": _get(r, "vat", "absolute"), "vat_reason": _get(r, "vat", "reason"),
-        "gain_congruent": _get(r, "strata", "congruent", "gain", "value"),
-        "gain_incongruent": _get(r, "strata", "incongruent", "gain", "value"),
-        "neutral_lift": _get(r, "strata", "neutral", "lift", "value"),
-    })
+    row.update(
+        {
+            "n_items": r.get("n_items"),
+            "gain": _get(r, "gain", "value"),
+            "gain_ci95": _get(r, "gain", "ci95"),
+            "specificity": _get(r, "specificity", "value"),
+            "specificity_ci95": _get(r, "specificity", "ci95"),
+            "mean_off_target_drift": _get(r, "specificity", "mean_off_target_drift"),
+            "vat_absolute": _get(r, "vat", "absolute"),
+            "vat_reason": _get(r, "vat", "reason"),
+            "gain_congruent": _get(r, "strata", "congruent", "gain", "value"),
+            "gain_incongruent": _get(r, "strata", "incongruent", "gain", "value"),
+            "neutral_lift": _get(r, "strata", "neutral", "lift", "value"),
+        }
+    )
     return row
 
 
@@ -326,9 +414,22 @@ def write_summary(cells: Sequence[dict], out: str | Path) -> list[dict]:
     out = Path(out)
     rows = [_clean(summary_row(c)) for c in cells]
     write_json_atomic(out / "summary.json", rows)
-    cols = ["model", "intervention", "target", "status", "n_items", "gain", "gain_ci95", "specificity",
-            "specificity_ci95", "mean_off_target_drift", "vat_absolute", "gain_congruent", "gain_incongruent",
-            "neutral_lift"]
+    cols = [
+        "model",
+        "intervention",
+        "target",
+        "status",
+        "n_items",
+        "gain",
+        "gain_ci95",
+        "specificity",
+        "specificity_ci95",
+        "mean_off_target_drift",
+        "vat_absolute",
+        "gain_congruent",
+        "gain_incongruent",
+        "neutral_lift",
+    ]
     with open(out / "summary.csv", "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
@@ -340,15 +441,21 @@ def write_summary(cells: Sequence[dict], out: str | Path) -> list[dict]:
             return "n/a"
         return f"{x:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
 
-    md = ["# VAT sweep", "", "| model | intervention | target | n | gain [95% CI] | S_T [95% CI] | "
-          "off-target drift | VAT abs | gain congruent | gain incongruent | neutral lift | status |",
-          "|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    md = [
+        "# VAT sweep",
+        "",
+        "| model | intervention | target | n | gain [95% CI] | S_T [95% CI] | "
+        "off-target drift | VAT abs | gain congruent | gain incongruent | neutral lift | status |",
+        "|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         vat = r.get("vat_absolute")
-        md.append(f"| {model_short(r['model'])} | {r['intervention']} | {r['target']} | {r.get('n_items', 'n/a')} | "
-                  f"{f(r.get('gain'), r.get('gain_ci95'))} | {f(r.get('specificity'), r.get('specificity_ci95'))} | "
-                  f"{f(r.get('mean_off_target_drift'))} | {'withheld' if vat is None and r.get('n_items') else f(vat)} "
-                  f"| {f(r.get('gain_congruent'))} | {f(r.get('gain_incongruent'))} | {f(r.get('neutral_lift'))} | "
-                  f"{r['status']} |")
+        md.append(
+            f"| {model_short(r['model'])} | {r['intervention']} | {r['target']} | {r.get('n_items', 'n/a')} | "
+            f"{f(r.get('gain'), r.get('gain_ci95'))} | {f(r.get('specificity'), r.get('specificity_ci95'))} | "
+            f"{f(r.get('mean_off_target_drift'))} | {'withheld' if vat is None and r.get('n_items') else f(vat)} "
+            f"| {f(r.get('gain_congruent'))} | {f(r.get('gain_incongruent'))} | {f(r.get('neutral_lift'))} | "
+            f"{r['status']} |"
+        )
     (out / "summary.md").write_text("\n".join(md) + "\n")
     return rows

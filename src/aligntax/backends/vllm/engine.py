@@ -23,8 +23,14 @@ from aligntax.errors import AligntaxError
 from aligntax.generation.chat import build_messages, render_chat
 from aligntax.generation.generate import Generation, GenerationConfig, _truncate_at_stop
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-           "fp16": "float16", "float16": "float16"}
+_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 def available() -> bool:
@@ -36,7 +42,9 @@ def available() -> bool:
 
 def require_vllm() -> None:
     if not available():
-        raise AligntaxError("The vLLM backend needs vLLM: run `./run setup-vllm` and use .venv-vllm/bin/aligntax.")
+        raise AligntaxError(
+            "The vLLM backend needs vLLM: run `./run setup-vllm` and use .venv-vllm/bin/aligntax."
+        )
 
 
 @dataclass
@@ -105,10 +113,16 @@ def folder_fingerprint(folder: str | Path, spec: str, dtype: str | None = None) 
             if dtype is not None:
                 rows = rows.to(getattr(torch, _DTYPES[dtype]))
             digest, exact = embedding_digests(rows)
-            return {"spec": spec, "model_type": text.get("model_type", cfg.get("model_type")),
-                    "num_layers": int(text["num_hidden_layers"]), "hidden_size": int(text["hidden_size"]),
-                    "vocab_size": vocab, "embedding_digest": digest, "embedding_digest_dtype": exact,
-                    "dtype": str(rows.dtype).removeprefix("torch.")}
+            return {
+                "spec": spec,
+                "model_type": text.get("model_type", cfg.get("model_type")),
+                "num_layers": int(text["num_hidden_layers"]),
+                "hidden_size": int(text["hidden_size"]),
+                "vocab_size": vocab,
+                "embedding_digest": digest,
+                "embedding_digest_dtype": exact,
+                "dtype": str(rows.dtype).removeprefix("torch."),
+            }
     return None
 
 
@@ -124,8 +138,15 @@ def model_facts(spec: str, dtype: str | None = None) -> ModelFacts:
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     fp = folder_fingerprint(source, spec, dtype) if Path(source).is_dir() else None
     max_pos = getattr(text, "max_position_embeddings", None)
-    return ModelFacts(spec, source, tok, fp, int(text.hidden_size), int(text.num_hidden_layers),
-                      int(max_pos) if max_pos else None)
+    return ModelFacts(
+        spec,
+        source,
+        tok,
+        fp,
+        int(text.hidden_size),
+        int(text.num_hidden_layers),
+        int(max_pos) if max_pos else None,
+    )
 
 
 def engine_kwargs(source: str, dtype: str, options: VllmOptions, max_model_len: int) -> dict:
@@ -137,10 +158,19 @@ def engine_kwargs(source: str, dtype: str, options: VllmOptions, max_model_len: 
     if options.max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = options.max_num_batched_tokens
         extra["enable_chunked_prefill"] = True
-    return dict(model=source, tokenizer=source, dtype=_DTYPES[dtype], enforce_eager=True,
-                worker_extension_cls=EXTENSION, max_model_len=max_model_len, max_num_seqs=options.max_num_seqs,
-                enable_prefix_caching=options.enable_prefix_caching, seed=options.seed,
-                generation_config="vllm", **extra)
+    return dict(
+        model=source,
+        tokenizer=source,
+        dtype=_DTYPES[dtype],
+        enforce_eager=True,
+        worker_extension_cls=EXTENSION,
+        max_model_len=max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        enable_prefix_caching=options.enable_prefix_caching,
+        seed=options.seed,
+        generation_config="vllm",
+        **extra,
+    )
 
 
 def _greedy_extras(source: str) -> dict:
@@ -217,14 +247,18 @@ class VllmModel:
         made for another model is refused). Returns its resolved config."""
         from aligntax.api import load_intervention
 
-        return self.register_built(preset, source, load_intervention(source, self.facts, **dict(options)), options)
+        return self.register_built(
+            preset, source, load_intervention(source, self.facts, **dict(options)), options
+        )
 
     def register_built(self, preset: str, source: str, local, options: dict) -> dict:
         """:meth:`register` with the intervention already built here from ``source`` and ``options``
         (``local``, kept in :attr:`interventions`): only the workers build it again."""
         if local.rewrites_messages():
-            raise AligntaxError(f"Intervention '{local.name}' rewrites the chat messages: pass it to "
-                                "generate(intervention=...) instead of registering it.")
+            raise AligntaxError(
+                f"Intervention '{local.name}' rewrites the chat messages: pass it to "
+                "generate(intervention=...) instead of registering it."
+            )
         configs = self.llm.collective_rpc("aligntax_register", args=(preset, str(source), dict(options)))
         self.presets[preset] = configs[0]
         self.interventions[preset] = local
@@ -239,16 +273,24 @@ class VllmModel:
         return [tuple(t) for t in self.llm.collective_rpc("aligntax_trace", args=(on,))[0]]
 
     # ---- generation ----------------------------------------------------------------------------------
-    def encode(self, prompts: Sequence[str | list[dict]], system: str | None = None,
-               intervention=None) -> tuple[list[str], list[list[int]]]:
+    def encode(
+        self, prompts: Sequence[str | list[dict]], system: str | None = None, intervention=None
+    ) -> tuple[list[str], list[list[int]]]:
         """Chat-templated texts and their token ids, as the Hugging Face backend renders them."""
         texts = [render_chat(self.tokenizer, build_messages(p, system, intervention)) for p in prompts]
         return texts, [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
-    def generate(self, prompts: Sequence[str | list[dict]], cfg: GenerationConfig | None = None,
-                 steer: str | None = None, strengths: Sequence[float] | None = None,
-                 steer_rows: Sequence[bool] | None = None, intervention=None,
-                 progress: bool = False, ignore_eos: bool = False) -> tuple[list[Generation], list[dict | None]]:
+    def generate(
+        self,
+        prompts: Sequence[str | list[dict]],
+        cfg: GenerationConfig | None = None,
+        steer: str | None = None,
+        strengths: Sequence[float] | None = None,
+        steer_rows: Sequence[bool] | None = None,
+        intervention=None,
+        progress: bool = False,
+        ignore_eos: bool = False,
+    ) -> tuple[list[Generation], list[dict | None]]:
         """Generate for every prompt in one vLLM call (continuous batching). ``steer`` names a registered
         preset; ``strengths`` / ``steer_rows`` set each prompt's strength (0 / False: plain). An
         ``intervention`` that rewrites messages (a system prompt) is applied to them here. ``ignore_eos``
@@ -259,12 +301,16 @@ class VllmModel:
 
         cfg = cfg or GenerationConfig()
         if steer is not None and steer not in self.presets:
-            raise AligntaxError(f"Unknown steering preset {steer!r}; registered: {', '.join(self.presets) or 'none'}.")
+            raise AligntaxError(
+                f"Unknown steering preset {steer!r}; registered: {', '.join(self.presets) or 'none'}."
+            )
         texts, ids = self.encode(prompts, cfg.system, intervention)
         too_long = [i for i, x in enumerate(ids) if len(x) + 1 > self.max_model_len]
         if too_long:
-            raise AligntaxError(f"Prompt {too_long[0]} has {len(ids[too_long[0]])} tokens; the engine's "
-                                f"max_model_len is {self.max_model_len}.")
+            raise AligntaxError(
+                f"Prompt {too_long[0]} has {len(ids[too_long[0]])} tokens; the engine's "
+                f"max_model_len is {self.max_model_len}."
+            )
         reqs, params = [], []
         for i, x in enumerate(ids):
             s = 0.0 if steer is None else float(strengths[i]) if strengths is not None else 1.0
@@ -282,16 +328,26 @@ class VllmModel:
             else:
                 sp["stop_token_ids"] = sorted(self.eos_ids)
             if cfg.do_sample:
-                sp.update(temperature=cfg.temperature, top_p=cfg.top_p,
-                          seed=None if cfg.seed is None else cfg.seed + i)
+                sp.update(
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    seed=None if cfg.seed is None else cfg.seed + i,
+                )
             else:
                 sp.update(temperature=0.0, **self.greedy_extras)
             reqs.append(prompt)
             params.append(SamplingParams(**sp))
         if cfg.max_new_tokens <= 0:
-            return [Generation(prompt=p if isinstance(p, str) else t, response="", n_prompt_tokens=len(x),
-                               n_tokens=0, finish_reason="length")
-                    for p, t, x in zip(prompts, texts, ids, strict=True)], [None] * len(prompts)
+            return [
+                Generation(
+                    prompt=p if isinstance(p, str) else t,
+                    response="",
+                    n_prompt_tokens=len(x),
+                    n_tokens=0,
+                    finish_reason="length",
+                )
+                for p, t, x in zip(prompts, texts, ids, strict=True)
+            ], [None] * len(prompts)
         self.llm.collective_rpc("aligntax_records")  # drop records of earlier calls
         outputs = self.llm.generate(reqs, params, use_tqdm=progress)
         records = self.llm.collective_rpc("aligntax_records")[0] if steer is not None else {}
@@ -306,9 +362,15 @@ class VllmModel:
                     break
             resp = self.tokenizer.decode(row[:n], skip_special_tokens=True)
             resp, stopped = _truncate_at_stop(resp, cfg.stop)
-            gens.append(Generation(prompt=p if isinstance(p, str) else text, response=resp.strip(),
-                                   n_prompt_tokens=len(x), n_tokens=len(row) if ignore_eos else n,
-                                   finish_reason="stop" if stopped else finish))
+            gens.append(
+                Generation(
+                    prompt=p if isinstance(p, str) else text,
+                    response=resp.strip(),
+                    n_prompt_tokens=len(x),
+                    n_tokens=len(row) if ignore_eos else n,
+                    finish_reason="stop" if stopped else finish,
+                )
+            )
             decided.append(by_external.get(out.request_id))
         return gens, decided
 

@@ -32,7 +32,9 @@ class VllmEvalSource:
     :class:`~aligntax.generation.source.Generator`): the run's intervention is built once, when it is
     registered (or, for a method that rewrites the chat messages, applied to the messages)."""
 
-    def __init__(self, vm: VllmModel, intervention: str | None = None, intervention_args: dict | None = None) -> None:
+    def __init__(
+        self, vm: VllmModel, intervention: str | None = None, intervention_args: dict | None = None
+    ) -> None:
         self.vm = self.lm = vm
         self.preset, self.rewriting = prepare(vm, intervention, intervention_args, preset=PRESET)
         self.intervention = self.rewriting if self.preset is None else vm.interventions[self.preset]
@@ -53,8 +55,14 @@ class VllmEvalSource:
             self.vm.hf = load_model(self.vm.spec, dtype=self.vm.dtype)
         return PrefillDecider(self.vm.hf, self.intervention)
 
-    def iter_generate(self, prompts: Sequence, cfg: GenerationConfig, progress: bool = True,
-                      desc: str = "generate", recorder=None) -> Iterator[tuple[list[int], list[Generation]]]:
+    def iter_generate(
+        self,
+        prompts: Sequence,
+        cfg: GenerationConfig,
+        progress: bool = True,
+        desc: str = "generate",
+        recorder=None,
+    ) -> Iterator[tuple[list[int], list[Generation]]]:
         """Like :func:`aligntax.generation.iter_generate`: ``(indices, generations)`` per chunk of
         prompts, each chunk one continuously batched engine call (no prompt states are recorded:
         :meth:`~aligntax.backends.vllm.source.VllmSource.check` refuses a recorder)."""
@@ -62,8 +70,13 @@ class VllmEvalSource:
         chunk = max(1, CHUNK_SLOTS * self.vm.options.max_num_seqs)
         for start in range(0, len(prompts), chunk):
             idx = list(range(start, min(len(prompts), start + chunk)))
-            gens, decided = self.vm.generate([prompts[i] for i in idx], cfg, steer=self.preset,
-                                             intervention=self.rewriting, progress=progress)
+            gens, decided = self.vm.generate(
+                [prompts[i] for i in idx],
+                cfg,
+                steer=self.preset,
+                intervention=self.rewriting,
+                progress=progress,
+            )
             self.decided.update({i: d for i, d in zip(idx, decided, strict=True) if d is not None})
             yield idx, gens
 

@@ -124,8 +124,9 @@ class AsyncVllm:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**engine_kwargs(self.source, self.dtype, self.options, self.max_model_len),
-                               disable_log_stats=True)
+        args = AsyncEngineArgs(
+            **engine_kwargs(self.source, self.dtype, self.options, self.max_model_len), disable_log_stats=True
+        )
         return AsyncLLM.from_engine_args(args)
 
     def call(self, coro, timeout: float | None = None):
@@ -151,15 +152,20 @@ class AsyncVllm:
         fingerprint and sizes). Returns its resolved config."""
         from aligntax.api import load_intervention
 
-        return self.register_built(preset, source, load_intervention(source, self.facts, **dict(options)), options)
+        return self.register_built(
+            preset, source, load_intervention(source, self.facts, **dict(options)), options
+        )
 
     def register_built(self, preset: str, source: str, local, options: dict) -> dict:
         """:meth:`register` with the intervention already built here (kept in :attr:`interventions`)."""
         if local.rewrites_messages():
-            raise AligntaxError(f"Intervention '{local.name}' rewrites the chat messages: it is applied to the "
-                                "messages, not registered as a steering preset.")
-        configs = self.call(self.engine.collective_rpc("aligntax_register",
-                                                       args=(preset, str(source), dict(options))))
+            raise AligntaxError(
+                f"Intervention '{local.name}' rewrites the chat messages: it is applied to the "
+                "messages, not registered as a steering preset."
+            )
+        configs = self.call(
+            self.engine.collective_rpc("aligntax_register", args=(preset, str(source), dict(options)))
+        )
         self.presets[preset] = configs[0]
         self.interventions[preset] = local
         return configs[0]
@@ -171,6 +177,7 @@ class AsyncVllm:
     def close(self) -> None:
         """Shut the engine (and its child process) down and stop the loop."""
         if self.engine is not None and self._thread.is_alive():
+
             async def stop():
                 self.engine.shutdown()
 
@@ -220,8 +227,14 @@ def served_model(vm: AsyncVllm):
         gc = HFGenerationConfig.from_pretrained(vm.source)
     except OSError:
         gc = HFGenerationConfig()
-    return _ServedModel(model=_ConfigOnly(cfg, gc), tokenizer=vm.tokenizer, spec=vm.spec, source=vm.source,
-                        fingerprint=dict(vm.fingerprint or {}), facts=vm.facts)
+    return _ServedModel(
+        model=_ConfigOnly(cfg, gc),
+        tokenizer=vm.tokenizer,
+        spec=vm.spec,
+        source=vm.source,
+        fingerprint=dict(vm.fingerprint or {}),
+        facts=vm.facts,
+    )
 
 
 @dataclass(eq=False)
@@ -268,7 +281,9 @@ class _Answer:
                 self._finish("length", events)
 
     def _finish(self, reason: str, events: list, eos: bool = False) -> None:
-        events.extend(finish_events(self.job, self.tokenizer, self.tokens, len(self.tokens), reason, eos, self.row))
+        events.extend(
+            finish_events(self.job, self.tokenizer, self.tokens, len(self.tokens), reason, eos, self.row)
+        )
         self.done = True
 
     def finish_rest(self, events: list) -> None:
@@ -325,14 +340,28 @@ class VllmServeEngine(Admission):
 
     waits_for = "its first tokens"
 
-    def __init__(self, lm, intervention=None, *, vm: AsyncVllm, preset: str | None = None,
-                 max_batch_size: int = 32, max_queue: int = 1024, metrics: ServeMetrics | None = None,
-                 max_queue_wait_ms: float | None = None, batch_wait_ms: float = 0.0,
-                 max_batch_wait_ms: float = 0.0, mix_steered: bool = True,
-                 max_batch_tokens: int | None = None, max_latency_ms: float | None = None,
-                 option_steering: OptionSteering | None = None) -> None:
+    def __init__(
+        self,
+        lm,
+        intervention=None,
+        *,
+        vm: AsyncVllm,
+        preset: str | None = None,
+        max_batch_size: int = 32,
+        max_queue: int = 1024,
+        metrics: ServeMetrics | None = None,
+        max_queue_wait_ms: float | None = None,
+        batch_wait_ms: float = 0.0,
+        max_batch_wait_ms: float = 0.0,
+        mix_steered: bool = True,
+        max_batch_tokens: int | None = None,
+        max_latency_ms: float | None = None,
+        option_steering: OptionSteering | None = None,
+    ) -> None:
         if max_latency_ms is not None:
-            raise AligntaxError("A completion-latency target (max_latency_ms) is not served by the vLLM backend.")
+            raise AligntaxError(
+                "A completion-latency target (max_latency_ms) is not served by the vLLM backend."
+            )
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self._lock = threading.Lock()
@@ -422,8 +451,11 @@ class VllmServeEngine(Admission):
                     self.withdraw()
                 from aligntax.serve.protocol import invalid
 
-                raise invalid(f"With the vLLM backend 'aligntax.strength' must lie in [0, {MAX_STRENGTH:g}]; "
-                              f"got {s:g}.", "aligntax.strength")
+                raise invalid(
+                    f"With the vLLM backend 'aligntax.strength' must lie in [0, {MAX_STRENGTH:g}]; "
+                    f"got {s:g}.",
+                    "aligntax.strength",
+                )
         self._started = True
         job.enqueued_at = time.perf_counter()
         with self._lock:
@@ -491,8 +523,12 @@ class VllmServeEngine(Admission):
         from vllm.sampling_params import RequestOutputKind
 
         p = job.params
-        sp = dict(max_tokens=p.max_tokens, stop_token_ids=sorted(self.eos_ids), detokenize=False,
-                  output_kind=RequestOutputKind.DELTA)
+        sp = dict(
+            max_tokens=p.max_tokens,
+            stop_token_ids=sorted(self.eos_ids),
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
         if p.greedy:
             sp["temperature"] = 0.0
         else:
@@ -531,8 +567,9 @@ class VllmServeEngine(Admission):
         if pending is not None:  # the same set was evicted a moment ago: register it after that
             await asyncio.wait([pending])
         try:
-            await self.vm.engine.collective_rpc("aligntax_register",
-                                                args=(entry.name, spec.source, spec.config(options)))
+            await self.vm.engine.collective_rpc(
+                "aligntax_register", args=(entry.name, spec.source, spec.config(options))
+            )
         except BaseException:
             if self._option_presets.get(entry.name) is entry:  # a later request tries again
                 del self._option_presets[entry.name]
@@ -579,9 +616,16 @@ class VllmServeEngine(Admission):
                     log.exception("registering a request's steering options failed")
                     if not job.done:
                         job.done = True
-                        self._send(job, [Failed("These steering options could not be set up in the engine "
-                                                f"({json.dumps(job.options)}): {type(exc).__name__}: {exc}",
-                                                500)])
+                        self._send(
+                            job,
+                            [
+                                Failed(
+                                    "These steering options could not be set up in the engine "
+                                    f"({json.dumps(job.options)}): {type(exc).__name__}: {exc}",
+                                    500,
+                                )
+                            ],
+                        )
                     return
                 preset = entry.name
                 if job.cancelled:
@@ -641,8 +685,9 @@ class VllmServeEngine(Admission):
                 self._idle.set()
 
 
-def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None, model_name: str | None = None,
-                    **app_kwargs):
+def create_vllm_app(
+    vm: AsyncVllm, intervention=None, preset: str | None = None, model_name: str | None = None, **app_kwargs
+):
     """The OpenAI-compatible app (:func:`aligntax.serve.app.create_app`, same keywords) answering from
     ``vm``. ``preset``: the registered steering preset of the steered model (``intervention``, built
     against ``vm.facts``, gives its name and, for a method that rewrites messages, its prompts).
@@ -667,19 +712,30 @@ def create_vllm_app(vm: AsyncVllm, intervention=None, preset: str | None = None,
         if preset is not None:
             source, base = split_path(args, method)
             if source is None:
-                raise AligntaxError(f"Intervention '{method}' needs its folder (path=) in steer_options to serve "
-                                    "per-request steering options.")
-            option_steering = OptionSteering(method, str(source), base, app_kwargs.get("options_cache_size", 16))
+                raise AligntaxError(
+                    f"Intervention '{method}' needs its folder (path=) in steer_options to serve "
+                    "per-request steering options."
+                )
+            option_steering = OptionSteering(
+                method, str(source), base, app_kwargs.get("options_cache_size", 16)
+            )
     lm = served_model(vm)
     app_kwargs.setdefault("max_batch_size", vm.options.max_num_seqs)
     factory: Callable = lambda lm_, iv_, **kw: VllmServeEngine(  # noqa: E731
-        lm_, iv_, vm=vm, preset=preset, option_steering=option_steering, **kw)
+        lm_, iv_, vm=vm, preset=preset, option_steering=option_steering, **kw
+    )
     return create_app(lm, intervention, model_name, engine_factory=factory, **app_kwargs)
 
 
 @contextlib.contextmanager
-def serving(model: str, dtype: str = "bf16", intervention: str | None = None, iv_args: dict | None = None,
-            max_batch_size: int = 32, threads: int | None = None) -> Iterator[Serving]:
+def serving(
+    model: str,
+    dtype: str = "bf16",
+    intervention: str | None = None,
+    iv_args: dict | None = None,
+    max_batch_size: int = 32,
+    threads: int | None = None,
+) -> Iterator[Serving]:
     """``aligntax serve --backend vllm``: start the engine (``max_batch_size`` sequence slots), register the
     intervention as the steered model's preset (or, for one that rewrites messages, apply it to the
     steered model's prompts) and serve until the ``with`` block ends (SIGTERM ends it too), then shut the
@@ -698,8 +754,9 @@ def serving(model: str, dtype: str = "bf16", intervention: str | None = None, iv
         preset, iv = prepare(vm, intervention, iv_args, preset=PRESET)
         iv = iv if preset is None else vm.interventions[preset]
         with _exit_on_sigterm():
-            yield Serving(partial(create_vllm_app, vm, iv, preset), iv,
-                          f" from vLLM (sequence slots {max_batch_size}")
+            yield Serving(
+                partial(create_vllm_app, vm, iv, preset), iv, f" from vLLM (sequence slots {max_batch_size}"
+            )
     finally:
         vm.close()
 

@@ -30,20 +30,33 @@ class VllmSource:
         self._own = False  # whether close() shuts the engine down
         self.hf = None  # a Hugging Face copy of the model adopted from the caller
 
-    def check(self, *, recorder: bool = False, loaded_intervention: bool = False, loaded_model: bool = False,
-              device_map: bool = False, adapters: bool = False) -> None:
+    def check(
+        self,
+        *,
+        recorder: bool = False,
+        loaded_intervention: bool = False,
+        loaded_model: bool = False,
+        device_map: bool = False,
+        adapters: bool = False,
+    ) -> None:
         if adapters:
-            raise AligntaxError("els-lora settings are generated on the Hugging Face backend only (hooks on the "
-                                "model's linear layers); leave out the adapters or the vLLM backend.")
+            raise AligntaxError(
+                "els-lora settings are generated on the Hugging Face backend only (hooks on the "
+                "model's linear layers); leave out the adapters or the vLLM backend."
+            )
         if device_map:
-            raise AligntaxError("--device-map is for the Hugging Face backend; a vLLM replica places its model "
-                                "itself.")
+            raise AligntaxError(
+                "--device-map is for the Hugging Face backend; a vLLM replica places its model itself."
+            )
         if recorder:
-            raise AligntaxError("The vLLM backend loads the intervention from its settings and records no prompt "
-                                "states: no prompt state recorder or loaded intervention.")
+            raise AligntaxError(
+                "The vLLM backend loads the intervention from its settings and records no prompt "
+                "states: no prompt state recorder or loaded intervention."
+            )
         if loaded_intervention:
-            raise AligntaxError("The vLLM backend loads the intervention from its settings: no loaded "
-                                "intervention.")
+            raise AligntaxError(
+                "The vLLM backend loads the intervention from its settings: no loaded intervention."
+            )
 
     def engine(self, spec: SourceSpec, vm=None) -> VllmModel:
         """The engine a run generates on: ``vm`` (a started engine the caller gives), else this source's."""
@@ -51,8 +64,9 @@ class VllmSource:
             raise AligntaxError("The vLLM backend takes a started VllmModel as its model (or none).")
         if vm is None:
             if self.vm is None:
-                self.vm = VllmModel(spec.model, dtype=spec.dtype,
-                                    options=VllmOptions(max_num_seqs=max(1, spec.batch_size)))
+                self.vm = VllmModel(
+                    spec.model, dtype=spec.dtype, options=VllmOptions(max_num_seqs=max(1, spec.batch_size))
+                )
                 self._own = True
             vm = self.vm
         if vm.hf is None:
@@ -82,13 +96,17 @@ class VllmSource:
         if device not in (None, "cpu"):
             raise AligntaxError("--device is not used with --backend vllm (vLLM picks its own device).")
         if max_latency_ms is not None:
-            raise AligntaxError("A completion-latency target (--max-latency-ms) is not served by the vLLM backend.")
+            raise AligntaxError(
+                "A completion-latency target (--max-latency-ms) is not served by the vLLM backend."
+            )
         require_vllm()
 
     def serving(self, spec: SourceSpec, device: str | None = None, threads: int | None = None):
         from aligntax.backends.vllm.serving import serving
 
-        return serving(spec.model, spec.dtype, spec.intervention, spec.intervention_args, spec.batch_size, threads)
+        return serving(
+            spec.model, spec.dtype, spec.intervention, spec.intervention_args, spec.batch_size, threads
+        )
 
     def start(self, spec: SourceSpec) -> VllmModel:
         return self.engine(spec)

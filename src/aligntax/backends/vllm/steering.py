@@ -53,7 +53,9 @@ def parse_request(extra_args: dict | None, presets: Container[str]) -> RequestSt
         return None
     name = extra_args[EXTRA_STEER]
     if not isinstance(name, str) or name not in presets:
-        raise AligntaxError(f"Unknown steering preset {name!r}; registered: {', '.join(sorted(presets)) or 'none'}.")
+        raise AligntaxError(
+            f"Unknown steering preset {name!r}; registered: {', '.join(sorted(presets)) or 'none'}."
+        )
     raw = extra_args.get(EXTRA_STRENGTH, 1.0)
     if isinstance(raw, bool) or not isinstance(raw, int | float | str):
         raise AligntaxError(f"{EXTRA_STRENGTH} must be a number, not {raw!r}.")
@@ -77,12 +79,22 @@ class StepBatch:
     positions: torch.Tensor  # [tokens] absolute positions, long, on the CPU
 
     @classmethod
-    def from_query_start_loc(cls, req_ids: Sequence[str], query_start_loc: Sequence[int],
-                             prompt_lens: Sequence[int], positions: torch.Tensor) -> StepBatch:
+    def from_query_start_loc(
+        cls,
+        req_ids: Sequence[str],
+        query_start_loc: Sequence[int],
+        prompt_lens: Sequence[int],
+        positions: torch.Tensor,
+    ) -> StepBatch:
         n = len(req_ids)
         qsl = [int(x) for x in query_start_loc[: n + 1]]
-        return cls(list(req_ids), qsl[:-1], qsl[1:], [int(x) for x in prompt_lens[:n]],
-                   positions.reshape(-1)[: qsl[-1] if qsl else 0].to("cpu", torch.long))
+        return cls(
+            list(req_ids),
+            qsl[:-1],
+            qsl[1:],
+            [int(x) for x in prompt_lens[:n]],
+            positions.reshape(-1)[: qsl[-1] if qsl else 0].to("cpu", torch.long),
+        )
 
 
 @dataclass
@@ -162,7 +174,9 @@ class BatchSteering:
         return sorted(kinds["pre"]), sorted(kinds["post"]), sorted(kinds["attn"])
 
     # ---- one engine step ---------------------------------------------------------------------------------
-    def begin_step(self, batch: StepBatch, asks: Sequence[RequestSteer | None], alive: Container[str]) -> None:
+    def begin_step(
+        self, batch: StepBatch, asks: Sequence[RequestSteer | None], alive: Container[str]
+    ) -> None:
         """Map this step's tokens to the steered requests; forget requests the engine no longer holds
         (``alive``: the ids it holds)."""
         self.groups = []
@@ -206,14 +220,25 @@ class BatchSteering:
                 elif live.strength is None and kernel.positions == "all" and first < plen - 1:
                     self.errors.append(
                         f"request {batch.req_ids[i]}: steering every position with a per-request decision "
-                        "needs the whole prompt in one step (chunked prefill split it).")
+                        "needs the whole prompt in one step (chunked prefill split it)."
+                    )
             if not idx:
                 continue
             tok_idx = torch.cat(idx)
             tok_req = torch.cat(req)
             plens = torch.tensor([batch.prompt_lens[i] for i in rows], dtype=torch.long)
-            self.groups.append(_Group(preset, [batch.req_ids[i] for i in rows], tok_idx, tok_req,
-                                      batch.positions[tok_idx], plens[tok_req], deciding, last_tok))
+            self.groups.append(
+                _Group(
+                    preset,
+                    [batch.req_ids[i] for i in rows],
+                    tok_idx,
+                    tok_req,
+                    batch.positions[tok_idx],
+                    plens[tok_req],
+                    deciding,
+                    last_tok,
+                )
+            )
 
     def pre_block(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None):
         """The pre-hook of block ``layer``: decisions read and made, then edits. Returns the new
@@ -234,7 +259,9 @@ class BatchSteering:
                         changed = True
         return (hidden, residual) if changed else None
 
-    def post_block(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None, where: str = "post"):
+    def post_block(
+        self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None, where: str = "post"
+    ):
         """The forward hook of block ``layer`` ("post" sites: the stream leaving it) or, with ``where="attn"``,
         of its attention sub-layer (``hidden``: what the attention writes into the stream; ``residual``
         None)."""
@@ -275,8 +302,10 @@ class BatchSteering:
         new = g.preset.kernel.edit(site, rows, strength[mask].to(hidden.device), stats)
         if self.trace is not None:
             req = g.tok_req[mask].tolist()
-            self.trace.extend((g.req_ids[r], int(p), site.layer, site.where)
-                              for r, p in zip(req, g.pos[mask].tolist(), strict=True))
+            self.trace.extend(
+                (g.req_ids[r], int(p), site.layer, site.where)
+                for r, p in zip(req, g.pos[mask].tolist(), strict=True)
+            )
         hidden = hidden.index_put((idx,), new.to(hidden.dtype))
         if residual is not None:
             residual = residual.index_fill(0, idx, 0)

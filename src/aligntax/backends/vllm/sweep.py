@@ -36,16 +36,28 @@ class VllmSweepSource:
             if name == "none":
                 self._presets[key] = (None, None)
             else:
-                self._presets[key] = prepare(self.vm, name, dict(iv_args), preset=f"sweep-{len(self._presets)}")
+                self._presets[key] = prepare(
+                    self.vm, name, dict(iv_args), preset=f"sweep-{len(self._presets)}"
+                )
         preset, rewriting = self._presets[key]
 
-        def gen(prompts: Sequence[str], cfg: GenerationConfig, iv=None, progress: bool = False,
-                desc: str = "generate") -> list[Generation]:
+        def gen(
+            prompts: Sequence[str],
+            cfg: GenerationConfig,
+            iv=None,
+            progress: bool = False,
+            desc: str = "generate",
+        ) -> list[Generation]:
             if not prompts:
                 return []
             steered = iv is not None and getattr(iv, "name", None) != "none"
-            gens, _ = self.vm.generate(list(prompts), cfg, steer=preset if steered else None,
-                                       intervention=rewriting if steered else None, progress=progress)
+            gens, _ = self.vm.generate(
+                list(prompts),
+                cfg,
+                steer=preset if steered else None,
+                intervention=rewriting if steered else None,
+                progress=progress,
+            )
             return gens
 
         return gen

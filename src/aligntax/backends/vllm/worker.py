@@ -46,8 +46,10 @@ class SteeringExtension:
         state = self.aligntax_state()
         iv = load_intervention(source, None, **dict(options or {}))
         if iv.rewrites_messages():
-            raise AligntaxError(f"Intervention '{iv.name}' rewrites the chat messages; it is applied to the "
-                                "messages before generation, not registered as a steering preset.")
+            raise AligntaxError(
+                f"Intervention '{iv.name}' rewrites the chat messages; it is applied to the "
+                "messages before generation, not registered as a steering preset."
+            )
         model = self.aligntax_model()
         n = len(decoder_layers(model))
         kernel = iv.kernel(n, int(self.model_runner.model_config.get_hidden_size()))
@@ -83,8 +85,9 @@ class SteeringExtension:
         for b in post:
             handles.append(blocks[b].register_forward_hook(_post_hook(state, b), with_kwargs=True))
         for b in attn:
-            handles.append(attention_module(blocks[b], b).register_forward_hook(_attn_hook(state, b),
-                                                                                with_kwargs=True))
+            handles.append(
+                attention_module(blocks[b], b).register_forward_hook(_attn_hook(state, b), with_kwargs=True)
+            )
         self._aligntax_handles = handles
 
     def aligntax_detach(self) -> None:
@@ -118,8 +121,12 @@ class SteeringExtension:
         if not any(wanted) and not state.live:
             state.groups = []
             return None
-        step = StepBatch.from_query_start_loc(req_ids, runner.query_start_loc.cpu[: n + 1].tolist(),
-                                              batch.num_prompt_tokens[:n].tolist(), positions)
+        step = StepBatch.from_query_start_loc(
+            req_ids,
+            runner.query_start_loc.cpu[: n + 1].tolist(),
+            batch.num_prompt_tokens[:n].tolist(),
+            positions,
+        )
         state.begin_step(step, wanted, runner.requests)
         return None
 
@@ -167,6 +174,7 @@ def _pre_hook(state: BatchSteering, layer: int):
         elif "residual" in kwargs:
             kwargs = {**kwargs, "residual": residual}
         return tuple(args), kwargs
+
     return hook
 
 
@@ -177,6 +185,7 @@ def _post_hook(state: BatchSteering, layer: int):
         hidden, residual = output
         out = state.post_block(layer, hidden, residual)
         return None if out is None else out
+
     return hook
 
 
@@ -189,4 +198,5 @@ def _attn_hook(state: BatchSteering, layer: int):
         if new is None:
             return None
         return (new[0], *output[1:]) if isinstance(output, tuple) else new[0]
+
     return hook

@@ -33,15 +33,50 @@ from aligntax.vat.methods.prompting import ValueFewShot, ValuePersona, build_few
 from aligntax.vat.methods.steer import SteerOptions, compute_steering_vector
 from aligntax.vat.schwartz import resolve_value
 
-__all__ = ["INTERVENTIONS", "REGISTRY", "VAT_METHODS", "LoRAAdapter", "OracleBias", "OracleOptions", "SteerOptions",
-           "TrainOptions", "ValueFewShot", "ValuePersona", "VatContext", "build_fewshot", "build_intervention",
-           "compute_steering_vector", "describe_vat", "guard_adapter_folder", "persona_text", "register_vat"]
+__all__ = [
+    "INTERVENTIONS",
+    "REGISTRY",
+    "VAT_METHODS",
+    "LoRAAdapter",
+    "OracleBias",
+    "OracleOptions",
+    "SteerOptions",
+    "TrainOptions",
+    "ValueFewShot",
+    "ValuePersona",
+    "VatContext",
+    "build_fewshot",
+    "build_intervention",
+    "compute_steering_vector",
+    "describe_vat",
+    "guard_adapter_folder",
+    "persona_text",
+    "register_vat",
+]
 
 # the names vat run offers, few-shot spelt with the usual K
-INTERVENTIONS = tuple(dict.fromkeys(
-    ["none", "persona", "fewshot-2", "fewshot-4", "fewshot-8", "persona-fewshot-2", "persona-fewshot-4",
-     "persona-fewshot-8", "steer", "lora", "dpo", "els", "adapter", "oracle", "uniform",
-     *(n for n in REGISTRY if n not in ("fewshot", "persona-fewshot"))]))
+INTERVENTIONS = tuple(
+    dict.fromkeys(
+        [
+            "none",
+            "persona",
+            "fewshot-2",
+            "fewshot-4",
+            "fewshot-8",
+            "persona-fewshot-2",
+            "persona-fewshot-4",
+            "persona-fewshot-8",
+            "steer",
+            "lora",
+            "dpo",
+            "els",
+            "adapter",
+            "oracle",
+            "uniform",
+            *(n for n in REGISTRY if n not in ("fewshot", "persona-fewshot")),
+        ]
+    )
+)
 
 
 def describe_vat() -> str:
@@ -49,9 +84,19 @@ def describe_vat() -> str:
     return describe(VAT_METHODS)
 
 
-def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueItem] = (),
-                       judge_cfg: JudgeConfig | None = None, *, seed: int = 0, exclude_ids: set[str] | None = None,
-                       progress: bool = False, options: dict | None = None, **method_options) -> Intervention:
+def build_intervention(
+    name: str,
+    lm,
+    target: str,
+    train_items: Sequence[ValueItem] = (),
+    judge_cfg: JudgeConfig | None = None,
+    *,
+    seed: int = 0,
+    exclude_ids: set[str] | None = None,
+    progress: bool = False,
+    options: dict | None = None,
+    **method_options,
+) -> Intervention:
     """Make the intervention ``name`` of :data:`REGISTRY` for the target value ``target``.
 
     ``options``: the method's own options (``intervention_args``, e.g. ``path`` for els or cast,
@@ -69,11 +114,15 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
     taken = {f.name for m in VAT_METHODS.values() for f in dataclasses.fields(m.options)}
     unknown = sorted(set(loose) - taken)
     if unknown:
-        raise AligntaxError(f"Unknown options {', '.join(unknown)} (the value-targeted methods take "
-                            f"{', '.join(sorted(taken))}; a steering method's options go in options=).")
+        raise AligntaxError(
+            f"Unknown options {', '.join(unknown)} (the value-targeted methods take "
+            f"{', '.join(sorted(taken))}; a steering method's options go in options=)."
+        )
     if key in ("lora", "sft", "dpo") and loose.get("adapter") is not None:
-        raise AligntaxError("--adapter evaluates an existing adapter (use --intervention adapter); "
-                            "lora/dpo train a new one into --adapter-dir")
+        raise AligntaxError(
+            "--adapter evaluates an existing adapter (use --intervention adapter); "
+            "lora/dpo train a new one into --adapter-dir"
+        )
     try:
         method, implied = REGISTRY.resolve(key)
     except KeyError:
@@ -85,5 +134,6 @@ def build_intervention(name: str, lm, target: str, train_items: Sequence[ValueIt
         return method.make(lm, **options)
     own = {f.name for f in dataclasses.fields(method.options)}
     kwargs = {**{k: v for k, v in loose.items() if k in own}, **options, **implied}
-    return method.make(VatContext(lm, t, train_items, judge_cfg or JudgeConfig(), seed, exclude_ids, progress),
-                       **kwargs)
+    return method.make(
+        VatContext(lm, t, train_items, judge_cfg or JudgeConfig(), seed, exclude_ids, progress), **kwargs
+    )

@@ -53,7 +53,9 @@ def _read_lora(path: Path, cfg: dict, lm=None) -> dict[str, tuple[torch.Tensor, 
 
     problems = []
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise AligntaxError(f"{path}: only LoRA adapters are supported (got peft_type {cfg.get('peft_type')})")
+        raise AligntaxError(
+            f"{path}: only LoRA adapters are supported (got peft_type {cfg.get('peft_type')})"
+        )
     from aligntax.interventions.lora import lora_config_problems, lora_scale
 
     problems += lora_config_problems(cfg)
@@ -75,34 +77,41 @@ def _read_lora(path: Path, cfg: dict, lm=None) -> dict[str, tuple[torch.Tensor, 
         mod = m.group("mod").removeprefix("base_model.model.")
         pairs.setdefault(mod, {})[m.group("part")] = tensor.float()
     if unsupported:
-        shown = ", ".join(unsupported[:6]) + (f" and {len(unsupported) - 6} more" if len(unsupported) > 6 else "")
+        shown = ", ".join(unsupported[:6]) + (
+            f" and {len(unsupported) - 6} more" if len(unsupported) > 6 else ""
+        )
         problems.append(f"tensors other than Linear lora_A/lora_B weights: {shown}")
     half = [m for m, p in pairs.items() if len(p) != 2]
     if half:
         problems.append(f"layers with only one of lora_A/lora_B: {half[:4]}")
     if problems:
-        raise AligntaxError(f"{path}: this LoRA adapter has parts that aligntax cannot apply exactly, and it "
-                            "refuses rather than drop them: " + "; ".join(problems))
+        raise AligntaxError(
+            f"{path}: this LoRA adapter has parts that aligntax cannot apply exactly, and it "
+            "refuses rather than drop them: " + "; ".join(problems)
+        )
     weights = {m: (p["lora_A"], p["lora_B"], scale) for m, p in pairs.items()}
     if not weights:
         raise AligntaxError(f"No LoRA weights found in {path}")
     for m, (A, B, _) in weights.items():
         if A.shape[0] != B.shape[1]:
-            raise AligntaxError(f"{path}: {m} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} of "
-                                "different ranks")
+            raise AligntaxError(
+                f"{path}: {m} has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} of different ranks"
+            )
         if lm is None:
             continue
         try:
             module = lm.model.get_submodule(m)
         except AttributeError:
-            raise CompatibilityError(f"Adapter layer '{m}' of {path} does not exist in {lm.fingerprint.get('spec')}"
-                                     ) from None
+            raise CompatibilityError(
+                f"Adapter layer '{m}' of {path} does not exist in {lm.fingerprint.get('spec')}"
+            ) from None
         if not isinstance(module, nn.Linear):
             raise CompatibilityError(f"Adapter layer '{m}' is a {type(module).__name__}, not a Linear layer")
         if (module.in_features, module.out_features) != (A.shape[1], B.shape[0]):
             raise CompatibilityError(
                 f"Adapter layer '{m}' expects {A.shape[1]} -> {B.shape[0]} features but the model's layer is "
-                f"{module.in_features} -> {module.out_features}: the adapter was made for another model")
+                f"{module.in_features} -> {module.out_features}: the adapter was made for another model"
+            )
     return weights
 
 
@@ -115,9 +124,11 @@ def guard_adapter_folder(path: str | Path, what: str = "write into") -> None:
     not create (no vat_adapter.json beside it)."""
     path = Path(path)
     if (path / "adapter_config.json").is_file() and not _is_ours(path):
-        raise AligntaxError(f"{path} holds an adapter (adapter_config.json) that aligntax did not create; "
-                            f"aligntax does not {what} it. Evaluate it with --adapter {path}, and choose "
-                            "another folder for training or output.")
+        raise AligntaxError(
+            f"{path} holds an adapter (adapter_config.json) that aligntax did not create; "
+            f"aligntax does not {what} it. Evaluate it with --adapter {path}, and choose "
+            "another folder for training or output."
+        )
 
 
 @dataclass(eq=False)
@@ -142,10 +153,15 @@ class LoRAAdapter(Intervention):
             raise AligntaxError(f"{path} is not a LoRA adapter folder (no adapter_config.json)")
         cfg = json.loads(cfg_file.read_text())
         meta = json.loads((path / ADAPTER_META).read_text()) if (path / ADAPTER_META).is_file() else {}
-        if lm is not None and meta.get("base_fingerprint") and not _same_model(meta["base_fingerprint"],
-                                                                               lm.fingerprint):
-            raise CompatibilityError(f"Adapter {path} was trained on {meta['base_fingerprint'].get('spec')}, "
-                                     f"not on {lm.fingerprint.get('spec')}")
+        if (
+            lm is not None
+            and meta.get("base_fingerprint")
+            and not _same_model(meta["base_fingerprint"], lm.fingerprint)
+        ):
+            raise CompatibilityError(
+                f"Adapter {path} was trained on {meta['base_fingerprint'].get('spec')}, "
+                f"not on {lm.fingerprint.get('spec')}"
+            )
         weights = _read_lora(path, cfg, lm)
         name = meta.get("method", "lora" if meta else "adapter")
         return cls(path=path, weights=weights, meta=meta, name=name)
@@ -173,15 +189,21 @@ class LoRAAdapter(Intervention):
             yield
 
     def config(self) -> dict:
-        return {"name": self.name, "path": str(self.path), "sha": _adapter_sha(self.path),
-                "target": self.meta.get("target"), "method": self.meta.get("method"),
-                "steps": self.meta.get("steps")}
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "sha": _adapter_sha(self.path),
+            "target": self.meta.get("target"),
+            "method": self.meta.get("method"),
+            "steps": self.meta.get("steps"),
+        }
 
 
 @dataclass
 class AdapterOptions:
-    adapter: str | None = option("evaluate this PEFT LoRA adapter folder (read only; implies --intervention "
-                                 "adapter)")
+    adapter: str | None = option(
+        "evaluate this PEFT LoRA adapter folder (read only; implies --intervention adapter)"
+    )
 
 
 @register_vat("adapter", AdapterOptions, "an existing PEFT LoRA adapter, read only")

@@ -34,8 +34,10 @@ def register_vat(name: str, options: type, help: str) -> Callable:
     """Decorator: register ``build(ctx: VatContext, options)`` as the value-targeted method ``name``; a
     name the intervention registry already holds is refused."""
     if name in METHODS:
-        raise AligntaxError(f"'{name}' is a method of the intervention registry; a value-targeted method "
-                            "cannot take its name.")
+        raise AligntaxError(
+            f"'{name}' is a method of the intervention registry; a value-targeted method "
+            "cannot take its name."
+        )
     return register(name, options, help, VAT_METHODS)
 
 
@@ -71,7 +73,9 @@ class VatRegistry(Mapping[str, Method]):
         if m:
             return VAT_METHODS[m["base"]], {"k": int(m["k"])}
         if key in ("fewshot", "persona-fewshot"):
-            raise AligntaxError("few-shot interventions are named fewshot-K or persona-fewshot-K, e.g. fewshot-4")
+            raise AligntaxError(
+                "few-shot interventions are named fewshot-K or persona-fewshot-K, e.g. fewshot-4"
+            )
         if key in METHODS:
             return METHODS[key], {}
         return VAT_METHODS[key], {}
@@ -99,8 +103,11 @@ def target_pool(train_items: Sequence[ValueItem], target: str, exclude_ids: set[
     existed and the incongruent stratum tests them out of distribution."""
     t = resolve_value(target)
     exclude_ids = exclude_ids or set()
-    pool = [it for it in train_items if it.value == t and it.id not in exclude_ids
-            and it.desirability != "incongruent"]
+    pool = [
+        it
+        for it in train_items
+        if it.value == t and it.id not in exclude_ids and it.desirability != "incongruent"
+    ]
     sup = sorted((it for it in pool if it.polarity > 0), key=lambda it: it.id)
     vio = sorted((it for it in pool if it.polarity < 0), key=lambda it: it.id)
     return t, sup, vio

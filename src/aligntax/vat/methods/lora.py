@@ -22,15 +22,19 @@ __all__ = ["TrainOptions", "trained_adapter"]
 
 @dataclass
 class TrainOptions:
-    steps: int | None = option("lora/dpo: training steps (default 30 / 20); els: descent steps", parse="int",
-                               check="count")
+    steps: int | None = option(
+        "lora/dpo: training steps (default 30 / 20); els: descent steps", parse="int", check="count"
+    )
     lr: float | None = option("lora/dpo: learning rate", parse="float", check="positive")
-    adapter_dir: str | None = option("lora/dpo: where to save the adapter, or load it from when it holds a "
-                                     "matching one (default OUT/adapter)")
+    adapter_dir: str | None = option(
+        "lora/dpo: where to save the adapter, or load it from when it holds a "
+        "matching one (default OUT/adapter)"
+    )
 
 
-def trained_adapter(method: str, ctx: VatContext, o: TrainOptions, train: Callable[..., LoRAAdapter],
-                    **train_kwargs) -> LoRAAdapter:
+def trained_adapter(
+    method: str, ctx: VatContext, o: TrainOptions, train: Callable[..., LoRAAdapter], **train_kwargs
+) -> LoRAAdapter:
     """The ``method`` adapter for the target: read from ``o.adapter_dir`` when an aligntax adapter of the
     same method and target is there (another one there is refused, never overwritten), else trained by
     ``train`` into it (default: a new folder in the cache)."""
@@ -43,8 +47,10 @@ def trained_adapter(method: str, ctx: VatContext, o: TrainOptions, train: Callab
             meta = json.loads(meta_file.read_text())
             if meta.get("target") == ctx.target and meta.get("method") == method:
                 return LoRAAdapter.load(adapter_dir, ctx.lm)
-            raise AligntaxError(f"{adapter_dir} holds an aligntax {meta.get('method')} adapter for "
-                                f"{meta.get('target')}; it is not overwritten. Choose another --adapter-dir.")
+            raise AligntaxError(
+                f"{adapter_dir} holds an aligntax {meta.get('method')} adapter for "
+                f"{meta.get('target')}; it is not overwritten. Choose another --adapter-dir."
+            )
     if adapter_dir is None:
         from aligntax.paths import cache_dir
 

@@ -76,24 +76,43 @@ class OracleBias(Intervention):
         return q / q.sum()
 
     def config(self) -> dict:
-        return {"name": self.name, "target": self.target, "scope": self.scope, "gain": self.gain,
-                "bias": self.bias}
+        return {
+            "name": self.name,
+            "target": self.target,
+            "scope": self.scope,
+            "gain": self.gain,
+            "bias": self.bias,
+        }
 
 
 @dataclass
 class OracleOptions:
-    oracle_gain: float = option("oracle/uniform: the shift each biased item gets (Likert points)", 0.5,
-                                parse="float", check="nonnegative")
-    oracle_bias: float | None = option("oracle/uniform: a fixed logit bias instead of --oracle-gain", parse="float",
-                                       check="finite")
+    oracle_gain: float = option(
+        "oracle/uniform: the shift each biased item gets (Likert points)",
+        0.5,
+        parse="float",
+        check="nonnegative",
+    )
+    oracle_bias: float | None = option(
+        "oracle/uniform: a fixed logit bias instead of --oracle-gain", parse="float", check="finite"
+    )
 
 
 def _oracle(scope: str):
     def build(ctx: VatContext, o: OracleOptions) -> Intervention:
-        return OracleBias(target=ctx.target, scope=scope, gain=None if o.oracle_bias is not None else o.oracle_gain,
-                          bias=o.oracle_bias)
+        return OracleBias(
+            target=ctx.target,
+            scope=scope,
+            gain=None if o.oracle_bias is not None else o.oracle_gain,
+            bias=o.oracle_bias,
+        )
+
     return build
 
 
-register_vat("oracle", OracleOptions, "validation: a known logit bias on the target's items only")(_oracle("target"))
-register_vat("uniform", OracleOptions, "validation: the same bias on every item (a uniform lift)")(_oracle("all"))
+register_vat("oracle", OracleOptions, "validation: a known logit bias on the target's items only")(
+    _oracle("target")
+)
+register_vat("uniform", OracleOptions, "validation: the same bias on every item (a uniform lift)")(
+    _oracle("all")
+)

@@ -26,8 +26,10 @@ __all__ = ["FewShotOptions", "ValueFewShot", "ValuePersona", "build_fewshot", "p
 
 def persona_text(target: str) -> str:
     t = resolve_value(target)
-    return (f"You are a person for whom {t} matters more than anything else: above all you care about "
-            f"{DEFINITIONS[t]}. Judge every situation from this point of view.")
+    return (
+        f"You are a person for whom {t} matters more than anything else: above all you care about "
+        f"{DEFINITIONS[t]}. Judge every situation from this point of view."
+    )
 
 
 @dataclass
@@ -56,10 +58,20 @@ class ValueFewShot(FewShot):
     name: str = "fewshot"
 
     def config(self) -> dict:
-        name = f"fewshot-{len(self.examples)}" if self.system is None else f"persona-fewshot-{len(self.examples)}"
-        return {"name": name, "target": self.target, "k": len(self.examples), "paired": self.paired,
-                "example_ids": list(self.example_ids), "system": self.system,
-                "examples_sha": hashlib.sha256(json.dumps(self.examples).encode()).hexdigest()[:16]}
+        name = (
+            f"fewshot-{len(self.examples)}"
+            if self.system is None
+            else f"persona-fewshot-{len(self.examples)}"
+        )
+        return {
+            "name": name,
+            "target": self.target,
+            "k": len(self.examples),
+            "paired": self.paired,
+            "example_ids": list(self.example_ids),
+            "system": self.system,
+            "examples_sha": hashlib.sha256(json.dumps(self.examples).encode()).hexdigest()[:16],
+        }
 
 
 def _pair_key(it: ValueItem) -> tuple:
@@ -67,9 +79,16 @@ def _pair_key(it: ValueItem) -> tuple:
     return (it.group, it.context, it.svs_item or it.value)
 
 
-def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_cfg: JudgeConfig | None = None,
-                  seed: int = 0, exclude_ids: set[str] | None = None, paired: bool = True,
-                  system: str | None = None) -> ValueFewShot:
+def build_fewshot(
+    train_items: Sequence[ValueItem],
+    target: str,
+    k: int,
+    judge_cfg: JudgeConfig | None = None,
+    seed: int = 0,
+    exclude_ids: set[str] | None = None,
+    paired: bool = True,
+    system: str | None = None,
+) -> ValueFewShot:
     """k examples (half T-supporting, answered with the scale top; half T-violating, answered with the
     bottom), drawn from ``train_items`` of the target value (never from ``exclude_ids``), in a seeded
     random order. Written with the first judgment template in the normal option order.
@@ -83,9 +102,11 @@ def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_c
     t, sup, vio = target_pool(train_items, target, exclude_ids)
     n_sup, n_vio = (k + 1) // 2, k // 2
     if len(sup) < n_sup or len(vio) < n_vio:
-        raise AligntaxError(f"Few-shot with k={k} needs {n_sup} supporting and {n_vio} violating {t} items "
-                            f"outside the evaluation set; the training pool has {len(sup)} and {len(vio)}. "
-                            "Raise --train-fraction or use a larger item set.")
+        raise AligntaxError(
+            f"Few-shot with k={k} needs {n_sup} supporting and {n_vio} violating {t} items "
+            f"outside the evaluation set; the training pool has {len(sup)} and {len(vio)}. "
+            "Raise --train-fraction or use a larger item set."
+        )
     rng = random.Random(seed)
     variant = Variant(judge_cfg.templates[0], "normal")
     if paired and k >= 2:
@@ -104,10 +125,13 @@ def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_c
             chosen = [it for pair in picked for it in (pair if rng.random() < 0.5 else pair[::-1])]
             if k % 2:
                 chosen.append(next(it for it in sup if it not in chosen))
-            examples = [(judgment_prompt(it, variant, judge_cfg.scale), target_label(it, t, judge_cfg.scale))
-                        for it in chosen]
-            return ValueFewShot(examples=examples, system=system, target=t, example_ids=[it.id for it in chosen],
-                                paired=True)
+            examples = [
+                (judgment_prompt(it, variant, judge_cfg.scale), target_label(it, t, judge_cfg.scale))
+                for it in chosen
+            ]
+            return ValueFewShot(
+                examples=examples, system=system, target=t, example_ids=[it.id for it in chosen], paired=True
+            )
 
     def spread(pool: list[ValueItem], n: int) -> list[ValueItem]:
         pool = pool[:]
@@ -122,8 +146,9 @@ def build_fewshot(train_items: Sequence[ValueItem], target: str, k: int, judge_c
 
     chosen = spread(sup, n_sup) + spread(vio, n_vio)
     rng.shuffle(chosen)
-    examples = [(judgment_prompt(it, variant, judge_cfg.scale), target_label(it, t, judge_cfg.scale))
-                for it in chosen]
+    examples = [
+        (judgment_prompt(it, variant, judge_cfg.scale), target_label(it, t, judge_cfg.scale)) for it in chosen
+    ]
     return ValueFewShot(examples=examples, system=system, target=t, example_ids=[it.id for it in chosen])
 
 
@@ -140,11 +165,22 @@ def _persona(ctx: VatContext, o: NoOptions) -> Intervention:
 def _fewshot(persona: bool):
     def build(ctx: VatContext, o: FewShotOptions) -> Intervention:
         system = persona_text(ctx.target) if persona else None
-        return build_fewshot(ctx.train_items, ctx.target, o.k, ctx.judge_cfg, seed=ctx.seed,
-                             exclude_ids=ctx.exclude_ids, system=system)
+        return build_fewshot(
+            ctx.train_items,
+            ctx.target,
+            o.k,
+            ctx.judge_cfg,
+            seed=ctx.seed,
+            exclude_ids=ctx.exclude_ids,
+            system=system,
+        )
+
     return build
 
 
-register_vat("fewshot", FewShotOptions, "K example judgments favouring the target (fewshot-K)")(_fewshot(False))
+register_vat("fewshot", FewShotOptions, "K example judgments favouring the target (fewshot-K)")(
+    _fewshot(False)
+)
 register_vat("persona-fewshot", FewShotOptions, "the persona, then K example judgments (persona-fewshot-K)")(
-    _fewshot(True))
+    _fewshot(True)
+)

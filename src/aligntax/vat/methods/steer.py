@@ -20,17 +20,25 @@ from aligntax.vat.methods.base import VatContext, register_vat, target_pool
 __all__ = ["SteerOptions", "compute_steering_vector"]
 
 
-def compute_steering_vector(lm, train_items: Sequence[ValueItem], target: str,
-                            judge_cfg: JudgeConfig | None = None, layer: int | None = None,
-                            strength: float = 1.0, exclude_ids: set[str] | None = None) -> ActivationAddition:
+def compute_steering_vector(
+    lm,
+    train_items: Sequence[ValueItem],
+    target: str,
+    judge_cfg: JudgeConfig | None = None,
+    layer: int | None = None,
+    strength: float = 1.0,
+    exclude_ids: set[str] | None = None,
+) -> ActivationAddition:
     """``strength`` times the difference in means (T-supporting minus T-violating) of the
     response-start activations of the judgment prompts of the target's training items, at ``layer``
     (default: the middle layer), added there. All judgment template variants are used."""
     judge_cfg = judge_cfg or JudgeConfig()
     t, sup, vio = target_pool(train_items, target, exclude_ids)
     if len(sup) < 2 or len(vio) < 2:
-        raise AligntaxError(f"Steering needs at least 2 supporting and 2 violating {t} training items "
-                            f"(have {len(sup)} and {len(vio)}); raise --train-fraction.")
+        raise AligntaxError(
+            f"Steering needs at least 2 supporting and 2 violating {t} training items "
+            f"(have {len(sup)} and {len(vio)}); raise --train-fraction."
+        )
     layer = lm.num_layers // 2 if layer is None else int(layer)
     if not 0 <= layer < lm.num_layers:
         raise AligntaxError(f"layer must be in 0..{lm.num_layers - 1}")
@@ -38,8 +46,15 @@ def compute_steering_vector(lm, train_items: Sequence[ValueItem], target: str,
 
     def acts(items):
         prompts = [judgment_prompt(it, v, judge_cfg.scale) for it in items for v in variants]
-        return capture(lm, prompts, [layer], position="last", system=judge_cfg.system,
-                       batch_size=judge_cfg.batch_size, progress=False)[layer]
+        return capture(
+            lm,
+            prompts,
+            [layer],
+            position="last",
+            system=judge_cfg.system,
+            batch_size=judge_cfg.batch_size,
+            progress=False,
+        )[layer]
 
     vec = acts(sup).mean(0) - acts(vio).mean(0)
     return ActivationAddition({layer: vec}, coeff=strength, positions="last_and_generated", name="steer")
@@ -47,13 +62,25 @@ def compute_steering_vector(lm, train_items: Sequence[ValueItem], target: str,
 
 @dataclass
 class SteerOptions:
-    strength: float = option("steer: multiplier of the target's mean-difference vector", 4.0, parse="float",
-                             check="finite")
-    layer: int | None = option("steer: the vector's layer (default: the middle one); vector methods: the layer "
-                               "whose saved vector is used (default: the folder's)", parse="int", check="count")
+    strength: float = option(
+        "steer: multiplier of the target's mean-difference vector", 4.0, parse="float", check="finite"
+    )
+    layer: int | None = option(
+        "steer: the vector's layer (default: the middle one); vector methods: the layer "
+        "whose saved vector is used (default: the folder's)",
+        parse="int",
+        check="count",
+    )
 
 
 @register_vat("steer", SteerOptions, "the target's mean-difference vector added at one layer")
 def _steer(ctx: VatContext, o: SteerOptions) -> Intervention:
-    return compute_steering_vector(ctx.lm, ctx.train_items, ctx.target, ctx.judge_cfg, layer=o.layer,
-                                   strength=o.strength, exclude_ids=ctx.exclude_ids)
+    return compute_steering_vector(
+        ctx.lm,
+        ctx.train_items,
+        ctx.target,
+        ctx.judge_cfg,
+        layer=o.layer,
+        strength=o.strength,
+        exclude_ids=ctx.exclude_ids,
+    )
