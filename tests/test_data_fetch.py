@@ -330,10 +330,22 @@ def test_the_phtest_recipe_gives_the_shared_splits_from_the_real_csv():
 
 
 # --------------------------------------------------------------------------- a mirror of the data here
-def test_a_bare_clone_fetches_every_named_dataset_from_a_mirror(tmp_path, monkeypatch):
-    """The machine with the data writes a mirror (aligntax data mirror); a clone with no data folder and an
-    empty cache fetches everything from it (ALIGNTAX_DATA_MIRROR) and then has every named dataset."""
+def _bare_clone(monkeypatch, tmp_path, mirror: Path | None) -> None:
+    """This process as a clone with no data folder beside it, an empty cache and (maybe) a mirror."""
     import aligntax.data.registry as registry
+
+    monkeypatch.setattr(registry, "shared_data_dir", lambda: None)
+    monkeypatch.delenv("ALIGNTAX_DATA", raising=False)
+    monkeypatch.setenv("ALIGNTAX_CACHE", str(tmp_path / "cache"))
+    if mirror is None:
+        monkeypatch.delenv("ALIGNTAX_DATA_MIRROR", raising=False)
+    else:
+        monkeypatch.setenv("ALIGNTAX_DATA_MIRROR", str(mirror))
+
+
+@pytest.fixture(scope="module")
+def here_mirror(tmp_path_factory):
+    """A mirror written by `aligntax data mirror` from the benchmark data folder and the cache here."""
     from aligntax.data.packaged import PACKAGED, packaged_path
 
     shared = shared_data_dir()
@@ -341,21 +353,24 @@ def test_a_bare_clone_fetches_every_named_dataset_from_a_mirror(tmp_path, monkey
         pytest.skip("benchmark data folder not found (set ALIGNTAX_DATA)")
     if not all(packaged_path(p).is_file() for p in PACKAGED.values()):
         pytest.skip("packaged datasets not in the cache (aligntax data fetch do-not-answer)")
-    mirror = tmp_path / "mirror"
+    mirror = tmp_path_factory.mktemp("mirror")
     res = runner.invoke(app, ["data", "mirror", str(mirror)])
     assert res.exit_code == 0, res.output
     assert "missing" not in res.output and "differs" not in res.output
-    assert (mirror / "raw.githubusercontent.com" / "JailbreakBench" / "artifacts").is_dir()
-    assert (mirror / "aligntax-derived" / "refusal" / "phtest" / "phtest_harmless_train.json").is_file()
+    return mirror
+
+
+def test_a_bare_clone_fetches_every_named_dataset_from_a_mirror(here_mirror, tmp_path, monkeypatch):
+    """The machine with the data writes a mirror (aligntax data mirror); a clone with no data folder and an
+    empty cache fetches everything from it (ALIGNTAX_DATA_MIRROR) and then has every named dataset."""
+    shared = shared_data_dir()
+    assert (here_mirror / "raw.githubusercontent.com" / "JailbreakBench" / "artifacts").is_dir()
+    assert (here_mirror / "aligntax-derived" / "refusal" / "phtest" / "phtest_harmless_train.json").is_file()
     # again: every verified file is kept
-    again = runner.invoke(app, ["data", "mirror", str(mirror)])
+    again = runner.invoke(app, ["data", "mirror", str(here_mirror)])
     assert again.exit_code == 0 and " 0 files written" in again.output, again.output
 
-    # the bare clone: no data folder, an empty cache, the mirror
-    monkeypatch.setattr(registry, "shared_data_dir", lambda: None)
-    monkeypatch.delenv("ALIGNTAX_DATA", raising=False)
-    monkeypatch.setenv("ALIGNTAX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("ALIGNTAX_DATA_MIRROR", str(mirror))
+    _bare_clone(monkeypatch, tmp_path, here_mirror)
     res = runner.invoke(app, ["data", "list", "--json"])
     before = {r["name"]: r for r in json.loads(res.stdout)}
     assert [r["name"] for r in before.values() if r["present"]] == [
@@ -371,3 +386,60 @@ def test_a_bare_clone_fetches_every_named_dataset_from_a_mirror(tmp_path, monkey
         spec = DATASETS[r["name"]]
         if r["read_from"] == "cache":
             assert Path(r["path"]).read_bytes() == (shared / spec.path).read_bytes(), r["name"]
+
+
+@pytest.fixture()
+def no_demo(monkeypatch):
+    """The demo's model load and run, recorded instead of done."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    def run(cfg, source=None, **kwargs):
+        calls.append(cfg)
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        Path(cfg.out, "report.md").write_text("report\n")
+
+    monkeypatch.setattr("aligntax.models.loader.load_model", refuse)
+    monkeypatch.setattr("aligntax.models.load_model", refuse)
+    monkeypatch.setattr("aligntax.runs.demo.run_demo", run)
+    return calls
+
+
+def test_the_demo_on_a_bare_clone_fetches_what_it_needs_first(here_mirror, tmp_path, monkeypatch, no_demo):
+    from aligntax.runs.demo import demo_config, demo_datasets
+
+    _bare_clone(monkeypatch, tmp_path, here_mirror)
+    res = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo")], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    assert len(no_demo) == 1
+    needed = [n for n in demo_datasets(demo_config()) if not DATASETS[n].bundled]
+    note = res.stderr.splitlines()[0]
+    assert note.startswith(f"[demo] fetching {len(needed)} datasets no data root holds yet, from the mirror")
+    assert f"(`aligntax data fetch {' '.join(needed)}`)" in note
+    assert "fetching data: 100%" in res.stderr  # the progress bar
+    for name in needed:
+        assert dataset_location(name)[0] is not None, name
+    # a second run has them all: nothing to fetch
+    res = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo")])
+    assert res.exit_code == 0 and "fetching" not in res.stderr, res.output
+
+
+def test_the_demo_without_data_or_network_stops_before_loading_with_the_fetch_command(
+    tmp_path, monkeypatch, no_demo
+):
+    from aligntax.runs.demo import demo_config, demo_datasets
+
+    _bare_clone(monkeypatch, tmp_path, None)
+    monkeypatch.setenv("ALIGNTAX_GITHUB_RAW", "http://127.0.0.1:9/nowhere")  # nothing listens there
+    res = runner.invoke(
+        app, ["demo", "--out", str(tmp_path / "demo"), "--no-progress"], env={"COLUMNS": "400"}
+    )
+    assert res.exit_code == 2 and no_demo == []
+    needed = [n for n in demo_datasets(demo_config()) if not DATASETS[n].bundled]
+    error = res.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and "could not be fetched" in error, res.stderr
+    assert f"Fetch them with `aligntax data fetch {' '.join(needed)}`" in error
+    assert "ALIGNTAX_DATA_MIRROR" in error
+    assert not list((tmp_path / "cache").rglob("*.partial"))

@@ -25,6 +25,7 @@ from aligntax.cli.options import (
     check_out_folder,
     check_range,
     deprecated,
+    ensure_datasets,
     grid_options,
     set_debug,
     steering_options,
@@ -194,8 +195,8 @@ MirrorFromOpt = Annotated[
 
 @data_app.command("fetch")
 def data_fetch(
-    name: str = typer.Argument(
-        ..., help="a named dataset, a file group (xstest-labeled, jbb-artifacts, gsm8k, ...), or all"
+    names: list[str] = typer.Argument(
+        ..., help="named datasets, file groups (xstest-labeled, jbb-artifacts, gsm8k, ...), or all"
     ),
     source: MirrorFromOpt = None,
     force: bool = typer.Option(False, help="download again even if a verified copy is there"),
@@ -207,9 +208,8 @@ def data_fetch(
     from aligntax.data.fetch import fetch_datasets
 
     try:
-        res = fetch_datasets(
-            [name], mirror=source, force=force, keep_going=name.strip().lower() == "all", progress=progress
-        )
+        every = any(n.strip().lower() == "all" for n in names)
+        res = fetch_datasets(list(names), mirror=source, force=force, keep_going=every, progress=progress)
     except AligntaxError as exc:
         _fail(exc)
     for path in res.fetched:
@@ -291,6 +291,7 @@ def generate(
             from aligntax.data import load_prompts
 
             check_datasets([str(in_file)], "--in")
+            ensure_datasets([str(in_file)], progress, "generate")
             items = load_prompts(str(in_file), limit=limit)
             prompts += [it.prompt for it in items]
             ids += [it.id for it in items]
@@ -515,6 +516,7 @@ def eval_cmd(
             backend=backend,
         )
         _check_eval(cfg)
+        ensure_datasets(cfg.data, cfg.progress is not False, "eval")
         source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
     except AligntaxError as exc:
         _fail(exc)
@@ -934,6 +936,19 @@ def els_train(
             ],
             "a dataset",
         )
+        ensure_datasets(
+            [
+                *(cfg.benign or []),
+                *(cfg.harmful or []),
+                *(cfg.harmless or []),
+                *(cfg.gate_harmful or []),
+                *(cfg.gate_benign or []),
+                *(cfg.gate_pairs or []),
+                *(cfg.harm_pairs or []),
+            ],
+            cfg.progress,
+            "els train",
+        )
         for flag, value, rule in (
             ("--epochs", cfg.epochs, "positive_count"),
             ("--lr", cfg.lr, "positive"),
@@ -1266,6 +1281,9 @@ def els_sweep(
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
         check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], "a dataset")
+        ensure_datasets(
+            [*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], cfg.progress, "els sweep"
+        )
         check_layers(cfg.model, [x for lay in cfg.layers or [] for x in lay], "--layers-grid")
         check_range(cfg.max_new_tokens, "positive_count", "--max-new-tokens")
     except AligntaxError as exc:
@@ -1310,7 +1328,7 @@ def demo(
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
-    from aligntax.runs.demo import check_mechanisms, demo_config, run_demo
+    from aligntax.runs.demo import check_mechanisms, demo_config, demo_datasets, run_demo
     from aligntax.runs.sources import generation_source
 
     out = out or Path(
@@ -1341,6 +1359,7 @@ def demo(
             progress=progress,
             mechanisms=picked,
         )
+        ensure_datasets(demo_datasets(cfg), progress, "demo")
     except AligntaxError as exc:
         _fail(exc)
     with closing(source):

@@ -266,7 +266,7 @@ def fetch_datasets(
     try:
         for step in steps:
             if bar is not None:
-                bar.set_postfix_str(step.rsplit("/", 1)[-1], refresh=False)
+                bar.set_postfix_str(step.rsplit("/", 1)[-1].removeprefix("package:"), refresh=False)
             _fetch_one(step, table, made, src_table, root, mirror, force, keep_going, res)
             if bar is not None:
                 bar.update(1)
