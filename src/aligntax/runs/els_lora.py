@@ -526,6 +526,7 @@ def distill_els_lora(
         stray.unlink()
     meta = {
         "format": FORMAT,
+        "model": lm.spec,  # the model it was distilled on: the default of every command that takes the folder
         "fingerprint": dict(lm.fingerprint or {}),
         "layers": layers,
         "target_block": target,
