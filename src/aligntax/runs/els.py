@@ -1237,6 +1237,7 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     best = select_best(final, method, cfg.leak_constraint, cfg.knowns_tolerance)
     result = {
         "method": method,
+        "model": cfg.model,
         "best": best,
         "n_settings": len(settings) if halving else len(final),
         **(
