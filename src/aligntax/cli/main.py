@@ -617,10 +617,12 @@ def fluency(
     print(json.dumps(res, indent=2))
 
 
-def _check_builtin_or_file(data: str) -> None:
-    """``--data`` of the question sets that ship with aligntax: 'builtin' or an existing file."""
-    if data != "builtin" and not Path(data).is_file():
-        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
+def _check_builtin_or_file(data: str, named: tuple[str, ...] = ()) -> None:
+    """``--data`` of the question sets that ship with aligntax: 'builtin', one of ``named`` or an existing
+    file."""
+    if data != "builtin" and data not in named and not Path(data).is_file():
+        also = "".join(f", '{n}'" for n in named)
+        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin'{also}).")
 
 
 @app.command("mc")
@@ -675,7 +677,11 @@ def knowns_cmd(
         ..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"
     ),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
-    data: str = typer.Option("builtin", help="'builtin' (360 everyday questions) or a JSONL/JSON file"),
+    data: str = typer.Option(
+        "builtin",
+        help="'builtin' (360 everyday questions), 'gsm8k-test' / 'gsm8k-val' (maths word problems, the "
+        "final number scored; --limit takes a sample stratified by solution steps) or a JSONL/JSON file",
+    ),
     split: str = typer.Option("test", help="test, val (for choosing settings) or all"),
     limit: int | None = typer.Option(None, help="first N items of the split"),
     compare_to: str | None = typer.Option(
@@ -697,7 +703,9 @@ def knowns_cmd(
         check_out_folder(out)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
-        _check_builtin_or_file(data)
+        from aligntax.metrics.knowns import GSM8K_SETS
+
+        _check_builtin_or_file(data, tuple(GSM8K_SETS))
         if compare_to and not Path(compare_to).is_dir():
             raise UsageError(f"--compare-to {compare_to}: no such run folder.")
         cfg = KnownsConfig(
