@@ -177,3 +177,47 @@ def test_apply_leaves_the_model_unchanged_and_options_are_checked(parts):
     with pytest.raises(AligntaxError, match="harm gate"):
         make_intervention("els-compose", lm, path=str(els), adapter=str(adapter), gate="none", lora_gate=0.3)
     assert not iv.kernel_only  # the vLLM backend refuses it (its adapter hooks are not a row kernel)
+
+
+def test_a_selected_setting_is_what_steer_dir_applies(parts, tmp_path):
+    """A folder's ``selection.json`` (the demo's choice) is applied exactly by ``--steer DIR`` and by
+    ``load_intervention(DIR)``, options given beside it overriding it; its folders are relative, so the
+    folder can move."""
+    import shutil
+
+    from aligntax import load_intervention
+    from aligntax.cli.options import steering_options
+    from aligntax.interventions.selection import read_selection, selection_record
+    from aligntax.runs.fsio import write_json_atomic
+
+    lm, els, adapter = parts
+    demo = tmp_path / "demo"
+    shutil.copytree(els, demo / "els")
+    shutil.copytree(adapter, demo / "els-lora")
+    args = {"path": str(demo / "els"), "adapter": str(demo / "els-lora"), "layers": [2], "lora_gate": 0.3}
+    record = selection_record(demo, "els-compose", args, model="tiny", chosen_on="validation")
+    assert record["args"]["path"] == "els" and record["args"]["adapter"] == "els-lora"
+    write_json_atomic(demo / "selection.json", record)
+    moved = tmp_path / "moved"
+    demo.rename(moved)
+    name, resolved, _ = read_selection(moved)
+    assert name == "els-compose" and resolved["path"] == str(moved / "els")
+    iv = load_intervention(moved, lm)
+    assert (
+        iv.name == "els-compose"
+        and iv.lora_gate == 0.3
+        and iv.config()["adapter"]["path"] == str(moved / "els-lora")
+    )
+    assert load_intervention(moved, lm, lora_gate=0.6).lora_gate == 0.6
+    seen = {}
+
+    @steering_options
+    def command(intervention=None, iv_args=None, model=None, config=None):
+        seen.update(name=intervention, args=iv_args)
+
+    command(iv_steer=str(moved), iv_lora_gate="0.5")
+    assert seen["name"] == "els-compose" and seen["args"]["lora_gate"] == 0.5
+    assert seen["args"]["path"] == str(moved / "els") and seen["args"]["adapter"] == str(moved / "els-lora")
+    assert shutil.rmtree(moved / "els-lora") is None
+    with pytest.raises(Exception):
+        load_intervention(moved, lm)
