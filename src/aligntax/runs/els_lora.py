@@ -168,6 +168,7 @@ class TrainedAdapter:
     before: dict
     after: dict
     history: list[dict]
+    seconds: dict = field(default_factory=dict)  # per phase of the run, for the summary
 
 
 @dataclass
@@ -675,8 +676,7 @@ def train_adapter(cfg: DistillConfig, lm, targets: DistillTargets, blocks: Block
         rng = random.Random(cfg.seed)
         before = _epoch(lm, model, targets, cfg, blocks, None, rng)
         history = [
-            {"epoch": e + 1, **_epoch(lm, model, targets, cfg, blocks, opt, rng)}
-            for e in range(cfg.epochs)
+            {"epoch": e + 1, **_epoch(lm, model, targets, cfg, blocks, opt, rng)} for e in range(cfg.epochs)
         ]
         after = _epoch(lm, model, targets, cfg, blocks, None, rng)
     finally:
@@ -754,6 +754,7 @@ def write_adapter(
             "epochs": trained.history,
         },
         "seconds": round(seconds, 1),
+        "phase_seconds": trained.seconds,
         "config": asdict(cfg),
     }
     write_json_atomic(out / SIDECAR, meta)
@@ -824,9 +825,18 @@ def distill_els_lora(
         rows = DistillPrompts(list(benign), list(harmful), list(retain or []))
     if not rows.benign or not rows.harmful:
         raise AligntaxError("Distillation needs benign and harmful prompts.")
+    laps = {"prompts": time.perf_counter() - t0}
+
+    def lap(name: str) -> None:
+        laps[name] = time.perf_counter() - t0 - sum(laps.values())
+
     answers = distill_answers(cfg, lm, rows, teachers, blocks.horizon)
+    lap("answers")
     targets = distill_targets(cfg, lm, rows, answers, teachers, blocks)
+    lap("targets")
     trained = train_adapter(cfg, lm, targets, blocks)
+    lap("training")
+    trained.seconds = {k: round(v, 1) for k, v in laps.items()}
     return write_adapter(
         cfg, lm, teachers["els"], blocks, rows, answers, targets, trained, time.perf_counter() - t0
     )
