@@ -45,11 +45,19 @@ def fingerprint_diffs(saved: dict, expected: dict, keys: tuple[str, ...] = FINGE
     ]
 
 
-# Where an artefact folder records the model it was made for: the spec it was given (``model``), and the
+# Where an artefact folder records the model it was made for: the spec it was given (``model``; a folder
+# holding a selected setting names it in selection.json), and the
 # fingerprint of its sidecar (whose ``spec`` is how the model was named when it was loaded). An ELS folder
 # (``aligntax els train``) has train_config.json and energy.json; an els-lora adapter els_lora.json; a
 # vector folder vectors.json.
-_MODEL_RECORDS = ("train_config.json", "els_lora.json", "energy.json", "vectors.json", "gate.json")
+_MODEL_RECORDS = (
+    "selection.json",
+    "train_config.json",
+    "els_lora.json",
+    "energy.json",
+    "vectors.json",
+    "gate.json",
+)
 
 
 def folder_model(folder: str | Path | None) -> tuple[str | None, dict]:

@@ -694,10 +694,12 @@ def fluency(
     print(json.dumps(res, indent=2))
 
 
-def _check_builtin_or_file(data: str) -> None:
-    """``--data`` of the question sets that ship with aligntax: 'builtin' or an existing file."""
-    if data != "builtin" and not Path(data).is_file():
-        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
+def _check_builtin_or_file(data: str, named: tuple[str, ...] = ()) -> None:
+    """``--data`` of the question sets that ship with aligntax: 'builtin', one of ``named`` or an existing
+    file."""
+    if data != "builtin" and data not in named and not Path(data).is_file():
+        also = "".join(f", '{n}'" for n in named)
+        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin'{also}).")
 
 
 @app.command("mc")
@@ -755,7 +757,11 @@ def knowns_cmd(
         ..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"
     ),
     model: ModelOpt = None,
-    data: str = typer.Option("builtin", help="'builtin' (360 everyday questions) or a JSONL/JSON file"),
+    data: str = typer.Option(
+        "builtin",
+        help="'builtin' (360 everyday questions), 'gsm8k-test' / 'gsm8k-val' (maths word problems, the "
+        "final number scored; --limit takes a sample stratified by solution steps) or a JSONL/JSON file",
+    ),
     split: str = typer.Option("test", help="test, val (for choosing settings) or all"),
     limit: int | None = typer.Option(None, help="first N items of the split"),
     compare_to: str | None = typer.Option(
@@ -780,7 +786,9 @@ def knowns_cmd(
         check_range(batch_size, "positive_count", "--batch-size")
         check_dtype(dtype)
         use_device(device)
-        _check_builtin_or_file(data)
+        from aligntax.metrics.knowns import GSM8K_SETS
+
+        _check_builtin_or_file(data, tuple(GSM8K_SETS))
         if compare_to and not Path(compare_to).is_dir():
             raise UsageError(f"--compare-to {compare_to}: no such run folder.")
         cfg = KnownsConfig(
@@ -1033,7 +1041,8 @@ def els_distill(
         None, help="weight of the harmful rows' unsteered targets (default 3)"
     ),
     limit_retain: int | None = typer.Option(
-        None, help="everyday instructions (the folder's harmless prompts) kept unsteered (default 300)"
+        None,
+        help="everyday rows (harmless instructions, GSM8K training questions) kept unsteered (default 300)",
     ),
     retain_weight: float | None = typer.Option(None, help="weight of their unsteered targets (default 3)"),
     benign_target: str | None = typer.Option(
@@ -1051,6 +1060,16 @@ def els_distill(
         None, help="the refusal vector's strength for --harmful-target refusal (default 1)"
     ),
     pairs: list[str] = typer.Option(None, help="contrast pairs (default contrast-pairs; 'none': none)"),
+    limit_pairs: int | None = typer.Option(None, help="contrast pairs kept, sampled by pair (default: all)"),
+    retain: str | None = typer.Option(
+        None, help="everyday rows' sources, comma-separated: harmless, gsm8k-train (default both)"
+    ),
+    retain_ce: float | None = typer.Option(
+        None,
+        help="weight of the everyday rows' answer term: cross-entropy against the model's own greedy "
+        "answer tokens (0: their states only; default 1)",
+    ),
+    retain_answer_tokens: int | None = typer.Option(None, help="everyday answers' tokens (default 48)"),
     answer_tokens: int | None = typer.Option(
         None, help="steered answer tokens when the ELS setting has no horizon (default 16)"
     ),
@@ -1110,6 +1129,10 @@ def els_distill(
             harmful_target=harmful_target,
             refusal_coeff=refusal_coeff,
             pairs=_split_list(pairs),
+            limit_pairs=limit_pairs,
+            retain=[x.strip() for x in retain.split(",") if x.strip()] if retain else None,
+            retain_ce=retain_ce,
+            retain_answer_tokens=retain_answer_tokens,
             answer_tokens=answer_tokens,
             dtype=dtype,
             seed=seed,

@@ -182,6 +182,8 @@ def target_files(name: str) -> list[str]:
     if spec is None:
         known = ", ".join([*DATASETS, *FILE_GROUPS])
         raise DataError(f"unknown dataset {name!r}; fetch one of: all, {known}")
+    if spec.parts:
+        return [path for part in spec.parts for path in target_files(part)]
     if spec.bundled or spec.package is not None:
         return []
     return [spec.path, *COMPANIONS.get(spec.path, ())]
