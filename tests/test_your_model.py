@@ -76,7 +76,8 @@ def only_smollm(monkeypatch):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(embedded, "fetch_embedded", fetch)
-    monkeypatch.delenv("ALIGNTAX_DEVICE", raising=False)
+    # what --device sets, restored after the test (the commands' --device cpu sets it again)
+    monkeypatch.setenv("ALIGNTAX_DEVICE", "cpu")
     return loaded
 
 
@@ -126,7 +127,8 @@ def test_the_whole_pipeline_runs_on_the_model_the_folder_records(tmp_path, only_
     lora = tmp_path / "els-lora"
     invoke(
         "els", "distill", "--steer", els, "--out", lora, "--epochs", "1", "--limit-benign", "4",
-        "--limit-harmful", "4", "--limit-retain", "2", "--pairs", "none", "--no-progress",
+        "--limit-harmful", "4", "--limit-retain", "2", "--retain", "harmless", "--pairs", "none",
+        "--no-progress",
     )  # fmt: skip
     assert json.loads((lora / "els_lora.json").read_text())["model"] == MODEL
     res = invoke("generate", "Where can I buy a can of coke?", "--steer", lora, "--max-new-tokens", "4")
@@ -161,3 +163,48 @@ def test_a_model_of_another_shape_is_one_line_before_loading(tmp_path, only_smol
         assert f"--model {DEFAULT_MODEL} (model_type qwen2, num_layers 24, hidden_size 896)" in lines[0]
         assert f"is not the model {els} was made for ({MODEL}: model_type llama" in lines[0]
     assert only_smollm == [] and not (tmp_path / "r").exists()
+
+
+def test_no_progress_silences_the_loading_bar(only_smollm):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+    try:
+        args = ["generate", "hi", "--model", MODEL, "--max-new-tokens", "1"]
+        shown = runner.invoke(app, [*args, "--progress"])
+        assert shown.exit_code == 0 and "Loading weights" in shown.stderr, shown.output
+        quiet = runner.invoke(app, [*args, "--no-progress"])
+        assert quiet.exit_code == 0 and "Loading weights" not in quiet.stderr, quiet.output
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--device", "tpu"], "--device tpu: use cpu, cuda, cuda:N or mps."),
+        (["--dtype", "int4"], "--dtype int4: use one of"),
+    ],
+)
+def test_device_and_dtype_are_checked_before_loading(tmp_path, only_smollm, args, needle):
+    for cmd in (
+        ["generate", "hi"],
+        ["eval", "--data", _jsonl(tmp_path / "d.jsonl", BENIGN[:1], "benign"), "--out", tmp_path / "r"],
+        ["knowns", "--out", tmp_path / "k"],
+        ["demo", "--out", tmp_path / "demo"],
+    ):
+        res = runner.invoke(app, [str(a) for a in [*cmd, "--model", MODEL, *args]], env={"COLUMNS": "300"})
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (cmd, res.output)
+    assert only_smollm == []
+
+
+def test_cuda_on_a_machine_without_it_is_one_line(only_smollm):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    res = runner.invoke(app, ["generate", "hi", "--model", MODEL, "--device", "cuda"], env={"COLUMNS": "300"})
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "./run setup --cuda" in lines[0], res.output
+    assert only_smollm == []

@@ -1139,6 +1139,9 @@ def els_distill(
             els=els or None,
             progress=progress,
         )
+        ensure_datasets(
+            [*(cfg.pairs or []), *(r for r in cfg.retain if r != "harmless")], progress, "els distill"
+        )
         meta = distill_els_lora(cfg)
     except AligntaxError as exc:
         _fail(exc)
