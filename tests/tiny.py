@@ -57,6 +57,29 @@ def tiny_tokenizer():
     return _TOKENIZER
 
 
+_BPE_MERGES = [
+    ("h", "e"), ("Ġ", "t"), ("t", "h"), ("i", "n"), ("e", "r"), ("Ġ", "a"), ("o", "n"), ("r", "e"),
+    ("Ġt", "he"), ("a", "n"), ("Ġ", "s"), ("Ġ", "w"), ("o", "u"), ("Ġ", "c"), ("i", "s"), ("Ġ", "k"),
+]  # fmt: skip
+
+
+def tiny_bpe_tokenizer():
+    """The tiny tokenizer's vocabulary with 16 BPE merges on top (278 tokens), as GGUF files need merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in _BPE_MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_BPE_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return fast_tokenizer(tok, CHAT_TEMPLATE, pad_token="<pad>", eos_token="<eos>")
+
+
 def tiny_config(arch: str = "qwen2", hidden: int = 32, layers: int = 3, **over):
     import transformers as tf
 
