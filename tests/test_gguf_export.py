@@ -6,20 +6,17 @@ refused before anything is written."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from aligntax.bundles.export import export_lora_model, export_model, hook_equivalent
 from aligntax.bundles.gguf import greedy_agreement, read_summary, write_gguf
 from aligntax.errors import AligntaxError
-from aligntax.interventions.lora import FORMAT, ElsLora
+from aligntax.interventions.lora import ElsLora
 from aligntax.models import LoadedModel, load_model
 from aligntax.models.loader import model_fingerprint
-from tiny import CHAT_TEMPLATE, PROMPTS, save_tiny_vectors, tiny_bpe_tokenizer, tiny_model
+from tiny import CHAT_TEMPLATE, PROMPTS, save_tiny_adapter, save_tiny_vectors, tiny_bpe_tokenizer, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,28 +29,6 @@ def bpe_lm(arch="qwen2", tied=False, seed=0):
     tok = tiny_bpe_tokenizer()
     spec = f"tiny-{arch}"
     return LoadedModel(model, tok, spec, "tiny", model_fingerprint(model, tok, spec))
-
-
-def random_adapter(lm, folder, layers=(1, 2), seed=3):
-    """A peft LoRA folder with random A and B on the attention and MLP projections of ``layers`` and the
-    els-lora sidecar, as `aligntax els distill` writes them."""
-    gen = torch.Generator().manual_seed(seed)
-    weights, modules = {}, ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
-    for i in layers:
-        blk = lm.model.model.layers[i]
-        for name in modules:
-            part = "self_attn" if name.endswith(("q_proj", "v_proj", "o_proj")) else "mlp"
-            lin = getattr(getattr(blk, part), name)
-            key = f"base_model.model.model.layers.{i}.{part}.{name}"
-            weights[f"{key}.lora_A.weight"] = torch.randn(4, lin.in_features, generator=gen) * 0.5
-            weights[f"{key}.lora_B.weight"] = torch.randn(lin.out_features, 4, generator=gen) * 0.5
-    folder.mkdir()
-    save_file(weights, str(folder / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": modules, "bias": "none"}
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    side = {"format": FORMAT, "fingerprint": lm.fingerprint, "layers": list(layers)}
-    (folder / "els_lora.json").write_text(json.dumps(side))
-    return folder
 
 
 def expected_names(n_layers, arch, output):
@@ -104,7 +79,7 @@ def test_bf16_stores_matrices_in_bf16_and_vectors_in_f32(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_els_lora_gguf_gives_the_hook_tokens(arch, tmp_path):
     lm = bpe_lm(arch, tied=arch == "qwen2")
-    adapter = random_adapter(lm, tmp_path / "adapter")
+    adapter = save_tiny_adapter(lm, tmp_path / "adapter")
     out = export_lora_model(lm, adapter, tmp_path / "merged.gguf", scale=0.5, dtype="fp32", format="gguf")
     s = read_summary(out)
     assert s["export"]["method"] == "els-lora" and s["export"]["lora_scale"] == 0.5
@@ -167,7 +142,7 @@ def test_cli_export_gguf(tmp_path, monkeypatch):
     from aligntax import cli
 
     lm = bpe_lm("qwen2", tied=True)
-    adapter = random_adapter(lm, tmp_path / "adapter")
+    adapter = save_tiny_adapter(lm, tmp_path / "adapter")
     loaded = []
     monkeypatch.setattr("aligntax.models.load_model", lambda spec, **kw: loaded.append(kw) or lm)
     out = tmp_path / "models" / "m.gguf"

@@ -38,13 +38,15 @@ def _options(pairs: list[str] | None) -> dict:
 @bundle_app.command("save")
 def bundle_save(
     source: Path = typer.Argument(
-        ..., help="steering folder: an `aligntax els train` folder, or a vector folder"
+        ...,
+        help="steering folder: an `aligntax els train` folder, an `aligntax els distill` adapter folder, "
+        "or a vector folder",
     ),
     out: Path = typer.Option(..., help="new bundle folder"),
     method: str | None = typer.Option(
         None,
-        help="els (default for a folder with energy.json), refusal-ablation, "
-        "refusal-add, false-refusal-ablation or cast",
+        help="els (default for a folder with energy.json), els-lora (default for a folder with "
+        "els_lora.json), refusal-ablation, refusal-add, false-refusal-ablation or cast",
     ),
     results: list[Path] | None = typer.Option(
         None,
@@ -57,7 +59,7 @@ def bundle_save(
         None,
         "--set",
         help="KEY=VALUE of the setting (e.g. eta=0.35, "
-        "layers=[19], gate=true; layer=20, coeff=1.0); repeatable",
+        "layers=[19], gate=true; scale=0.5 for els-lora; layer=20, coeff=1.0); repeatable",
     ),
     base_model: str | None = typer.Option(None, help="the base model's Hub id, for the card"),
     repo_id: str | None = typer.Option(None, help="the Hub repository the card's loading lines name"),
