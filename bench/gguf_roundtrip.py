@@ -72,7 +72,6 @@ def main() -> None:
     iv = ElsLora.load(adapter, lm, scale=args.lora_scale)
     t0 = time.time()
     hooks = greedy_agreement(lm, back, prompts, args.max_new_tokens, args.batch_size, intervention=iv)
-    plain = greedy_agreement(lm, back, prompts, args.max_new_tokens, args.batch_size)
     res = {
         "adapter": str(adapter),
         "model": spec,
@@ -92,9 +91,11 @@ def main() -> None:
             "export_seconds": round(export_s, 1),
         },
         "gguf_vs_hooks": hooks,
-        "gguf_vs_unsteered": {k: v for k, v in plain.items() if k != "first_difference"},
         "compare_seconds": round(time.time() - t0, 1),
     }
+    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")  # the comparison, before the control
+    plain = greedy_agreement(lm, back, prompts, args.max_new_tokens, args.batch_size)
+    res["gguf_vs_unsteered"] = {k: v for k, v in plain.items() if k != "first_difference"}
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
 
