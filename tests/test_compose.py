@@ -221,3 +221,30 @@ def test_a_selected_setting_is_what_steer_dir_applies(parts, tmp_path):
     shutil.rmtree(moved / "els-lora")
     with pytest.raises(AligntaxError, match="els-lora"):
         load_intervention(moved, lm)
+
+
+def test_rows_leaving_the_batch_keep_their_adapter_choice(parts):
+    """aligntax's own greedy loop drops finished rows from the batch: each row keeps the adapter choice
+    made at its prompt (the same answers as with every row kept to the end, and as one prompt at a time)."""
+    from aligntax.generation import GenerationConfig, generate
+    from tiny import end_token_for_varied_lengths
+
+    lm, els, adapter = parts
+    probe = _compose(lm, els, adapter, lora_gate=0.0, gate=0.99)
+    p = _p_harmful(lm, probe, PROMPTS)
+    iv = _compose(lm, els, adapter, lora_gate=sorted(p)[len(p) // 2], gate=0.99)
+    keep = GenerationConfig(max_new_tokens=12, batch_size=16, drop_finished=False)
+    long = generate(lm, PROMPTS, keep, iv, progress=False)
+    rows = [lm.tokenizer(g.response, add_special_tokens=False)["input_ids"] for g in long]
+    eos = lm.model.generation_config.eos_token_id
+    lm.model.generation_config.eos_token_id = end_token_for_varied_lengths(rows)
+    try:
+        kept = generate(lm, PROMPTS, keep, iv, progress=False)
+        dropped = generate(
+            lm, PROMPTS, GenerationConfig(max_new_tokens=12, batch_size=16), iv, progress=False
+        )
+        alone = [generate(lm, [q], keep, iv, progress=False)[0] for q in PROMPTS]
+    finally:
+        lm.model.generation_config.eos_token_id = eos
+    assert [g.response for g in dropped] == [g.response for g in kept] == [g.response for g in alone]
+    assert len({g.n_tokens for g in kept if g.finish_reason == "stop"}) >= 2

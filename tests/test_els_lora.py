@@ -776,3 +776,40 @@ def test_answer_term_is_the_models_own_answer_cross_entropy(distilled, tmp_path)
             ces.append(torch.nn.functional.cross_entropy(logits[p - 1 : len(s) - 1], torch.tensor(s[p:])))
     assert meta["loss"]["before"]["retain_ce"] == pytest.approx(float(torch.stack(ces).mean()), rel=1e-3)
     assert meta["loss"]["after"]["retain_ce"] is not None and meta["hyper"]["retain_ce"] == 1.0
+
+
+def test_benign_rows_the_teacher_holds_take_the_label_runs_answers(distilled, tmp_path, monkeypatch):
+    """A benign row the ELS teacher leaves exactly unsteered is answered as the label run answered it (no
+    generation); the others are generated with the teacher on."""
+    import aligntax.runs.els_lora as els_lora
+    from aligntax.runs.els_lora import DistillConfig, DistillPrompts, _teachers, distill_answers
+
+    lm, els, _, _ = distilled
+    folder = _bank_files(els, tmp_path / "els")
+    items = _items(BENIGN, "benign")
+    (folder / "labels").mkdir()
+    (folder / "labels" / "samples.jsonl").write_text(
+        "".join(
+            json.dumps({"source": it.source, "id": it.id, "response": f"label {it.id}"}) + "\n"
+            for it in items
+        )
+    )
+    asked = []
+
+    def fake_generate(lm, todo, n, iv, desc, progress):
+        asked.append(len(todo))
+        return [f"generated {it.id}" for it in todo]
+
+    monkeypatch.setattr(els_lora, "_generate", fake_generate)
+    for cut, expect in ((1e9, "label"), (-1e9, "generated")):
+        cfg = DistillConfig(
+            steer=str(folder),
+            els={"layers": [1], "eta": 0.5, "horizon": 3, "row_threshold": cut},
+            harmful_target="unsteered",
+            dtype="fp32",
+            progress=False,
+        )
+        asked.clear()
+        answers = distill_answers(cfg, lm, DistillPrompts(items, [], []), _teachers(cfg, lm), 3)
+        assert all(a.startswith(expect) for a in answers.benign), answers.benign
+        assert asked[0] == (0 if expect == "label" else len(items))

@@ -132,19 +132,23 @@ class ComposedSteering(Intervention):
                 yield
             return
         key = (id(self), "adapter")
-        state = ctx.row_state if ctx is not None else {}
+        own: dict = {}
+
+        def state() -> dict:  # generation replaces ctx.row_state as rows finish: read it each time
+            return ctx.row_state if ctx is not None else own
+
         read: dict[int, torch.Tensor] = {}
         gate_layers = sorted(self.els.gate.layers)
 
         def make(layer: int):
             def hook(module, args, kwargs):
                 h = hidden_from_args(args, kwargs)
-                if h.shape[1] == 1 and key in state:
+                if h.shape[1] == 1 and key in state():
                     return None  # a cached decode step: chosen at the prompt
                 last = ctx.prompt_len - 1 if ctx is not None else h.shape[1] - 1
                 read[layer] = h[:, last]
                 if layer == gate_layers[-1]:
-                    state[key] = self.adapter_on(dict(read)).to(h.device)
+                    state()[key] = self.adapter_on(dict(read)).to(h.device)
                     read.clear()
                 return None
 
@@ -152,7 +156,7 @@ class ComposedSteering(Intervention):
 
         blocks = decoder_layers(model)
         regs = [(blocks[b], make(b), True) for b in gate_layers]
-        with hooks_attached(regs), self.adapter.attach(model, ctx, row_mask=lambda: state.get(key)):
+        with hooks_attached(regs), self.adapter.attach(model, ctx, row_mask=lambda: state().get(key)):
             yield
 
     # ---- the Intervention interface --------------------------------------------------------------------
