@@ -208,3 +208,12 @@ def test_cuda_on_a_machine_without_it_is_one_line(only_smollm):
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and "./run setup --cuda" in lines[0], res.output
     assert only_smollm == []
+
+
+def test_generate_takes_prompts_without_a_label(tmp_path, only_smollm):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Name a colour.", "Name a fruit."]))
+    res = invoke("generate", "--in", path, "--model", MODEL, "--max-new-tokens", "2", "--no-progress")
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["Name a colour.", "Name a fruit."]
+    assert [r["id"] for r in rows] == ["prompts:0", "prompts:1"]
