@@ -393,8 +393,15 @@ def test_a_run_folder_moved_elsewhere_resumes(tmp_path, lm):
     vectors = save_tiny_vectors(lm, first / "vectors")
     steer = {"intervention": "refusal-ablation", "intervention_args": {"path": str(vectors)}}
     ref = tmp_path / "ref-place" / "run"
-    _eval(tmp_path, lm, ref, intervention="refusal-ablation", intervention_args={"path": str(vectors)})()
-    status, seen = run_child(_eval(tmp_path, lm, first / "run", **steer), kill_at=14)
+    points = []
+    runfolder.write_hook = lambda kind, path, phase: points.append((kind, path.name, phase))
+    try:
+        _eval(tmp_path, lm, ref, intervention="refusal-ablation", intervention_args={"path": str(vectors)})()
+    finally:
+        runfolder.write_hook = None
+    appends = [i for i, p in enumerate(points, 1) if p == ("append", "samples.jsonl", "partial")]
+    # killed halfway through the second batch's append
+    status, seen = run_child(_eval(tmp_path, lm, first / "run", **steer), kill_at=appends[1])
     assert status == "killed" and 0 < len(read_jsonl(first / "run" / "samples.jsonl")) < 10
     moved = tmp_path / "elsewhere" / "moved"
     moved.parent.mkdir()

@@ -58,8 +58,9 @@ LOCK_NAME = ".aligntax.lock"
 # without the pid (".NAME.XXXXXXXX.tmp") come from earlier versions
 _TEMP_RE = re.compile(r"^\..+?(?:\.(?P<pid>\d+))?\.[A-Za-z0-9_]{8}\.tmp$")
 STALE_TEMP_S = 60.0
-# The key under which a settings header records where its folder was (to recognise moved paths).
-WHERE_KEY = "_where"
+# The hidden file in which a run folder records where it was when its header was last written (to
+# recognise paths that moved with it); hidden, so bundles and folder digests leave it out.
+WHERE_NAME = ".aligntax-where.json"
 
 # JSON keys whose values may differ between a run that was killed and resumed and one that was not:
 # wall times and throughput, what one invocation did (new / resumed / reused counts), start times, file
@@ -74,13 +75,12 @@ VOLATILE_FIELDS = frozenset(
         "calibration_seconds",
         "started",  # settings headers and locks: when a run started
         "mtime_ns",  # folder digests: modification times of the files
-        WHERE_KEY,  # settings headers: the folder's absolute path and the working folder
-        "train_seconds",
-        "times",
+        "step_seconds",  # ELS training: wall seconds per step
     }
 )
-# Files that only a resumed run leaves: the flock file that guards a stale lock's takeover.
-VOLATILE_FILES = frozenset({f"{LOCK_NAME}.guard"})
+# Files that may differ: the flock file that guards a stale lock's takeover (left by a resumed run only)
+# and where the folder was.
+VOLATILE_FILES = frozenset({f"{LOCK_NAME}.guard", WHERE_NAME})
 
 
 class RunLockedError(AligntaxError):
@@ -475,9 +475,13 @@ def digest(obj) -> str:
 
 
 def where(folder: str | Path) -> dict:
-    """Where a header's folder is: its absolute path and the working folder its relative paths start
-    from (recorded under :data:`WHERE_KEY`)."""
+    """Where a run folder is: its absolute path and the working folder its relative paths start from."""
     return {"folder": str(Path(folder).resolve()), "cwd": os.getcwd()}
+
+
+def read_where(folder: str | Path) -> dict | None:
+    """Where the folder was when its header was last written (:data:`WHERE_NAME`; None if unknown)."""
+    return read_header(folder, WHERE_NAME)
 
 
 def _same_place(old: str, new: str, was: dict | None, folder: Path | None) -> bool:
@@ -509,13 +513,19 @@ def _equal(old, new, was: dict | None, folder: Path | None) -> bool:
 
 
 def settings_diffs(
-    old: dict, new: dict, keys: Sequence[str], folder: str | Path | None = None, defaults: dict | None = None
+    old: dict,
+    new: dict,
+    keys: Sequence[str],
+    folder: str | Path | None = None,
+    defaults: dict | None = None,
+    was: dict | None = None,
 ) -> list[str]:
     """``"key: old -> new"`` for each of ``keys`` whose value differs between a header ``old`` and the
     settings ``new``. ``defaults``: the value of a key that an older header lacks. Path strings count as
     equal when they name the same place (:func:`_same_place`; ``folder`` is where the run folder is now,
-    the header's :data:`WHERE_KEY` where it was)."""
-    was = old.get(WHERE_KEY) if isinstance(old.get(WHERE_KEY), dict) else None
+    ``was`` where it was when ``old`` was written: by default the folder's :data:`WHERE_NAME`)."""
+    if was is None and folder is not None:
+        was = read_where(folder)
     old = {**(defaults or {}), **old}
     here = Path(folder) if folder is not None else None
     return [
@@ -540,9 +550,12 @@ def read_header(folder: str | Path, name: str) -> dict | None:
 
 
 def write_header(folder: str | Path, name: str, settings: dict) -> None:
-    """Write ``settings`` as the folder's header ``name`` (atomically, with :data:`WHERE_KEY`)."""
+    """Write ``settings`` as the folder's header ``name`` (atomically), and where the folder is
+    (:data:`WHERE_NAME`)."""
     folder = Path(folder)
-    write_json_atomic(folder / name, {**_plain(settings), WHERE_KEY: where(folder)}, default=str)
+    write_json_atomic(folder / name, _plain(settings))
+    if read_where(folder) != where(folder):
+        write_json_atomic(folder / WHERE_NAME, where(folder))
 
 
 def check_settings(
@@ -558,8 +571,8 @@ def check_settings(
 ) -> dict | None:
     """The settings header rule: when the folder already holds results (``bound``), refuse (one
     :class:`SettingsChanged` line naming every differing key) a header ``folder/name`` whose ``keys``
-    differ from ``settings``; then write ``settings`` as the header (atomically, with
-    :data:`WHERE_KEY`) unless ``write`` is false. A folder that holds no result yet (a run that failed
+    differ from ``settings``; then write ``settings`` as the header (:func:`write_header`) unless
+    ``write`` is false. A folder that holds no result yet (a run that failed
     while loading) binds nothing: a new run may start there whatever it records. Returns the old
     header (None if there was none)."""
     folder = Path(folder)

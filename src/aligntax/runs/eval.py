@@ -21,10 +21,9 @@ from aligntax.generation.source import GenerationSource, SourceSpec
 from aligntax.metrics import summarize_refusals
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runfolder import (
-    WHERE_KEY,
     SettingsChanged,
     check_settings,
-    read_header,
+    read_where,
     run_lock,
     settings_diffs,
     write_header,
@@ -266,7 +265,7 @@ def _run_eval(
     from aligntax.judges import get_judge
 
     saved = read_provenance(out) if has_samples(out) else {}
-    header = read_header(out, "config.json") if has_samples(out) else None
+    was = read_where(out) if has_samples(out) else None  # where the folder was when it wrote its samples
     prov = _check_loaded(out, _check_resume(out, cfg), lm, judge)  # the model / judge given, if any
     write_header(out, "config.json", asdict(cfg))
     prov = _save_provenance(out, saved, prov)
@@ -296,7 +295,7 @@ def _run_eval(
                 from aligntax.interventions.registry import make_intervention
 
                 intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
-            _record_intervention(out, intervention, header)
+            _record_intervention(out, intervention, was)
             judge = judge or get_judge(cfg.judge)
             prov = _save_provenance(out, prov, _check_loaded(out, prov, lm, judge))
             steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
@@ -415,19 +414,18 @@ def _steering_stats(prev: dict, new: dict) -> dict:
     return {"steering_stats": merged} if merged else {}
 
 
-def _record_intervention(out: Path, intervention, header: dict | None = None) -> None:
+def _record_intervention(out: Path, intervention, was: dict | None = None) -> None:
     """Write the intervention's resolved settings (e.g. ELS settings taken from a tuned ``best.json``) to
     ``intervention.json``; a resumed run whose intervention resolves differently is refused, so that
-    samples made with two settings never mix. ``header``: the folder's settings header as the run that
-    wrote the samples left it (where the folder was: paths that moved with it are the same setting)."""
+    samples made with two settings never mix. ``was``: where the folder was when the samples were written
+    (:func:`~aligntax.runfolder.read_where`: paths that moved with it are the same setting)."""
     resolved = json.loads(
         json.dumps(intervention.config() if intervention is not None else None, default=str)
     )
     path = out / "intervention.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        where = {WHERE_KEY: (header or {}).get(WHERE_KEY)} if header else {}
-        if settings_diffs({"s": _settings(old), **where}, {"s": _settings(resolved)}, ["s"], out):
+        if settings_diffs({"s": _settings(old)}, {"s": _settings(resolved)}, ["s"], out, was=was or {}):
             raise AligntaxError(
                 f"{out} was run with intervention settings {json.dumps(_settings(old))}, but they now resolve to "
                 f"{json.dumps(_settings(resolved))} (did the folder's sweep/best.json change?). Use another --out, "

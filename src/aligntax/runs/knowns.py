@@ -29,6 +29,7 @@ from aligntax.metrics.rates import paired_change
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runfolder import (
     check_settings,
+    read_where,
     run_lock,
     write_json_atomic,
     write_jsonl_atomic,
@@ -129,18 +130,16 @@ _RESULT_FIELDS = (
 
 def _check_resume(out: Path, cfg: KnownsConfig) -> dict | None:
     """The settings header rule (``config.json``): a folder with samples refuses other settings; no
-    sample yet is a new run, whatever it records. Writes the header; returns the old one."""
+    sample yet is a new run, whatever it records. Writes the header; returns where the folder was when
+    its samples were written."""
     from aligntax.runs.eval import _OLDER_DEFAULTS, has_samples
 
-    return check_settings(
-        out,
-        "config.json",
-        asdict(cfg),
-        _RESULT_FIELDS,
-        has_samples(out),
-        "knowns run",
-        defaults=_OLDER_DEFAULTS,
+    bound = has_samples(out)
+    was = read_where(out) if bound else None
+    check_settings(
+        out, "config.json", asdict(cfg), _RESULT_FIELDS, bound, "knowns run", defaults=_OLDER_DEFAULTS
     )
+    return was
 
 
 def run_knowns(cfg: KnownsConfig, lm=None, intervention=None, source=None) -> dict:
@@ -172,7 +171,7 @@ def _run_knowns(cfg: KnownsConfig, lm, intervention, source) -> dict:
 
     items = load_known_answers(cfg.data, cfg.split, cfg.limit)
     out = Path(cfg.out)
-    header = _check_resume(out, cfg)
+    was = _check_resume(out, cfg)
     samples_path = out / "samples.jsonl"
     by_id = {it.id: it for it in items}
     done = {
@@ -190,7 +189,7 @@ def _run_knowns(cfg: KnownsConfig, lm, intervention, source) -> dict:
         spec = SourceSpec(cfg.model, cfg.dtype, name, dict(cfg.intervention_args or {}), cfg.batch_size)
         with source.open(spec, lm, intervention) as gen:
             lm, intervention = gen.lm, gen.intervention
-            _record_intervention(out, intervention, header)
+            _record_intervention(out, intervention, was)
             decider = gen.decider()
             info = (
                 decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size)
