@@ -76,6 +76,7 @@ VOLATILE_FIELDS = frozenset(
         "started",  # settings headers and locks: when a run started
         "mtime_ns",  # folder digests: modification times of the files
         "step_seconds",  # ELS training: wall seconds per step
+        "phase_seconds",  # ELS distillation: wall seconds per phase
     }
 )
 # Files that may differ: the flock file that guards a stale lock's takeover (left by a resumed run only)
@@ -227,6 +228,40 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
                 os.unlink(tmp)
             raise
         _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_files(folder: str | Path) -> Iterator[Path]:
+    """A temp folder inside ``folder`` for a writer that saves several files at once
+    (``save_pretrained``): on leaving the block each file is fsynced and renamed into ``folder`` (a
+    reader sees each file old or new, never torn), and the temp folder removed; on an error it is
+    removed. Temp folders of earlier killed saves (``.save.PID.*`` of processes no longer running) are
+    removed first."""
+    import shutil
+
+    folder = Path(folder)
+    with _translated(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob(".save.*"):
+            pid = old.name.split(".")[2] if old.name.count(".") >= 3 else ""
+            if old.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".save.{os.getpid()}.", dir=folder))
+        try:
+            yield tmp
+            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                target = folder / path.relative_to(tmp)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _point("replace", target, "temp")
+                os.replace(path, target)
+            _fsync_dir(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
