@@ -152,7 +152,7 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
             horizon=[16],
             row_threshold=[0.0, -2.0],
             baselines=False,
-            judge="keyword",
+            judge="parity",  # the demo's judge: a resume with another is refused
             max_new_tokens=6,
             leak=["orbench-toxic"],
             limit_leak=30,

@@ -473,8 +473,9 @@ def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
     assert side["data"]["benign"] == len(BENIGN) and side["data"]["harmful"] == 4
     assert side["data"]["answers_generated"] == 3  # one came from the label run
     assert side["horizon"] == 2 and side["source"]["els"]["eta"] == 0.5 and side["layers"] == [0, 1]
+    # the same folder with other settings: refused, naming them (the finished adapter is kept)
     res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(out)])
-    assert res.exit_code == 2 and "not empty" in res.output
+    assert res.exit_code == 2 and "different settings" in res.output and "epochs" in res.output
     # the defaults: harmful answers generated with the refusal vector added, everyday rows kept
     res = CliRunner().invoke(
         cli.app,

@@ -27,8 +27,8 @@ from aligntax.interventions.els import TUNED_KEYS
 from aligntax.interventions.options import spec_of
 from aligntax.interventions.registry import grid_fields
 from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.runfolder import check_settings, digest, run_lock, write_json_atomic, write_text_atomic
 from aligntax.runs.eval import EvalConfig, activation_id, load_prompt_sets, run_eval
-from aligntax.runs.fsio import write_json_atomic
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
 from aligntax.runs.sources import check_source, generation_source
 
@@ -119,17 +119,30 @@ def train_els(cfg: ELSTrainConfig, lm=None, ray=None) -> dict:
     states recorded during it, run on replicas of the model over Ray (the batches one process forms,
     one work unit each); this process judges, writes the same files, and loads the model afterwards
     for the remaining, cheaper stages."""
-    from aligntax.energy import plot_energy_histograms, train_layers
-    from aligntax.interventions.vectors import compute_vectors
-    from aligntax.models import load_model
-
     if ray is not None and lm is not None:
         raise AligntaxError(
             "ELS training on Ray loads the model on its replicas: give the model, not a loaded one."
         )
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "train_config.json", asdict(cfg))
+    with run_lock(out):  # one writer per ELS folder (its labels run has its own lock too)
+        # bound once the label run has a sample: other settings then would mix two trainings
+        bound = (out / "labels" / "samples.jsonl").is_file()
+        check_settings(out, "train_config.json", asdict(cfg), _TRAIN_KEYS, bound, "ELS training")
+        return _train_els(cfg, out, lm, ray)
+
+
+# The training settings a resume must agree on: all but where it writes, the progress bars and the
+# batch size.
+_TRAIN_KEYS = tuple(
+    f for f in ELSTrainConfig.__dataclass_fields__ if f not in ("out", "progress", "batch_size")
+)
+
+
+def _train_els(cfg: ELSTrainConfig, out: Path, lm, ray) -> dict:
+    from aligntax.energy import plot_energy_histograms, train_layers
+    from aligntax.interventions.vectors import compute_vectors
+    from aligntax.models import load_model
+
     if ray is None:
         lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     t0 = time.perf_counter()
@@ -383,14 +396,15 @@ def harm_basis_for_folder(
         cfg.batch_size = int(batch_size)
     if dtype is not None:
         cfg.dtype = dtype
-    lm = lm or load_model(cfg.model, dtype=cfg.dtype)
-    items = [item for part in _training_items(cfg) for item in part]
-    layers = cfg.layers if cfg.layers is not None else "all"
-    acts = _captured(lm, items, layers, folder / "activations", cfg)
-    harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
-    h_acts = _captured(lm, harmless, layers, folder / "activations_harmless", cfg)
-    basis = _harm_basis(cfg, lm, folder, items, acts, harmless, h_acts)
-    basis.save(folder)
+    with run_lock(folder):  # the ELS folder's one writer
+        lm = lm or load_model(cfg.model, dtype=cfg.dtype)
+        items = [item for part in _training_items(cfg) for item in part]
+        layers = cfg.layers if cfg.layers is not None else "all"
+        acts = _captured(lm, items, layers, folder / "activations", cfg)
+        harmless = load_prompt_sets(cfg.harmless, cfg.limit_harmless)
+        h_acts = _captured(lm, harmless, layers, folder / "activations_harmless", cfg)
+        basis = _harm_basis(cfg, lm, folder, items, acts, harmless, h_acts)
+        basis.save(folder)
     return basis
 
 
@@ -493,7 +507,7 @@ def _write_train_report(out: Path, bank, summary: dict) -> None:
             f"{norm if norm is None else round(norm, 1)} |"
         )
     lines += ["", "![energy histograms](energy_histograms.png)", ""]
-    (out / "report.md").write_text("\n".join(lines))
+    write_text_atomic(out / "report.md", "\n".join(lines))
 
 
 # ------------------------------------------------------------------------------------------ sweep
@@ -969,13 +983,56 @@ def run_sweep(cfg: SweepConfig, lm=None, ray=None, source=None) -> dict:
         check_source(source, cfg.backend)
         source.check(loaded_model=lm is not None, adapters=bool(cfg.lora))
         cfg.backend = source.backend
-        with source.sweep(
-            SourceSpec(cfg.model, cfg.dtype, batch_size=cfg.batch_size, device_map=cfg.device_map)
-        ) as sweep:
-            return _run_sweep(cfg, lm, sweep)
+        out = sweep_folder(cfg)
+        with run_lock(out):  # one writer per sweep folder
+            bound = (out / "sweep.jsonl").is_file() and (out / "sweep.jsonl").stat().st_size > 0
+            check_settings(out, "sweep_config.json", asdict(cfg), _SWEEP_KEYS, bound, "ELS sweep")
+            with source.sweep(
+                SourceSpec(cfg.model, cfg.dtype, batch_size=cfg.batch_size, device_map=cfg.device_map)
+            ) as sweep:
+                return _run_sweep(cfg, lm, sweep)
     finally:
         if own:
             source.close()
+
+
+# The sweep settings its rows depend on beyond their keys (a row's key holds the setting, the method, the
+# answer length and the validation data): the model, its dtype and the judge. Scoring more settings, other
+# grids or other data in the same folder extends it; these refuse a resume.
+_SWEEP_KEYS = ("model", "dtype", "judge")
+
+
+def sweep_folder(cfg: SweepConfig) -> Path:
+    """Where a sweep writes: ``cfg.out``, by default ``STEER/sweep``."""
+    return Path(cfg.out or Path(cfg.steer) / "sweep")
+
+
+def _check_sweep_key(out: Path, cfg: SweepConfig, lm, judge) -> None:
+    """The loaded part of the sweep's resume key (``provenance.json``): the model's weights (its
+    fingerprint), the judge's identity (its weights hash and settings) and the ELS folder's energy models
+    and gate (their content); a resume with any of them changed is refused, naming it."""
+    from aligntax.runfolder import check_key, read_header
+    from aligntax.runs.provenance import _FINGERPRINT_KEYS, folder_digest, judge_identity
+
+    fp = getattr(lm, "fingerprint", None) or {}
+    steer = folder_digest(cfg.steer)
+    current = {
+        "model": {k: fp[k] for k in _FINGERPRINT_KEYS if k in fp} or None,
+        "judge": judge_identity(judge)["sha256"] if judge is not None else None,
+        "els folder": digest(
+            {
+                n: f["sha256"]
+                for n, f in (steer or {}).get("files", {}).items()
+                if n.split(".")[0] in ("energy", "gate")
+            }
+        )
+        if steer
+        else None,
+    }
+    saved = read_header(out, "provenance.json")
+    merged = check_key(out, saved, current, "ELS sweep")
+    if merged != saved:
+        write_json_atomic(out / "provenance.json", merged)
 
 
 def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
@@ -986,8 +1043,7 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     from aligntax.reports.plots import pareto_plot
 
     replicas = sweep.replicas
-    out = Path(cfg.out or Path(cfg.steer) / "sweep")
-    out.mkdir(parents=True, exist_ok=True)
+    out = sweep_folder(cfg)
     if replicas is None:
         lm = lm or load_model(cfg.model, dtype=cfg.dtype, device_map=cfg.device_map)
     benign = {spec: _sampled(load_prompt_sets([spec], None), cfg.limit, 0) for spec in cfg.benign}
@@ -1024,6 +1080,7 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     rows = list(latest.values())
     settings = sweep_settings(cfg)
     judge = get_judge(cfg.judge) if cfg.method == "generate" or cfg.confirm or leaks else None
+    _check_sweep_key(out, cfg, lm, judge)  # on replicas, lm is None: the model part is not checked
     unsteered = out / f"unsteered-{cfg.max_new_tokens}tok{other}.jsonl"
     unsteered_leak = out / f"unsteered-leak-{cfg.max_new_tokens}tok{other}.jsonl"
     # answers of each steering setting (by its key without the prompt part), kept for a later round of

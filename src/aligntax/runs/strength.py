@@ -51,7 +51,15 @@ class StrengthConfig:
 
 
 def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
-    """Fit, save and summarise the folder's row strength model (see the module docstring)."""
+    """Fit, save and summarise the folder's row strength model (see the module docstring); the ELS
+    folder's lock is held meanwhile (its one writer)."""
+    from aligntax.runfolder import run_lock
+
+    with run_lock(cfg.steer):
+        return _fit_strength(cfg, lm)
+
+
+def _fit_strength(cfg: StrengthConfig, lm=None) -> dict:
     from aligntax.config import load_config
     from aligntax.energy.front import HarmBasis, RowStrength, fit_row_strength
     from aligntax.generation import GenerationConfig, generate
