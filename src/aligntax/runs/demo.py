@@ -21,7 +21,8 @@ from aligntax.generation.source import SourceSpec
 from aligntax.interventions.els import DEFAULT_SETTINGS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
-from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, sweep_settings, train_els
+from aligntax.runs.els_sweep import SweepConfig, run_sweep, sweep_settings
+from aligntax.runs.els_train import ELSTrainConfig, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
 from aligntax.runs.fsio import write_json_atomic
 from aligntax.runs.sources import check_source, generation_source

@@ -97,12 +97,6 @@ class DistillConfig:
     progress: bool = True
 
 
-def _sampled(items: list, limit: int | None, seed: int) -> list:
-    from aligntax.runs.els import _sampled as sampled
-
-    return sampled(items, limit, seed)
-
-
 def _dedupe(items: list, seen: set) -> list:
     out = []
     for it in items:
@@ -117,18 +111,18 @@ def distill_prompts(cfg: DistillConfig) -> tuple[list, list, list]:
     """The benign, the harmful and the retained (everyday) prompts of a distillation (see the module
     docstring), without repeats."""
     from aligntax.config import load_config
-    from aligntax.runs.els import ELSTrainConfig, _training_items, gate_items
+    from aligntax.runs.els_train import ELSTrainConfig, gate_items, sampled, training_items
     from aligntax.runs.eval import load_prompt_sets
 
     path = Path(cfg.steer) / "train_config.json"
     if not path.is_file():
         raise AligntaxError(f"{cfg.steer} has no train_config.json: give an `aligntax els train` folder.")
     tcfg = load_config(ELSTrainConfig, path)
-    benign, harmful = _training_items(tcfg)
+    benign, harmful = training_items(tcfg)
     pairs = load_prompt_sets(cfg.pairs) if cfg.pairs else []
     seen: set = set()
     b = _dedupe(
-        _sampled(benign, cfg.limit_benign, cfg.seed) + [it for it in pairs if it.label == "benign"], seen
+        sampled(benign, cfg.limit_benign, cfg.seed) + [it for it in pairs if it.label == "benign"], seen
     )
     twins = _dedupe([it for it in pairs if it.label == "harmful"], seen)
     h = _dedupe(harmful, seen)
@@ -137,11 +131,11 @@ def distill_prompts(cfg: DistillConfig) -> tuple[list, list, list]:
         extra = [it for it in gate_items(tcfg)[2] if it.label == "harmful"] if tcfg.gate else []
         extra = _dedupe(extra, set(seen))
         need = None if limit is None else limit - len(h)
-        h += _dedupe(_sampled(extra, need, cfg.seed), seen)
+        h += _dedupe(sampled(extra, need, cfg.seed), seen)
     retain = []
     if cfg.limit_retain is None or cfg.limit_retain > 0:
         retain = _dedupe(
-            _sampled(load_prompt_sets(tcfg.harmless, tcfg.limit_harmless), cfg.limit_retain, cfg.seed), seen
+            sampled(load_prompt_sets(tcfg.harmless, tcfg.limit_harmless), cfg.limit_retain, cfg.seed), seen
         )
     return b, twins + (h[:limit] if limit is not None else h), retain
 
