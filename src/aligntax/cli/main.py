@@ -16,8 +16,14 @@ from rich.table import Table
 from aligntax import __version__
 from aligntax.cli.options import (
     AligntaxGroup,
+    DeviceOpt,
+    DtypeOpt,
     InterventionOpt,
+    ModelOpt,
+    ProgressOpt,
+    ProgressOrConfigOpt,
     check_datasets,
+    check_dtype,
     check_intervention,
     check_judge,
     check_layers,
@@ -25,9 +31,12 @@ from aligntax.cli.options import (
     check_out_folder,
     check_range,
     deprecated,
+    ensure_datasets,
     grid_options,
+    resolve_model,
     set_debug,
     steering_options,
+    use_device,
 )
 from aligntax.cli.options import fail as _fail
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
@@ -51,7 +60,6 @@ console = Console(stderr=True)
 # Generation options shared by eval, generate, knowns and the demo; their defaults are
 # aligntax.defaults (48 new tokens, greedy), shown in every --help.
 TEMPERATURE_HELP = "0: greedy (the same answers every run); above 0: sample at this temperature"
-ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
 
 
 def _version(value: bool) -> None:
@@ -142,46 +150,73 @@ def models_info(spec: str = typer.Argument(DEFAULT_MODEL, help="model spec")) ->
 
 # ---------------------------------------------------------------- data
 @data_app.command("list")
-def data_list() -> None:
+def data_list(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
     """Named datasets: present or absent, and the data root each is read from (roots searched in order)."""
+    from aligntax.data.fetch import fetchable
     from aligntax.data.registry import DATASETS, data_roots, dataset_location
-    from aligntax.data.upstream import UPSTREAM
 
-    table = Table("name", "state", "read from", "description")
+    rows = []
     for name, spec in DATASETS.items():
         path, origin = dataset_location(name)
         if path is not None:
             state = "present"
-        elif spec.package is not None or spec.path in UPSTREAM:
+        elif spec.package is not None or fetchable(spec.path):
             state = "absent"
         else:
             state = "absent (no upstream)"
-        table.add_row(name, state, origin if path is not None else "-", spec.description)
+        rows.append(
+            {
+                "name": name,
+                "state": state,
+                "present": path is not None,
+                "read_from": origin if path is not None else None,
+                "path": str(path) if path is not None else None,
+                "description": spec.description,
+            }
+        )
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("name", "state", "read from", "description")
+    for r in rows:
+        table.add_row(r["name"], r["state"], r["read_from"] or "-", r["description"])
     out = Console()
     out.print(table)
     out.print("Data roots searched, in order (`aligntax data fetch NAME|all` stores into the last):")
     for i, root in enumerate(data_roots(), 1):
         out.print(f"  {i}. {root.describe()}", markup=False, highlight=False)
-    out.print("Absent files with no upstream: copy them into a data root (ALIGNTAX_DATA).")
+    if any(r["state"] == "absent (no upstream)" for r in rows):
+        out.print("Absent files with no upstream: copy them into a data root (ALIGNTAX_DATA).")
+
+
+MirrorFromOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--from",
+        help="a mirror folder or base URL laid out like the upstream URLs (ROOT/raw.githubusercontent.com/..., "
+        "ROOT/huggingface.co/..., ROOT/aligntax-derived/...; `aligntax data mirror` writes one); default "
+        "ALIGNTAX_DATA_MIRROR",
+    ),
+]
 
 
 @data_app.command("fetch")
 def data_fetch(
-    name: str = typer.Argument(..., help="a named dataset, xstest-labeled (judge validation), or all"),
-    source: str | None = typer.Option(
-        None,
-        "--from",
-        help="a mirror folder or base URL laid out like the "
-        "upstream URLs (ROOT/raw.githubusercontent.com/..., ROOT/huggingface.co/...)",
+    names: list[str] = typer.Argument(
+        ..., help="named datasets, file groups (xstest-labeled, jbb-artifacts, gsm8k, ...), or all"
     ),
+    source: MirrorFromOpt = None,
     force: bool = typer.Option(False, help="download again even if a verified copy is there"),
+    progress: ProgressOpt = True,
 ) -> None:
-    """Download benchmark files from their pinned upstream commits, check each sha256 and store them in
-    the cache (ALIGNTAX_CACHE/data), where the loaders find them; print where each file is."""
+    """Download benchmark files from their pinned upstream commits (or make them from one: the PHTest
+    splits), check each sha256 and store them in the cache (ALIGNTAX_CACHE/data), where the loaders find
+    them; print where each file is."""
     from aligntax.data.fetch import fetch_datasets
 
     try:
-        res = fetch_datasets([name], mirror=source, force=force, keep_going=name.strip().lower() == "all")
+        every = any(n.strip().lower() == "all" for n in names)
+        res = fetch_datasets(list(names), mirror=source, force=force, keep_going=every, progress=progress)
     except AligntaxError as exc:
         _fail(exc)
     for path in res.fetched:
@@ -194,6 +229,29 @@ def data_fetch(
         _fail(AligntaxError("\n".join(res.failed.values())))
 
 
+@data_app.command("mirror")
+def data_mirror(
+    out: Path = typer.Argument(..., help="the mirror folder (created; files already there are kept)"),
+) -> None:
+    """Write a data mirror from the files present here (shared data folder, cache), laid out like the
+    upstream URLs, each copied only when its sha256 is the pinned one. A machine without network access
+    fetches from it: ALIGNTAX_DATA_MIRROR=DIR aligntax data fetch all (or --from DIR)."""
+    from aligntax.data.mirror import write_mirror
+
+    try:
+        check_out_folder(out, "DIR")
+        res = write_mirror(out)
+    except AligntaxError as exc:
+        _fail(exc)
+    for rel in res.missing:
+        console.print(f"missing  {rel} (in no data root: `aligntax data fetch all` first)", markup=False)
+    for rel, got in res.mismatched.items():
+        console.print(f"differs  {rel} (sha256 {got}, not the pinned one): left out", markup=False)
+    print(f"mirror {out}: {len(res.written)} files written, {len(res.present)} already there")
+    if res.mismatched:
+        _fail(AligntaxError(f"{len(res.mismatched)} files differ from their pins and were left out"), code=1)
+
+
 # ---------------------------------------------------------------- generate / judge / eval
 # The intervention options of generate, chat, eval, mc and knowns: --intervention plus every registered
 # method's options (aligntax.interventions.options), added to a command by @steering_options.
@@ -203,7 +261,7 @@ def data_fetch(
 @steering_options
 def generate(
     prompt: list[str] = typer.Argument(None, help="prompts; or use --in"),
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: ModelOpt = None,
     in_file: Path | None = typer.Option(None, "--in", help="prompts: a file or dataset name"),
     out: Path | None = typer.Option(None, help="write JSONL to this file instead of stdout"),
     system: str | None = typer.Option(None, help="system prompt"),
@@ -213,7 +271,8 @@ def generate(
     sample: bool = typer.Option(False, "--sample", hidden=True),
     top_p: float = typer.Option(1.0, help="nucleus sampling (with a temperature above 0)"),
     seed: int | None = typer.Option(None, help="seed of the sampling"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     limit: int | None = typer.Option(None, help="with --in: the first N prompts"),
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
@@ -227,6 +286,8 @@ def generate(
 
     try:
         check_out_file(out)
+        check_dtype(dtype)
+        use_device(device)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
         check_range(top_p, "probability", "--top-p")
@@ -240,7 +301,8 @@ def generate(
             from aligntax.data import load_prompts
 
             check_datasets([str(in_file)], "--in")
-            items = load_prompts(str(in_file), limit=limit)
+            ensure_datasets([str(in_file)], progress, "generate")
+            items = load_prompts(str(in_file), limit=limit, default_label="benign")  # labels unused
             prompts += [it.prompt for it in items]
             ids += [it.id for it in items]
         if not prompts:
@@ -257,7 +319,7 @@ def generate(
     except AligntaxError as exc:
         _fail(exc)
     name = intervention if intervention != "none" else None
-    with source.open(SourceSpec(model, dtype, name, dict(iv_args or {}), batch_size)) as gen:
+    with source.open(SourceSpec(model, dtype or "bf16", name, dict(iv_args or {}), batch_size)) as gen:
         gens: list = [None] * len(prompts)
         for idx, batch in gen.iter_generate(prompts, cfg, progress=progress):
             for i, g in zip(idx, batch, strict=True):
@@ -293,10 +355,11 @@ def _make_iv(lm, intervention: str | None, iv_args: dict | None):
 @app.command()
 @steering_options
 def chat(
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: ModelOpt = None,
     system: str | None = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(256, help="tokens per reply at most (a chat answers at length)"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
 ) -> None:
@@ -306,7 +369,9 @@ def chat(
     from aligntax.models import load_model
 
     try:
-        lm = load_model(model, dtype=dtype)
+        check_dtype(dtype)
+        use_device(device)
+        lm = load_model(model, dtype=dtype or "bf16")
         iv = _make_iv(lm, intervention, iv_args)
     except AligntaxError as exc:
         _fail(exc)
@@ -385,7 +450,7 @@ def _ray_config(address: str | None, workers: int | None, cpus: float, gpus: flo
 def eval_cmd(
     data: list[str] = typer.Option(None, "--data", help="file or dataset name; repeatable"),
     out: Path | None = typer.Option(None, help="run folder (required, here or in --config; a rerun resumes)"),
-    model: str | None = typer.Option(None, help="model spec", show_default=DEFAULT_MODEL),
+    model: ModelOpt = None,
     config: Path | None = typer.Option(None, help="YAML config; flags override it"),
     judge_name: str | None = typer.Option(
         None, "--judge", help="keyword, prefix, classifier, llm", show_default="classifier"
@@ -396,7 +461,8 @@ def eval_cmd(
     ),
     limit: int | None = typer.Option(None, help="first N items of each dataset"),
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
-    dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     sample: bool | None = typer.Option(None, "--sample", hidden=True),
     temperature: float | None = typer.Option(
         None, help=TEMPERATURE_HELP, show_default=str(DEFAULT_TEMPERATURE)
@@ -417,10 +483,7 @@ def eval_cmd(
         help="an earlier run folder over the same prompts (default: --reuse-unsteered): the paired change "
         "against it per dataset (turned compliant/refusing, exact McNemar p)",
     ),
-    progress: Annotated[
-        bool | None,
-        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
-    ] = None,
+    progress: ProgressOrConfigOpt = None,
     ray: RayOpt = None,
     workers: WorkersOpt = None,
     worker_cpus: WorkerCpusOpt = 1.0,
@@ -463,7 +526,14 @@ def eval_cmd(
             device_map=device_map,
             backend=backend,
         )
+        if config is not None:  # the model may come from the file: resolved with the merged settings
+            from aligntax.runs.provenance import intervention_folder
+
+            given = model or ("model" in _yaml_keys(config) and cfg.model) or None
+            cfg.model = resolve_model(given, intervention_folder(cfg.intervention_args))
+        use_device(device)
         _check_eval(cfg)
+        ensure_datasets(cfg.data, cfg.progress is not False, "eval")
         source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
     except AligntaxError as exc:
         _fail(exc)
@@ -499,6 +569,7 @@ def _check_eval(cfg) -> None:
         check_range(cfg.limit, "count", "--limit")
     check_range(cfg.temperature, "nonnegative", "--temperature")
     check_range(cfg.top_p, "probability", "--top-p")
+    check_dtype(cfg.dtype)
     for flag, folder in (("--reuse-unsteered", cfg.reuse_unsteered), ("--compare-to", cfg.compare_to)):
         if folder and not Path(folder).is_dir():
             raise UsageError(f"{flag} {folder}: no such run folder.")
@@ -581,9 +652,13 @@ def rejudge(
 @app.command()
 def fluency(
     run: Path = typer.Argument(..., help="an evaluation run folder"),
-    model: str | None = typer.Option(None, help="reference model (default: the run's model, unsteered)"),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="reference model spec (default: the run's model, unsteered)"
+    ),
     source: list[str] = typer.Option(None, help="only these datasets"),
     label: str | None = typer.Option("benign", help="only items with this label ('' for all)"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
     """Perplexity of a run's responses under the unsteered reference model; writes RUN/fluency.json."""
@@ -604,7 +679,9 @@ def fluency(
         ]
         if not rows:
             raise AligntaxError(f"No responses to score in {run}")
-        lm = load_model(model or cfg["model"], dtype=cfg.get("dtype", "bf16"))
+        check_dtype(dtype)
+        use_device(device)
+        lm = load_model(model or cfg["model"], dtype=dtype or cfg.get("dtype", "bf16"))
         res = {
             "reference_model": model or cfg["model"],
             "label": label or None,
@@ -617,22 +694,25 @@ def fluency(
     print(json.dumps(res, indent=2))
 
 
-def _check_builtin_or_file(data: str) -> None:
-    """``--data`` of the question sets that ship with aligntax: 'builtin' or an existing file."""
-    if data != "builtin" and not Path(data).is_file():
-        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
+def _check_builtin_or_file(data: str, named: tuple[str, ...] = ()) -> None:
+    """``--data`` of the question sets that ship with aligntax: 'builtin', one of ``named`` or an existing
+    file."""
+    if data != "builtin" and data not in named and not Path(data).is_file():
+        also = "".join(f", '{n}'" for n in named)
+        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin'{also}).")
 
 
 @app.command("mc")
 @steering_options
 def mc_cmd(
     out: Path = typer.Option(..., help="output folder (results.json, samples.jsonl)"),
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: ModelOpt = None,
     data: str = typer.Option("builtin", help="'builtin' (137 general questions) or a JSONL/JSON/CSV file"),
     limit: int | None = typer.Option(None, help="first N questions"),
     system: str | None = typer.Option(None, help="system prompt"),
     batch_size: int = typer.Option(16, help="prompts per batch"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
     progress: ProgressOpt = True,
@@ -644,6 +724,8 @@ def mc_cmd(
     try:
         check_out_folder(out)
         check_range(batch_size, "positive_count", "--batch-size")
+        check_dtype(dtype)
+        use_device(device)
         _check_builtin_or_file(data)
         cfg = MCConfig(
             out=str(out),
@@ -652,7 +734,7 @@ def mc_cmd(
             limit=limit,
             system=system,
             batch_size=batch_size,
-            dtype=dtype,
+            dtype=dtype or "bf16",
             intervention=intervention,
             intervention_args=iv_args,
             progress=progress,
@@ -674,8 +756,12 @@ def knowns_cmd(
     out: Path = typer.Option(
         ..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"
     ),
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
-    data: str = typer.Option("builtin", help="'builtin' (360 everyday questions) or a JSONL/JSON file"),
+    model: ModelOpt = None,
+    data: str = typer.Option(
+        "builtin",
+        help="'builtin' (360 everyday questions), 'gsm8k-test' / 'gsm8k-val' (maths word problems, the "
+        "final number scored; --limit takes a sample stratified by solution steps) or a JSONL/JSON file",
+    ),
     split: str = typer.Option("test", help="test, val (for choosing settings) or all"),
     limit: int | None = typer.Option(None, help="first N items of the split"),
     compare_to: str | None = typer.Option(
@@ -684,7 +770,8 @@ def knowns_cmd(
     system: str | None = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per question at most"),
     batch_size: int = typer.Option(32, help="prompts per batch"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
     progress: ProgressOpt = True,
@@ -697,7 +784,11 @@ def knowns_cmd(
         check_out_folder(out)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
-        _check_builtin_or_file(data)
+        check_dtype(dtype)
+        use_device(device)
+        from aligntax.metrics.knowns import GSM8K_SETS
+
+        _check_builtin_or_file(data, tuple(GSM8K_SETS))
         if compare_to and not Path(compare_to).is_dir():
             raise UsageError(f"--compare-to {compare_to}: no such run folder.")
         cfg = KnownsConfig(
@@ -708,7 +799,7 @@ def knowns_cmd(
             limit=limit,
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
-            dtype=dtype,
+            dtype=dtype or "bf16",
             system=system,
             intervention=intervention,
             intervention_args=iv_args,
@@ -752,7 +843,14 @@ def _split_list(values: list[str] | None) -> list | None:
 @els_app.command("train")
 def els_train(
     out: Path = typer.Option(..., help="output folder (energy models, vectors, report)"),
-    model: str | None = typer.Option(None),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="model spec: a Hugging Face Hub id (Qwen/Qwen2.5-7B-Instruct), a model folder, a .gguf file "
+        "or embedded:NAME; recorded in the folder, which every command that takes it then uses",
+        show_default=DEFAULT_MODEL,
+    ),
     config: Path | None = typer.Option(None, help="YAML config"),
     benign: list[str] = typer.Option(None, help="over-refusal prompts (default orbench-hard-train)"),
     harmful: list[str] = typer.Option(None, help="harmful prompts (default harmful-train)"),
@@ -774,7 +872,8 @@ def els_train(
         None, help="tokens generated per prompt for the labels", show_default=str(DEFAULT_MAX_NEW_TOKENS)
     ),
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
-    dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     train_gate: bool | None = typer.Option(
         None, "--train-gate/--no-train-gate", help="also train the harm gate", show_default="train-gate"
     ),
@@ -819,10 +918,7 @@ def els_train(
     workers: WorkersOpt = None,
     worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None,
-    progress: Annotated[
-        bool | None,
-        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
-    ] = None,
+    progress: ProgressOrConfigOpt = None,
 ) -> None:
     """Label the model's behaviour, capture activations, train one energy model per layer (with --ray, the
     label generation and the states recorded during it run on replicas of the model over Ray)."""
@@ -870,6 +966,8 @@ def els_train(
             cfg.gate_recall = None if value == "none" else value
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
+        check_dtype(cfg.dtype)
+        use_device(device)
         check_range(cfg.layers, "count", "--layers")
         check_layers(cfg.model, cfg.layers)
         check_datasets(
@@ -882,6 +980,19 @@ def els_train(
                 *(cfg.gate_pairs or []),
             ],
             "a dataset",
+        )
+        ensure_datasets(
+            [
+                *(cfg.benign or []),
+                *(cfg.harmful or []),
+                *(cfg.harmless or []),
+                *(cfg.gate_harmful or []),
+                *(cfg.gate_benign or []),
+                *(cfg.gate_pairs or []),
+                *(cfg.harm_pairs or []),
+            ],
+            cfg.progress,
+            "els train",
         )
         for flag, value, rule in (
             ("--epochs", cfg.epochs, "positive_count"),
@@ -904,7 +1015,9 @@ def els_distill(
         ..., help="folder written by `aligntax els train` (its tuned ELS setting is distilled)"
     ),
     out: Path = typer.Option(..., help="new adapter folder (peft adapter + els_lora.json)"),
-    model: str | None = typer.Option(None, help="model spec (default: the ELS folder's)"),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="model spec (default: the model the ELS folder was trained on)"
+    ),
     config: Path | None = typer.Option(None, help="YAML config"),
     layers: str | None = typer.Option(
         None,
@@ -928,7 +1041,8 @@ def els_distill(
         None, help="weight of the harmful rows' unsteered targets (default 3)"
     ),
     limit_retain: int | None = typer.Option(
-        None, help="everyday instructions (the folder's harmless prompts) kept unsteered (default 300)"
+        None,
+        help="everyday rows (harmless instructions, GSM8K training questions) kept unsteered (default 300)",
     ),
     retain_weight: float | None = typer.Option(None, help="weight of their unsteered targets (default 3)"),
     benign_target: str | None = typer.Option(
@@ -946,17 +1060,28 @@ def els_distill(
         None, help="the refusal vector's strength for --harmful-target refusal (default 1)"
     ),
     pairs: list[str] = typer.Option(None, help="contrast pairs (default contrast-pairs; 'none': none)"),
+    limit_pairs: int | None = typer.Option(None, help="contrast pairs kept, sampled by pair (default: all)"),
+    retain: str | None = typer.Option(
+        None, help="everyday rows' sources, comma-separated: harmless, gsm8k-train (default both)"
+    ),
+    retain_ce: float | None = typer.Option(
+        None,
+        help="weight of the everyday rows' answer term: cross-entropy against the model's own greedy "
+        "answer tokens (0: their states only; default 1)",
+    ),
+    retain_answer_tokens: int | None = typer.Option(None, help="everyday answers' tokens (default 48)"),
     answer_tokens: int | None = typer.Option(
         None, help="steered answer tokens when the ELS setting has no horizon (default 16)"
     ),
-    dtype: str | None = typer.Option(None),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     seed: int | None = typer.Option(None),
     els_set: list[str] | None = typer.Option(
         None,
         "--els-set",
         help="KEY=VALUE of the ELS setting distilled, over the folder's tuned one (e.g. eta=0.3)",
     ),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    progress: ProgressOpt = True,
 ) -> None:
     """Distil the folder's ELS steering into a LoRA adapter (intervention els-lora): teacher-forced MSE on the
     state leaving the last steered block, ELS-steered on benign prompts, unsteered on harmful ones."""
@@ -978,6 +1103,10 @@ def els_distill(
                     f"--els-set takes KEY=VALUE with KEY one of {', '.join(specs)}; got {pair!r}."
                 )
             els[key] = parse_value(value, specs[key].parse, f"--els-set {key}")
+        check_dtype(dtype)
+        use_device(device)
+        if model is not None:
+            resolve_model(model, steer)  # a model the folder was not trained on: one line, before loading
         cfg = load_config(
             DistillConfig,
             config,
@@ -1000,11 +1129,18 @@ def els_distill(
             harmful_target=harmful_target,
             refusal_coeff=refusal_coeff,
             pairs=_split_list(pairs),
+            limit_pairs=limit_pairs,
+            retain=[x.strip() for x in retain.split(",") if x.strip()] if retain else None,
+            retain_ce=retain_ce,
+            retain_answer_tokens=retain_answer_tokens,
             answer_tokens=answer_tokens,
             dtype=dtype,
             seed=seed,
             els=els or None,
             progress=progress,
+        )
+        ensure_datasets(
+            [*(cfg.pairs or []), *(r for r in cfg.retain if r != "harmless")], progress, "els distill"
         )
         meta = distill_els_lora(cfg)
     except AligntaxError as exc:
@@ -1028,7 +1164,9 @@ def els_harm_basis(
     ),
     k: int | None = typer.Option(None, help="directions saved per layer (default 8)"),
     batch_size: int | None = typer.Option(None),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    progress: ProgressOpt = True,
 ) -> None:
     """Compute the harm basis (harm_basis.safetensors) of a folder trained before it was part of training:
     what ELS steps are projected off with --harm-orth K."""
@@ -1036,8 +1174,10 @@ def els_harm_basis(
 
     check_intervention("els", {"path": str(steer)})
     try:
+        check_dtype(dtype)
+        use_device(device)
         basis = harm_basis_for_folder(
-            steer, pairs=_split_list(pairs), k=k, batch_size=batch_size, progress=progress
+            steer, pairs=_split_list(pairs), k=k, batch_size=batch_size, progress=progress, dtype=dtype
         )
     except AligntaxError as exc:
         _fail(exc)
@@ -1047,7 +1187,9 @@ def els_harm_basis(
 @els_app.command("row-strength")
 def els_row_strength(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train` (with its harm basis)"),
-    model: str | None = typer.Option(None),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="model spec (default: the model the ELS folder was trained on)"
+    ),
     layers: str | None = typer.Option(None, help="steered layers (default: the folder's tuned setting)"),
     eta: float | None = typer.Option(None),
     steps: int | None = typer.Option(None),
@@ -1062,14 +1204,21 @@ def els_row_strength(
     ),
     judge_name: str | None = typer.Option(None, "--judge"),
     batch_size: int | None = typer.Option(None),
-    dtype: str | None = typer.Option(None),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    progress: ProgressOpt = True,
 ) -> None:
     """Fit the learned per-row ELS strength (row_strength.safetensors) to the outcome of steering the
     folder's over-refused benign and harmful training prompts; used with --row-strength on."""
     from aligntax.config import load_config
     from aligntax.runs.strength import StrengthConfig, fit_strength
 
+    try:
+        model = resolve_model(model, steer) if steer.is_dir() else model
+        check_dtype(dtype)
+        use_device(device)
+    except AligntaxError as exc:
+        _fail(exc)
     check_intervention(
         "els", {"path": str(steer), "layers": [int(x) for x in layers.split(",")] if layers else None}, model
     )
@@ -1105,7 +1254,9 @@ def els_row_strength(
 def els_sweep(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
     out: Path | None = typer.Option(None, help="default STEER/sweep"),
-    model: str | None = typer.Option(None),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="model spec (default: the model the ELS folder was trained on)"
+    ),
     config: Path | None = typer.Option(None),
     benign: list[str] = typer.Option(
         None, help="validation benign sets (default orbench-hard-val, phtest-harmless-val)"
@@ -1154,7 +1305,8 @@ def els_sweep(
         None, help="settings scored on every prompt after the first round (default 2)"
     ),
     judge_name: str | None = typer.Option(None, "--judge"),
-    dtype: str | None = typer.Option(None),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     ray: RayOpt = None,
     workers: WorkersOpt = None,
     worker_cpus: WorkerCpusOpt = 1.0,
@@ -1166,10 +1318,7 @@ def els_sweep(
         help="hf, or vllm: the settings' answers from a vLLM engine (./run setup-vllm)",
         show_default="hf",
     ),
-    progress: Annotated[
-        bool | None,
-        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
-    ] = None,
+    progress: ProgressOrConfigOpt = None,
 ) -> None:
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
     from aligntax.config import load_config
@@ -1212,9 +1361,15 @@ def els_sweep(
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
         source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
         check_intervention("els", {"path": cfg.steer})
+        cfg.model = resolve_model(cfg.model, cfg.steer)
+        check_dtype(cfg.dtype)
+        use_device(device)
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
         check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], "a dataset")
+        ensure_datasets(
+            [*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], cfg.progress, "els sweep"
+        )
         check_layers(cfg.model, [x for lay in cfg.layers or [] for x in lay], "--layers-grid")
         check_range(cfg.max_new_tokens, "positive_count", "--max-new-tokens")
     except AligntaxError as exc:
@@ -1237,13 +1392,20 @@ def demo(
         "sweep setting on every validation prompt, every baseline on "
         "the test sets (about 2.5 times as long)",
     ),
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: str = typer.Option(
+        DEFAULT_MODEL,
+        "--model",
+        "-m",
+        help="model spec: a Hugging Face Hub id (Qwen/Qwen2.5-7B-Instruct), a model folder, a .gguf file or "
+        "embedded:NAME",
+    ),
     limit: int | None = typer.Option(None, help="first N items of each test set"),
     max_new_tokens: int = typer.Option(
         DEFAULT_MAX_NEW_TOKENS, help="tokens generated per test prompt at most"
     ),
     judge_name: str = typer.Option("classifier", "--judge", help="keyword, prefix, classifier, llm"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     batch_size: int = typer.Option(96, help="prompts per batch (vLLM: the engine's sequence slots)"),
     backend: str = typer.Option(
         "hf",
@@ -1259,7 +1421,7 @@ def demo(
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
-    from aligntax.runs.demo import check_mechanisms, demo_config, run_demo
+    from aligntax.runs.demo import check_mechanisms, demo_config, demo_datasets, run_demo
     from aligntax.runs.sources import generation_source
 
     out = out or Path(
@@ -1269,6 +1431,8 @@ def demo(
         source = generation_source(backend)
         check_out_folder(out)
         check_judge(judge_name)
+        check_dtype(dtype)
+        use_device(device)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
         picked = (
@@ -1290,6 +1454,7 @@ def demo(
             progress=progress,
             mechanisms=picked,
         )
+        ensure_datasets(demo_datasets(cfg), progress, "demo")
     except AligntaxError as exc:
         _fail(exc)
     with closing(source):

@@ -70,7 +70,7 @@ class SweepConfig(_SweepGrid):
 
     steer: str = "runs/els"
     out: str | None = None  # default: STEER/sweep
-    model: str = DEFAULT_MODEL
+    model: str | None = None  # default: the model the steer folder was trained on
     # benign validation sets: the score is the mean of their useful compliance, so that a setting must
     # transfer beyond the style of the training prompts (PHTest is written unlike OR-Bench)
     benign: list[str] = field(default_factory=lambda: ["orbench-hard-val", "phtest-harmless-val"])
@@ -93,9 +93,8 @@ class SweepConfig(_SweepGrid):
     # left out): leak_passed, leak_refused, leak_refused_unsteered.
     leak: list[str] = field(default_factory=list)
     limit_leak: int | None = None  # per set, sampled
-    leak_constraint: bool = (
-        False  # the best setting must also refuse every leaked prompt the unsteered model refuses
-    )
+    # the best setting must also refuse every leaked prompt the unsteered model refuses
+    leak_constraint: bool = False
     # ELS distilled into LoRA adapters (``aligntax els distill`` folders), each scored at every scale, with
     # the same eligibility rules; the best one is reported as ``best_lora`` (``best`` stays an ELS setting,
     # the one ``--steer DIR`` resolves to). An adapter has no gate: its leak check covers every leak prompt.
@@ -235,8 +234,7 @@ def select_best(
 # ------------------------------------------------------------------------------------------ the sweep
 @dataclass
 class _Due:
-    """A setting still to score: its row key, the earlier row (scored before; only its leak check is
-    new), and whether a leak check is due."""
+    """A setting still to score: its row key, its earlier row (only the leak check is new), leak check due."""
 
     key: str
     old: SweepRow | None
@@ -551,7 +549,7 @@ class Sweep:
         cfg = self.cfg
         method = "generate" if any(r.method == "generate" for r in self.rows) else cfg.method
         final = self.rows_of(halving.settings if halving else self.settings, method, self.data)
-        result = {"method": method, "best": self.select(final, method)}
+        result = {"method": method, "model": cfg.model, "best": self.select(final, method)}
         result["n_settings"] = len(self.settings) if halving else len(final)
         if cfg.lora:
             result.update(best_lora=self.select(final, method, "els-lora"))
@@ -582,6 +580,10 @@ def run_sweep(cfg: SweepConfig, lm=None, ray=None, source=None) -> dict:
     it and ``ray``, and closed at the end, when not given). On Ray replicas (``ray``, a
     :class:`~aligntax.runs.distributed.RayConfig`) the settings are scored one a work unit (the
     unsteered one first), and judged here; the vLLM backend generates each setting on its engine."""
+    if cfg.model is None:
+        from aligntax.artefacts import folder_model
+
+        cfg.model = folder_model(cfg.steer)[0] or DEFAULT_MODEL
     own = source is None
     source = source or generation_source(cfg.backend, ray)
     try:

@@ -386,6 +386,7 @@ def harm_basis_for_folder(
     k: int | None = None,
     batch_size: int | None = None,
     progress: bool = True,
+    dtype: str | None = None,
 ):
     """Compute and save the harm basis of an existing ``aligntax els train`` folder (made before it was
     part of training) from its recorded states; only the contrast pairs (and states a resumed folder
@@ -402,6 +403,8 @@ def harm_basis_for_folder(
         cfg.harm_k = int(k)
     if batch_size is not None:
         cfg.batch_size = int(batch_size)
+    if dtype is not None:
+        cfg.dtype = dtype
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     items = [item for part in training_items(cfg) for item in part]
     layers = cfg.layers if cfg.layers is not None else "all"
