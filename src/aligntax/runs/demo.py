@@ -22,7 +22,8 @@ from aligntax.interventions.els import DEFAULT_SETTINGS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runfolder import check_settings, run_lock, write_json_atomic, write_text_atomic
-from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, sweep_settings, train_els
+from aligntax.runs.els_sweep import SweepConfig, run_sweep, sweep_settings
+from aligntax.runs.els_train import ELSTrainConfig, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
 from aligntax.runs.sources import check_source, generation_source
 

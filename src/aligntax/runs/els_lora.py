@@ -255,7 +255,7 @@ def _blocks(cfg: DistillConfig, els, n_blocks: int) -> Blocks:
 
 # ------------------------------------------------------------------------------------------ phase 1: rows
 def _sampled(items: list, limit: int | None, seed: int) -> list:
-    from aligntax.runs.els import _sampled as sampled
+    from aligntax.runs.els_train import sampled
 
     return sampled(items, limit, seed)
 
@@ -317,13 +317,13 @@ def distill_prompts(cfg: DistillConfig) -> DistillPrompts:
     """The benign, the harmful and the everyday rows of a distillation (see the module docstring),
     without repeats."""
     from aligntax.config import load_config
-    from aligntax.runs.els import ELSTrainConfig, _training_items, gate_items
+    from aligntax.runs.els_train import ELSTrainConfig, gate_items, training_items
 
     path = Path(cfg.steer) / "train_config.json"
     if not path.is_file():
         raise AligntaxError(f"{cfg.steer} has no train_config.json: give an `aligntax els train` folder.")
     tcfg = load_config(ELSTrainConfig, path)
-    benign, harmful = _training_items(tcfg)
+    benign, harmful = training_items(tcfg)
     pairs = _pairs(cfg)
     seen: set = set()
     b = _dedupe(
