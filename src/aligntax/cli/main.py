@@ -1259,10 +1259,19 @@ def els_sweep(
     ),
     config: Path | None = typer.Option(None),
     benign: list[str] = typer.Option(
-        None, help="validation benign sets (default orbench-hard-val, phtest-harmless-val)"
+        None,
+        help="validation benign sets (default orbench-hard-val, phtest-harmless-val, contrast-benign-val)",
     ),
     harmful: list[str] = typer.Option(
-        None, help="validation harmful sets (default harmful-val, harmbench-val)"
+        None, help="validation harmful sets (default harmful-val, harmbench-val, contrast-harmful-val)"
+    ),
+    jailbreak: list[str] = typer.Option(
+        None,
+        help="jailbreak-wrapped harmful validation sets whose refusal a setting must keep within "
+        "--jailbreak-tolerance (default wildguard-adv-val; 'none': not checked)",
+    ),
+    jailbreak_tolerance: float | None = typer.Option(
+        None, help="largest jailbreak-refusal loss allowed (default 0)"
     ),
     method: str | None = typer.Option(None, help="first-token (screen, then confirm) or generate"),
     knowns: str | None = typer.Option(
@@ -1334,6 +1343,8 @@ def els_sweep(
             model=model,
             benign=_split_list(benign),
             harmful=_split_list(harmful),
+            jailbreak=_split_list(jailbreak),
+            jailbreak_tolerance=jailbreak_tolerance,
             method=method,
             **(grid or {}),
             knowns_tolerance=knowns_tolerance,
@@ -1366,10 +1377,9 @@ def els_sweep(
         use_device(device)
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
-        check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], "a dataset")
-        ensure_datasets(
-            [*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], cfg.progress, "els sweep"
-        )
+        sets = [*(cfg.benign or []), *(cfg.harmful or []), *(cfg.jailbreak or []), *(cfg.leak or [])]
+        check_datasets(sets, "a dataset")
+        ensure_datasets(sets, cfg.progress, "els sweep")
         check_layers(cfg.model, [x for lay in cfg.layers or [] for x in lay], "--layers-grid")
         check_range(cfg.max_new_tokens, "positive_count", "--max-new-tokens")
     except AligntaxError as exc:

@@ -298,6 +298,20 @@ def training_items(cfg: ELSTrainConfig) -> tuple[list, list]:
     return load_prompt_sets(cfg.benign, cfg.limit_benign), load_prompt_sets(cfg.harmful, cfg.limit_harmful)
 
 
+def prompt_domain(folder: str | Path, lm) -> int:
+    """The longest chat-templated prompt, in tokens of ``lm``'s tokenizer, that the energy models of ELS
+    folder ``folder`` learned from (its benign and harmful training prompts): beyond it a prompt is
+    outside what they have seen (the ELS option ``max_prompt_tokens``)."""
+    from aligntax.activations.capture import chat_ids
+    from aligntax.config import load_config
+
+    cfg = load_config(ELSTrainConfig, Path(folder) / "train_config.json")
+    items = [it for part in training_items(cfg) for it in part]
+    if not items:
+        raise AligntaxError(f"{folder}: no training prompts to measure.")
+    return max(chat_ids(lm, [it.prompt for it in items])[1])
+
+
 def in_item_order(cache, items) -> dict[int, torch.Tensor]:
     """``{layer: [N, d]}``: one row of ``cache`` per item, in the items' order."""
     order = {pid: i for i, pid in enumerate(cache.prompt_ids)}
