@@ -34,17 +34,22 @@ class DatasetSpec:
     parts: tuple[str, ...] = ()
     # keep the rows whose id hashes to ``k`` of ``n`` (:func:`in_subset`): a fixed split of a file that has none
     subset: tuple[int, int] | None = None
+    # a training set made from another named dataset (``path`` and ``fmt`` unused): its first ``rows`` items,
+    # each inside a jailbreak wrapper (:mod:`aligntax.data.wrappers`)
+    wraps: str | None = None
 
 
 def in_subset(item_id: str, subset: tuple[int, int] | None) -> bool:
-    """Whether a row with ``item_id`` belongs to ``subset`` ``(k, n)``: sha256 of the id, mod ``n``, is
-    ``k`` (the same on every machine; None keeps every row)."""
+    """Whether a row with ``item_id`` (``source:row``) belongs to ``subset`` ``(k, n)``: sha256 of the row
+    part of the id, mod ``n``, is ``k`` (the same on every machine, whatever the source is called; None
+    keeps every row)."""
     if subset is None:
         return True
     import hashlib
 
     k, n = subset
-    return int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "big") % n == k
+    row = item_id.split(":", 1)[-1]
+    return int.from_bytes(hashlib.sha256(row.encode()).digest()[:8], "big") % n == k
 
 
 def _spec(
@@ -374,12 +379,33 @@ DATASETS: dict[str, DatasetSpec] = {
                 f"wildguard-adv-{part}",
                 f"{_JB}/wildguard_test_adv.json",
                 "wildguard-adv",
-                "wildguard-adv",
+                f"wildguard-adv-{part}",
                 rows,
                 f"WildGuardTest adversarial prompts, {what} half (a fixed split by id): {rows} harmful",
                 subset=(k, 2),
             )
-            for part, k, rows, what in [("val", 0, 175, "validation"), ("test", 1, 149, "test")]
+            for part, k, rows, what in [("val", 0, 171, "validation"), ("test", 1, 153, "test")]
+        ),
+        # jailbreak framings around training requests (aligntax.data.wrappers), for what learns the harm
+        # distinction: a harmful request stays harmful inside a wrapper, a benign one stays benign
+        DatasetSpec(
+            "wrapped-harmful-train",
+            "",
+            "",
+            "wrapped-harmful-train",
+            260,
+            "harmful train split (Arditi et al.) inside jailbreak wrappers (story, persona, no warnings, forced "
+            "opening, ...), written for aligntax: 260 harmful",
+            wraps="harmful-train",
+        ),
+        DatasetSpec(
+            "wrapped-benign-train",
+            "",
+            "",
+            "wrapped-benign-train",
+            600,
+            "the first 600 harmless train instructions (Alpaca) inside the same jailbreak wrappers: 600 benign",
+            wraps="harmless-train",
         ),
         _spec(
             "gsm8k-train",

@@ -22,7 +22,8 @@ from aligntax.interventions.els import DEFAULT_SETTINGS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runfolder import check_settings, run_lock, write_json_atomic, write_text_atomic
-from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, sweep_settings, train_els
+from aligntax.runs.els_sweep import SweepConfig, run_sweep, sweep_settings
+from aligntax.runs.els_train import ELSTrainConfig, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
 from aligntax.runs.sources import check_source, generation_source
 
@@ -117,7 +118,8 @@ _CORE = {k: DEFAULT_SETTINGS[k] for k in ("top_k", "eta", "steps", "threshold", 
 
 def demo_datasets(cfg: DemoConfig) -> list[str]:
     """Every dataset the demo reads: its test sets, the training sets of ELS training (the harm gate's and
-    the harm basis' included), the sweep's validation sets and its leak sets, in that order, once each."""
+    the harm basis' included), the sweep's validation sets and its leak sets, and with the els-lora mechanism
+    the adapter's pairs and everyday rows, in that order, once each."""
     train, sweep = ELSTrainConfig(), SweepConfig()
     names = [
         *cfg.test_sets,
@@ -132,6 +134,11 @@ def demo_datasets(cfg: DemoConfig) -> list[str]:
         *sweep.harmful,
         *cfg.leak,
     ]
+    if "els-lora" in cfg.mechanisms:  # the adapter's contrast pairs and everyday rows
+        from aligntax.runs.els_lora import DistillConfig
+
+        distill = DistillConfig()
+        names += [*distill.pairs, *(s for s in distill.retain if s != "harmless")]
     return list(dict.fromkeys(names))
 
 
