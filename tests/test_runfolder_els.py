@@ -44,7 +44,7 @@ def _data(folder: Path, name: str, label: str, n: int) -> str:
 
 
 def _train_cfg(tmp_path: Path, out: Path):
-    from aligntax.runs.els import ELSTrainConfig
+    from aligntax.runs.els_train import ELSTrainConfig
 
     data = tmp_path / "data"
     return ELSTrainConfig(
@@ -67,7 +67,7 @@ def _train_cfg(tmp_path: Path, out: Path):
 
 
 def _train(tmp_path: Path, lm, out: Path):
-    from aligntax.runs.els import train_els
+    from aligntax.runs.els_train import train_els
 
     cfg = _train_cfg(tmp_path, out)
     return lambda: train_els(cfg, lm=lm)
@@ -93,7 +93,7 @@ def els_folder(tmp_path_factory, lm):
 
 
 def _sweep_cfg(tmp_path: Path, els: Path, out: Path, **over):
-    from aligntax.runs.els import SweepConfig
+    from aligntax.runs.els_sweep import SweepConfig
 
     data = tmp_path / "sweep-data"
     settings = dict(
@@ -124,7 +124,7 @@ def test_kill_anywhere_els_train(tmp_path, lm, parity_judge, points):
 
 @pytest.mark.parametrize("points", _points(2))
 def test_kill_anywhere_els_sweep(tmp_path, lm, els_folder, parity_judge, points):
-    from aligntax.runs.els import run_sweep
+    from aligntax.runs.els_sweep import run_sweep
 
     run = tmp_path / "run"
     cfg = _sweep_cfg(tmp_path, els_folder, run)
@@ -135,7 +135,7 @@ def test_kill_anywhere_els_sweep(tmp_path, lm, els_folder, parity_judge, points)
 def test_els_sweep_resume_refuses_another_judge_or_dtype(tmp_path, lm, els_folder, parity_judge):
     """The sweep's rows hold judged answers: a resume with another judge or dtype would mix rows of two
     (the resume key holds both); refused, one line naming the key, before any model is loaded."""
-    from aligntax.runs.els import run_sweep
+    from aligntax.runs.els_sweep import run_sweep
 
     out = tmp_path / "sweep"
     run_sweep(_sweep_cfg(tmp_path, els_folder, out), lm=lm)
@@ -186,22 +186,39 @@ def test_kill_anywhere_els_distill(tmp_path, lm, els_folder, points):
 
 
 @pytest.mark.parametrize("points", _points(1))
-def test_kill_anywhere_demo(tmp_path, lm, data_dir, points):
+def test_kill_anywhere_demo(tmp_path, lm, data_dir, parity_judge, monkeypatch, points):
+    import dataclasses
+    import functools
+
+    import aligntax.runs.demo as demo
     from aligntax.runs.demo import DemoConfig, run_demo
 
+    # every stage of the demo, made small: the sweep on 4 prompts of each validation set, the energy
+    # models trained briefly, the harm basis from the training prompts (the forked runs see the patches)
+    sweep_config = demo.demo_sweep_config
+    monkeypatch.setattr(
+        demo, "demo_sweep_config", lambda c, d: dataclasses.replace(sweep_config(c, d), limit=4)
+    )
+    monkeypatch.setattr(
+        demo,
+        "ELSTrainConfig",
+        functools.partial(demo.ELSTrainConfig, epochs=2, energy_folds=2, harm_pairs=[], harm_k=2),
+    )
+    # the parity judge refuses about half of the random model's answers: both classes for every fold
     run = tmp_path / "run"
     cfg = DemoConfig(
         out=str(run),
         test_sets=["orbench-hard-test", "jailbreakbench"],
         limit=4,
-        judge="keyword",
+        judge="parity",
         max_new_tokens=4,
-        limit_benign_train=8,
-        limit_harmful_train=8,
-        limit_gate_harmful=4,
-        limit_gate_benign=4,
+        limit_benign_train=16,
+        limit_harmful_train=16,
+        limit_gate_harmful=8,
+        limit_gate_benign=8,
         sweep_max_new_tokens=4,
-        limit_leak=4,
+        limit_leak=8,
+        sweep_layers=1,
         knowns=None,
         progress=False,
     )

@@ -79,9 +79,9 @@ VOLATILE_FIELDS = frozenset(
         "phase_seconds",  # ELS distillation: wall seconds per phase
     }
 )
-# Files that may differ: the flock file that guards a stale lock's takeover (left by a resumed run only)
-# and where the folder was.
-VOLATILE_FILES = frozenset({f"{LOCK_NAME}.guard", WHERE_NAME})
+# Files that may differ: the flock file that guards a stale lock's takeover (left by a resumed run only),
+# where the folder was, and the demo's stage clock (wall minutes per stage, its estimates).
+VOLATILE_FILES = frozenset({f"{LOCK_NAME}.guard", WHERE_NAME, "timing.json"})
 
 
 class RunLockedError(AligntaxError):
