@@ -224,3 +224,64 @@ def test_kill_anywhere_demo(tmp_path, lm, data_dir, parity_judge, monkeypatch, p
     )
     kill_resume(lambda: run_demo(cfg, lm=lm), run, points, seed=14)
     assert (run / "report.md").is_file() and (run / "steered" / "results.json").is_file()
+
+
+@pytest.mark.parametrize("at", ["safetensors", "append"])
+def test_els_train_on_a_full_disk_loses_nothing_written(tmp_path, lm, parity_judge, at):
+    """ENOSPC in the middle of ELS training (a tensor file complete but not yet renamed into place, or a
+    label row half appended): one line, no temp file or torn row left, every file there whole, and the
+    same run resumes, once space is freed, to the files of an uninterrupted run."""
+    import errno
+    import os
+
+    from safetensors.torch import load_file
+
+    from aligntax import runfolder
+    from aligntax.runfolder import WriteError
+    from killharness import compare_folders
+
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    _train(tmp_path, lm, run)()  # the reference, made at the same path
+    run.rename(ref)
+    hits = []
+
+    def full_disk(kind, path, phase):
+        site = (
+            kind == "replace" and phase == "temp" and path.name.endswith(".safetensors")
+            if at == "safetensors"
+            else kind == "append" and phase == "partial"
+        )
+        hits.append(site)
+        if site and sum(hits) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    runfolder.write_hook = full_disk
+    try:
+        with pytest.raises(WriteError) as err:
+            _train(tmp_path, lm, run)()
+    finally:
+        runfolder.write_hook = None
+    msg = str(err.value)
+    assert "\n" not in msg and "no space left on device" in msg
+    assert sorted(run.rglob("*.tmp")) == [] and not (run / runfolder.LOCK_NAME).exists()
+    for path in run.rglob("*"):  # whatever is there is whole
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".jsonl":
+            raw = path.read_bytes()
+            assert not raw or raw.endswith(b"\n"), path
+        elif path.suffix == ".safetensors":
+            load_file(path)
+    _train(tmp_path, lm, run)()  # space freed: the same command resumes
+    assert compare_folders(ref, run) == []
+
+
+def test_a_last_line_torn_inside_a_utf8_character_is_dropped(tmp_path):
+    """A kill mid-append can cut a non-ASCII answer inside a character: the torn line is dropped (and cut
+    off with ``repair``), not a decode error."""
+    path = tmp_path / "rows.jsonl"
+    whole = b'{"a": 1}\n'
+    torn = json.dumps({"a": "caf\u00e9"}, ensure_ascii=False).encode()
+    path.write_bytes(whole + torn[: torn.index(b"\xc3") + 1])
+    assert read_jsonl(path) == [{"a": 1}]
+    assert read_jsonl(path, repair=True) == [{"a": 1}] and path.read_bytes() == whole
