@@ -32,9 +32,17 @@ class PrefillRecorder(Intervention):
     name = "none"
     prefix_free = True  # reads the last prompt token only
 
-    def __init__(self, model: nn.Module | int, layers: int | str | Sequence[int] | None = "all") -> None:
-        # ``model``: the model, or its number of blocks (a recorder of states that replicas send back)
+    def __init__(
+        self,
+        model: nn.Module | int,
+        layers: int | str | Sequence[int] | None = "all",
+        sink: tuple | None = None,
+    ) -> None:
+        # ``model``: the model, or its number of blocks (a recorder of states that replicas send back);
+        # ``sink``: ``(lm, directory, system)``, the activation cache each kept batch is appended to by
+        # :meth:`flush` (None: kept in memory until :meth:`save`)
         self.layers = resolve_layers(model, layers)
+        self.sink = sink
         self._last: dict[int, torch.Tensor] | None = None
         self._acts: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
         self.prompt_ids: list[str] = []
@@ -100,6 +108,15 @@ class PrefillRecorder(Intervention):
     def states(self) -> dict[int, torch.Tensor]:
         """``{layer: [N, d]}`` float32: the kept states, rows in the order of :attr:`prompt_ids`."""
         return {layer: torch.cat(v) if v else torch.empty(0) for layer, v in self._acts.items()}
+
+    def flush(self) -> None:
+        """Append what was kept to the sink's activation cache now and forget it (nothing without a
+        sink): a run that stores each batch's states before its samples loses no states when killed."""
+        if self.sink is None or not self.prompt_ids:
+            return
+        self.save(*self.sink)
+        self._acts = {layer: [] for layer in self.layers}
+        self.prompt_ids, self.labels = [], []
 
     def save(self, lm, directory, system: str | None = None) -> None:
         """Append the kept states to the activation cache in ``directory`` (nothing if none were kept);

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from aligntax.generation.batching import GENERATION_BATCH_TOKENS, length_batches
+from aligntax.generation.batching import GENERATION_BATCH_TOKENS, length_order_batches
 from aligntax.generation.chat import build_messages, render_chat
 from aligntax.generation.prefix import prefix_cache, prefixed_inputs, unpadded, usable_prefix
 from aligntax.hooks import pad_left, with_cache
@@ -308,12 +308,9 @@ def iter_generate(
     texts = [render_chat(lm.tokenizer, build_messages(p, cfg.system, intervention)) for p in prompts]
     seqs = lm.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     lengths = [len(x) for x in seqs]
-    order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
     bar = tqdm(total=len(texts), desc=desc, disable=not progress, unit="prompt")
     try:
-        spans = length_batches([lengths[i] for i in order], cfg.batch_size, cfg.max_batch_tokens)
-        for b, span in enumerate(spans):
-            idx = order[span.start : span.stop]
+        for b, idx in enumerate(length_order_batches(lengths, cfg.batch_size, cfg.max_batch_tokens)):
             rows = torch.tensor([bool(steer_rows[i]) for i in idx]) if steer_rows is not None else None
             strength = torch.tensor([float(strengths[i]) for i in idx]) if strengths is not None else None
             seed = None if cfg.seed is None else cfg.seed + b

@@ -268,7 +268,8 @@ def _label_run(label_cfg: EvalConfig, lm, items: list, layers, activations: Path
         # the model the states are recorded from: here, or the replicas' (its block count and fingerprint)
         source = lm if replicas is None else started(replicas)[0]
         blocks = lm.model if replicas is None else source.fingerprint["num_layers"]
-        recorder = PrefillRecorder(blocks, layers) if label_cfg.system is None else None
+        sink = (source, activations, label_cfg.system)  # each batch's states stored before its samples
+        recorder = PrefillRecorder(blocks, layers, sink) if label_cfg.system is None else None
         run_eval(label_cfg, lm=lm, items=items, recorder=recorder, ray=replicas)
         if recorder is not None:
             recorder.save(source, activations, label_cfg.system)
