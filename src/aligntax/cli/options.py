@@ -11,14 +11,16 @@ traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
 import os
 import sys
 import traceback
+import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -32,8 +34,9 @@ try:  # typer >= 0.20 carries its own copy of click
 except ImportError:  # pragma: no cover - older typer on click
     from click import exceptions as click_exc
 
+from aligntax.config import load_config
 from aligntax.errors import AligntaxError, UsageError
-from aligntax.interventions.options import Method, check_value
+from aligntax.interventions.options import Method, check_value, flag_of, spec_of
 from aligntax.interventions.registry import INTERVENTIONS, cli_options, grid_values, intervention_args
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "fail",
     "grid_options",
     "model_num_layers",
+    "settings_options",
     "steering_options",
 ]
 
@@ -479,3 +483,69 @@ def grid_options(fn):
 
     wrapper.__signature__ = sig.replace(parameters=keep + extra)
     return wrapper
+
+
+# ---------------------------------------------------------------- settings dataclasses as options
+def _option_type(tp: Any) -> type:
+    """The one value type of a settings field (``int | None`` -> int) for the command line."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
+
+
+def _field_help(f: dataclasses.Field) -> str:
+    """The field's help and its default as typer shows one (``[default: 8000]``; the bracket escaped from
+    rich markup); none shown for no default or a switch."""
+    shown = f.default not in (None, False, True, dataclasses.MISSING)
+    return spec_of(f).help + (f" \\[default: {f.default}]" if shown else "")
+
+
+def settings_options(
+    cls: type, param: str = "settings"
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add to a command one option per field of the settings dataclass ``cls`` that is declared with
+    :func:`~aligntax.interventions.options.option` and ``cli`` (its flag, help, environment variable
+    and default from the declaration), and ``--config FILE``: a YAML file whose keys are the field
+    names. The command receives ``param``: ``cls`` built from the file and the flags given (a flag wins
+    over the file, the field's default applies where neither gives a value), every value checked as
+    its option says; a bad value or key is one error line, before the command runs."""
+    fields = [f for f in dataclasses.fields(cls) if spec_of(f).cli]
+    hints = typing.get_type_hints(cls)
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        fn_hints = typing.get_type_hints(fn, include_extras=True)
+        keep = [
+            p.replace(annotation=fn_hints.get(n, p.annotation))
+            for n, p in sig.parameters.items()
+            if n != param
+        ]
+        clash = {p.name for p in keep} & ({f.name for f in fields} | {"config"})
+        if clash:
+            raise TypeError(f"{fn.__name__} has parameters named like {cls.__name__} fields: {sorted(clash)}")
+        kw = inspect.Parameter.KEYWORD_ONLY
+        help_config = "YAML file of these settings (keys: the option names, with _); options given here win."
+        extra = [
+            inspect.Parameter(
+                "config", kw, default=None, annotation=Annotated[Path | None, typer.Option(help=help_config)]
+            )
+        ]
+        for f in fields:
+            spec = spec_of(f)
+            option = typer.Option(flag_of(f), *spec.aliases, help=_field_help(f), envvar=spec.envvar)
+            tp = _option_type(hints[f.name])
+            extra.append(inspect.Parameter(f.name, kw, default=None, annotation=Annotated[tp | None, option]))
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            path = kwargs.pop("config", None)
+            given = {f.name: kwargs.pop(f.name, None) for f in fields}
+            try:
+                kwargs[param] = load_config(cls, path, **given)
+            except AligntaxError as exc:
+                fail(exc)
+            return fn(*args, **kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=keep + extra)  # type: ignore[attr-defined]
+        return wrapper
+
+    return deco

@@ -54,7 +54,8 @@ class OptionSpec:
     ``optional``: added after the first sweeps, so a sweep setting leaves it out of its key when unset
     (None or ``off``) and rows scored before it existed keep theirs; ``request``: a server client may set
     it per request. ``fallback``: the value a builder takes when no one gives the option (ELS: neither
-    the caller nor the folder's tuned setting; ``DEFAULT_SETTINGS`` is read from it)."""
+    the caller nor the folder's tuned setting; ``DEFAULT_SETTINGS`` is read from it). ``envvar``: the
+    environment variable the command line reads when the flag is not given (a settings field)."""
 
     help: str
     flag: str | None = None
@@ -68,6 +69,7 @@ class OptionSpec:
     optional: bool = False
     request: bool = False
     fallback: Any = None
+    envvar: str | None = None
 
     @property
     def value_type(self) -> Any:
@@ -95,6 +97,11 @@ CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
     "count": (lambda v: v >= 0 and float(v).is_integer(), "a whole number >= 0"),
     "positive_count": (lambda v: v >= 1 and float(v).is_integer(), "a whole number >= 1"),
     "probability": (lambda v: 0 <= v <= 1, "a probability between 0 and 1"),
+    "at_least_one": (lambda v: v >= 1, "a number >= 1"),
+    "port": (
+        lambda v: 0 <= v <= 65535 and float(v).is_integer(),
+        "a TCP port from 0 (any free one) to 65535",
+    ),
 }
 
 

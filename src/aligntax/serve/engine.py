@@ -56,6 +56,8 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,13 +72,17 @@ from aligntax.serve.jobs import (
     finish_events,
 )
 from aligntax.serve.metrics import ServeMetrics
+from aligntax.serve.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 log = logging.getLogger("aligntax.serve")
 
 _STOP = object()
 
 
-def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+def _deliver(items: list[tuple[asyncio.Queue[Any], object]]) -> None:
     for q, ev in items:
         q.put_nowait(ev)
 
@@ -85,7 +91,7 @@ class _Outbox:
     """Events of one step, sent with a single call_soon_threadsafe per event loop."""
 
     def __init__(self) -> None:
-        self.items: dict[asyncio.AbstractEventLoop, list] = {}
+        self.items: dict[asyncio.AbstractEventLoop, list[Any]] = {}
 
     def put(self, job: Job, ev: object) -> None:
         if job.loop is None or job.events is None:
@@ -105,7 +111,7 @@ class _RowSampler:
     """Chooses the next token of every row still in the batch: the argmax for greedy requests, else a
     draw at the request's temperature and top-p (from its own generator when it gave a seed)."""
 
-    def __init__(self, jobs: Sequence[Job], device):
+    def __init__(self, jobs: Sequence[Job], device: torch.device) -> None:
         ps = [j.params for j in jobs]
         self.greedy = torch.tensor([p.greedy for p in ps], device=device)
         self.temps = torch.tensor([1.0 if p.greedy else p.temperature for p in ps], device=device).unsqueeze(
@@ -149,7 +155,9 @@ class _BatchController:
     """Run once per step on the rows still in the batch: eos, per-row max_tokens, stop strings,
     streaming, cancels. Returns which of those rows end now (they then leave the batch)."""
 
-    def __init__(self, engine: BatchEngine, jobs: list[Job], device, sampler: _RowSampler | None = None):
+    def __init__(
+        self, engine: BatchEngine, jobs: list[Job], device: torch.device, sampler: _RowSampler | None = None
+    ) -> None:
         self.engine = engine
         self.jobs = jobs
         self.sampler = sampler
@@ -195,7 +203,7 @@ class _BatchController:
         eos_rows: set[int],
         cancels: bool,
         t: int,
-        bad_rows: set[int] = frozenset(),
+        bad_rows: AbstractSet[int] = frozenset(),
     ) -> None:
         out = _Outbox()
         with self.engine.tokenizer_lock:
@@ -205,7 +213,7 @@ class _BatchController:
                 tok = self.tokens[i][-1]
                 if tok in self.eos_set:
                     continue  # finished below
-                events: list = []
+                events: list[Any] = []
                 stopped = self.text[i].push(self.jobs[i], tok, events)
                 for ev in events:
                     out.put(self.jobs[i], ev)
@@ -332,49 +340,42 @@ class StepTimeModel:
 class BatchEngine(Admission):
     """Owns the model in one worker thread and generates queued :class:`Job` s in dynamic batches.
 
-    ``mix_steered=False`` keeps steered and unsteered requests in separate batches, for interventions
-    that cannot act per row (e.g. an adapter that changes the weights of the whole batch).
+    Its limits are ``settings``' (:class:`~aligntax.serve.settings.ServerSettings`: batch size, waits,
+    queue, batch tokens, admission targets). ``mix_steered=False`` keeps steered and unsteered requests
+    in separate batches, for interventions that cannot act per row (e.g. an adapter that changes the
+    weights of the whole batch).
     """
 
     def __init__(
         self,
-        lm,
+        lm: LoadedModel,
         intervention: Intervention | None = None,
-        max_batch_size: int = 32,
-        batch_wait_ms: float = 10.0,
-        max_queue: int = 1024,
+        settings: ServerSettings | None = None,
+        *,
         metrics: ServeMetrics | None = None,
-        max_batch_wait_ms: float = 100.0,
-        mix_steered: bool = True,
-        max_batch_tokens: int | None = None,
-        max_queue_wait_ms: float | None = None,
-        max_latency_ms: float | None = None,
-    ):
-        if max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
-        self._init_admission(max_queue, max_queue_wait_ms)
-        self.max_batch_tokens = max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None
+    ) -> None:
+        s = settings or ServerSettings()
+        self._init_admission(s.max_queue, s.max_queue_wait_ms)
+        self.max_batch_tokens = s.max_batch_tokens
         self.lm = lm
         self.tokenizer = lm.tokenizer
         self.intervention = intervention or NoIntervention()
-        self.max_batch_size = max_batch_size
-        self.batch_wait = max(0.0, batch_wait_ms) / 1000.0
-        self.max_batch_wait = max(self.batch_wait, max_batch_wait_ms / 1000.0)
-        self.mix_steered = mix_steered
+        self.max_batch_size = s.max_batch_size
+        self.batch_wait = s.batch_wait_ms / 1000.0
+        self.max_batch_wait = max(self.batch_wait, s.max_batch_wait_ms / 1000.0)
+        self.mix_steered = s.mix_steered
         self.metrics = metrics or ServeMetrics()
         self.eos_ids = sorted(eos_token_ids(lm))
         pad = lm.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.tokenizer_lock = threading.Lock()
         self.cancel_epoch = 0
-        if max_latency_ms is not None and max_latency_ms <= 0:
-            raise ValueError("max_latency_ms must be > 0")
-        self.max_latency = None if max_latency_ms is None else max_latency_ms / 1000.0
+        self.max_latency = None if s.max_latency_ms is None else s.max_latency_ms / 1000.0
         self.step_model = StepTimeModel()
         self._batch_expected_end: float | None = None  # predicted perf_counter() end of the running batch
         self.batch_seconds: float | None = None  # moving average of recent batches' durations
         self._batch_started: float | None = None  # perf_counter() at the start of the running batch
-        self._q: queue.Queue = queue.Queue()  # bounded by admit() / submit(), not by the queue itself
+        self._q: queue.Queue[Any] = queue.Queue()  # bounded by admit() / submit(), not by the queue itself
         self._held: list[Job] = []  # taken from the queue but left for the next batch (mix_steered=False)
         self._waiting: Job | None = None  # taken from the queue while the engine is paused
         self._unpaused = threading.Event()
@@ -437,10 +438,10 @@ class BatchEngine(Admission):
         for k in range(full):
             group = jobs[k * self.max_batch_size : (k + 1) * self.max_batch_size]
             steps = max([j.params.max_tokens for j in group] + [max_tokens])
-            total += model.batch_seconds(self.max_batch_size, steps)
+            total += model.batch_seconds(self.max_batch_size, steps) or 0.0
         group = jobs[full * self.max_batch_size :]
         steps = max([j.params.max_tokens for j in group] + [max_tokens])
-        total += self.batch_wait + model.batch_seconds(rows + 1, steps)
+        total += self.batch_wait + (model.batch_seconds(rows + 1, steps) or 0.0)
         oldest = min(
             (j.arrived_at if j.arrived_at is not None else j.enqueued_at for j in group), default=now
         )
