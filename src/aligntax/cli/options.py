@@ -107,6 +107,25 @@ def deprecated(old: str, new: str) -> None:
     console.print(f"note: {escape(old)} is deprecated; use {escape(new)}", soft_wrap=True, highlight=False)
 
 
+# Option spellings removed in 0.2 (CHANGELOG.md): (the command, or None for any) -> the spelling now.
+# Typing one is a usage error naming its replacement.
+REMOVED_OPTIONS: dict[str, tuple[str | None, str]] = {
+    "--sample": (None, "--temperature T (above 0 samples)"),
+    "--energy-dir": ("vat run", "--steer"),
+    "--layers": ("els sweep", "--layers-grid"),
+}
+
+
+def removed_option(exc: click_exc.NoSuchOption) -> UsageError | None:
+    """The error for an option spelling removed in 0.2 (:data:`REMOVED_OPTIONS`), else None."""
+    name = exc.option_name
+    command, new = REMOVED_OPTIONS.get(name, (None, ""))
+    path = exc.ctx.command_path if exc.ctx is not None else ""
+    if not new or (command is not None and not path.endswith(" " + command)):
+        return None
+    return UsageError(f"{name} was removed in 0.2; use {new} (CHANGELOG.md).")
+
+
 class AligntaxGroup(TyperGroup):
     """The root command group: whatever a command raises (or click's own usage errors) ends in
     :func:`fail`, so every failure looks the same."""
@@ -116,6 +135,8 @@ class AligntaxGroup(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, KeyboardInterrupt, click_exc.NoArgsIsHelpError):
             raise
+        except click_exc.NoSuchOption as exc:
+            fail(removed_option(exc) or UsageError(exc.format_message()))
         except click_exc.UsageError as exc:
             fail(UsageError(exc.format_message()))
         except Exception as exc:  # noqa: BLE001 - the one error path of the command line
@@ -172,7 +193,7 @@ def check_judge(name: str | None) -> None:
 def check_datasets(specs: list[str] | None, flag: str = "--data") -> None:
     """Each spec is a named dataset, an existing file or a Hub id (read the same way
     :func:`aligntax.data.load_prompts` reads it); nothing is loaded."""
-    from aligntax.data.api import _not_found_message
+    from aligntax.data.api import not_found_message
     from aligntax.data.hub import HUB_PREFIX, looks_like_hub_id
     from aligntax.data.registry import find_dataset
 
@@ -187,7 +208,7 @@ def check_datasets(specs: list[str] | None, flag: str = "--data") -> None:
             or looks_like_hub_id(text)
         ):
             continue
-        raise UsageError(f"{flag}: {_not_found_message(text)}")
+        raise UsageError(f"{flag}: {not_found_message(text)}")
 
 
 def ensure_datasets(names: list[str] | None, progress: bool = True, what: str = "data") -> None:
@@ -259,9 +280,9 @@ def _hub_config(repo: str) -> Path | None:
         found = None
     if isinstance(found, str):
         return Path(found)
-    from aligntax.models.loader import _offline
+    from aligntax.models.loader import hub_offline
 
-    if _offline():
+    if hub_offline():
         return None
     try:
         return Path(hf_hub_download(repo, "config.json"))
@@ -460,8 +481,8 @@ def steering_options(fn=None, *, methods: Mapping[str, Method] | None = None):
 def grid_options(fn):
     """Add every ELS option that is a sweep grid axis to a command, as a comma-separated grid
     (``--eta 0.2,0.35``; ``none`` turns an option off). Layer sets are ``--layers-grid "17;19,20"``
-    (sets separated by ``;``, each set written like ``--layers 17,19``; the old spelling ``--layers``
-    still works, with a note). The command receives ``grid``: ``{field: [values]}`` for the axes given."""
+    (sets separated by ``;``, each set written like ``--layers 17,19``). The command receives ``grid``:
+    ``{field: [values]}`` for the axes given."""
 
     opts = [o for o in cli_options() if o.grid and "els" in o.methods]
     hints = typing.get_type_hints(fn, include_extras=True)
@@ -487,14 +508,6 @@ def grid_options(fn):
                     ],
                 )
             )
-            extra.append(
-                inspect.Parameter(
-                    o.param + "_old",
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=None,
-                    annotation=Annotated[str | None, typer.Option(o.flag, hidden=True)],
-                )
-            )
         else:
             extra.append(
                 inspect.Parameter(
@@ -509,12 +522,6 @@ def grid_options(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        for o in opts:
-            old = kwargs.pop(o.param + "_old", None) if o.parse == "layers" else None
-            if old is not None:
-                deprecated(f"{o.flag} in a sweep", "--layers-grid")
-                if kwargs.get(o.param) is None:
-                    kwargs[o.param] = old
         try:
             grid = {o.name: v for o in opts if (v := grid_values(kwargs.pop(o.param, None), o)) is not None}
         except AligntaxError as exc:

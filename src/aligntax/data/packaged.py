@@ -20,7 +20,7 @@ from pathlib import Path
 from aligntax.data.download import data_mirror, derived_location, download_verified
 from aligntax.errors import AligntaxError, DataError, HashMismatchError
 from aligntax.paths import cache_dir
-from aligntax.pypi import download_wheels, open_member
+from aligntax.wheels import download_wheels, open_member
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from aligntax.artefacts import TensorArtefact
 from aligntax.energy.model import EnergyConfig, EnergyModel
-from aligntax.energy.train import EnergyTrainer, _score
+from aligntax.energy.train import EnergyTrainer, rank_key
 from aligntax.errors import AligntaxError, DataError
 
 FORMAT = "aligntax.energy/1"
@@ -53,7 +53,9 @@ class EnergyBank:
     @property
     def layers(self) -> list[int]:
         """Layers ranked by validation accuracy, then AUROC (best first)."""
-        return sorted(self.models, key=lambda layer: (tuple(-x for x in _score(self.metrics(layer))), layer))
+        return sorted(
+            self.models, key=lambda layer: (tuple(-x for x in rank_key(self.metrics(layer))), layer)
+        )
 
     def metrics(self, layer: int) -> dict[str, Any]:
         metrics: dict[str, Any] = self.info.get(int(layer), {}).get("metrics", {})

@@ -315,7 +315,7 @@ def fit_row_strength(
 ) -> RowStrength:
     """A :class:`RowStrength` fitted by L2-regularised logistic regression (classes weighted equally,
     ``weight`` per row within its class) on ``features`` ``[N, F]`` and ``worth`` (1: worth steering)."""
-    from aligntax.energy.gate import _fit_standardised, _rates
+    from aligntax.energy.gate import fit_standardised, gate_rates
 
     y = torch.as_tensor(worth).bool().flatten()
     x = torch.as_tensor(features).float()
@@ -325,7 +325,7 @@ def fit_row_strength(
         raise DataError("The row strength model needs rows worth steering and rows that must not be.")
     if not torch.isfinite(x).all():
         raise DataError("Row strength features contain NaN or inf.")
-    w, b, mu, sd = _fit_standardised(x, y, l2, weight)
+    w, b, mu, sd = fit_standardised(x, y, l2, weight)
     model = RowStrength(layer, w, b, mu, sd, refusal_dir, harm_dir, floor, dict(fingerprint or {}))
     p = model.prob(x)
     s = model.strength(x)
@@ -333,7 +333,7 @@ def fit_row_strength(
         "l2": l2,
         "n": len(y),
         "n_worth": int(y.sum()),
-        "train_fit": _rates(torch.logit(p.clamp(1e-6, 1 - 1e-6)), y),
+        "train_fit": gate_rates(torch.logit(p.clamp(1e-6, 1 - 1e-6)), y),
         "mean_strength": {"worth": float(s[y].mean()), "not_worth": float(s[~y].mean())},
         "held_at_floor": {
             "worth": float((s[y] == 0).float().mean()),

@@ -191,7 +191,7 @@ def _fit_logistic(
     return w.detach(), float(b.detach())
 
 
-def _fit_standardised(
+def fit_standardised(
     x: torch.Tensor, y: torch.Tensor, l2: float, sample_weight: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float, torch.Tensor, torch.Tensor]:
     """:func:`_fit_logistic` on ``x`` standardised by its own mean and std: ``(w, b, mean, std)``."""
@@ -199,7 +199,7 @@ def _fit_standardised(
     return (*_fit_logistic((x - mu) / sd, y, l2, sample_weight=sample_weight), mu, sd)
 
 
-def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+def gate_rates(logit: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     pred = logit >= 0
     yb = y.bool()
     return {
@@ -266,7 +266,7 @@ def train_harm_gate(
         for va in splits:
             tr = torch.ones(len(y), dtype=torch.bool)
             tr[va] = False
-            w, b, mu, sd = _fit_standardised(x[tr], y[tr], l2, None if sw is None else sw[tr])
+            w, b, mu, sd = fit_standardised(x[tr], y[tr], l2, None if sw is None else sw[tr])
             logits[va] = ((x[va] - mu) / sd) @ w + b
         oof[(layer,)] = logits
     if ensemble and len(cand) > 1:
@@ -282,7 +282,7 @@ def train_harm_gate(
             for r in recalls
         }
         threshold = 0.5 if recall is None else min(0.5, at[str(recall)])
-        rates = _rates(logits, y)
+        rates = gate_rates(logits, y)
         rates["balanced_acc"] = (rates["harmful_caught"] + rates["benign_passed"]) / 2
         return {
             "val": rates,
@@ -301,7 +301,7 @@ def train_harm_gate(
 
     best = max(points, key=lambda k: (round(score(k), 6), -len(k), -k[0]))
     chosen = points[best]
-    fits = [_fit_standardised(acts_by_layer[layer].float(), y, l2, sw) for layer in best]
+    fits = [fit_standardised(acts_by_layer[layer].float(), y, l2, sw) for layer in best]
     ws, bs, mus, sds = (torch.stack([torch.as_tensor(f[i]) for f in fits]) for i in range(4))
     gate = HarmGate(list(best), ws, bs, mus, sds, chosen["threshold"], dict(fingerprint or {}))
     x_all = gate.stack({layer: acts_by_layer[layer].float() for layer in best})
@@ -321,7 +321,7 @@ def train_harm_gate(
         "l2": l2,
         "n": len(y),
         "n_harmful": int(y.sum()),
-        "train_fit": _rates(gate.logit(x_all), y),
+        "train_fit": gate_rates(gate.logit(x_all), y),
         **({} if sw is None else {"n_weighted": int((sw != 1).sum()), "max_weight": float(sw.max())}),
         **(metadata or {}),
     }

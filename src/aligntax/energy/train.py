@@ -155,7 +155,7 @@ def _split(n: int, frac: float, gen: torch.Generator, fold: int = 0) -> tuple[to
     return torch.cat([perm[:lo], perm[hi:]]), perm[lo:hi]
 
 
-def _score(key: dict[str, Any]) -> tuple[Any, ...]:
+def rank_key(key: dict[str, Any]) -> tuple[Any, ...]:
     """Ranking key (higher is better): validation accuracy, then AUROC, then lower validation loss."""
     acc = key.get("acc", float("nan"))
     au = key.get("auroc", float("nan"))
@@ -270,7 +270,7 @@ class EnergyTrainer:
                     "val_auroc": val["auroc"],
                 }
             )
-            key = _score(val)
+            key = rank_key(val)
             if best_key is None or key > best_key:
                 best_key, best_epoch, best_offset = key, epoch, offset
                 best_state = copy.deepcopy(model.state_dict())

@@ -75,7 +75,7 @@ class Generation:
     finish_reason: str  # "stop" or "length"
 
 
-def _truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     cut = min((text.find(s) for s in stops if s and s in text), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
 
@@ -285,7 +285,7 @@ def _generate_batch(
                 n, finish = j, "stop"
                 break
         text = tok.decode(row[:n], skip_special_tokens=True)
-        text, stopped = _truncate_at_stop(text, cfg.stop)
+        text, stopped = truncate_at_stop(text, cfg.stop)
         results.append(
             Generation(
                 prompt=texts[i],

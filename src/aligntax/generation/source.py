@@ -8,8 +8,8 @@ engine for every run of the process) or Ray replicas of either
 command-line option to one; nothing below it asks which backend it holds.
 
 A run opens the source for its model and intervention (:meth:`GenerationSource.open`) and gets a
-:class:`Generator`: the model and intervention as the run records them, where the per-row decisions
-are made before generating (:meth:`Generator.decider`), the generation itself, and what the engine
+:class:`SourceSession`: the model and intervention as the run records them, where the per-row decisions
+are made before generating (:meth:`SourceSession.decider`), the generation itself, and what the engine
 decided and counted while generating.
 """
 
@@ -26,7 +26,7 @@ __all__ = [
     "Backend",
     "Decider",
     "GenerationSource",
-    "Generator",
+    "SourceSession",
     "SettingGenerate",
     "Serving",
     "SourceSpec",
@@ -65,7 +65,7 @@ class Decider(Protocol):
     ) -> list[bool] | None: ...
 
 
-class Generator(Protocol):
+class SourceSession(Protocol):
     """A source opened for one model and intervention."""
 
     lm: Any  # the model as the run records it (``fingerprint``, ``spec``)
@@ -142,7 +142,7 @@ class GenerationSource(Protocol):
 
     def open(
         self, spec: SourceSpec, lm: Any = None, intervention: Any = None
-    ) -> AbstractContextManager[Generator]:
+    ) -> AbstractContextManager[SourceSession]:
         """The source for one run (``lm`` / ``intervention``: loaded by the caller, where the source
         takes them)."""
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from aligntax.errors import AligntaxError, DataError
-from aligntax.metrics.mc import _acc, format_accuracy
+from aligntax.metrics.mc import accuracy_block, format_accuracy
 
 BUILTIN = "builtin"
 BUILTIN_PATH = Path(__file__).resolve().parent.parent / "resources" / "knowns" / "everyday.jsonl"
@@ -292,8 +292,10 @@ def accuracy_by_kind(items: Sequence[KnownItem], flags: Sequence[bool]) -> dict[
     """Accuracy with a Wilson 95% interval overall, and per kind under ``by_kind``."""
     kinds = sorted({it.kind for it in items}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
     return {
-        **_acc(list(flags)),
-        "by_kind": {k: _acc([f for it, f in zip(items, flags, strict=True) if it.kind == k]) for k in kinds},
+        **accuracy_block(list(flags)),
+        "by_kind": {
+            k: accuracy_block([f for it, f in zip(items, flags, strict=True) if it.kind == k]) for k in kinds
+        },
     }
 
 

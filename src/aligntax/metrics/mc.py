@@ -247,7 +247,7 @@ def mc_score(logp: torch.Tensor, letter_ids: Sequence[Sequence[int]], n: int) ->
     )
 
 
-def _acc(flags: list[bool]) -> dict[str, Any]:
+def accuracy_block(flags: list[bool]) -> dict[str, Any]:
     r = rate(flags)
     return {"n": r.n, "correct": r.k, "accuracy": r.value, "ci95": list(r.ci95)}
 
@@ -266,9 +266,9 @@ def mc_results(items: Sequence[MCItem], scores: Sequence[MCScore]) -> dict[str, 
     ]
     subjects = sorted({r["subject"] for r in rows})
     return {
-        **_acc([r["correct"] for r in rows]),
+        **accuracy_block([r["correct"] for r in rows]),
         "letter_mass_mean": sum(s.letter_mass for s in scores) / len(scores),
-        "by_subject": {s: _acc([r["correct"] for r in rows if r["subject"] == s]) for s in subjects}
+        "by_subject": {s: accuracy_block([r["correct"] for r in rows if r["subject"] == s]) for s in subjects}
         if subjects != [""]
         else {},
         "rows": rows,

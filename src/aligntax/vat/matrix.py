@@ -60,7 +60,7 @@ def write_matrix(
     results_by_target: dict[str, dict], out_dir: str | Path, n_perm: int = 9999, seed: int = 0
 ) -> dict:
     """Analyse the ten runs and write ``matrix.json`` and ``matrix.md`` into ``out_dir``."""
-    from aligntax.vat.runner import _clean, write_json_atomic
+    from aligntax.vat.runner import json_safe, write_json_atomic
 
     missing = [v for v in VALUES if v not in results_by_target]
     if missing:
@@ -77,7 +77,7 @@ def write_matrix(
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    res = _clean(res)
+    res = json_safe(res)
     write_json_atomic(out / "matrix.json", res)
     codes = [CODES[v] for v in VALUES]
 

@@ -104,14 +104,14 @@ def append_rows(path: Path, rows: Sequence[dict]) -> None:
         os.fsync(fh.fileno())
 
 
-def _clean(obj):
+def json_safe(obj):
     """JSON-safe: NaN/inf -> None, numpy scalars -> Python."""
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
+        return [json_safe(v) for v in obj]
     if isinstance(obj, np.ndarray):
-        return _clean(obj.tolist())
+        return json_safe(obj.tolist())
     if isinstance(obj, np.generic):
         obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -370,7 +370,7 @@ def compute_results(
             "mean_post": float(post.mean()),
         },
     }
-    return _clean(res)
+    return json_safe(res)
 
 
 def _strata(
@@ -516,14 +516,16 @@ def run_vat(
     if run_file.is_file() and read_rows(out / "items.jsonl"):
         old = json.loads(run_file.read_text())
         for key in ("target", "intervention", "judge", "model", "post_model"):
-            if json.dumps(old.get(key), sort_keys=True) != json.dumps(_clean(ident.get(key)), sort_keys=True):
+            if json.dumps(old.get(key), sort_keys=True) != json.dumps(
+                json_safe(ident.get(key)), sort_keys=True
+            ):
                 raise AligntaxError(
                     f"{out} holds a run with a different {key}; use a new output folder "
                     "(or delete it) instead of resuming"
                 )
     else:
         run_file.write_text(
-            json.dumps(_clean({**ident, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}), indent=2)
+            json.dumps(json_safe({**ident, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}), indent=2)
         )
     path = out / "items.jsonl"
     existing = read_rows(path)
@@ -549,12 +551,12 @@ def run_vat(
                         "polarity": it.polarity,
                         "desirability": it.desirability,
                         "group": it.group,
-                        "pre": _clean(a.score),
-                        "post": _clean(b.score),
-                        "pre_argmax": _clean(a.argmax),
-                        "post_argmax": _clean(b.argmax),
-                        "pre_mass": _clean(a.mass),
-                        "post_mass": _clean(b.mass),
+                        "pre": json_safe(a.score),
+                        "post": json_safe(b.score),
+                        "pre_argmax": json_safe(a.argmax),
+                        "post_argmax": json_safe(b.argmax),
+                        "pre_mass": json_safe(a.mass),
+                        "post_mass": json_safe(b.mass),
                     }
                     for it, a, b in zip(chunk, pre, post, strict=True)
                 ],
@@ -570,7 +572,7 @@ def run_vat(
             seen.add(r["id"])
             rows.append(r)
     results = compute_results(rows, target, cfg.judge.scale, cfg, control_rows=control_rows)
-    results["config"] = _clean(
+    results["config"] = json_safe(
         {
             **cfg.to_dict(),
             "intervention": intervention_key(intervention),
@@ -706,7 +708,7 @@ def rescore(out_dir: str | Path, cfg: VATConfig | None = None, control: str | Pa
         cfg,
         control_rows=load_control(control) if control is not None else None,
     )
-    res["config"] = _clean(
+    res["config"] = json_safe(
         {
             **cfg.to_dict(),
             "extra": old.get("config", {}).get("extra", {}),

@@ -21,7 +21,7 @@ from aligntax.backends.vllm.steering import EXTRA_STEER, EXTRA_STRENGTH, MAX_STR
 from aligntax.backends.vllm.worker import EXTENSION
 from aligntax.errors import AligntaxError
 from aligntax.generation.chat import build_messages, render_chat
-from aligntax.generation.generate import Generation, GenerationConfig, _truncate_at_stop
+from aligntax.generation.generate import Generation, GenerationConfig, truncate_at_stop
 
 DTYPES = {
     "bf16": "bfloat16",
@@ -361,7 +361,7 @@ class VllmModel:
                     n, finish = j, "stop"
                     break
             resp = self.tokenizer.decode(row[:n], skip_special_tokens=True)
-            resp, stopped = _truncate_at_stop(resp, cfg.stop)
+            resp, stopped = truncate_at_stop(resp, cfg.stop)
             gens.append(
                 Generation(
                     prompt=p if isinstance(p, str) else text,
