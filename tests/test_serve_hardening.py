@@ -720,7 +720,7 @@ def test_shutdown_timeout_bounds_a_graceful_shutdown(lm, logs):
 
 
 def test_step_time_model_fits_a_per_row_cost():
-    from aligntax.serve.engine import StepTimeModel
+    from aligntax.serve.batch import StepTimeModel
 
     model = StepTimeModel()
     assert model.step_seconds(1) is None

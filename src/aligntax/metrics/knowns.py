@@ -203,8 +203,10 @@ def final_number(response: str) -> float | None:
     text = normalize(response).replace("$", "")
     cut = text.rfind("answer")
     tail = _NUMBER.search(text, cut) if cut >= 0 else None
-    found = tail or (list(_NUMBER.finditer(text)) or [None])[-1]
-    return float(found.group()) if found else None
+    if tail is None:
+        numbers = list(_NUMBER.finditer(text))
+        tail = numbers[-1] if numbers else None
+    return float(tail.group()) if tail else None
 
 
 def final_number_correct(response: str, answers: Iterable[str]) -> bool:
