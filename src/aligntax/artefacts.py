@@ -45,6 +45,46 @@ def fingerprint_diffs(saved: dict, expected: dict, keys: tuple[str, ...] = FINGE
     ]
 
 
+# Where an artefact folder records the model it was made for: the spec it was given (``model``; a folder
+# holding a selected setting names it in selection.json), and the
+# fingerprint of its sidecar (whose ``spec`` is how the model was named when it was loaded). An ELS folder
+# (``aligntax els train``) has train_config.json and energy.json; an els-lora adapter els_lora.json; a
+# vector folder vectors.json.
+_MODEL_RECORDS = (
+    "selection.json",
+    "train_config.json",
+    "els_lora.json",
+    "energy.json",
+    "vectors.json",
+    "gate.json",
+)
+
+
+def folder_model(folder: str | Path | None) -> tuple[str | None, dict]:
+    """``(spec, fingerprint)`` of the model an artefact folder (ELS, els-lora adapter, vectors) was made
+    for, read from its sidecars without loading anything: the spec is the one it was trained with (None
+    when no file names one), the fingerprint its sidecar's ({} when none has one)."""
+    if folder is None:
+        return None, {}
+    path = Path(folder).expanduser()
+    spec, fp = None, {}
+    for name in _MODEL_RECORDS:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            meta = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(meta, dict):
+            continue
+        saved = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), dict) else {}
+        fp = fp or saved
+        named = meta.get("model") or (meta.get("config") or {}).get("model") or saved.get("spec")
+        spec = spec or (named if isinstance(named, str) and named else None)
+    return spec, fp
+
+
 def _describe(fp: dict) -> str:
     parts = [f"{k}={fp.get(k)!r}" for k in ("spec", *FINGERPRINT_KEYS) if k in fp]
     return ", ".join(parts) if parts else "no fingerprint"

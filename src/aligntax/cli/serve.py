@@ -1,6 +1,7 @@
 """``aligntax serve``: an OpenAI-compatible server for a model, optionally with a steered variant.
 
-Register with ``app.command("serve")(serve_command)``.
+Register with ``app.command("serve")(serve_command)``. The server's settings are the fields of
+:class:`aligntax.serve.settings.ServerSettings` (options here, or keys of ``--config FILE``).
 """
 
 from __future__ import annotations
@@ -9,23 +10,29 @@ from typing import Annotated
 
 import typer
 
-from aligntax.cli.options import InterventionOpt, fail, settings_options, steering_options
-from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    InterventionOpt,
+    ModelOpt,
+    check_dtype,
+    fail,
+    settings_options,
+    steering_options,
+    use_device,
+)
 from aligntax.serve.settings import ServerSettings
 
 
 @steering_options
 @settings_options(ServerSettings)
 def serve_command(
-    model: Annotated[
-        str,
-        typer.Option("--model", "-m", help="Model spec: embedded:NAME, Hub id, model folder or .gguf file."),
-    ] = DEFAULT_MODEL,
+    model: ModelOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
     settings: ServerSettings | None = None,
-    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if available).")] = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     threads: Annotated[
         int | None,
         typer.Option(
@@ -56,11 +63,14 @@ def serve_command(
     s = settings or ServerSettings()
     try:  # everything that can be checked before loading the model
         check_bind(s.host, s.api_key, s.insecure)
+        check_dtype(dtype)
         source = generation_source(backend)  # another generation engine behind the same app (docs/vllm.md)
         source.check_serving(device=device, max_latency_ms=s.max_latency_ms)
+        if backend == "hf":
+            use_device(device)
     except AligntaxError as exc:
         fail(exc)
-    spec = SourceSpec(model, dtype, intervention, dict(iv_args or {}), s.max_batch_size)
+    spec = SourceSpec(model, dtype or "bf16", intervention, dict(iv_args or {}), s.max_batch_size)
     with ExitStack() as stack:
         try:
             served = stack.enter_context(source.serving(spec, device=device, threads=threads))
@@ -71,8 +81,7 @@ def serve_command(
             steer_method=intervention if served.intervention is not None else None,
             steer_options=iv_args,
         )
-        handler = app.state.handler
-        names = ", ".join(n for n in handler.model_names())
+        names = ", ".join(app.state.handler.model_names())
         typer.echo(
             f"Serving {names} at http://{s.host}:{s.port}/v1{served.describe}"
             f"{', API key required' if s.api_key else ''})"

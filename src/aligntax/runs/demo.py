@@ -117,7 +117,8 @@ _CORE = {k: DEFAULT_SETTINGS[k] for k in ("top_k", "eta", "steps", "threshold", 
 
 def demo_datasets(cfg: DemoConfig) -> list[str]:
     """Every dataset the demo reads: its test sets, the training sets of ELS training (the harm gate's and
-    the harm basis' included), the sweep's validation sets and its leak sets, in that order, once each."""
+    the harm basis' included), the sweep's validation sets and its leak sets, and with the els-lora mechanism
+    the adapter's pairs and everyday rows, in that order, once each."""
     train, sweep = ELSTrainConfig(), SweepConfig()
     names = [
         *cfg.test_sets,
@@ -132,6 +133,11 @@ def demo_datasets(cfg: DemoConfig) -> list[str]:
         *sweep.harmful,
         *cfg.leak,
     ]
+    if "els-lora" in cfg.mechanisms:  # the adapter's contrast pairs and everyday rows
+        from aligntax.runs.els_lora import DistillConfig
+
+        distill = DistillConfig()
+        names += [*distill.pairs, *(s for s in distill.retain if s != "harmless")]
     return list(dict.fromkeys(names))
 
 

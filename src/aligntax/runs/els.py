@@ -364,6 +364,7 @@ def harm_basis_for_folder(
     k: int | None = None,
     batch_size: int | None = None,
     progress: bool = True,
+    dtype: str | None = None,
 ):
     """Compute and save the harm basis of an existing ``aligntax els train`` folder (made before it was
     part of training) from its recorded states; only the contrast pairs (and states a resumed folder
@@ -380,6 +381,8 @@ def harm_basis_for_folder(
         cfg.harm_k = int(k)
     if batch_size is not None:
         cfg.batch_size = int(batch_size)
+    if dtype is not None:
+        cfg.dtype = dtype
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
     items = [item for part in _training_items(cfg) for item in part]
     layers = cfg.layers if cfg.layers is not None else "all"
@@ -516,7 +519,7 @@ class SweepConfig(_SweepGrid):
 
     steer: str = "runs/els"
     out: str | None = None  # default: STEER/sweep
-    model: str = DEFAULT_MODEL
+    model: str | None = None  # default: the model the steer folder was trained on
     # benign validation sets: the score is the mean of their useful compliance, so that a setting must
     # transfer beyond the style of the training prompts (PHTest is written unlike OR-Bench)
     benign: list[str] = field(default_factory=lambda: ["orbench-hard-val", "phtest-harmless-val"])
@@ -956,6 +959,10 @@ def run_sweep(cfg: SweepConfig, lm=None, ray=None, source=None) -> dict:
     ``ray``, and closed at the end, when not given). On Ray replicas (``ray``, a
     :class:`~aligntax.runs.distributed.RayConfig`) the settings are scored one a work unit (the
     unsteered one first), and judged here; the vLLM backend generates each setting on its engine."""
+    if cfg.model is None:
+        from aligntax.artefacts import folder_model
+
+        cfg.model = folder_model(cfg.steer)[0] or DEFAULT_MODEL
     own = source is None
     source = source or generation_source(cfg.backend, ray)
     try:
@@ -1230,6 +1237,7 @@ def _run_sweep(cfg: SweepConfig, lm, sweep: SweepGeneration) -> dict:
     best = select_best(final, method, cfg.leak_constraint, cfg.knowns_tolerance)
     result = {
         "method": method,
+        "model": cfg.model,
         "best": best,
         "n_settings": len(settings) if halving else len(final),
         **(

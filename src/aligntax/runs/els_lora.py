@@ -733,6 +733,7 @@ def write_adapter(
     hyper = {k: v for k, v in asdict(cfg).items() if k not in ("steer", "out", "model", "els", "progress")}
     meta = {
         "format": FORMAT,
+        "model": lm.spec,  # the model it was distilled on: the default of every command that takes the folder
         "fingerprint": dict(lm.fingerprint or {}),
         "layers": blocks.layers,
         "target_block": blocks.target,
