@@ -197,11 +197,8 @@ def test_no_intervention_runs_the_model():
 # layer or of a layer above.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "paths", "defaults", "hooks"),  # nothing of aligntax
-    (
-        "artefacts",
-        "wheels",
-        "config",
-    ),  # errors only: saved tensors + sidecars, files in pinned wheels, YAML configs
+    ("runfolder",),  # errors only: the run-folder contract (atomic writes, lock, settings header, JSONL)
+    ("artefacts", "wheels", "config"),  # errors only: tensors + sidecars, pinned-wheel files, YAML configs
     ("models", "data", "judges", "energy", "reports"),  # judges only score (texts, logits), never run a model
     ("interventions",),  # steering: messages, row kernels, hooks; ELS over the energy models
     ("generation",),  # chat rendering, the decode loop, prompt logits (the first-token refusal score)

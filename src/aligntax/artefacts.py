@@ -2,8 +2,9 @@
 
 Every artefact made from a model's activations (activation caches, energy banks, harm gates, steering
 vectors, adapters) records the model fingerprint (``LoadedModel.fingerprint``) and refuses to load for
-another model. The module sits at the bottom of the package graph (it imports only ``aligntax.errors``),
-so the packages that save artefacts (energy, interventions, activations, bundles, runs) all reach it.
+another model. The module sits at the bottom of the package graph (it imports only ``aligntax.errors``
+and the atomic writes of ``aligntax.runfolder``), so the packages that save artefacts (energy,
+interventions, activations, bundles, runs) all reach it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -146,11 +146,10 @@ def _clean(obj):
 
 
 def write_json(path: Path, obj: dict) -> None:
-    """Write JSON atomically (temp file then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False))
-    os.replace(tmp, path)
+    """Write JSON atomically (temp file, fsync, rename: :func:`aligntax.runfolder.write_text_atomic`)."""
+    from aligntax.runfolder import write_text_atomic
+
+    write_text_atomic(path, json.dumps(_clean(obj), indent=2, sort_keys=False))
 
 
 def read_json(path: Path) -> dict:
@@ -164,13 +163,13 @@ def check_format(meta: dict, fmt: str, sidecar: Path, noun: str) -> None:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
-    """Write a safetensors file atomically (temp file then rename), with ``fmt`` in its metadata."""
+    """Write a safetensors file atomically (temp file, fsync, rename), with ``fmt`` in its metadata."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": fmt})
-    os.replace(tmp, path)
+    from aligntax.runfolder import atomic_file
+
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": fmt})
 
 
 @dataclass(frozen=True)

@@ -918,7 +918,7 @@ def els_train(
     """Label the model's behaviour, capture activations, train one energy model per layer (with --ray, the
     label generation and the states recorded during it run on replicas of the model over Ray)."""
     from aligntax.config import load_config
-    from aligntax.runs.els import ELSTrainConfig, train_els
+    from aligntax.runs.els_train import ELSTrainConfig, train_els
 
     try:
         if gate is not None:
@@ -1165,7 +1165,7 @@ def els_harm_basis(
 ) -> None:
     """Compute the harm basis (harm_basis.safetensors) of a folder trained before it was part of training:
     what ELS steps are projected off with --harm-orth K."""
-    from aligntax.runs.els import harm_basis_for_folder
+    from aligntax.runs.els_train import harm_basis_for_folder
 
     check_intervention("els", {"path": str(steer)})
     try:
@@ -1317,7 +1317,7 @@ def els_sweep(
 ) -> None:
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
     from aligntax.config import load_config
-    from aligntax.runs.els import SweepConfig, run_sweep
+    from aligntax.runs.els_sweep import SweepConfig, run_sweep
     from aligntax.runs.sources import generation_source
 
     try:

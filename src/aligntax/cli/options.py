@@ -163,7 +163,8 @@ def check_port(port: int | None, flag: str = "--port") -> None:
 
 
 def check_out_folder(out: str | Path | None, flag: str = "--out") -> None:
-    """``--out`` names a run folder: refused when it is an existing file (or inside one)."""
+    """``--out`` names a run folder: refused when it is an existing file (or inside one), or when it
+    (or the folder it would be made in) cannot be written: a read-only file system, no permission."""
     if out is None:
         return
     path = Path(out).expanduser()
@@ -174,6 +175,9 @@ def check_out_folder(out: str | Path | None, flag: str = "--out") -> None:
             if not parent.is_dir():
                 raise UsageError(f"{flag} {out}: {parent} is a file, not a folder.")
             break
+    from aligntax.runfolder import check_writable
+
+    check_writable(path, flag)
 
 
 def check_out_file(out: str | Path | None, flag: str = "--out") -> None:

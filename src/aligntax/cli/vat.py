@@ -373,12 +373,14 @@ def matrix_cmd(
     """The intervention aimed at each of the ten values: the 10 x 10 shift matrix, double-centred, with a
     permutation test of its diagonal and a Mantel test against distance on the Schwartz circle. The
     intervention's options are those of `vat run`."""
+    from aligntax.cli.options import check_out_folder
     from aligntax.vat.matrix import matrix_from_runs, run_matrix, write_matrix
 
     try:
         check_dtype(dtype)
         use_device(device)
         dtype = dtype or "bf16"
+        check_out_folder(out)
         if runs:
             res = write_matrix(matrix_from_runs(runs), out, n_perm=matrix_permutations, seed=seed)
         else:
@@ -472,9 +474,11 @@ def sweep_cmd(
 ) -> None:
     """Models x interventions x targets, one resumable run folder per cell, and a summary table
     (summary.md, summary.csv, summary.json). Rerun the same command to resume; flags override the YAML."""
+    from aligntax.cli.options import check_out_folder
     from aligntax.vat.sweep import SweepSpec, run_sweep
 
     try:
+        check_out_folder(out)
         d: dict = {}
         if config is not None:
             import yaml

