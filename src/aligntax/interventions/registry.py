@@ -29,6 +29,7 @@ import dataclasses
 import warnings
 from collections.abc import Mapping
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
 
 from aligntax.errors import AligntaxError
 from aligntax.interventions import base, compose, els, lora, prompting, vectors
@@ -46,6 +47,9 @@ from aligntax.interventions.options import (
 )
 from aligntax.interventions.prompting import PromptOptions
 from aligntax.interventions.vectors import CastOptions, VectorOptions
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 # The options dataclasses, cli_options, grid_fields, grid_values and intervention_args are re-exported:
 # importing them from here guarantees that every method is registered first.
@@ -108,12 +112,13 @@ PLUGINS = tuple(load_plugins())
 INTERVENTIONS = tuple(METHODS)
 
 
-def make_intervention(name: str, lm=None, **kwargs) -> Intervention:
+def make_intervention(name: str, lm: LoadedModel | None = None, **kwargs: Any) -> Intervention:
     """Build the intervention ``name`` for model ``lm`` from keyword options (None values are ignored;
     an option the method does not declare is refused)."""
     if name not in METHODS:
         raise AligntaxError(f"Unknown intervention '{name}'; known: {', '.join(METHODS)}.")
-    return METHODS[name].make(lm, **kwargs)
+    iv: Intervention = METHODS[name].make(lm, **kwargs)
+    return iv
 
 
 def describe(methods: Mapping[str, Method] | None = None) -> str:
