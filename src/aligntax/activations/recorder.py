@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from aligntax.activations.capture import _require_finite, resolve_layers
+from aligntax.activations.capture import require_finite, resolve_layers
 from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached
 from aligntax.interventions.base import Intervention, SteerContext, decide_at_prefill
@@ -73,7 +73,7 @@ class PrefillRecorder(Intervention):
             if (id(self), layer) in ctx.decisions
         }
         for layer, h in got.items():
-            _require_finite(h, layer)
+            require_finite(h, layer)
         self._last = got
 
     def recorded(self, states: dict[int, torch.Tensor]) -> None:
@@ -87,7 +87,7 @@ class PrefillRecorder(Intervention):
             )
         got = {layer: states[layer].float().cpu() for layer in self.layers}
         for layer, h in got.items():
-            _require_finite(h, layer)
+            require_finite(h, layer)
         self._last = got
 
     def keep(self, prompt_ids: Sequence[str], labels: Sequence | None = None) -> None:

@@ -82,11 +82,8 @@ def main(
     set_debug(debug)
 
 
-def _sampling(temperature: float | None, sample: bool | None) -> tuple[bool | None, float | None]:
-    """``(do_sample, temperature)`` from ``--temperature`` (0: greedy) and the old ``--sample`` switch."""
-    if sample:
-        deprecated("--sample", "--temperature T (above 0 samples)")
-        return True, temperature if temperature else 1.0
+def _sampling(temperature: float | None) -> tuple[bool | None, float | None]:
+    """``(do_sample, temperature)`` from ``--temperature`` (0: greedy; None: not given)."""
     if temperature is None:
         return None, None
     check_range(temperature, "nonnegative", "--temperature")
@@ -268,7 +265,6 @@ def generate(
     max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per prompt at most"),
     batch_size: int = typer.Option(32, help="prompts per batch"),
     temperature: float = typer.Option(DEFAULT_TEMPERATURE, help=TEMPERATURE_HELP),
-    sample: bool = typer.Option(False, "--sample", hidden=True),
     top_p: float = typer.Option(1.0, help="nucleus sampling (with a temperature above 0)"),
     seed: int | None = typer.Option(None, help="seed of the sampling"),
     dtype: DtypeOpt = None,
@@ -291,7 +287,7 @@ def generate(
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
         check_range(top_p, "probability", "--top-p")
-        do_sample, temp = _sampling(temperature, sample)
+        do_sample, temp = _sampling(temperature)
         if limit is not None:
             check_range(limit, "count", "--limit")
         source = generation_source(backend)
@@ -463,7 +459,6 @@ def eval_cmd(
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
-    sample: bool | None = typer.Option(None, "--sample", hidden=True),
     temperature: float | None = typer.Option(
         None, help=TEMPERATURE_HELP, show_default=str(DEFAULT_TEMPERATURE)
     ),
@@ -499,7 +494,7 @@ def eval_cmd(
     from aligntax.runs.sources import generation_source
 
     try:
-        do_sample, temp = _sampling(temperature, sample)
+        do_sample, temp = _sampling(temperature)
         if out is None and "out" not in _yaml_keys(config):
             raise UsageError("eval needs --out DIR (the run folder; a rerun with the same DIR resumes).")
         cfg = load_config(

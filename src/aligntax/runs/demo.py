@@ -657,7 +657,7 @@ STAGE_MINUTES = {
         "known-answer check": 0.42,
         "baselines on the test sets": 5.73,
         # the row-strength fit: 300 steered training answers at 32 new tokens took 2.5 minutes
-        # (docs/journal.md, "Front mechanisms on validation"), then the fit; the els-lora
+        # (docs/notes/journal.md, "Front mechanisms on validation"), then the fit; the els-lora
         # distillation with its defaults took 12.4 minutes alone (docs/els-lora.md); the adapter's
         # two scales in the sweep are not in the sweep's reference yet (the clock corrects itself
         # by the stages measured)
