@@ -200,24 +200,34 @@ def _whole_lines(path: Path) -> bool:
     return not raw or raw.endswith(b"\n") and all(json.loads(x) for x in raw.splitlines())
 
 
+@pytest.mark.parametrize("pipeline", ["eval", "knowns"])
 @pytest.mark.parametrize("at", ["append", "replace"])
-def test_a_write_failing_partway_for_lack_of_space(tmp_path, lm, at):
-    """ENOSPC in the middle of a write (half of its bytes written): one line, nothing half-written kept
-    or read back, and the same run resumes to the uninterrupted run's files once space is freed."""
+def test_a_write_failing_partway_for_lack_of_space(tmp_path, lm, at, pipeline):
+    """ENOSPC in the middle of a write (half of its bytes written), at the middle one of the run's
+    appends or atomic writes: one line, nothing half-written kept or read back, and the same run resumes
+    to the uninterrupted run's files once space is freed."""
     run, ref = tmp_path / "run", tmp_path / "ref"
-    _eval(tmp_path, lm, run)()  # the reference, made at the same path
+    make = (lambda out: _eval(tmp_path, lm, out)) if pipeline == "eval" else (lambda out: _knowns(lm, out))
+    sites = []
+    runfolder.write_hook = lambda kind, path, phase: sites.append(kind == at and phase == "partial")
+    try:
+        make(run)()  # the reference, made at the same path
+    finally:
+        runfolder.write_hook = None
     run.rename(ref)
-    seen = []
+    fail_at = sum(sites) // 2 + 1
+    assert sum(sites) >= 2, sites  # a write before the failing one, and the failing one
+    hits = []
 
     def full_disk(kind, path, phase):
-        seen.append((kind, path.name, phase))
-        if kind == at and phase == "partial" and sum(s[0] == at for s in seen) > 3:
+        hits.append(kind == at and phase == "partial")
+        if hits[-1] and sum(hits) == fail_at:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     runfolder.write_hook = full_disk
     try:
         with pytest.raises(WriteError) as err:
-            _eval(tmp_path, lm, run)()
+            make(run)()
     finally:
         runfolder.write_hook = None
     msg = str(err.value)
@@ -226,7 +236,7 @@ def test_a_write_failing_partway_for_lack_of_space(tmp_path, lm, at):
     assert not (run / runfolder.LOCK_NAME).exists()  # released
     for path in run.glob("*.json"):
         json.loads(path.read_text())  # whole files only
-    _eval(tmp_path, lm, run)()  # space freed: the same command resumes
+    make(run)()  # space freed: the same command resumes
     assert compare_folders(ref, run) == []
 
 
