@@ -315,6 +315,8 @@ def test_a_read_only_folder_is_one_line_before_any_model_loads(tmp_path, read_on
         ["mc", "--out", str(read_only / "mc")],
         ["vat", "run", "--target", "Power", "--out", str(read_only / "vat")],
         ["vat", "sweep", "--intervention", "persona", "--out", str(read_only / "sweep")],
+        ["els", "train", "--out", str(read_only / "els")],
+        ["demo", "--out", str(read_only / "demo")],
     ):
         res = runner.invoke(app, cmd)
         lines = [line for line in res.output.splitlines() if line.strip()]
