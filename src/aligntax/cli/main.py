@@ -1298,14 +1298,16 @@ def demo(
 
 
 def _mount_faces() -> None:
-    """The sub-commands whose faces live in their own modules of this package: ``vat``, ``serve``,
-    ``lm-eval`` (lm-eval itself is imported when the command runs), ``bundle`` and ``export``."""
+    """The sub-commands whose faces live in their own modules of this package: ``vat``, ``audit``,
+    ``serve``, ``lm-eval`` (lm-eval itself is imported when the command runs), ``bundle`` and ``export``."""
+    from aligntax.cli.audit import audit_command
     from aligntax.cli.bundles import mount as mount_bundles
     from aligntax.cli.lmeval import lm_eval_command
     from aligntax.cli.serve import serve_command
     from aligntax.cli.vat import app as vat_app
 
     app.add_typer(vat_app, name="vat")
+    app.command("audit")(audit_command)
     app.command("serve")(serve_command)
     app.command("lm-eval")(lm_eval_command)
     mount_bundles(app)

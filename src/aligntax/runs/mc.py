@@ -91,9 +91,12 @@ class MCConfig:
     progress: bool = True
 
 
-def run_mc(cfg: MCConfig, lm=None, intervention: Intervention | None = None) -> dict:
-    """Score the set and write ``OUT/samples.jsonl`` (one line per question) and ``OUT/results.json``."""
-    items = load_mc(cfg.data, cfg.limit)
+def run_mc(
+    cfg: MCConfig, lm=None, intervention: Intervention | None = None, items: Sequence[MCItem] | None = None
+) -> dict:
+    """Score the set and write ``OUT/samples.jsonl`` (one line per question) and ``OUT/results.json``;
+    ``items``: the questions to score (a subset of ``cfg.data``), instead of loading them."""
+    items = list(items) if items is not None else load_mc(cfg.data, cfg.limit)
     if lm is None:
         from aligntax.models import load_model
 
