@@ -50,11 +50,6 @@ def test_unknown_embedded_model_is_a_clear_error():
     assert res.exit_code == 2 and "Unknown embedded model" in res.output
 
 
-def test_data_fetch_refuses_a_dataset_without_upstream():
-    res = runner.invoke(app, ["data", "fetch", "phtest-harmless-train"])
-    assert res.exit_code == 2 and "cannot be fetched" in res.output and "ALIGNTAX_DATA" in res.output
-
-
 def test_repeated_list_options_take_none():
     from aligntax.cli.main import _split_list
 

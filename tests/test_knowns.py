@@ -363,3 +363,24 @@ def test_embedded_model_answers_most_val_items(tmp_path):
     )
     assert res["n"] == 40
     assert res["accuracy"] >= 0.5, res["by_kind"]
+
+
+def test_gsm8k_items_score_the_final_number(data_dir):
+    """GSM8K as known answers: the final number counts (after "Answer:" when given), not a number met on
+    the way; --limit takes the same stratified sample every time; the val split is train's tail."""
+    from aligntax.metrics.knowns import GSM8K_VAL_FROM, final_number, load_known_answers
+
+    test = load_known_answers("gsm8k-test")
+    assert len(test) == 1319 and test[0].answers == ("18",) and test[0].scoring == "final-number"
+    assert test[0].check("16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\nAnswer: $18")
+    assert not test[0].check("She sells 18 eggs... Answer: 9")
+    assert not test[0].check("16 - 3 - 4 = 9")
+    assert final_number("It costs 1,200 dollars in all.") == 1200.0
+    assert final_number("no number here") is None
+    sample = load_known_answers("gsm8k-test", limit=50)
+    assert [it.id for it in sample] == [it.id for it in load_known_answers("gsm8k-test", limit=50)]
+    kinds = {k: sum(it.kind == k for it in test) / len(test) for k in {it.kind for it in test}}
+    for k, share in kinds.items():
+        assert abs(sum(it.kind == k for it in sample) - 50 * share) <= 1
+    val = load_known_answers("gsm8k-val")
+    assert len(val) == 7473 - GSM8K_VAL_FROM and all(int(it.id.split(":")[1]) >= GSM8K_VAL_FROM for it in val)

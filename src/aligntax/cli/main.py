@@ -25,6 +25,7 @@ from aligntax.cli.options import (
     check_out_folder,
     check_range,
     deprecated,
+    ensure_datasets,
     grid_options,
     set_debug,
     steering_options,
@@ -142,46 +143,73 @@ def models_info(spec: str = typer.Argument(DEFAULT_MODEL, help="model spec")) ->
 
 # ---------------------------------------------------------------- data
 @data_app.command("list")
-def data_list() -> None:
+def data_list(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
     """Named datasets: present or absent, and the data root each is read from (roots searched in order)."""
+    from aligntax.data.fetch import fetchable
     from aligntax.data.registry import DATASETS, data_roots, dataset_location
-    from aligntax.data.upstream import UPSTREAM
 
-    table = Table("name", "state", "read from", "description")
+    rows = []
     for name, spec in DATASETS.items():
         path, origin = dataset_location(name)
         if path is not None:
             state = "present"
-        elif spec.package is not None or spec.path in UPSTREAM:
+        elif spec.package is not None or fetchable(spec.path):
             state = "absent"
         else:
             state = "absent (no upstream)"
-        table.add_row(name, state, origin if path is not None else "-", spec.description)
+        rows.append(
+            {
+                "name": name,
+                "state": state,
+                "present": path is not None,
+                "read_from": origin if path is not None else None,
+                "path": str(path) if path is not None else None,
+                "description": spec.description,
+            }
+        )
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("name", "state", "read from", "description")
+    for r in rows:
+        table.add_row(r["name"], r["state"], r["read_from"] or "-", r["description"])
     out = Console()
     out.print(table)
     out.print("Data roots searched, in order (`aligntax data fetch NAME|all` stores into the last):")
     for i, root in enumerate(data_roots(), 1):
         out.print(f"  {i}. {root.describe()}", markup=False, highlight=False)
-    out.print("Absent files with no upstream: copy them into a data root (ALIGNTAX_DATA).")
+    if any(r["state"] == "absent (no upstream)" for r in rows):
+        out.print("Absent files with no upstream: copy them into a data root (ALIGNTAX_DATA).")
+
+
+MirrorFromOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--from",
+        help="a mirror folder or base URL laid out like the upstream URLs (ROOT/raw.githubusercontent.com/..., "
+        "ROOT/huggingface.co/..., ROOT/aligntax-derived/...; `aligntax data mirror` writes one); default "
+        "ALIGNTAX_DATA_MIRROR",
+    ),
+]
 
 
 @data_app.command("fetch")
 def data_fetch(
-    name: str = typer.Argument(..., help="a named dataset, xstest-labeled (judge validation), or all"),
-    source: str | None = typer.Option(
-        None,
-        "--from",
-        help="a mirror folder or base URL laid out like the "
-        "upstream URLs (ROOT/raw.githubusercontent.com/..., ROOT/huggingface.co/...)",
+    names: list[str] = typer.Argument(
+        ..., help="named datasets, file groups (xstest-labeled, jbb-artifacts, gsm8k, ...), or all"
     ),
+    source: MirrorFromOpt = None,
     force: bool = typer.Option(False, help="download again even if a verified copy is there"),
+    progress: ProgressOpt = True,
 ) -> None:
-    """Download benchmark files from their pinned upstream commits, check each sha256 and store them in
-    the cache (ALIGNTAX_CACHE/data), where the loaders find them; print where each file is."""
+    """Download benchmark files from their pinned upstream commits (or make them from one: the PHTest
+    splits), check each sha256 and store them in the cache (ALIGNTAX_CACHE/data), where the loaders find
+    them; print where each file is."""
     from aligntax.data.fetch import fetch_datasets
 
     try:
-        res = fetch_datasets([name], mirror=source, force=force, keep_going=name.strip().lower() == "all")
+        every = any(n.strip().lower() == "all" for n in names)
+        res = fetch_datasets(list(names), mirror=source, force=force, keep_going=every, progress=progress)
     except AligntaxError as exc:
         _fail(exc)
     for path in res.fetched:
@@ -192,6 +220,29 @@ def data_fetch(
         console.print(f"skipped  {rel}: {why}", markup=False, highlight=False)
     if res.failed:
         _fail(AligntaxError("\n".join(res.failed.values())))
+
+
+@data_app.command("mirror")
+def data_mirror(
+    out: Path = typer.Argument(..., help="the mirror folder (created; files already there are kept)"),
+) -> None:
+    """Write a data mirror from the files present here (shared data folder, cache), laid out like the
+    upstream URLs, each copied only when its sha256 is the pinned one. A machine without network access
+    fetches from it: ALIGNTAX_DATA_MIRROR=DIR aligntax data fetch all (or --from DIR)."""
+    from aligntax.data.mirror import write_mirror
+
+    try:
+        check_out_folder(out, "DIR")
+        res = write_mirror(out)
+    except AligntaxError as exc:
+        _fail(exc)
+    for rel in res.missing:
+        console.print(f"missing  {rel} (in no data root: `aligntax data fetch all` first)", markup=False)
+    for rel, got in res.mismatched.items():
+        console.print(f"differs  {rel} (sha256 {got}, not the pinned one): left out", markup=False)
+    print(f"mirror {out}: {len(res.written)} files written, {len(res.present)} already there")
+    if res.mismatched:
+        _fail(AligntaxError(f"{len(res.mismatched)} files differ from their pins and were left out"), code=1)
 
 
 # ---------------------------------------------------------------- generate / judge / eval
@@ -240,6 +291,7 @@ def generate(
             from aligntax.data import load_prompts
 
             check_datasets([str(in_file)], "--in")
+            ensure_datasets([str(in_file)], progress, "generate")
             items = load_prompts(str(in_file), limit=limit)
             prompts += [it.prompt for it in items]
             ids += [it.id for it in items]
@@ -464,6 +516,7 @@ def eval_cmd(
             backend=backend,
         )
         _check_eval(cfg)
+        ensure_datasets(cfg.data, cfg.progress is not False, "eval")
         source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
     except AligntaxError as exc:
         _fail(exc)
@@ -617,10 +670,12 @@ def fluency(
     print(json.dumps(res, indent=2))
 
 
-def _check_builtin_or_file(data: str) -> None:
-    """``--data`` of the question sets that ship with aligntax: 'builtin' or an existing file."""
-    if data != "builtin" and not Path(data).is_file():
-        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin').")
+def _check_builtin_or_file(data: str, named: tuple[str, ...] = ()) -> None:
+    """``--data`` of the question sets that ship with aligntax: 'builtin', one of ``named`` or an existing
+    file."""
+    if data != "builtin" and data not in named and not Path(data).is_file():
+        also = "".join(f", '{n}'" for n in named)
+        raise UsageError(f"--data {data}: file not found (give a file, or 'builtin'{also}).")
 
 
 @app.command("mc")
@@ -675,7 +730,11 @@ def knowns_cmd(
         ..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"
     ),
     model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
-    data: str = typer.Option("builtin", help="'builtin' (360 everyday questions) or a JSONL/JSON file"),
+    data: str = typer.Option(
+        "builtin",
+        help="'builtin' (360 everyday questions), 'gsm8k-test' / 'gsm8k-val' (maths word problems, the "
+        "final number scored; --limit takes a sample stratified by solution steps) or a JSONL/JSON file",
+    ),
     split: str = typer.Option("test", help="test, val (for choosing settings) or all"),
     limit: int | None = typer.Option(None, help="first N items of the split"),
     compare_to: str | None = typer.Option(
@@ -697,7 +756,9 @@ def knowns_cmd(
         check_out_folder(out)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
-        _check_builtin_or_file(data)
+        from aligntax.metrics.knowns import GSM8K_SETS
+
+        _check_builtin_or_file(data, tuple(GSM8K_SETS))
         if compare_to and not Path(compare_to).is_dir():
             raise UsageError(f"--compare-to {compare_to}: no such run folder.")
         cfg = KnownsConfig(
@@ -882,6 +943,19 @@ def els_train(
                 *(cfg.gate_pairs or []),
             ],
             "a dataset",
+        )
+        ensure_datasets(
+            [
+                *(cfg.benign or []),
+                *(cfg.harmful or []),
+                *(cfg.harmless or []),
+                *(cfg.gate_harmful or []),
+                *(cfg.gate_benign or []),
+                *(cfg.gate_pairs or []),
+                *(cfg.harm_pairs or []),
+            ],
+            cfg.progress,
+            "els train",
         )
         for flag, value, rule in (
             ("--epochs", cfg.epochs, "positive_count"),
@@ -1215,6 +1289,9 @@ def els_sweep(
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
         check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], "a dataset")
+        ensure_datasets(
+            [*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], cfg.progress, "els sweep"
+        )
         check_layers(cfg.model, [x for lay in cfg.layers or [] for x in lay], "--layers-grid")
         check_range(cfg.max_new_tokens, "positive_count", "--max-new-tokens")
     except AligntaxError as exc:
@@ -1259,7 +1336,7 @@ def demo(
     progress: ProgressOpt = True,
 ) -> None:
     """The main job: baseline eval, ELS training, validation sweep, steered eval and a report."""
-    from aligntax.runs.demo import check_mechanisms, demo_config, run_demo
+    from aligntax.runs.demo import check_mechanisms, demo_config, demo_datasets, run_demo
     from aligntax.runs.sources import generation_source
 
     out = out or Path(
@@ -1290,6 +1367,7 @@ def demo(
             progress=progress,
             mechanisms=picked,
         )
+        ensure_datasets(demo_datasets(cfg), progress, "demo")
     except AligntaxError as exc:
         _fail(exc)
     with closing(source):

@@ -48,6 +48,7 @@ __all__ = [
     "check_port",
     "check_range",
     "deprecated",
+    "ensure_datasets",
     "fail",
     "grid_options",
     "model_num_layers",
@@ -182,6 +183,36 @@ def check_datasets(specs: list[str] | None, flag: str = "--data") -> None:
         ):
             continue
         raise UsageError(f"{flag}: {_not_found_message(text)}")
+
+
+def ensure_datasets(names: list[str] | None, progress: bool = True, what: str = "data") -> None:
+    """Fetch the named datasets among ``names`` that no data root holds yet (from their pinned upstream, or
+    ``ALIGNTAX_DATA_MIRROR``), saying so, with a progress bar; files, Hub ids and datasets present are left
+    alone. When they cannot be fetched: a DataError naming the one command that fetches them. Called before
+    a command loads its model."""
+    from aligntax.data.fetch import fetch_datasets, missing_datasets
+    from aligntax.errors import DataError
+
+    missing = missing_datasets([str(n) for n in names or []])
+    if not missing:
+        return
+    command = "aligntax data fetch " + " ".join(missing)
+    mirror = os.environ.get("ALIGNTAX_DATA_MIRROR")
+    where = f"the mirror {mirror}" if mirror else "their pinned upstream"
+    console.print(
+        f"{escape(f'[{what}]')} fetching {len(missing)} dataset{'s' if len(missing) > 1 else ''} no data root "
+        f"holds yet, from {escape(where)}: {', '.join(missing)} (`{command}`)",
+        soft_wrap=True,
+        highlight=False,
+    )
+    try:
+        fetch_datasets(missing, progress=progress)
+    except AligntaxError as exc:
+        raise DataError(
+            f"{', '.join(missing)} could not be fetched ({_one_line(str(exc))[:300]}). Fetch them with "
+            f"`{command}` (with ALIGNTAX_DATA_MIRROR=DIR from a mirror written by `aligntax data mirror`), "
+            "or set ALIGNTAX_DATA to a folder holding them."
+        ) from None
 
 
 def _config_layers(cfg: dict) -> int | None:

@@ -26,7 +26,7 @@ _EXT_KIND = {
     ".txt": "txt",
 }
 # Keys under which a JSON object may hold its list of records.
-_JSON_LIST_KEYS = ("data", "rows", "records", "examples", "items", "instances", "prompts")
+_JSON_LIST_KEYS = ("data", "rows", "records", "examples", "items", "instances", "prompts", "jailbreaks")
 
 # Long jailbreak prompts can exceed csv's default field limit (128 KiB).
 if csv.field_size_limit() < 16 * 1024 * 1024:

