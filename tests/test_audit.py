@@ -312,7 +312,13 @@ def test_baseline_against_itself_is_zero_and_passes(lm, data, tmp_path, cache):
         assert r["n"] > 0
     by = {r["row"]: r for r in rows}
     assert by["benign"]["n"] == 8 and by["harmful"]["n"] == 24 and by["knowns"]["n"] == 6
-    assert by["fluency"]["n"] == 8 and by["fluency"]["detectable"] > 0
+    base = [
+        json.loads(x)
+        for x in (tmp_path / "a" / "baseline" / "eval" / "samples.jsonl").read_text().splitlines()
+    ]
+    answered = sum(r["label"] == "benign" and not r["refused"] for r in base)
+    assert 0 < by["fluency"]["n"] == answered < 8  # the benign prompts both sides answered
+    assert by["fluency"]["detectable"] > 0
     for name in ("audit.json", "report.md", "report.html", "config.json", "fluency.jsonl"):
         assert (tmp_path / "a" / name).is_file()
     assert json.loads((tmp_path / "a" / "audit.json").read_text())["verdict"] == "pass"

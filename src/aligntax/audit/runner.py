@@ -196,16 +196,22 @@ def plan_audit(cfg: AuditConfig) -> Plan:
     prompts: dict = {}
 
     def refusal_items(panel: Panel, row: RowSpec) -> list:
+        """The row's prompts of its label: per dataset (each part of a group dataset such as
+        jbb-attacks), the profile's number drawn stratified by category, the draw salted by the
+        dataset's name, so a row of one attack and a row of the group take the same prompts of it."""
+        from aligntax.data.registry import find_dataset
+
         label = "benign" if row.metric == "compliance" else "harmful"
-        loaded = []
+        picked = []
         for spec in row.data:
-            got = [it for it in load_prompt_sets([spec]) if it.label == label]
-            if not got:
-                raise UsageError(f"panel {panel.name!r}, row {row.name!r}: {spec} has no {label} prompts.")
-            loaded += got
-        picked = stratified(
-            loaded, row.size(cfg.profile), cfg.seed, lambda it: (it.source, it.category), row.name
-        )
+            named = find_dataset(spec)
+            for part in named.parts if named is not None and named.parts else (spec,):
+                got = [it for it in load_prompt_sets([part]) if it.label == label]
+                if not got:
+                    raise UsageError(
+                        f"panel {panel.name!r}, row {row.name!r}: {part} has no {label} prompts."
+                    )
+                picked += stratified(got, row.size(cfg.profile), cfg.seed, lambda it: it.category, str(part))
         for it in picked:
             prompts.setdefault((it.source, it.id), it)
         return picked
@@ -459,7 +465,9 @@ def _samples(out: Path, side: str) -> dict[tuple[str, str], dict]:
 
 
 def _fluency_pairs(plan: Plan, out: Path) -> dict[tuple[str, str], list[tuple[str, str]]]:
-    """Per fluency row: the (prompt, answer) of its benign prompts, baseline answers then candidate ones."""
+    """Per fluency row: ``((prompt, baseline answer), (prompt, candidate answer))`` for each of its benign
+    prompts that both sides answered (judged not a refusal): a refusal turned into an answer is the
+    over-refusal rows' business, and a refusal's boilerplate is not a fluent answer to compare with."""
     base, cand = _samples(out, "baseline"), _samples(out, "candidate")
     pairs = {}
     for p in plan.panels:
@@ -469,7 +477,7 @@ def _fluency_pairs(plan: Plan, out: Path) -> dict[tuple[str, str], list[tuple[st
                 pairs[(p.name, r.name)] = [
                     ((base[k]["prompt"], base[k]["response"]), (cand[k]["prompt"], cand[k]["response"]))
                     for k in keys
-                    if k in base and k in cand
+                    if k in base and k in cand and not base[k]["refused"] and not cand[k]["refused"]
                 ]
     return pairs
 
