@@ -381,6 +381,19 @@ def test_resume_after_a_stop_gives_the_same_audit(lm, data, tmp_path, cache):
     # nothing left to do: nothing generated again
     run_audit(_cfg(data, out, **kw), lm=lm, judge=ParityJudge())
     assert json.loads((out / "candidate" / "eval" / "results.json").read_text())["timing"]["new_samples"] == 0
+    # another audit of the same model takes this one's baseline runs: only its candidate is generated
+    reused = run_audit(
+        _cfg(data, tmp_path / "reused", **kw, baseline_from=str(tmp_path / "whole")),
+        lm=lm,
+        judge=ParityJudge(),
+    )
+    assert _rows(reused) == _rows(full)
+    res = json.loads((tmp_path / "reused" / "baseline" / "eval" / "results.json").read_text())
+    assert res["timing"]["new_samples"] == 0
+    with pytest.raises(UsageError, match="other settings"):
+        run_audit(
+            _cfg(data, tmp_path / "r2", **kw, max_new_tokens=7, baseline_from=str(tmp_path / "whole")), lm=lm
+        )
     # other settings are refused, before anything runs
     with pytest.raises(UsageError, match="other settings"):
         run_audit(_cfg(data, out, **kw, max_new_tokens=7), lm=lm, judge=ParityJudge())
@@ -494,15 +507,19 @@ def test_cli_exit_codes(model_dir, data, tmp_path, cache, judges, lm):
     same = _cli(model_dir, data, tmp_path / "same", "--intervention", "none", "--judge", "parity")
     assert same.exit_code == 0, same.output
     assert "Verdict: PASS" in same.output
+    # a demo folder stands for its selection: here a strong refusal-add, the planted regression
     vec = save_tiny_vectors(lm, tmp_path / "vectors")
-    bad = _cli(
-        model_dir, data, tmp_path / "bad", "--intervention", "refusal-add", "--vectors", str(vec), "--coeff", "8",
-        "--judge", "first",
-    )  # fmt: skip
+    demo = tmp_path / "demo"
+    (demo / "steered").mkdir(parents=True)
+    selection = {"intervention": "refusal-add", "intervention_args": {"path": str(vec), "coeff": 8.0}}
+    (demo / "steered" / "config.json").write_text(json.dumps(selection))
+    bad = _cli(model_dir, data, tmp_path / "bad", "--steer", str(demo), "--judge", "first")
     assert bad.exit_code == 1, bad.output
     assert "Verdict: FAIL" in bad.output
     audit = json.loads((tmp_path / "bad" / "audit.json").read_text())
     assert {r["panel"] for r in audit["rows"] if r["verdict"] == "fail"} == {"harmful-refusal"}
+    assert audit["candidate"]["intervention"] == "refusal-add" and audit["candidate"]["demo"] == str(demo)
+    assert audit["candidate"]["args"] == selection["intervention_args"]
 
 
 def test_bad_input_is_one_line_before_any_model_loads(model_dir, data, tmp_path, cache, judges, monkeypatch):

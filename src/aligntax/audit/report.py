@@ -58,6 +58,11 @@ def fmt_amount(row: dict, x) -> str:
     return f"{x:.{d}f}{_UNIT[row['unit']]}"
 
 
+def verdict_text(row: dict) -> str:
+    """The row's verdict; a pass marked ``*`` when a loss of the tolerated size could have gone unseen."""
+    return row["verdict"] + ("*" if row["verdict"] == PASS and not row.get("powered", True) else "")
+
+
 def _direction_text(row: dict) -> str:
     return {UP: "higher is better", DOWN: "lower is better", EITHER: "any move is a cost"}[row["direction"]]
 
@@ -95,7 +100,7 @@ def markdown(audit: dict) -> str:
             lines.append(
                 f"| {r['row']} | {r['metric']} ({_direction_text(r)}) | {r['n']} | {fmt_level(r, 'baseline')} | "
                 f"{fmt_level(r, 'candidate')} | {fmt_change(r)} | {_p(r.get('p'))} ({_p(r.get('p_adj'))}) | "
-                f"{fmt_amount(r, r.get('detectable'))} | {fmt_amount(r, r.get('max_loss'))} | {r['verdict']} |"
+                f"{fmt_amount(r, r.get('detectable'))} | {fmt_amount(r, r.get('max_loss'))} | {verdict_text(r)} |"
             )
         if name == "values" and audit.get("vat"):
             lines += ["", *vat_lines(audit["vat"])]
@@ -133,7 +138,8 @@ def _reading() -> list[str]:
         "would find with the policy's power at the strictest Holm level (alpha / comparisons): a pass "
         "says nothing about losses smaller than that. A row fails when the candidate is worse by more "
         "than `tolerated`, significantly after Holm; it passes when its interval rules out a loss beyond "
-        "`tolerated`; otherwise it is inconclusive. (docs/audit.md)",
+        "`tolerated`; otherwise it is inconclusive. A pass marked * is one whose detectable change exceeds "
+        "`tolerated`: a loss of the tolerated size could have gone unseen at this n. (docs/audit.md)",
     ]
 
 
@@ -264,7 +270,7 @@ def html_report(audit: dict) -> str:
             f'<td class="num">{_p(r.get("p"))}</td><td class="num">{_p(r.get("p_adj"))}</td>'
             f'<td class="num">{e(fmt_amount(r, r.get("detectable")))}</td>'
             f'<td class="num">{e(fmt_amount(r, r.get("max_loss")))}</td>'
-            f'<td class="v-{e(r["verdict"])}" title="{e(r.get("reason") or "")}">{e(r["verdict"])}</td></tr>'
+            f'<td class="v-{e(r["verdict"])}" title="{e(r.get("reason") or "")}">{e(verdict_text(r))}</td></tr>'
         )
     body.append("</tbody></table>")
     if audit.get("vat"):

@@ -85,6 +85,9 @@ class AuditConfig:
     dtype: str = "bf16"
     seed: int = 0
     bootstrap: int = 2000  # paired-bootstrap draws of a score row's interval
+    # an earlier audit of the same model and settings: its baseline runs are copied in, so only the
+    # candidate is generated (the baseline is the same whatever the candidate)
+    baseline_from: str | None = None
     progress: bool = True
 
     def candidate(self) -> Candidate:
@@ -303,10 +306,57 @@ def run_audit(cfg: AuditConfig, lm=None, candidate_lm=None, judge=None, plan: Pl
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is an existing file; give a folder.")
     _check_resume(out, cfg)
+    source = _check_baseline_from(cfg)
     out.mkdir(parents=True, exist_ok=True)
     with run_lock(out):
         write_json_atomic(out / "config.json", asdict(cfg))
+        if source is not None:
+            _copy_baseline(source, out)
         return _run(plan, out, lm, candidate_lm, judge)
+
+
+# the settings two audits must share for one's baseline runs to serve the other
+_BASELINE_FIELDS = ("model", "judge", "max_new_tokens", "dtype", "seed")
+
+
+def _check_baseline_from(cfg: AuditConfig) -> Path | None:
+    if not cfg.baseline_from:
+        return None
+    src = Path(cfg.baseline_from)
+    if not (src / "config.json").is_file() or not (src / "baseline").is_dir():
+        raise UsageError(f"--baseline-from {src}: not an audit folder (no config.json / baseline/).")
+    old, new = json.loads((src / "config.json").read_text()), asdict(cfg)
+    diffs = [f"{k}: {old.get(k)!r} vs {new.get(k)!r}" for k in _BASELINE_FIELDS if old.get(k) != new.get(k)]
+    if diffs:
+        raise UsageError(f"--baseline-from {src} was made with other settings ({'; '.join(diffs)}).")
+    return src
+
+
+def _copy_baseline(src: Path, out: Path) -> None:
+    """The baseline runs of the audit ``src`` into ``out`` (those ``out`` lacks; each then resumes as
+    its own run), and the fluency scores of its answers."""
+    import shutil
+
+    (out / "baseline").mkdir(exist_ok=True)
+    for run in sorted((src / "baseline").iterdir()):
+        if run.is_dir() and not (out / "baseline" / run.name).exists():
+            shutil.copytree(run, out / "baseline" / run.name)
+            for f in ("config.json", "results.json"):  # the copy is its own run folder now
+                path = out / "baseline" / run.name / f
+                if path.is_file() and run.name != "values":
+                    doc = json.loads(path.read_text())
+                    block = doc.get("config", doc) if f == "results.json" else doc
+                    if isinstance(block, dict) and "out" in block:
+                        block["out"] = str(out / "baseline" / run.name)
+                        write_json_atomic(path, doc)
+    scores = src / "fluency.jsonl"
+    if scores.is_file():
+        have = (
+            {r["key"] for r in read_jsonl(out / "fluency.jsonl", repair=True)}
+            if (out / "fluency.jsonl").is_file()
+            else set()
+        )
+        append_jsonl(out / "fluency.jsonl", [r for r in read_jsonl(scores) if r["key"] not in have])
 
 
 def _say(cfg: AuditConfig, text: str) -> None:
@@ -722,6 +772,8 @@ def assemble(plan: Plan, out: Path, values: dict | None) -> dict:
                 row.get("sd", float("nan")), row.get("n_units", row["n"]), level, policy.power
             )
         row["verdict"], row["reason"] = S.verdict(row, rule.max_loss, rule.alpha)
+        # whether a loss of the tolerated size would have been seen (a pass without it is weak evidence)
+        row["powered"] = row["detectable"] is not None and row["detectable"] <= rule.max_loss
     panels = {}
     for p in plan.panels:
         vs = [row["verdict"] for row in rows if row["panel"] == p.name]

@@ -84,10 +84,19 @@ def audit_command(
         ),
     ] = None,
     judge_name: Annotated[str, typer.Option("--judge", help="refusal judge")] = "classifier",
-    max_new_tokens: Annotated[int, typer.Option(help="tokens generated per prompt at most")] = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: Annotated[
+        int, typer.Option(help="tokens generated per prompt at most")
+    ] = DEFAULT_MAX_NEW_TOKENS,
     batch_size: Annotated[int, typer.Option(help="prompts per batch")] = 96,
     dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
     seed: Annotated[int, typer.Option(help="the subsets' draw and the bootstrap")] = 0,
+    baseline_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="an earlier audit of the same model and settings: its baseline runs are copied, "
+            "only the candidate is generated"
+        ),
+    ] = None,
     rescore: Annotated[
         bool,
         typer.Option(
@@ -142,6 +151,7 @@ def audit_command(
                 batch_size=batch_size,
                 dtype=dtype,
                 seed=seed,
+                baseline_from=None if baseline_from is None else str(baseline_from),
                 progress=progress,
             )
             plan = plan_audit(cfg)  # every input checked; no model loaded yet
