@@ -69,8 +69,8 @@ EXPECTED = {
     "contrast-pairs-val": (358, 179, 179),
     "contrast-benign-val": (179, 179, 0),
     "contrast-harmful-val": (179, 0, 179),
-    "wildguard-adv-val": (175, 0, 175),  # a fixed half by id hash
-    "wildguard-adv-test": (149, 0, 149),
+    "wildguard-adv-val": (171, 0, 171),  # a fixed half by row hash
+    "wildguard-adv-test": (153, 0, 153),
     "jbb-pair": (82, 0, 82),  # 18 behaviours without a PAIR prompt
     "jbb-jbc": (100, 0, 100),
     "jbb-random-search": (100, 0, 100),
@@ -150,9 +150,11 @@ def test_jailbreak_attacks_and_their_group():
 
 def test_wildguard_halves_are_disjoint_and_cover_the_file():
     _shared()
-    val = {i.id for i in load_prompts("wildguard-adv-val")}
-    test = {i.id for i in load_prompts("wildguard-adv-test")}
-    assert not val & test and val | test == {i.id for i in load_prompts("wildguard-adv")}
+    def rows(name):
+        return {i.id.split(":", 1)[1] for i in load_prompts(name)}
+
+    val, test = rows("wildguard-adv-val"), rows("wildguard-adv-test")
+    assert not val & test and val | test == rows("wildguard-adv")
 
 
 def test_named_dataset_details():

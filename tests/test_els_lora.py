@@ -197,7 +197,7 @@ def test_export_merges_the_adapter_into_plain_weights(distilled, tmp_path):
         adapter = lm.model(**batch).logits
     real = batch["attention_mask"].bool()  # padding positions are attention-implementation noise
     with torch.no_grad():
-        torch.testing.assert_close(merged(**batch).logits[real], adapter[real], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(merged(**batch).logits[real], adapter[real], rtol=1e-3, atol=5e-4)
     with pytest.raises(AligntaxError, match="not empty"):
         export_lora_model(lm, lora, out)
 
@@ -657,16 +657,44 @@ def test_distill_prompts_keep_every_harmful_twin_of_the_contrast_pairs(tmp_path,
         lambda names, limit=None: pairs if names == ["pairs"] else everyday[:limit],
     )
     assert ELSTrainConfig(out=str(tmp_path)).harmless == ["harmless-train"]
-    cfg = DistillConfig(steer=str(tmp_path), limit_benign=2, limit_harmful=3, pairs=["pairs"])
-    benign, harmful, retain = distill_prompts(cfg)
+    cfg = DistillConfig(
+        steer=str(tmp_path), limit_benign=2, limit_harmful=3, pairs=["pairs"], retain=["harmless"]
+    )
+    rows = distill_prompts(cfg)
+    benign, harmful, retain = rows.benign, rows.harmful, rows.retain
     assert [it.prompt for it in benign][2:] == [f"pair {i} benign" for i in range(5)] and len(benign) == 7
     assert [it.prompt for it in harmful] == [f"pair {i} harmful" for i in range(5)] + HARMFUL[:3]
     assert len(retain) == 6  # up to 300 by default
     cfg.limit_retain = 0
-    assert distill_prompts(cfg)[2] == []
+    assert distill_prompts(cfg).retain == []
     cfg.limit_retain = 4
-    retain = distill_prompts(cfg)[2]
+    retain = distill_prompts(cfg).retain
     assert len(retain) == 4 and {it.prompt for it in retain} <= {it.prompt for it in everyday}
+    # limit_pairs keeps both halves of the pairs it samples
+    cfg.limit_pairs, cfg.limit_retain = 2, 0
+    rows = distill_prompts(cfg)
+    kept = [it.prompt.split()[1] for it in rows.benign[2:]]
+    assert len(kept) == 2 and [it.prompt.split()[1] for it in rows.harmful[:2]] == kept
+
+
+def test_everyday_rows_include_gsm8k_training_questions(tmp_path, data_dir):
+    """The everyday rows split evenly over the folder's harmless prompts and GSM8K training questions
+    (asked as the reasoning check asks them, none from its validation tail)."""
+    from aligntax.metrics.knowns import GSM8K_INSTRUCTION, GSM8K_VAL_FROM
+    from aligntax.runs.els_lora import DistillConfig, distill_prompts
+
+    (tmp_path / "train_config.json").write_text(json.dumps({"out": str(tmp_path), "gate": False}))
+    cfg = DistillConfig(steer=str(tmp_path), limit_benign=2, limit_harmful=2, pairs=[], limit_retain=10)
+    retain = distill_prompts(cfg).retain
+    gsm = [it for it in retain if it.source == "gsm8k-train"]
+    assert len(retain) == 10 and len(gsm) == 5
+    assert all(
+        it.prompt.endswith(GSM8K_INSTRUCTION) and int(it.id.split(":")[1]) < GSM8K_VAL_FROM for it in gsm
+    )
+    with pytest.raises(AligntaxError, match="retain takes"):
+        from aligntax.runs.els_lora import _check_config
+
+        _check_config(DistillConfig(steer=str(tmp_path), retain=["wiki"]))
 
 
 def test_refusal_targets_move_harmful_rows_along_the_refusal_vector(distilled, tmp_path):
@@ -705,3 +733,46 @@ def test_refusal_targets_move_harmful_rows_along_the_refusal_vector(distilled, t
     assert meta["hyper"]["harmful_target"] == "refusal" and meta["hyper"]["refusal_coeff"] == 2.0
     assert loss["before"]["harmful"] > 1e-3 and loss["after"]["harmful"] < loss["before"]["harmful"]
     assert loss["before"]["retain"] < 1e-8
+
+
+def test_answer_term_is_the_models_own_answer_cross_entropy(distilled, tmp_path):
+    """Everyday rows' answer term runs the blocks after the adapted ones to the LM head: before training
+    (LoRA B = 0) it is exactly the unsteered model's cross-entropy on its own greedy answer tokens."""
+    from aligntax.activations.capture import chat_ids
+    from aligntax.generation import GenerationConfig, generate
+    from aligntax.runs.els_lora import DistillConfig, distill_els_lora
+
+    lm, els, _, _ = distilled
+    everyday = ["what is two plus two", "name a colour", "say hello"]
+    cfg = DistillConfig(
+        steer=str(els),
+        out=str(tmp_path / "lora"),
+        els={"layers": [1], "eta": 0.5, "horizon": 3},
+        harmful_target="unsteered",
+        epochs=1,
+        batch_size=4,
+        rank=4,
+        answer_tokens=3,
+        harmful_answer_tokens=4,
+        retain_answer_tokens=5,
+        retain_ce=1.0,
+        progress=False,
+        dtype="fp32",
+        pairs=[],
+    )
+    meta = distill_els_lora(
+        cfg,
+        lm,
+        benign=_items(BENIGN, "benign"),
+        harmful=_items(HARMFUL, "harmful"),
+        retain=_items(everyday, "e"),
+    )
+    answers = [g.response for g in generate(lm, everyday, GenerationConfig(max_new_tokens=5), progress=False)]
+    seqs, plens = chat_ids(lm, everyday, responses=answers)
+    ces = []
+    with torch.no_grad():
+        for s, p in zip(seqs, plens, strict=True):
+            logits = lm.model(input_ids=torch.tensor([s])).logits[0].float()
+            ces.append(torch.nn.functional.cross_entropy(logits[p - 1 : len(s) - 1], torch.tensor(s[p:])))
+    assert meta["loss"]["before"]["retain_ce"] == pytest.approx(float(torch.stack(ces).mean()), rel=1e-3)
+    assert meta["loss"]["after"]["retain_ce"] is not None and meta["hyper"]["retain_ce"] == 1.0

@@ -22,6 +22,8 @@ def load_intervention(dir_or_name: str | Path, lm=None, tokenizer=None, **option
       needs ``name=`` the vector method (``refusal-add``, ``refusal-ablation``,
       ``false-refusal-ablation``, ``cast``). ``name=`` also overrides the ELS default.
 
+    - a folder holding a selected setting (``selection.json``: the folder ``aligntax demo`` writes): exactly
+      that setting (``options`` override it);
     - a steering bundle (a folder with ``bundle.json``, or a Hub id ``org/name``): its method and setting
       (:func:`aligntax.bundles.from_pretrained`; ``options`` override the setting).
 
@@ -49,6 +51,11 @@ def load_intervention(dir_or_name: str | Path, lm=None, tokenizer=None, **option
         raise AligntaxError(
             f"{text!r} is neither an intervention name ({', '.join(INTERVENTIONS)}) nor a folder."
         )
+    from aligntax.interventions.selection import is_selection_dir, read_selection
+
+    if name is None and is_selection_dir(path):  # a setting selected on validation (aligntax demo's folder)
+        name, selected, _ = read_selection(path)
+        return make_intervention(name, lm, **{**selected, **options})
     if name is None:
         if (path / ENERGY_SIDECAR).is_file():
             name = "els"

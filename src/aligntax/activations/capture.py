@@ -52,8 +52,12 @@ def capture_ids(
     progress: bool = False,
     desc: str = "capture",
     max_tokens: int | None = CAPTURE_BATCH_TOKENS,
+    share_prefix: bool = True,
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Capture from token id sequences (prompt ids, optionally followed by response ids).
+
+    ``share_prefix``: a prefix every sequence of a batch shares is computed once (False: every forward
+    holds whole sequences, for hooks that read each prompt's last token in the forward that holds it).
 
     ``prompt_lens[i]`` is the number of prompt tokens of sequence ``i`` (default: the whole sequence is
     the prompt). Returns ``({layer: float32 tensor [M, d]}, row_index [M])``: M is the number of
@@ -119,7 +123,7 @@ def capture_ids(
             current.clear()
             # "last" reads one position per row: a prefix every row shares (chat template, system
             # prompt) is computed once and the batch's forward holds only the rest of each row
-            prefix = min(usable_prefix(model, batch, position == "last"), min(bp) - 1)
+            prefix = min(usable_prefix(model, batch, position == "last"), min(bp) - 1) if share_prefix else 0
             if prefix > 0:
                 cache, ids, mask = prefix_cache(model, ids, mask, prefix, forward=stopped)
                 full, pos = prefixed_inputs(mask, prefix)
@@ -202,6 +206,7 @@ def capture(
     intervention=None,
     return_index: bool = False,
     max_tokens: int | None = CAPTURE_BATCH_TOKENS,
+    share_prefix: bool = True,
 ):
     """Residual stream entering ``layers`` of ``lm`` for chat prompts: ``{layer: float32 [N, d]}``.
 
@@ -225,6 +230,7 @@ def capture_seqs(
     progress: bool = True,
     return_index: bool = False,
     max_tokens: int | None = CAPTURE_BATCH_TOKENS,
+    share_prefix: bool = True,
 ):
     """:func:`capture` from token ids already built (:func:`chat_ids`), in their order: batches of
     sequences of similar length, so that they carry little padding."""
@@ -241,6 +247,7 @@ def capture_seqs(
         pad,
         progress,
         max_tokens=max_tokens,
+        share_prefix=share_prefix,
     )
     order_t = torch.tensor(order, dtype=torch.long)
     orig_rows = order_t[rows] if len(rows) else rows

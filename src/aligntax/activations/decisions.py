@@ -64,10 +64,23 @@ def prefill_states(
 
     blocks = sorted({int(x) for x in layers})
     seqs, plens = chat_ids(lm, prompts, system, intervention)
-    key = (id(lm.model), tuple(blocks), tuple(map(tuple, seqs))) if _PREFILL_MEMO is not None else None
+    key = (
+        (id(lm.model), tuple(blocks), tuple(map(tuple, seqs)), _hooks_key(intervention))
+        if _PREFILL_MEMO is not None
+        else None
+    )
     states = _PREFILL_MEMO.get(key) if key is not None else None
     if states is None:
-        states = capture_seqs(lm, seqs, plens, blocks, batch_size=batch_size, progress=False)
+        with intervention.decision_hooks(lm.model):
+            states = capture_seqs(
+                lm,
+                seqs,
+                plens,
+                blocks,
+                batch_size=batch_size,
+                progress=False,
+                share_prefix=_plain(intervention),
+            )
         states = {b: states[b] for b in blocks}
         if key is not None:
             _PREFILL_MEMO[key] = states
@@ -75,6 +88,21 @@ def prefill_states(
 
 
 _PREFILL_MEMO: dict | None = None
+
+
+def _plain(intervention: Intervention) -> bool:
+    """Whether the decision capture runs the unmodified model (the intervention has no decision hooks)."""
+    from aligntax.interventions.base import Intervention
+
+    return type(intervention).decision_hooks is Intervention.decision_hooks
+
+
+def _hooks_key(intervention: Intervention) -> object:
+    """What the decision capture's states depend on besides the tokens: the intervention's decision hooks
+    (none for most methods, so one capture serves every setting of a sweep)."""
+    if _plain(intervention):
+        return None
+    return repr(sorted(intervention.config().items(), key=lambda kv: kv[0]))
 
 
 @contextmanager
@@ -102,8 +130,8 @@ def unsteered_rows(
         return None
     if not prompts:
         return []
-    states = prefill_states(lm, prompts, kernel.decision_layers, intervention, system, batch_size)
-    return [bool(s == 0) or not kernel.sites for s in kernel.decide(states).cpu()]
+    states = prefill_states(lm, prompts, kernel.read_layers, intervention, system, batch_size)
+    return kernel.untouched(states)
 
 
 def row_info(

@@ -1002,7 +1002,8 @@ def els_distill(
         None, help="weight of the harmful rows' unsteered targets (default 3)"
     ),
     limit_retain: int | None = typer.Option(
-        None, help="everyday instructions (the folder's harmless prompts) kept unsteered (default 300)"
+        None,
+        help="everyday rows (harmless instructions, GSM8K training questions) kept unsteered (default 300)",
     ),
     retain_weight: float | None = typer.Option(None, help="weight of their unsteered targets (default 3)"),
     benign_target: str | None = typer.Option(
@@ -1020,6 +1021,16 @@ def els_distill(
         None, help="the refusal vector's strength for --harmful-target refusal (default 1)"
     ),
     pairs: list[str] = typer.Option(None, help="contrast pairs (default contrast-pairs; 'none': none)"),
+    limit_pairs: int | None = typer.Option(None, help="contrast pairs kept, sampled by pair (default: all)"),
+    retain: str | None = typer.Option(
+        None, help="everyday rows' sources, comma-separated: harmless, gsm8k-train (default both)"
+    ),
+    retain_ce: float | None = typer.Option(
+        None,
+        help="weight of the everyday rows' answer term: cross-entropy against the model's own greedy "
+        "answer tokens (0: their states only; default 1)",
+    ),
+    retain_answer_tokens: int | None = typer.Option(None, help="everyday answers' tokens (default 48)"),
     answer_tokens: int | None = typer.Option(
         None, help="steered answer tokens when the ELS setting has no horizon (default 16)"
     ),
@@ -1074,6 +1085,10 @@ def els_distill(
             harmful_target=harmful_target,
             refusal_coeff=refusal_coeff,
             pairs=_split_list(pairs),
+            limit_pairs=limit_pairs,
+            retain=[x.strip() for x in retain.split(",") if x.strip()] if retain else None,
+            retain_ce=retain_ce,
+            retain_answer_tokens=retain_answer_tokens,
             answer_tokens=answer_tokens,
             dtype=dtype,
             seed=seed,

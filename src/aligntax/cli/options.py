@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - older typer on click
 from aligntax.errors import AligntaxError, UsageError
 from aligntax.interventions.options import Method, check_value
 from aligntax.interventions.registry import INTERVENTIONS, cli_options, grid_values, intervention_args
+from aligntax.interventions.selection import is_selection_dir, read_selection
 
 __all__ = [
     "AligntaxGroup",
@@ -428,9 +429,17 @@ def steering_options(fn=None, *, methods: Mapping[str, Method] | None = None):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         given = {o.param: kwargs.pop(o.param, None) for o in opts}
+        selected: dict = {}
+        if not kwargs.get("intervention") and is_selection_dir(given.get("iv_steer")):
+            # --steer DIR of a folder holding a selected setting (the demo's): exactly that setting,
+            # options given beside it overriding its own
+            try:
+                kwargs["intervention"], selected, _ = read_selection(given.pop("iv_steer"))
+            except AligntaxError as exc:
+                fail(exc)
         name = _iv_name(kwargs.get("intervention"), given.get("iv_steer"))
         try:
-            iv_args = intervention_args(name, given, methods)
+            iv_args = {**selected, **intervention_args(name, given, methods)}
             # a command reading a YAML config checks --layers against its merged settings itself
             check_intervention(
                 name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None, methods=methods

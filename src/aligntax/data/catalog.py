@@ -37,14 +37,16 @@ class DatasetSpec:
 
 
 def in_subset(item_id: str, subset: tuple[int, int] | None) -> bool:
-    """Whether a row with ``item_id`` belongs to ``subset`` ``(k, n)``: sha256 of the id, mod ``n``, is
-    ``k`` (the same on every machine; None keeps every row)."""
+    """Whether a row with ``item_id`` (``source:row``) belongs to ``subset`` ``(k, n)``: sha256 of the row
+    part of the id, mod ``n``, is ``k`` (the same on every machine, whatever the source is called; None
+    keeps every row)."""
     if subset is None:
         return True
     import hashlib
 
     k, n = subset
-    return int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "big") % n == k
+    row = item_id.split(":", 1)[-1]
+    return int.from_bytes(hashlib.sha256(row.encode()).digest()[:8], "big") % n == k
 
 
 def _spec(
@@ -374,12 +376,12 @@ DATASETS: dict[str, DatasetSpec] = {
                 f"wildguard-adv-{part}",
                 f"{_JB}/wildguard_test_adv.json",
                 "wildguard-adv",
-                "wildguard-adv",
+                f"wildguard-adv-{part}",
                 rows,
                 f"WildGuardTest adversarial prompts, {what} half (a fixed split by id): {rows} harmful",
                 subset=(k, 2),
             )
-            for part, k, rows, what in [("val", 0, 175, "validation"), ("test", 1, 149, "test")]
+            for part, k, rows, what in [("val", 0, 171, "validation"), ("test", 1, 153, "test")]
         ),
         _spec(
             "gsm8k-train",

@@ -113,6 +113,9 @@ class Intervention:
     # same config (a folder read when it was built, which may be retrained in place): such results
     # are recomputed every time.
     cacheable: bool = True
+    # True when everything the intervention does to hidden states is its row kernel (:meth:`kernel`), so a
+    # backend that runs kernels (vLLM) runs all of it; False for hooks of its own (an adapter's).
+    kernel_only: bool = True
 
     def prepare_messages(self, messages: list[dict]) -> list[dict]:
         return messages
@@ -134,6 +137,12 @@ class Intervention:
             return
         with attach_kernel(model, ctx, kernel, id(self), self.name):
             yield
+
+    @contextmanager
+    def decision_hooks(self, model: nn.Module) -> Iterator[None]:
+        """Hooks the per-row decision capture runs with (:mod:`aligntax.activations.decisions`), where the
+        decision reads states this intervention changes before it decides (none by default)."""
+        yield
 
     def config(self) -> dict:
         return {"name": self.name}

@@ -114,6 +114,11 @@ class RowKernel:
         strength = self.decide(states).cpu() if self.decision_layers else torch.ones(n)
         return [{"steered": bool(s > 0 and self.sites), "strength": round(float(s), 4)} for s in strength]
 
+    def untouched(self, states: dict[int, torch.Tensor]) -> list[bool]:
+        """Per row (``{block: [N, d]}`` at :attr:`read_layers`): whether the row is left exactly as the
+        unmodified model runs it (its decided strength is 0, or the kernel edits nowhere)."""
+        return [bool(s == 0) or not self.sites for s in self.decide(states).cpu()]
+
     def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict) -> None:
         """Count a batch's decisions (as first made) into ``stats``: ``{name: {rows, held}}``."""
         for name, part in parts.items():

@@ -144,6 +144,7 @@ class ElsLora(Intervention):
     """A distilled ELS adapter applied by forward hooks (see the module docstring)."""
 
     name = "els-lora"
+    kernel_only = False  # hooks on the linear layers, not a row kernel
 
     def __init__(
         self,
@@ -189,7 +190,9 @@ class ElsLora(Intervention):
         return list(self.meta.get("layers") or [])
 
     @contextmanager
-    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
+    def attach(self, model: nn.Module, ctx: SteerContext, row_mask=None) -> Iterator[None]:
+        """The adapter's hooks for one batched call. ``row_mask``: a callable giving, when a layer runs,
+        a ``[batch]`` bool tensor of the rows the update is added to (None from it: every row)."""
         if self.scale == 0.0:  # nothing to add: the model runs exactly as unsteered
             yield
             return
@@ -200,10 +203,17 @@ class ElsLora(Intervention):
 
             def hook(module, args, kwargs, output, a=a, b=b, s=s * self.scale, cache=cache):
                 x = args[0] if args else kwargs["input"]
+                mask = row_mask() if row_mask is not None else None
+                if mask is not None and not bool(mask.any()):
+                    return None  # no row of the batch takes the adapter
                 if x.device not in cache:
                     cache[x.device] = (a.to(x.device), b.to(x.device))
                 a_, b_ = cache[x.device]
                 delta = nn.functional.linear(nn.functional.linear(x.to(a_.dtype), a_), b_) * s
+                if mask is not None:
+                    delta = delta * mask.to(device=delta.device, dtype=delta.dtype).view(
+                        -1, *[1] * (delta.dim() - 1)
+                    )
                 return output + delta.to(output.dtype)
 
             regs.append((model.get_submodule(mod_name), hook, False))

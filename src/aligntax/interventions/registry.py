@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions import base, els, lora, prompting, vectors
+from aligntax.interventions import base, compose, els, lora, prompting, vectors
 from aligntax.interventions.base import Intervention, NoOptions
 from aligntax.interventions.els import ElsOptions
 from aligntax.interventions.lora import ElsLoraOptions
@@ -55,7 +55,7 @@ __all__ = [
 
 # The modules that register methods, in the order the methods are listed (names, command-line options),
 # whichever of them was imported first.
-_MODULES = (base, prompting, els, lora, vectors)
+_MODULES = (base, prompting, els, lora, compose, vectors)
 _ORDER = [m.__name__ for m in _MODULES]
 _registered = sorted(METHODS.items(), key=lambda kv: _ORDER.index(kv[1].build.__module__))
 METHODS.clear()

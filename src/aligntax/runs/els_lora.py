@@ -8,24 +8,27 @@ trained so that the state leaving the last steered block matches, teacher-forced
   horizon, and with ``benign_target="els"`` its harm gate; with ``"label"`` the gate is left out on
   these rows, whose label already says benign), over the prompt tokens and the first ``horizon``
   tokens of the ELS-steered answer;
-- on harmful prompts (every harmful half of the contrast pairs, the twin of each benign half, then
-  the folder's harmful training prompts and the harm gate's extra harmful prompts, ``limit_harmful``
-  of these), the *unsteered* state, over the prompt and the model's whole (unsteered) answer,
-  weighted ``preserve_weight`` times; with ``harmful_target="refusal"`` the state with the folder's
-  refusal vector added at the last steered block (``refusal_coeff`` times), over the prompt and the
-  answer the model gives so (the per-query target of ACTOR: refusal removed where the label says
-  benign, added where it says harmful);
-- on everyday instructions (the folder's harmless prompts, ``limit_retain`` of them), the *unsteered*
-  state over the prompt and the model's answer, weighted ``retain_weight``: what the model does where
-  it never refused is kept (known answers, ordinary help).
+- on harmful prompts (the harmful twin of every benign contrast half kept, then the folder's harmful
+  training prompts and the harm gate's extra harmful prompts, ``limit_harmful`` of these), the
+  *unsteered* state over the prompt and the model's answer, weighted ``preserve_weight``; with
+  ``harmful_target="refusal"`` the state with the folder's refusal vector added at the last steered
+  block (``refusal_coeff`` times), over the prompt and the answer the model gives so (the per-query
+  target of ACTOR: refusal removed where the label says benign, added where it says harmful);
+- on everyday rows (``retain``: the folder's harmless instructions, and GSM8K training questions asked
+  as the reasoning check asks them, ``limit_retain`` in all), the *unsteered* state over the prompt and
+  the model's own answer, weighted ``retain_weight``; and the model's answers themselves: with
+  ``retain_ce`` the cross-entropy of the adapted model's next-token distribution against the model's own
+  greedy answer tokens (the full forward past the adapted blocks), so what the model answers where it
+  never refused stays its answer, not only its state.
 
-The loss is the squared error of the states divided by the median squared norm of the harmful and
-everyday rows' targets.
-Both targets and the input of the first adapted block are captured in one forward per batch (ELS
-hooks on), so training runs only the adapted blocks (the input of the first adapted block does not
-depend on the adapter). The ELS rule reads a harm gate the adapter cannot see; the adapter must learn
-the harm distinction itself from the preserve term.
+The state loss is the squared error divided by the median squared norm of the preserved targets. Each
+row's target and the input of the first adapted block are captured in one forward (the teacher's hooks
+on); training runs the adapted blocks from that input (it does not depend on the adapter), and the
+blocks after them only for the everyday rows' answer term.
 
+The work runs in phases, each a function returning a small record: :func:`distill_prompts`
+(:class:`DistillPrompts`), :func:`distill_answers` (:class:`DistillAnswers`), :func:`distill_targets`
+(:class:`DistillTargets`), :func:`train_adapter` (:class:`TrainedAdapter`), :func:`write_adapter`.
 The folder is a standard peft adapter (``adapter_config.json``, ``adapter_model.safetensors``) plus
 ``els_lora.json`` (:mod:`aligntax.interventions.lora`).
 """
@@ -51,14 +54,26 @@ __all__ = [
     "BENIGN_TARGETS",
     "DEFAULT_MODULES",
     "HARMFUL_TARGETS",
+    "RETAIN_SOURCES",
+    "DistillAnswers",
     "DistillConfig",
+    "DistillPrompts",
+    "DistillTargets",
+    "TrainedAdapter",
+    "distill_answers",
     "distill_els_lora",
     "distill_prompts",
+    "distill_targets",
+    "train_adapter",
+    "write_adapter",
 ]
 
 BENIGN_TARGETS = ("els", "label")
 HARMFUL_TARGETS = ("unsteered", "refusal")
 DEFAULT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# where everyday rows come from: the ELS folder's harmless instructions, and GSM8K training questions
+# (the rows before the reasoning check's validation split), asked as the reasoning check asks them
+RETAIN_SOURCES = ("harmless", "gsm8k-train")
 
 
 @dataclass
@@ -81,22 +96,156 @@ class DistillConfig:
     limit_benign: int | None = 300  # benign training prompts (sampled), plus the benign contrast halves
     limit_harmful: int | None = 300  # harmful prompts besides the contrast halves (which are all kept)
     pairs: list[str] = field(default_factory=lambda: ["contrast-pairs"])
-    preserve_weight: float = 3.0  # weight of the harmful rows' (unsteered) targets
+    limit_pairs: int | None = None  # contrast pairs kept (both halves; None: all), sampled by pair
+    preserve_weight: float = 3.0  # weight of the harmful rows' targets
     benign_target: str = (
         "label"  # benign rows: "els" (ELS's own decision, harm gate included) or "label" (no gate)
     )
     harmful_target: str = "refusal"  # harmful rows: "unsteered" or "refusal" (the refusal vector added)
     refusal_coeff: float = 1.0  # the refusal vector's strength for harmful_target="refusal"
     answer_tokens: int = 16  # benign: ELS-steered answer tokens when the ELS setting has no horizon
-    harmful_answer_tokens: int = 32  # unsteered answers generated for kept prompts the label run lacks
-    limit_retain: int | None = 300  # everyday instructions kept unsteered (the folder's harmless prompts)
-    retain_weight: float = 3.0  # as the harmful rows' preserve weight
+    harmful_answer_tokens: int = 32  # harmful rows' answers (unsteered or with the refusal vector)
+    retain: list[str] = field(default_factory=lambda: list(RETAIN_SOURCES))  # everyday rows' sources
+    limit_retain: int | None = 300  # everyday rows in all (split evenly over the sources)
+    retain_weight: float = 3.0  # weight of their state term, as the harmful rows' preserve weight
+    retain_ce: float = 1.0  # weight of their answer term (0: states only)
+    retain_answer_tokens: int = 48  # their answers' tokens (the known-answer check's length)
     els: dict = field(default_factory=dict)  # ELS options over the folder's tuned setting (eta=, gate=, ...)
     dtype: str = "bf16"
     seed: int = 0
     progress: bool = True
 
 
+@dataclass
+class DistillPrompts:
+    """The rows of a distillation: prompt items (``.prompt``, ``.source``, ``.id``) per kind."""
+
+    benign: list
+    harmful: list
+    retain: list
+
+
+@dataclass
+class DistillAnswers:
+    """The teacher's answer text per row (benign: ELS-steered, ``horizon`` tokens; harmful: unsteered or
+    with the refusal vector; everyday: the model's own), and how many unsteered answers were generated
+    here (not taken from the label run of ``els train``)."""
+
+    benign: list[str]
+    harmful: list[str]
+    retain: list[str]
+    generated: int
+
+
+@dataclass
+class Row:
+    """One training row: the input of the first adapted block ``x`` and the target leaving the last one
+    ``y`` (``[len, d]`` each, the prompt and the answer), its weight and kind; everyday rows also carry
+    their token ids and prompt length (the answer term's labels)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: float
+    kind: str
+    ids: list[int] | None = None
+    plen: int = 0
+
+
+@dataclass
+class DistillTargets:
+    rows: list[Row]
+    norm2: float  # median squared norm of the preserved targets (the state loss's unit)
+    tokens: int
+    benign_steered: int  # rows ELS itself steers (its decision), for the summary
+    harmful_steered: int
+
+
+@dataclass
+class TrainedAdapter:
+    model: nn.Module  # the peft model (adapted blocks)
+    names: list[str]
+    alpha: float
+    before: dict
+    after: dict
+    history: list[dict]
+    seconds: dict = field(default_factory=dict)  # per phase of the run, for the summary
+
+
+@dataclass
+class Blocks:
+    """Where the adapter goes: the adapted blocks, the target block (the last steered one), the steered
+    blocks and the ELS answer horizon."""
+
+    layers: list[int]
+    target: int
+    steered: list[int]
+    horizon: int
+
+    @property
+    def first(self) -> int:
+        return self.layers[0]
+
+
+# ------------------------------------------------------------------------------------------ checks
+def _check_config(cfg: DistillConfig) -> None:
+    weights = (cfg.preserve_weight, cfg.retain_weight, cfg.retain_ce)
+    if not (
+        cfg.rank >= 1
+        and cfg.epochs >= 1
+        and cfg.batch_size >= 1
+        and cfg.lr > 0
+        and all(w >= 0 and math.isfinite(w) for w in weights)
+    ):
+        raise AligntaxError(
+            "rank, epochs and batch_size must be at least 1, lr positive and preserve_weight, retain_weight "
+            "and retain_ce finite and >= 0."
+        )
+    if cfg.benign_target not in BENIGN_TARGETS:
+        raise AligntaxError(
+            f"benign_target must be one of {', '.join(BENIGN_TARGETS)}; got {cfg.benign_target!r}."
+        )
+    if cfg.harmful_target not in HARMFUL_TARGETS:
+        raise AligntaxError(
+            f"harmful_target must be one of {', '.join(HARMFUL_TARGETS)}; got {cfg.harmful_target!r}."
+        )
+    unknown = sorted(set(cfg.retain) - set(RETAIN_SOURCES))
+    if unknown:
+        raise AligntaxError(f"retain takes {', '.join(RETAIN_SOURCES)}; got {', '.join(unknown)}.")
+    if cfg.limit_pairs is not None and cfg.limit_pairs < 0:
+        raise AligntaxError("limit_pairs must be >= 0 (or None: every pair).")
+    steer = Path(cfg.steer)
+    if cfg.harmful_target == "refusal" and not (steer / "vectors" / "vectors.safetensors").is_file():
+        raise AligntaxError(
+            f"harmful_target 'refusal' needs the refusal vectors of {steer}/vectors "
+            "(written by `aligntax els train`)."
+        )
+
+
+def _blocks(cfg: DistillConfig, els, n_blocks: int) -> Blocks:
+    steered = sorted(els.models)
+    target = max(steered)
+    layers = (
+        sorted({int(x) for x in cfg.layers})
+        if cfg.layers
+        else sorted({s - k for s in steered for k in range(cfg.before + 1) if s - k >= 0})
+    )
+    if not layers or not 0 <= layers[0] or layers[-1] >= n_blocks:
+        raise AligntaxError(f"Adapter blocks {layers} do not exist: the model has {n_blocks} blocks.")
+    if layers[-1] > target:
+        raise AligntaxError(
+            f"Adapter blocks {layers} go past the last steered block {target}, whose output is "
+            "the target: an adapter there cannot change it."
+        )
+    if layers[0] > steered[0]:
+        raise AligntaxError(
+            f"The first adapter block ({layers[0]}) comes after the first steered block ({steered[0]}); "
+            "the adapter must start at or before it."
+        )
+    horizon = els.horizon if els.horizon is not None else int(cfg.answer_tokens)
+    return Blocks(layers, target, steered, horizon)
+
+
+# ------------------------------------------------------------------------------------------ phase 1: rows
 def _sampled(items: list, limit: int | None, seed: int) -> list:
     from aligntax.runs.els import _sampled as sampled
 
@@ -113,19 +262,61 @@ def _dedupe(items: list, seen: set) -> list:
     return out
 
 
-def distill_prompts(cfg: DistillConfig) -> tuple[list, list, list]:
-    """The benign, the harmful and the retained (everyday) prompts of a distillation (see the module
-    docstring), without repeats."""
+def _pairs(cfg: DistillConfig) -> list:
+    """The contrast pairs' prompts, ``limit_pairs`` pairs sampled (both halves of each)."""
+    from aligntax.runs.eval import load_prompt_sets
+
+    pairs = load_prompt_sets(cfg.pairs) if cfg.pairs else []
+    if cfg.limit_pairs is None:
+        return pairs
+    keys = sorted({_pair_key(it) for it in pairs})
+    keep = set(_sampled(keys, cfg.limit_pairs, cfg.seed))
+    return [it for it in pairs if _pair_key(it) in keep]
+
+
+def _pair_key(item) -> str:
+    """Which pair a contrast prompt belongs to: its category (``pair-001``), else its id without the
+    ``-benign`` / ``-harmful`` ending."""
+    import re
+
+    return item.category or re.sub(r"-(benign|harmful)$", "", item.id)
+
+
+def _retain_items(cfg: DistillConfig, tcfg) -> list:
+    """Everyday rows: ``limit_retain`` in all, split evenly over ``cfg.retain``'s sources."""
+    from aligntax.data.base import PromptItem
+    from aligntax.metrics.knowns import GSM8K_INSTRUCTION, GSM8K_VAL_FROM
+    from aligntax.runs.eval import load_prompt_sets
+
+    if not cfg.retain or (cfg.limit_retain is not None and cfg.limit_retain <= 0):
+        return []
+    share = None if cfg.limit_retain is None else -(-cfg.limit_retain // len(cfg.retain))
+    out: list = []
+    for source in cfg.retain:
+        if source == "harmless":
+            items = load_prompt_sets(tcfg.harmless, tcfg.limit_harmless)
+        else:  # GSM8K train, before the validation tail, asked as the reasoning check asks
+            items = [
+                PromptItem(it.id, f"{it.prompt}\n\n{GSM8K_INSTRUCTION}", "benign", it.source)
+                for it in load_prompt_sets(["gsm8k-train"])
+                if int(it.id.rsplit(":", 1)[1]) < GSM8K_VAL_FROM
+            ]
+        out += _sampled(items, share, cfg.seed)
+    return out[: cfg.limit_retain] if cfg.limit_retain is not None else out
+
+
+def distill_prompts(cfg: DistillConfig) -> DistillPrompts:
+    """The benign, the harmful and the everyday rows of a distillation (see the module docstring),
+    without repeats."""
     from aligntax.config import load_config
     from aligntax.runs.els import ELSTrainConfig, _training_items, gate_items
-    from aligntax.runs.eval import load_prompt_sets
 
     path = Path(cfg.steer) / "train_config.json"
     if not path.is_file():
         raise AligntaxError(f"{cfg.steer} has no train_config.json: give an `aligntax els train` folder.")
     tcfg = load_config(ELSTrainConfig, path)
     benign, harmful = _training_items(tcfg)
-    pairs = load_prompt_sets(cfg.pairs) if cfg.pairs else []
+    pairs = _pairs(cfg)
     seen: set = set()
     b = _dedupe(
         _sampled(benign, cfg.limit_benign, cfg.seed) + [it for it in pairs if it.label == "benign"], seen
@@ -138,14 +329,60 @@ def distill_prompts(cfg: DistillConfig) -> tuple[list, list, list]:
         extra = _dedupe(extra, set(seen))
         need = None if limit is None else limit - len(h)
         h += _dedupe(_sampled(extra, need, cfg.seed), seen)
-    retain = []
-    if cfg.limit_retain is None or cfg.limit_retain > 0:
-        retain = _dedupe(
-            _sampled(load_prompt_sets(tcfg.harmless, tcfg.limit_harmless), cfg.limit_retain, cfg.seed), seen
+    retain = _dedupe(_retain_items(cfg, tcfg), seen)
+    return DistillPrompts(b, twins + (h[:limit] if limit is not None else h), retain)
+
+
+# ------------------------------------------------------------------------------------------ phase 2: answers
+def _generate(lm, items: list, n_tokens: int, iv, desc: str, progress: bool) -> list[str]:
+    from aligntax.generation import GenerationConfig, generate
+
+    if not items:
+        return []
+    config = GenerationConfig(max_new_tokens=n_tokens, batch_size=64)
+    return [
+        g.response
+        for g in generate(lm, [it.prompt for it in items], config, iv, progress=progress, desc=desc)
+    ]
+
+
+def distill_answers(
+    cfg: DistillConfig, lm, rows: DistillPrompts, teachers: dict, horizon: int
+) -> DistillAnswers:
+    """The teachers' answers (see :class:`DistillAnswers`): the label run of ``els train`` supplies the
+    unsteered answers it has (harmful rows with unsteered targets); the rest are generated."""
+    from aligntax.runs.jsonl import read_jsonl
+
+    benign = _generate(lm, rows.benign, horizon, teachers["benign"], "distill: steered answers", cfg.progress)
+    generated = 0  # unsteered answers generated here (not taken from the label run)
+    if teachers["harmful"] is not None:
+        harmful = _generate(
+            lm,
+            rows.harmful,
+            cfg.harmful_answer_tokens,
+            teachers["harmful"],
+            "distill: refusal answers",
+            cfg.progress,
         )
-    return b, twins + (h[:limit] if limit is not None else h), retain
+    else:
+        labels = Path(cfg.steer) / "labels" / "samples.jsonl"
+        known = (
+            {(r["source"], r["id"]): r["response"] for r in read_jsonl(labels)} if labels.is_file() else {}
+        )
+        missing = [it for it in rows.harmful if (it.source, it.id) not in known]
+        new = _generate(
+            lm, missing, cfg.harmful_answer_tokens, None, "distill: unsteered answers", cfg.progress
+        )
+        known.update({(it.source, it.id): a for it, a in zip(missing, new, strict=True)})
+        harmful = [known[(it.source, it.id)] for it in rows.harmful]
+        generated += len(missing)
+    retain = _generate(
+        lm, rows.retain, cfg.retain_answer_tokens, None, "distill: everyday answers", cfg.progress
+    )
+    return DistillAnswers(benign, harmful, retain, generated + len(retain))
 
 
+# ------------------------------------------------------------------------------------------ phase 3: targets
 class _Pass(nn.Module):
     """A decoder block left out of training: hands its input on (its output is never read)."""
 
@@ -168,26 +405,18 @@ def _first(output):
 
 
 def _capture(
-    lm,
-    seqs: list[list[int]],
-    plens: list[int],
-    first: int,
-    last: int,
-    iv,
-    batch_size: int,
-    progress: bool,
-    desc: str,
+    lm, seqs: list[list[int]], plens: list[int], blocks: Blocks, iv, progress: bool, desc: str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence (prompt + answer token ids, prompt length): the states entering block ``first``
-    (before any edit there) and leaving block ``last``, with ``iv``'s hooks on (None: unsteered), one
-    teacher-forced forward per batch (prompts left-padded, answers right-padded), ``[len, d]`` each."""
+    """Per sequence (prompt + answer token ids, prompt length): the states entering the first adapted
+    block (before any edit there) and leaving the target block, with ``iv``'s hooks on (None:
+    unsteered), one teacher-forced forward per batch (left-padded), ``[len, d]`` each."""
     from tqdm.auto import tqdm
 
     from aligntax.hooks import position_ids_from_mask
     from aligntax.interventions.base import SteerContext
     from aligntax.models.layers import decoder_layers
 
-    blocks = decoder_layers(lm.model)
+    layers = decoder_layers(lm.model)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
     out: list = [None] * len(seqs)
@@ -199,8 +428,8 @@ def _capture(
     def post(module, args, kwargs, output):
         raise _Stop(_first(output).detach())
 
-    for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc=desc):
-        idx = order[start : start + batch_size]
+    for start in tqdm(range(0, len(order), 16), disable=not progress, desc=desc):
+        idx = order[start : start + 16]
         p = max(plens[i] for i in idx)
         a = max(len(seqs[i]) - plens[i] for i in idx)
         ids = torch.full((len(idx), p + a), pad, dtype=torch.long)
@@ -210,15 +439,14 @@ def _capture(
             ids[r, p - n : p - n + len(s)] = torch.tensor(s)
             mask[r, p - n : p - n + len(s)] = 1
         ids, mask = ids.to(lm.device), mask.to(lm.device)
-        ctx = SteerContext(prompt_len=p)
-        h_pre = blocks[first].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-        h_post = blocks[last].register_forward_hook(post, with_kwargs=True)
+        h_pre = layers[blocks.first].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+        h_post = layers[blocks.target].register_forward_hook(post, with_kwargs=True)
         try:
             with torch.no_grad():
                 if iv is None:
                     stop = _run(lm.model, ids, mask, position_ids_from_mask(mask))
                 else:
-                    with iv.attach(lm.model, ctx):
+                    with iv.attach(lm.model, SteerContext(prompt_len=p)):
                         stop = _run(lm.model, ids, mask, position_ids_from_mask(mask))
         finally:
             h_pre.remove()
@@ -237,67 +465,338 @@ def _run(model, ids, mask, pos):
     raise AligntaxError("The forward did not reach the target block.")
 
 
-def _train_model(model: nn.Module, first: int, last: int) -> nn.Module:
-    """A copy of ``model`` whose blocks outside ``first..last`` are :class:`_Pass` (never copied)."""
+def distill_targets(
+    cfg: DistillConfig, lm, rows: DistillPrompts, answers: DistillAnswers, teachers: dict, blocks: Blocks
+) -> DistillTargets:
+    """Each row's captured input and target (see :class:`Row`), teacher hooks on as its kind says."""
+    from aligntax.activations.capture import chat_ids
+    from aligntax.activations.decisions import row_info
+
+    def seqs(items, texts, cut=None):
+        if not items:
+            return [], []
+        s, p = chat_ids(lm, [it.prompt for it in items], responses=texts)
+        return ([x[: n + cut] for x, n in zip(s, p, strict=True)] if cut is not None else s), p
+
+    b_seqs, b_plens = seqs(rows.benign, answers.benign, blocks.horizon)
+    h_seqs, h_plens = seqs(rows.harmful, answers.harmful)
+    r_seqs, r_plens = seqs(rows.retain, answers.retain)
+    bar = cfg.progress
+    b = _capture(lm, b_seqs, b_plens, blocks, teachers["benign"], bar, "distill: steered states")
+    h = _capture(lm, h_seqs, h_plens, blocks, teachers["harmful"], bar, "distill: harmful states")
+    r = _capture(lm, r_seqs, r_plens, blocks, None, bar, "distill: everyday states")
+    preserved = [y for _, y in h + r]
+    norm2 = float(torch.cat([y.float().norm(dim=-1) for y in preserved]).median()) ** 2
+    out = [Row(x, y, 1.0, "benign") for x, y in b]
+    out += [Row(x, y, float(cfg.preserve_weight), "harmful") for x, y in h]
+    out += [
+        Row(x, y, float(cfg.retain_weight), "retain", ids, plen)
+        for (x, y), ids, plen in zip(r, r_seqs, r_plens, strict=True)
+    ]
+    info_b = row_info(teachers["benign"], lm, [it.prompt for it in rows.benign]) or []
+    info_h = row_info(teachers["els"], lm, [it.prompt for it in rows.harmful]) or []
+    return DistillTargets(
+        out,
+        norm2,
+        sum(len(s) for s in b_seqs + h_seqs + r_seqs),
+        sum(bool(i["steered"]) for i in info_b) if info_b else len(rows.benign),
+        sum(bool(i["steered"]) for i in info_h) if info_h else len(rows.harmful),
+    )
+
+
+# ------------------------------------------------------------------------------------------ phase 4: training
+def _train_model(model: nn.Module, first: int, last: int, tail: bool) -> nn.Module:
+    """A copy of ``model``'s structure sharing its weights (never copied), whose blocks before ``first``
+    (and after ``last``, unless ``tail``) are :class:`_Pass`."""
     from aligntax.models.layers import decoder_layers
 
     blocks = decoder_layers(model)
-    memo = {
-        id(b): _Pass(getattr(b, "attention_type", None))
-        for i, b in enumerate(blocks)
-        if not first <= i <= last
-    }
+    memo: dict = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    memo.update(
+        {
+            id(b): _Pass(getattr(b, "attention_type", None))
+            for i, b in enumerate(blocks)
+            if i < first or (i > last and not tail)
+        }
+    )
+    if tail:
+        memo.update({id(b): b for i, b in enumerate(blocks) if i > last})
     return copy.deepcopy(model, memo).eval()
 
 
-def _sub_forward(
-    model: nn.Module, first: int, last: int, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
-) -> torch.Tensor:
-    """The state leaving block ``last`` when ``x`` enters block ``first`` (blocks before are passed)."""
+def _forward_from(model: nn.Module, blocks: Blocks, x, mask, pos, to_end: bool):
+    """From ``x`` entering the first adapted block: the state leaving the target block, and with
+    ``to_end`` the final normed hidden state too (``(state, final or None)``)."""
     from aligntax.hooks import replace_hidden_in_args
     from aligntax.models.layers import decoder_layers
 
-    blocks = decoder_layers(model)
+    layers = decoder_layers(model)
+    got: dict = {}
 
     def pre(module, args, kwargs):
         return replace_hidden_in_args(args, kwargs, x)
 
     def post(module, args, kwargs, output):
-        raise _Stop(_first(output))
+        got["state"] = _first(output)
+        if not to_end:
+            raise _Stop(got["state"])
 
-    h1 = blocks[first].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    h2 = blocks[last].register_forward_hook(post, with_kwargs=True)
+    h1 = layers[blocks.first].register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    h2 = layers[blocks.target].register_forward_hook(post, with_kwargs=True)
+    body = getattr(model, "model", model)  # the decoder stack without the LM head
     try:
         try:
-            model(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=False)
-        except _Stop as s:
-            return s.output
+            final = body(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=False)
+        except _Stop:
+            return got["state"], None
     finally:
         h1.remove()
         h2.remove()
-    raise AligntaxError("The forward did not reach the target block.")
+    return got["state"], final.last_hidden_state
 
 
-def _batch(rows: list, device, dtype):
-    """Left-padded ``(x, target, mask, position ids)`` from per-row ``(x [len, d], y [len, d])``."""
-    width = max(len(x) for x, _ in rows)
-    d = rows[0][0].shape[-1]
+def _batch(rows: list[Row], device, dtype):
+    """Left-padded ``(x, target, mask, position ids)``."""
+    width = max(len(r.x) for r in rows)
+    d = rows[0].x.shape[-1]
     x = torch.zeros(len(rows), width, d, dtype=dtype)
     y = torch.zeros(len(rows), width, d, dtype=torch.float32)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, (xi, yi) in enumerate(rows):
-        n = len(xi)
-        x[r, width - n :] = xi.to(dtype)
-        y[r, width - n :] = yi.float()
-        mask[r, width - n :] = 1
+    for i, r in enumerate(rows):
+        n = len(r.x)
+        x[i, width - n :] = r.x.to(dtype)
+        y[i, width - n :] = r.y.float()
+        mask[i, width - n :] = 1
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     return x.to(device), y.to(device), mask.to(device), pos.to(device)
 
 
+def _answer_ce(lm, rows: list[Row], final: torch.Tensor, width: int) -> torch.Tensor:
+    """Per row, the mean cross-entropy of the model's next-token distributions over its answer against
+    the answer's tokens (rows without an answer: 0)."""
+    head = lm.model.get_output_embeddings()
+    out = []
+    for i, r in enumerate(rows):
+        if r.ids is None or len(r.ids) <= r.plen:
+            out.append(final.new_zeros((), dtype=torch.float32))
+            continue
+        off = width - len(r.ids)
+        states = final[i, off + r.plen - 1 : off + len(r.ids) - 1]  # each predicts the next answer token
+        logits = head(states).float()
+        labels = torch.tensor(r.ids[r.plen :], device=logits.device)
+        out.append(nn.functional.cross_entropy(logits, labels))
+    return torch.stack(out)
+
+
+def _batches(rows: list[Row], size: int, rng: random.Random | None) -> list[list[int]]:
+    """Batches of similar length (little padding), in random order when ``rng`` is given."""
+    order = list(range(len(rows)))
+    if rng is not None:
+        rng.shuffle(order)
+    chunks = [order[i : i + size * 8] for i in range(0, len(order), size * 8)]
+    out = []
+    for c in chunks:
+        c = sorted(c, key=lambda i: len(rows[i].x))
+        out += [c[i : i + size] for i in range(0, len(c), size)]
+    if rng is not None:
+        rng.shuffle(out)
+    return out
+
+
+def _epoch(lm, model, targets: DistillTargets, cfg: DistillConfig, blocks: Blocks, opt, rng) -> dict:
+    """One pass over the rows (training when ``opt`` is given); mean loss per kind (the everyday rows'
+    answer term as ``retain_ce``)."""
+    from tqdm.auto import tqdm
+
+    rows = targets.rows
+    dtype = next(p for p in lm.model.parameters()).dtype
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    train = opt is not None
+    for idx in tqdm(
+        _batches(rows, cfg.batch_size, rng if train else None),
+        disable=not cfg.progress,
+        desc="distill: train" if train else "distill: eval",
+    ):
+        batch = [rows[i] for i in idx]
+        x, y, mask, pos = _batch(batch, lm.device, dtype)
+        w = torch.tensor([r.weight for r in batch], device=lm.device)
+        to_end = cfg.retain_ce > 0 and any(r.ids is not None for r in batch)
+        with torch.set_grad_enabled(train):
+            h, final = _forward_from(model, blocks, x, mask, pos, to_end)
+            err = ((h.float() - y) ** 2).sum(-1) / targets.norm2  # [B, T]
+            per_row = (err * mask).sum(-1) / mask.sum(-1)
+            loss = (w * per_row).sum() / len(idx)
+            ce = None
+            if final is not None:
+                ce = _answer_ce(lm, batch, final, x.shape[1])
+                loss = loss + cfg.retain_ce * ce.sum() / len(idx)
+        if train:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        for j, r in enumerate(batch):
+            sums[r.kind] = sums.get(r.kind, 0.0) + float(per_row[j])
+            counts[r.kind] = counts.get(r.kind, 0) + 1
+            if ce is not None and r.ids is not None:
+                sums["retain_ce"] = sums.get("retain_ce", 0.0) + float(ce[j])
+                counts["retain_ce"] = counts.get("retain_ce", 0) + 1
+    kinds = ("benign", "harmful", "retain", "retain_ce")
+    return {k: round(sums[k] / counts[k], 6) if counts.get(k) else None for k in kinds}
+
+
+def train_adapter(cfg: DistillConfig, lm, targets: DistillTargets, blocks: Blocks) -> TrainedAdapter:
+    """Fit the LoRA on the adapted blocks (the blocks after them run, frozen, for the answer term)."""
+    from peft import LoraConfig, get_peft_model
+
+    from aligntax.models.layers import decoder_layers
+
+    torch.manual_seed(cfg.seed)
+    tail = cfg.retain_ce > 0 and any(r.ids is not None for r in targets.rows)
+    model = _train_model(lm.model, blocks.first, blocks.target, tail)
+    frozen = [p for p in lm.model.parameters() if p.requires_grad]
+    for p in frozen:  # the shared weights take no gradient (restored below)
+        p.requires_grad_(False)
+    try:
+        prefix = _blocks_prefix(model)
+        names = [
+            f"{prefix}.{i}.{path}"
+            for i in blocks.layers
+            for path in _module_paths(decoder_layers(model)[i], cfg.modules)
+        ]
+        alpha = float(cfg.alpha) if cfg.alpha is not None else 2.0 * cfg.rank
+        peft_model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=names, task_type="CAUSAL_LM"
+            ),
+        )
+        params = [p for p in peft_model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        rng = random.Random(cfg.seed)
+        before = _epoch(lm, model, targets, cfg, blocks, None, rng)
+        history = [
+            {"epoch": e + 1, **_epoch(lm, model, targets, cfg, blocks, opt, rng)} for e in range(cfg.epochs)
+        ]
+        after = _epoch(lm, model, targets, cfg, blocks, None, rng)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return TrainedAdapter(peft_model, names, alpha, before, after, history)
+
+
+# ------------------------------------------------------------------------------------------ phase 5: folder
 def _sha256(path: Path) -> str | None:
     if not path.is_file():
         return None
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _count(items) -> dict:
+    out: dict[str, int] = {}
+    for it in items:
+        out[it.source] = out.get(it.source, 0) + 1
+    return out
+
+
+def write_adapter(
+    cfg: DistillConfig,
+    lm,
+    els,
+    blocks: Blocks,
+    rows: DistillPrompts,
+    answers: DistillAnswers,
+    targets: DistillTargets,
+    trained: TrainedAdapter,
+    seconds: float,
+) -> dict:
+    """The peft folder and its sidecar ``els_lora.json``; returns the sidecar."""
+    from aligntax.interventions.lora import FORMAT, SIDECAR, ElsLora
+
+    out, steer = Path(cfg.out), Path(cfg.steer)
+    out.mkdir(parents=True, exist_ok=True)
+    trained.model.save_pretrained(str(out), safe_serialization=True)
+    for stray in out.glob("*.bin"):  # only safetensors ship
+        stray.unlink()
+    hyper = {k: v for k, v in asdict(cfg).items() if k not in ("steer", "out", "model", "els", "progress")}
+    meta = {
+        "format": FORMAT,
+        "fingerprint": dict(lm.fingerprint or {}),
+        "layers": blocks.layers,
+        "target_block": blocks.target,
+        "steered_layers": blocks.steered,
+        "modules": trained.names,
+        "horizon": blocks.horizon,
+        "hyper": {**hyper, "alpha": trained.alpha},
+        "source": {
+            "path": str(steer),
+            "els": els.config(),
+            "energy_sha256": _sha256(steer / "energy.safetensors"),
+            "gate_sha256": _sha256(steer / "gate.safetensors"),
+        },
+        "data": {
+            "benign": len(rows.benign),
+            "harmful": len(rows.harmful),
+            "retain": len(rows.retain),
+            "pairs": cfg.pairs,
+            "benign_sources": _count(rows.benign),
+            "harmful_sources": _count(rows.harmful),
+            "retain_sources": _count(rows.retain),
+            "benign_steered_by_els": targets.benign_steered,
+            "harmful_steered_by_els": targets.harmful_steered,
+            "answers_generated": answers.generated,
+            "tokens": targets.tokens,
+        },
+        "loss": {
+            "norm2": targets.norm2,
+            "before": trained.before,
+            "after": trained.after,
+            "epochs": trained.history,
+        },
+        "seconds": round(seconds, 1),
+        "phase_seconds": trained.seconds,
+        "config": asdict(cfg),
+    }
+    write_json_atomic(out / SIDECAR, meta)
+    ElsLora.load(out, lm)  # what was written loads for this model
+    return meta
+
+
+# ------------------------------------------------------------------------------------------ the run
+def _teachers(cfg: DistillConfig, lm) -> dict:
+    """The interventions whose states the rows learn: ``els`` (as tuned), ``benign`` (ELS, without its
+    harm gate for label targets), ``harmful`` (the refusal vector added; None: unsteered)."""
+    from aligntax.interventions.registry import make_intervention
+
+    steer = str(cfg.steer)
+    els = make_intervention("els", lm, path=steer, **cfg.els)
+    benign = (
+        els
+        if cfg.benign_target == "els"
+        else make_intervention("els", lm, path=steer, **{**cfg.els, "gate": "none"})
+    )
+    harmful = None
+    if cfg.harmful_target == "refusal":
+        harmful = make_intervention(
+            "refusal-add",
+            lm,
+            path=str(Path(steer) / "vectors"),
+            layers=[max(els.models)],
+            coeff=float(cfg.refusal_coeff),
+        )
+    return {"els": els, "benign": benign, "harmful": harmful}
+
+
+def _model_for(cfg: DistillConfig):
+    from aligntax.models import load_model
+
+    model = cfg.model
+    if model is None:
+        tc = Path(cfg.steer) / "train_config.json"
+        model = json.loads(tc.read_text()).get("model") if tc.is_file() else None
+    if not model:
+        raise AligntaxError("Give --model: the ELS folder names no model.")
+    return load_model(model, dtype=cfg.dtype)
 
 
 def distill_els_lora(
@@ -310,282 +809,37 @@ def distill_els_lora(
     """Train the adapter (see the module docstring), write it to ``cfg.out`` and return the summary
     written to its ``els_lora.json``. ``benign`` / ``harmful`` (and ``retain``, default none): prompt items
     (``.prompt``, ``.source``, ``.id``) instead of :func:`distill_prompts`."""
-    from peft import LoraConfig, get_peft_model
-    from tqdm.auto import tqdm
-
-    from aligntax.activations.capture import chat_ids
-    from aligntax.activations.decisions import row_info
-    from aligntax.generation import GenerationConfig, generate
-    from aligntax.interventions.lora import FORMAT, SIDECAR, ElsLora
-    from aligntax.interventions.registry import make_intervention
-    from aligntax.models import load_model
     from aligntax.models.layers import decoder_layers
-    from aligntax.runs.jsonl import read_jsonl
 
     t0 = time.perf_counter()
-    steer, out = Path(cfg.steer), Path(cfg.out)
+    out = Path(cfg.out)
     if out.exists() and any(out.iterdir()):
         raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the adapter.")
-    if not (
-        cfg.rank >= 1
-        and cfg.epochs >= 1
-        and cfg.batch_size >= 1
-        and cfg.lr > 0
-        and all(w >= 0 and math.isfinite(w) for w in (cfg.preserve_weight, cfg.retain_weight))
-    ):
-        raise AligntaxError(
-            "rank, epochs and batch_size must be at least 1, lr positive and preserve_weight and "
-            "retain_weight finite and >= 0."
-        )
-    if cfg.benign_target not in BENIGN_TARGETS:
-        raise AligntaxError(
-            f"benign_target must be one of {', '.join(BENIGN_TARGETS)}; got {cfg.benign_target!r}."
-        )
-    if cfg.harmful_target not in HARMFUL_TARGETS:
-        raise AligntaxError(
-            f"harmful_target must be one of {', '.join(HARMFUL_TARGETS)}; got {cfg.harmful_target!r}."
-        )
-    if cfg.harmful_target == "refusal" and not (steer / "vectors" / "vectors.safetensors").is_file():
-        raise AligntaxError(
-            f"harmful_target 'refusal' needs the refusal vectors of {steer}/vectors "
-            "(written by `aligntax els train`)."
-        )
-    if lm is None:
-        model = cfg.model
-        if model is None:
-            tc = steer / "train_config.json"
-            model = json.loads(tc.read_text()).get("model") if tc.is_file() else None
-        if not model:
-            raise AligntaxError("Give --model: the ELS folder names no model.")
-        lm = load_model(model, dtype=cfg.dtype)
-    els = make_intervention("els", lm, path=str(steer), **cfg.els)
-    # the benign rows' teacher: ELS as tuned, or (label) the same setting without its harm gate
-    els_b = (
-        els
-        if cfg.benign_target == "els"
-        else make_intervention("els", lm, path=str(steer), **{**cfg.els, "gate": "none"})
-    )
-    steered = sorted(els.models)
-    n = len(decoder_layers(lm.model))
-    target = max(steered)
-    layers = (
-        sorted({int(x) for x in cfg.layers})
-        if cfg.layers
-        else sorted({s - k for s in steered for k in range(cfg.before + 1) if s - k >= 0})
-    )
-    if not layers or not 0 <= layers[0] or layers[-1] >= n:
-        raise AligntaxError(f"Adapter blocks {layers} do not exist: the model has {n} blocks.")
-    if layers[-1] > target:
-        raise AligntaxError(
-            f"Adapter blocks {layers} go past the last steered block {target}, whose output is "
-            "the target: an adapter there cannot change it."
-        )
-    first = layers[0]
-    if first > steered[0]:
-        raise AligntaxError(
-            f"The first adapter block ({first}) comes after the first steered block ({steered[0]}); "
-            "the adapter must start at or before it."
-        )
-    horizon = els.horizon if els.horizon is not None else int(cfg.answer_tokens)
+    _check_config(cfg)
+    lm = lm if lm is not None else _model_for(cfg)
+    teachers = _teachers(cfg, lm)
+    blocks = _blocks(cfg, teachers["els"], len(decoder_layers(lm.model)))
     if benign is None or harmful is None:
-        benign, harmful, retain = distill_prompts(cfg)
-    retain = list(retain or [])
-    if not benign or not harmful:
+        rows = distill_prompts(cfg)
+    else:
+        rows = DistillPrompts(list(benign), list(harmful), list(retain or []))
+    if not rows.benign or not rows.harmful:
         raise AligntaxError("Distillation needs benign and harmful prompts.")
+    laps = {"prompts": time.perf_counter() - t0}
 
-    # answers: benign ones ELS-steered (the first `horizon` tokens); harmful ones unsteered, from the
-    # label run where it answered them, else generated (or, for refusal targets, with the refusal vector
-    # added); everyday ones unsteered, generated
-    def gen(items, n_tokens, iv, desc):
-        return [
-            g.response
-            for g in generate(
-                lm,
-                [it.prompt for it in items],
-                GenerationConfig(max_new_tokens=n_tokens, batch_size=32),
-                iv,
-                progress=cfg.progress,
-                desc=desc,
-            )
-        ]
+    def lap(name: str) -> None:
+        laps[name] = time.perf_counter() - t0 - sum(laps.values())
 
-    refuse = (
-        make_intervention(
-            "refusal-add", lm, path=str(steer / "vectors"), layers=[target], coeff=float(cfg.refusal_coeff)
-        )
-        if cfg.harmful_target == "refusal"
-        else None
+    answers = distill_answers(cfg, lm, rows, teachers, blocks.horizon)
+    lap("answers")
+    targets = distill_targets(cfg, lm, rows, answers, teachers, blocks)
+    lap("targets")
+    trained = train_adapter(cfg, lm, targets, blocks)
+    lap("training")
+    trained.seconds = {k: round(v, 1) for k, v in laps.items()}
+    return write_adapter(
+        cfg, lm, teachers["els"], blocks, rows, answers, targets, trained, time.perf_counter() - t0
     )
-    kept = retain if refuse is not None else harmful + retain  # rows whose target is the unsteered state
-    b_answers = gen(benign, horizon, els_b, "distill: steered answers")
-    labels = steer / "labels" / "samples.jsonl"
-    known = {(r["source"], r["id"]): r["response"] for r in read_jsonl(labels)} if labels.is_file() else {}
-    missing = [it for it in kept if (it.source, it.id) not in known]
-    new = (
-        dict(
-            zip(
-                [(it.source, it.id) for it in missing],
-                gen(missing, cfg.harmful_answer_tokens, None, "distill: unsteered answers"),
-                strict=True,
-            )
-        )
-        if missing
-        else {}
-    )
-    k_answers = [known.get((it.source, it.id), new.get((it.source, it.id))) for it in kept]
-    b_seqs, b_plens = chat_ids(lm, [it.prompt for it in benign], responses=b_answers)
-    b_seqs = [s[: p + horizon] for s, p in zip(b_seqs, b_plens, strict=True)]
-    k_seqs, k_plens = chat_ids(lm, [it.prompt for it in kept], responses=k_answers) if kept else ([], [])
-
-    # targets: the state leaving the last steered block, ELS on (benign), off (kept rows), the refusal
-    # vector added (harmful rows, refusal targets)
-    b_rows = _capture(lm, b_seqs, b_plens, first, target, els_b, 16, cfg.progress, "distill: steered states")
-    k_rows = _capture(lm, k_seqs, k_plens, first, target, None, 16, cfg.progress, "distill: unsteered states")
-    r_seqs = []
-    if refuse is not None:
-        r_answers = gen(harmful, cfg.harmful_answer_tokens, refuse, "distill: refusal answers")
-        r_seqs, r_plens = chat_ids(lm, [it.prompt for it in harmful], responses=r_answers)
-        k_rows = (
-            _capture(lm, r_seqs, r_plens, first, target, refuse, 16, cfg.progress, "distill: refusal states")
-            + k_rows
-        )
-    norms = torch.cat([y.float().norm(dim=-1) for _, y in k_rows])
-    norm2 = float(norms.median()) ** 2
-    # which rows ELS steers (its harm gate and row energy decision), for the summary
-    info_b = row_info(els_b, lm, [it.prompt for it in benign]) or [{"steered": True}] * len(benign)
-    info_h = row_info(els, lm, [it.prompt for it in harmful]) or [{"steered": True}] * len(harmful)
-
-    # train: the adapted blocks only, from the captured inputs
-    torch.manual_seed(cfg.seed)
-    model = _train_model(lm.model, first, target)
-    prefix = _blocks_prefix(model)
-    names = [
-        f"{prefix}.{i}.{path}"
-        for i in layers
-        for path in _module_paths(decoder_layers(model)[i], cfg.modules)
-    ]
-    alpha = float(cfg.alpha) if cfg.alpha is not None else 2.0 * cfg.rank
-    peft_model = get_peft_model(
-        model,
-        LoraConfig(
-            r=cfg.rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=names, task_type="CAUSAL_LM"
-        ),
-    )
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    kinds = (
-        [(1.0, "benign")] * len(b_rows)
-        + [(float(cfg.preserve_weight), "harmful")] * len(harmful)
-        + [(float(cfg.retain_weight), "retain")] * len(retain)
-    )
-    rows = [(r, w, kind) for r, (w, kind) in zip(b_rows + k_rows, kinds, strict=True)]
-    rng = random.Random(cfg.seed)
-    dtype = next(p for p in lm.model.parameters()).dtype
-    history = []
-
-    def run_epoch(train: bool) -> dict:
-        order = list(range(len(rows)))
-        if train:
-            rng.shuffle(order)
-        # batches of similar length (little padding), in random order
-        chunks = [order[i : i + cfg.batch_size * 8] for i in range(0, len(order), cfg.batch_size * 8)]
-        batches = []
-        for c in chunks:
-            c = sorted(c, key=lambda i: len(rows[i][0][0]))
-            batches += [c[i : i + cfg.batch_size] for i in range(0, len(c), cfg.batch_size)]
-        if train:
-            rng.shuffle(batches)
-        sums = {"benign": 0.0, "harmful": 0.0, "retain": 0.0}
-        counts = {"benign": 0, "harmful": 0, "retain": 0}
-        for idx in tqdm(
-            batches, disable=not cfg.progress, desc="distill: train" if train else "distill: eval"
-        ):
-            x, y, mask, pos = _batch([rows[i][0] for i in idx], lm.device, dtype)
-            w = torch.tensor([rows[i][1] for i in idx], device=lm.device)
-            with torch.set_grad_enabled(train):
-                h = _sub_forward(model, first, target, x, mask, pos).float()
-                err = ((h - y) ** 2).sum(-1) / norm2  # [B, T]
-                per_row = (err * mask).sum(-1) / mask.sum(-1)
-                loss = (w * per_row).sum() / len(idx)
-            if train:
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            for i, v in zip(idx, per_row.detach().cpu().tolist(), strict=True):
-                sums[rows[i][2]] += v
-                counts[rows[i][2]] += 1
-        return {k: round(sums[k] / counts[k], 6) if counts[k] else None for k in sums}
-
-    before = run_epoch(False)
-    for epoch in range(cfg.epochs):
-        history.append({"epoch": epoch + 1, **run_epoch(True)})
-    after = run_epoch(False)
-    out.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(str(out), safe_serialization=True)
-    for stray in out.glob("*.bin"):  # only safetensors ship
-        stray.unlink()
-    meta = {
-        "format": FORMAT,
-        "fingerprint": dict(lm.fingerprint or {}),
-        "layers": layers,
-        "target_block": target,
-        "steered_layers": steered,
-        "modules": names,
-        "horizon": horizon,
-        "hyper": {
-            "rank": cfg.rank,
-            "alpha": alpha,
-            "epochs": cfg.epochs,
-            "lr": cfg.lr,
-            "batch_size": cfg.batch_size,
-            "preserve_weight": cfg.preserve_weight,
-            "benign_target": cfg.benign_target,
-            "harmful_target": cfg.harmful_target,
-            "refusal_coeff": cfg.refusal_coeff,
-            "limit_benign": cfg.limit_benign,
-            "limit_harmful": cfg.limit_harmful,
-            "answer_tokens": cfg.answer_tokens,
-            "harmful_answer_tokens": cfg.harmful_answer_tokens,
-            "limit_retain": cfg.limit_retain,
-            "retain_weight": cfg.retain_weight,
-            "seed": cfg.seed,
-            "dtype": cfg.dtype,
-            "modules": cfg.modules,
-            "before": cfg.before,
-        },
-        "source": {
-            "path": str(steer),
-            "els": els.config(),
-            "energy_sha256": _sha256(steer / "energy.safetensors"),
-            "gate_sha256": _sha256(steer / "gate.safetensors"),
-        },
-        "data": {
-            "benign": len(benign),
-            "harmful": len(harmful),
-            "retain": len(retain),
-            "pairs": cfg.pairs,
-            "benign_sources": _count(benign),
-            "harmful_sources": _count(harmful),
-            "retain_sources": _count(retain),
-            "benign_steered_by_els": sum(bool(r["steered"]) for r in info_b),
-            "harmful_steered_by_els": sum(bool(r["steered"]) for r in info_h),
-            "answers_generated": len(missing),
-            "tokens": sum(len(s) for s in b_seqs + k_seqs + r_seqs),
-        },
-        "loss": {"norm2": norm2, "before": before, "after": after, "epochs": history},
-        "seconds": round(time.perf_counter() - t0, 1),
-        "config": asdict(cfg),
-    }
-    write_json_atomic(out / SIDECAR, meta)
-    ElsLora.load(out, lm)  # what was written loads for this model
-    return meta
-
-
-def _count(items) -> dict:
-    out: dict[str, int] = {}
-    for it in items:
-        out[it.source] = out.get(it.source, 0) + 1
-    return out
 
 
 def _blocks_prefix(model: nn.Module) -> str:

@@ -52,6 +52,11 @@ class SteeringExtension:
             )
         model = self.aligntax_model()
         n = len(decoder_layers(model))
+        if not iv.kernel_only:
+            raise AligntaxError(
+                f"Intervention '{iv.name}' acts through hooks of its own (an adapter's), which the vLLM "
+                "backend does not run: use the Hugging Face backend."
+            )
         kernel = iv.kernel(n, int(self.model_runner.model_config.get_hidden_size()))
         if kernel is None:
             raise AligntaxError(f"Intervention '{iv.name}' does not act on hidden states.")

@@ -1,0 +1,229 @@
+"""ELS on top of an els-lora adapter (``els-compose``): the adapter where it helps, ELS's gated descent after it.
+
+The adapter (:mod:`aligntax.interventions.lora`) learns the harm distinction the frozen harm gate cannot
+see: benign prompts that look harmful (XSTest-style contrast halves) are moved towards an answer, their
+harmful twins towards a refusal. ELS's gated descent moves the rows still heading for a refusal. Composed:
+
+- the adapter acts first, on every row, or with ``lora_gate`` P only on the rows the ELS folder's harm
+  gate rates ``p(harmful) >= P`` (prompts that look sensitive at all): an everyday question (a known
+  answer, a maths word problem) is then answered exactly as the unsteered model answers it, by
+  construction; the gate reads a block before the first adapted block, so the choice is made before
+  the adapter acts;
+- ELS then steers as it is set up (harm gate, row energy decision, horizon), its row energy decision
+  read from the *adapted* model's state entering the first steered block: the rows the adapter has not
+  already turned are the ones it moves.
+
+A row is left exactly as the unsteered model answers it when the adapter is off for it and ELS holds it
+back (:meth:`ComposeKernel.untouched`), so a run copies those rows from an unsteered run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from aligntax.errors import AligntaxError
+from aligntax.hooks import hidden_from_args, hooks_attached
+from aligntax.interventions.base import Intervention, SteerContext
+from aligntax.interventions.els import ElsOptions, EnergySteering
+from aligntax.interventions.kernels import RowKernel, Site, attach_kernel
+from aligntax.interventions.lora import ElsLora
+from aligntax.interventions.options import option, register
+from aligntax.models.layers import decoder_layers, hidden_size
+
+__all__ = ["ComposeKernel", "ComposeOptions", "ComposedSteering"]
+
+
+class ComposeKernel(RowKernel):
+    """The ELS kernel of a composition (its sites, decision and edits), with the adapter's per-row choice
+    added to the records: ``adapter`` (the adapter acts on the row) and ``steered`` (the adapter or ELS
+    changes it)."""
+
+    def __init__(self, els: RowKernel, gate_layers: list[int], adapter_on) -> None:
+        self.els = els
+        self.sites, self.decision_layers = els.sites, els.decision_layers
+        self.positions, self.horizon = els.positions, els.horizon
+        self._gate_layers = list(gate_layers)
+        self._adapter_on = adapter_on  # states {block: [N, d]} -> [N] bool
+
+    def decision_parts(self, states):
+        return self.els.decision_parts(states)
+
+    def decide_with_parts(self, states):
+        return self.els.decide_with_parts(states)
+
+    def record_decisions(self, parts, stats):
+        self.els.record_decisions(parts, stats)
+
+    def edits_last_prompt(self, site: Site) -> bool:
+        return self.els.edits_last_prompt(site)
+
+    def edit(self, site, rows, strength, stats=None):
+        return self.els.edit(site, rows, strength, stats)
+
+    def finish(self, site_stats, stats) -> None:
+        self.els.finish(site_stats, stats)
+
+    def check(self, n_layers: int) -> None:
+        self.els.check(n_layers)
+
+    @property
+    def read_layers(self) -> list[int]:
+        return sorted({*self.els.read_layers, *self._gate_layers})
+
+    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict]:
+        rows = self.els.row_records(states)
+        for r, on in zip(rows, self._adapter_on(states).cpu().tolist(), strict=True):
+            r["els_steered"] = r["steered"]
+            r.update(adapter=bool(on), steered=bool(on) or r["steered"])
+        return rows
+
+    def untouched(self, states: dict[int, torch.Tensor]) -> list[bool]:
+        return [not r["steered"] for r in self.row_records(states)]
+
+
+class ComposedSteering(Intervention):
+    """An els-lora adapter with ELS descending on top (see the module docstring)."""
+
+    name = "els-compose"
+    cacheable = False  # config() names folders, not their content
+    kernel_only = False  # the adapter's hooks are on the linear layers, outside the row kernel
+
+    def __init__(self, els: EnergySteering, adapter: ElsLora, lora_gate: float | None = None) -> None:
+        self.els, self.adapter = els, adapter
+        self.lora_gate = None if lora_gate is None else float(lora_gate)
+        if self.lora_gate is not None:
+            if els.gate is None:
+                raise AligntaxError(
+                    "lora_gate reads the ELS folder's harm gate: the ELS setting has none (gate none)."
+                )
+            if not 0.0 <= self.lora_gate <= 1.0:
+                raise AligntaxError(f"lora_gate must be a probability; got {self.lora_gate}.")
+            first = min(adapter.layers) if adapter.layers else 0
+            if max(els.gate.layers) > first:
+                raise AligntaxError(
+                    f"The harm gate reads the state entering block {max(els.gate.layers)}, after the adapter's first "
+                    f"block {first}: the adapter cannot be chosen per row before it acts."
+                )
+
+    # ---- the adapter's per-row choice ------------------------------------------------------------------
+    def adapter_on(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Per row (``{block: [N, d]}`` at the last prompt token): whether the adapter acts on it."""
+        n = len(next(iter(states.values())))
+        if self.lora_gate is None:
+            return torch.ones(n, dtype=torch.bool)
+        gate = self.els.gate
+        dev = states[gate.layer].device
+        return gate.prob(gate.stack({b: states[b].to(dev) for b in gate.layers})) >= self.lora_gate
+
+    @contextmanager
+    def _adapter(self, model: nn.Module, ctx: SteerContext | None) -> Iterator[None]:
+        """The adapter's hooks, for the rows it acts on. With a ``lora_gate``, pre-hooks on the gate's
+        blocks read each prompt's last token in the forward that holds the prompts (a longer forward
+        than one token; left padding puts the last prompt token last), and the choice is kept in
+        ``ctx.row_state`` so it follows the rows generation keeps (or for that forward, without ``ctx``:
+        the decision capture)."""
+        if self.lora_gate is None:
+            with self.adapter.attach(model, ctx or SteerContext(prompt_len=0)):
+                yield
+            return
+        key = (id(self), "adapter")
+        state = ctx.row_state if ctx is not None else {}
+        read: dict[int, torch.Tensor] = {}
+        gate_layers = sorted(self.els.gate.layers)
+
+        def make(layer: int):
+            def hook(module, args, kwargs):
+                h = hidden_from_args(args, kwargs)
+                if h.shape[1] == 1 and key in state:
+                    return None  # a cached decode step: chosen at the prompt
+                last = ctx.prompt_len - 1 if ctx is not None else h.shape[1] - 1
+                read[layer] = h[:, last]
+                if layer == gate_layers[-1]:
+                    state[key] = self.adapter_on(dict(read)).to(h.device)
+                    read.clear()
+                return None
+
+            return hook
+
+        blocks = decoder_layers(model)
+        regs = [(blocks[b], make(b), True) for b in gate_layers]
+        with hooks_attached(regs), self.adapter.attach(model, ctx, row_mask=lambda: state.get(key)):
+            yield
+
+    # ---- the Intervention interface --------------------------------------------------------------------
+    def kernel(self, n_layers: int, hidden_size: int | None = None) -> ComposeKernel | None:
+        els = self.els.kernel(n_layers, hidden_size)
+        gate_layers = list(self.els.gate.layers) if self.lora_gate is not None else []
+        return ComposeKernel(els, gate_layers, self.adapter_on)
+
+    @contextmanager
+    def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:
+        kernel = self.kernel(len(decoder_layers(model)), hidden_size(model))
+        with ExitStack() as stack:
+            stack.enter_context(self._adapter(model, ctx))
+            stack.enter_context(attach_kernel(model, ctx, kernel.els, id(self), self.name))
+            yield
+
+    @contextmanager
+    def decision_hooks(self, model: nn.Module) -> Iterator[None]:
+        """What the decision capture runs with: the adapter, so ELS decides on the adapted model's states."""
+        with self._adapter(model, None):
+            yield
+
+    def config(self) -> dict:
+        return {
+            "name": self.name,
+            "els": self.els.config(),
+            "adapter": self.adapter.config(),
+            "lora_gate": self.lora_gate,
+        }
+
+
+@dataclass
+class ComposeOptions(ElsOptions):
+    """Every ELS option (``path``: the ELS folder) and the adapter's."""
+
+    adapter: str | None = option(
+        "els-compose: the els-lora adapter folder (aligntax els distill) that ELS descends on top of",
+        flag="--adapter",
+    )
+    scale: float | None = option(
+        "els-lora: multiplier of the adapter's update (0: the unsteered model; default 1)",
+        flag="--lora-scale",
+        parse="float",
+        check="finite",
+    )
+    lora_gate: float | str | None = option(
+        "els-compose: apply the adapter only to rows the harm gate rates p(harmful) >= P ('none': every row)",
+        parse="float_or_none",
+        check="probability",
+        grid=True,
+        optional=True,
+    )
+
+
+_ELS_FIELDS = [f.name for f in fields(ElsOptions)]
+
+
+@register(
+    "els-compose",
+    ComposeOptions,
+    "ELS descending on top of an els-lora adapter (the adapter optionally only on rows the harm gate rates "
+    "sensitive)",
+)
+def _compose(lm, o: ComposeOptions) -> ComposedSteering:
+    from aligntax.interventions.options import METHODS
+
+    els = METHODS["els"].make(lm, **{k: getattr(o, k) for k in _ELS_FIELDS})
+    if not o.adapter:
+        raise AligntaxError(
+            "Intervention 'els-compose' needs adapter= (--adapter DIR: an els distill folder)."
+        )
+    adapter = ElsLora.load(o.adapter, lm, scale=o.scale)
+    gate = None if o.lora_gate in (None, "none") else float(o.lora_gate)
+    return ComposedSteering(els, adapter, gate)
