@@ -507,19 +507,43 @@ def test_cli_exit_codes(model_dir, data, tmp_path, cache, judges, lm):
     same = _cli(model_dir, data, tmp_path / "same", "--intervention", "none", "--judge", "parity")
     assert same.exit_code == 0, same.output
     assert "Verdict: PASS" in same.output
-    # a demo folder stands for its selection: here a strong refusal-add, the planted regression
+    # a demo folder stands for its selection (selection.json): here a strong refusal-add, the planted
+    # regression; --coeff beside it overrides its own coefficient
+    from aligntax.interventions.selection import selection_record
+
     vec = save_tiny_vectors(lm, tmp_path / "vectors")
     demo = tmp_path / "demo"
-    (demo / "steered").mkdir(parents=True)
-    selection = {"intervention": "refusal-add", "intervention_args": {"path": str(vec), "coeff": 8.0}}
-    (demo / "steered" / "config.json").write_text(json.dumps(selection))
-    bad = _cli(model_dir, data, tmp_path / "bad", "--steer", str(demo), "--judge", "first")
+    demo.mkdir()
+    args = {"path": str(vec), "coeff": 0.0}
+    (demo / "selection.json").write_text(
+        json.dumps(selection_record(demo, "refusal-add", args, model="tiny"))
+    )
+    bad = _cli(model_dir, data, tmp_path / "bad", "--steer", str(demo), "--coeff", "8", "--judge", "first")
     assert bad.exit_code == 1, bad.output
     assert "Verdict: FAIL" in bad.output
     audit = json.loads((tmp_path / "bad" / "audit.json").read_text())
     assert {r["panel"] for r in audit["rows"] if r["verdict"] == "fail"} == {"harmful-refusal"}
     assert audit["candidate"]["intervention"] == "refusal-add" and audit["candidate"]["demo"] == str(demo)
-    assert audit["candidate"]["args"] == selection["intervention_args"]
+    assert audit["candidate"]["args"]["coeff"] == 8.0 and audit["candidate"]["args"]["path"] == str(vec)
+    # a demo folder from before selection.json: the setting its steered evaluation ran
+    old = tmp_path / "old-demo"
+    (old / "steered").mkdir(parents=True)
+    ran = {"intervention": "refusal-add", "intervention_args": {"path": str(vec), "coeff": 8.0}}
+    (old / "steered" / "config.json").write_text(json.dumps(ran))
+    res = _cli(
+        model_dir,
+        data,
+        tmp_path / "old",
+        "--steer",
+        str(old),
+        "--judge",
+        "first",
+        "--panels",
+        "harmful-refusal",
+    )
+    assert res.exit_code == 1, res.output
+    audit = json.loads((tmp_path / "old" / "audit.json").read_text())
+    assert audit["candidate"]["args"] == ran["intervention_args"] and audit["candidate"]["demo"] == str(old)
 
 
 def test_bad_input_is_one_line_before_any_model_loads(model_dir, data, tmp_path, cache, judges, monkeypatch):
@@ -589,11 +613,18 @@ def test_demo_folder_stands_for_its_selection(tmp_path):
     assert is_demo_folder(demo) and not is_demo_folder(demo / "els") and not is_demo_folder(tmp_path / "none")
     sel = demo_selection(demo)
     assert (sel.intervention, sel.args, sel.demo) == ("els", args, str(demo))
-    (demo / "selection.json").write_text(
-        json.dumps({"name": "els-lora", "args": {"path": "x", "scale": 0.5}})
-    )
-    assert demo_selection(demo).intervention == "els-lora"
+    # the demo's recorded selection (selection.json) wins, its folders relative to the demo folder
+    from aligntax.interventions.selection import selection_record
+
+    record = selection_record(demo, "els-lora", {"path": str(demo / "els-lora"), "scale": 0.5}, model="m")
+    (demo / "selection.json").write_text(json.dumps(record))
+    sel = demo_selection(demo)
+    assert (sel.intervention, sel.args) == ("els-lora", {"path": str(demo / "els-lora"), "scale": 0.5})
     (demo / "selection.json").write_text(json.dumps({"nothing": 1}))
+    with pytest.raises(AligntaxError, match="not a selected setting"):
+        demo_selection(demo)
+    (demo / "selection.json").unlink()
+    (demo / "steered" / "config.json").write_text("{}")
     with pytest.raises(AligntaxError, match="which setting"):
         demo_selection(demo)
 

@@ -45,41 +45,40 @@ class Candidate:
 
 
 def is_demo_folder(path: str | Path | None) -> bool:
-    """A folder ``aligntax demo`` wrote: its steered evaluation or its recorded selection, and no
-    steering folder's own marker."""
+    """A folder holding a selected setting (``selection.json``, the demo's choice) or, for a demo folder
+    written before it recorded one, its steered evaluation (``steered/config.json``); not a steering
+    folder itself."""
+    from aligntax.interventions.selection import is_selection_dir
+
     if not path:
         return False
     p = Path(path)
     if not p.is_dir() or any((p / m).is_file() for m in ("energy.json", "els_lora.json", "vectors.json")):
         return False
-    return (p / "selection.json").is_file() or (p / "steered" / "config.json").is_file()
+    return is_selection_dir(p) or (p / "steered" / "config.json").is_file()
 
 
 def demo_selection(folder: str | Path) -> Candidate:
-    """The intervention a demo folder selected: its ``selection.json`` (``{"name", "args"}``) when it
-    records one, else the settings of its steered evaluation (``steered/config.json``), which ran
-    the selection on the test sets."""
+    """The intervention a demo folder selected: its ``selection.json``
+    (:func:`aligntax.interventions.selection.read_selection`) or, in a folder without one, the setting
+    of its steered evaluation (``steered/config.json``), which ran the selection on the test sets."""
+    from aligntax.interventions.selection import is_selection_dir, read_selection
+
     p = Path(folder)
-    sel = p / "selection.json"
-    if sel.is_file():
-        try:
-            doc = json.loads(sel.read_text())
-            block = doc.get("selection", doc) if isinstance(doc, dict) else {}
-            name, args = block["name"], dict(block.get("args") or {})
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise UsageError(
-                f"--steer {folder}: {sel} does not say which setting was selected (name, args)."
-            ) from None
+    if is_selection_dir(p):
+        name, args, _ = read_selection(p)
     else:
         cfg_path = p / "steered" / "config.json"
         try:
             cfg = json.loads(cfg_path.read_text())
             name, args = cfg["intervention"], dict(cfg.get("intervention_args") or {})
-        except (OSError, ValueError, KeyError, TypeError):
-            raise UsageError(f"--steer {folder}: {cfg_path} is not a finished steered evaluation.") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise UsageError(
+                f"--steer {folder}: {cfg_path} is not a finished steered evaluation (which setting?)."
+            ) from None
     if not name or name == "none":
         raise UsageError(f"--steer {folder}: the demo selected no setting (its sweep found none eligible).")
-    return Candidate(intervention=str(name), args=args, demo=str(folder))
+    return Candidate(intervention=str(name), args=dict(args), demo=str(folder))
 
 
 def model_config(spec: str) -> dict | None:
