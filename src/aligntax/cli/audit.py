@@ -28,16 +28,20 @@ def _methods() -> dict:
 
 def _demo_folder(fn):
     """``--steer DIR`` naming a demo folder (``aligntax demo --out DIR``) stands for the setting the demo
-    selected: it is taken out of the steering options and handed to the command as ``demo``."""
+    selected, and the audit records the folder (``demo``). A folder's ``selection.json`` is applied by
+    the steering options themselves; a demo folder written before it recorded one is taken out of them,
+    and the command reads the setting its steered evaluation ran."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from aligntax.audit.candidate import is_demo_folder
+        from aligntax.interventions.selection import is_selection_dir
 
         steer = kwargs.get("iv_steer")
         if is_demo_folder(steer):
-            kwargs["iv_steer"] = None
             kwargs["demo"] = str(steer)
+            if not is_selection_dir(steer):
+                kwargs["iv_steer"] = None
         return fn(*args, **kwargs)
 
     return wrapper
@@ -121,10 +125,10 @@ def audit_command(
         if rescore:
             audit = rescore_audit(out, None if policy is None else str(policy))
         else:
-            if demo is not None:
+            if demo is not None and intervention is None:  # a demo folder without selection.json
                 from aligntax.audit.candidate import demo_selection
 
-                if intervention or iv_args:
+                if iv_args:
                     raise UsageError(
                         f"--steer {demo} is a demo folder: it takes the demo's selection as it is."
                     )
