@@ -18,7 +18,7 @@ from pathlib import Path
 import benchlib
 
 from aligntax.energy import train_layers
-from aligntax.runs.els import training_states
+from aligntax.runs.els_train import training_states
 
 
 def main() -> None:

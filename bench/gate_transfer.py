@@ -166,7 +166,7 @@ def learning_curve(args, cfg, lm) -> None:
     from aligntax.data.api import load_prompt_sets
     from aligntax.energy import EnergyBank
     from aligntax.energy.gate import HarmGate, train_harm_gate
-    from aligntax.runs.els import _captured, gate_candidates, gate_extra_items, gate_items
+    from aligntax.runs.els_train import captured, gate_candidates, gate_extra_items, gate_items
 
     els, out = Path(args.els), Path(args.out)
     base = replace(cfg, gate_pairs=[], progress=True)
@@ -184,17 +184,17 @@ def learning_curve(args, cfg, lm) -> None:
         flush=True,
     )
     parts = [
-        _captured(lm, items, cand, els / "activations", base),
-        _captured(lm, harmless, cand, els / "activations_harmless", base),
+        captured(lm, items, cand, els / "activations", base),
+        captured(lm, harmless, cand, els / "activations_harmless", base),
     ]
     if extra:
-        parts.append(_captured(lm, extra, cand, els / "activations_gate", base))
+        parts.append(captured(lm, extra, cand, els / "activations_gate", base))
     base_x = {layer: torch.cat([p[layer] for p in parts]) for layer in cand}
     base_y = [it.label == "harmful" for it in [*items, *harmless, *extra]]
     pairs = gate_extra_items(
         replace(cfg, gate_benign=[], gate_harmful=[], gate_pairs=[args.pairs]), [*items, *harmless, *extra]
     )
-    pair_x = _captured(lm, pairs, cand, out / "activations", base)
+    pair_x = captured(lm, pairs, cand, out / "activations", base)
     kinds = pair_kinds(args.pairs, pairs)
     order = stratified_order(kinds, args.seed)
     rank = {pair: i for i, pair in enumerate(order)}
@@ -202,7 +202,7 @@ def learning_curve(args, cfg, lm) -> None:
         name: load_prompt_sets([name])
         for name in ["xstest-safe", "xstest-unsafe", *([args.curve_val] if args.curve_val else [])]
     }
-    ev = {name: _captured(lm, its, cand, out / "activations", base) for name, its in sets.items()}
+    ev = {name: captured(lm, its, cand, out / "activations", base) for name, its in sets.items()}
     weight = float(args.pairs_weights.split(",")[-1]) if args.pairs_weights_given else cfg.gate_pairs_weight
     limits = [len(order) if x.strip() == "all" else int(x) for x in args.pairs_limit.split(",")]
 
@@ -357,7 +357,7 @@ def main() -> None:
     from aligntax.data.api import load_prompt_sets
     from aligntax.energy.gate import _fit_standardised
     from aligntax.models import load_model
-    from aligntax.runs.els import ELSTrainConfig, gate_extra_items, gate_items
+    from aligntax.runs.els_train import ELSTrainConfig, gate_extra_items, gate_items
 
     cfg = load_config(ELSTrainConfig, Path(args.els) / "train_config.json")
     if args.pairs_limit:

@@ -52,14 +52,9 @@ from aligntax.generation import GenerationConfig, generate
 from aligntax.interventions.els import EnergySteering
 from aligntax.interventions.vectors import SteeringVectors
 from aligntax.judges.registry import get_judge
-from aligntax.runs.els import (
-    ELSTrainConfig,
-    SweepConfig,
-    _in_item_order,
-    gate_items,
-    leak_items,
-    train_els,
-)
+from aligntax.runs.els_score import leak_items
+from aligntax.runs.els_sweep import SweepConfig
+from aligntax.runs.els_train import ELSTrainConfig, gate_items, in_item_order, train_els
 from aligntax.runs.eval import load_prompt_sets
 from aligntax.runs.jsonl import read_jsonl
 
@@ -104,7 +99,7 @@ def gate_part(demo: Path, lm) -> list[dict]:
     # the layers training chose the gate among
     layers = sorted(int(k) for k in saved.info.get("candidate_scores", {}) if k.isdigit()) or saved.layers
     acts = [
-        _in_item_order(ActivationCache.load(els / d), its)
+        in_item_order(ActivationCache.load(els / d), its)
         for d, its in (
             ("activations", items),
             ("activations_harmless", harmless),

@@ -20,7 +20,7 @@ from aligntax.bundles import check_files, from_pretrained, load_bundle, push_to_
 from aligntax.bundles.card import read_front_matter
 from aligntax.errors import AligntaxError, CompatibilityError, DataError
 from aligntax.interventions import make_intervention
-from tiny import PROMPTS, save_tiny_bank, save_tiny_vectors, tiny_lm
+from tiny import PROMPTS, save_tiny_adapter, save_tiny_bank, save_tiny_vectors, tiny_lm
 
 H = 32
 N = 6
@@ -230,6 +230,44 @@ def test_card_carries_the_rates_the_runs_measured(lm, vector_dir, els_dir, tmp_p
         save_pretrained(other, tmp_path / "e", method="refusal-ablation", layer=1, results=[tmp_path / "abl"])
     with pytest.raises(AligntaxError, match="another model"):
         save_pretrained(els_dir, tmp_path / "f", results=[_other_model_run(tmp_path, data)])
+
+
+def test_els_lora_bundle_carries_its_rates_and_steers_the_same(lm, tmp_path):
+    adapter = save_tiny_adapter(lm, tmp_path / "adapter")
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": p, "label": "benign" if i % 2 else "harmful"} for i, p in enumerate(PROMPTS * 2)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _eval(lm, tmp_path / "base", data)
+    lora = _eval(lm, tmp_path / "lora", data, "els-lora", {"path": str(adapter), "scale": 0.5})
+    out = save_pretrained(adapter, tmp_path / "b", results=[tmp_path / "base", tmp_path / "lora"], scale=0.5)
+    b = load_bundle(out)
+    assert b.method == "els-lora" and b.setting == {"scale": 0.5}
+    assert {"adapter_config.json", "adapter_model.safetensors", "els_lora.json"} <= set(b.manifest["files"])
+    assert b.manifest["base_model"]["fingerprint"]["embedding_digest"] == lm.fingerprint["embedding_digest"]
+    assert b.manifest["training_data"]["distillation"]["layers"] == [1, 2]
+    card = (out / "README.md").read_text()
+    rate = lora["harmful"]["refusal_rate"]
+    assert f"| lora | els-lora | prompts | harmful: refusal | 4 | {100 * rate:.1f} |" in card
+    assert "--format gguf --out merged.gguf" in card and "LoRA adapter distilled" in card
+    runs = {r["run"]: r for r in read_front_matter(card)["aligntax"]["results"]}
+    assert runs["lora"]["overall"]["harmful"]["refusal_rate"] == rate
+    # the bundle steers as the adapter at that scale, from the folder, by name and through --steer
+    src = make_intervention("els-lora", lm, dir=str(adapter), scale=0.5)
+    for iv in (from_pretrained(out, lm), aligntax.load_intervention(str(out), lm)):
+        assert iv.name == "els-lora" and iv.scale == 0.5
+        assert torch.equal(hf_generate(lm, iv), hf_generate(lm, src))
+    assert not torch.equal(hf_generate(lm, src), unsteered(lm))
+    with pytest.raises(AligntaxError, match="another setting"):  # a run at another scale
+        save_pretrained(adapter, tmp_path / "c", results=[tmp_path / "lora"], scale=1.0)
+    with pytest.raises(AligntaxError, match="not vectors"):
+        from_pretrained(out, lm, name="refusal-add")
+    from aligntax import cli
+
+    res = CliRunner().invoke(
+        cli.app, ["bundle", "save", str(adapter), "--out", str(tmp_path / "d"), "--set", "scale=0.5"]
+    )
+    assert res.exit_code == 0, res.output
+    assert load_bundle(tmp_path / "d").method == "els-lora"
 
 
 def _other_model_run(tmp_path, data):

@@ -112,7 +112,9 @@ def test_els_flags_take_none_to_turn_a_tuned_setting_off():
     assert grid_values("none,saved,0.5", opts["--gate"]) == [None, True, 0.5]
     assert grid_values("17;19,20", opts["--layers"]) == [[17], [19, 20]]
     # an option of another method is refused, naming the methods that take it
-    with pytest.raises(AligntaxError, match="--eta is an option of els, not of 'refusal-ablation'"):
+    with pytest.raises(
+        AligntaxError, match="--eta is an option of els, els-compose, not of 'refusal-ablation'"
+    ):
         intervention_args("refusal-ablation", {"iv_eta": "0.3"})
 
 

@@ -221,3 +221,85 @@ def test_a_selected_setting_is_what_steer_dir_applies(parts, tmp_path):
     shutil.rmtree(moved / "els-lora")
     with pytest.raises(AligntaxError, match="els-lora"):
         load_intervention(moved, lm)
+
+
+def test_rows_leaving_the_batch_keep_their_adapter_choice(parts):
+    """aligntax's own greedy loop drops finished rows from the batch: each row keeps the adapter choice
+    made at its prompt (the same answers as with every row kept to the end, and as one prompt at a time)."""
+    from aligntax.generation import GenerationConfig, generate
+    from tiny import end_token_for_varied_lengths
+
+    lm, els, adapter = parts
+    probe = _compose(lm, els, adapter, lora_gate=0.0, gate=0.99)
+    p = _p_harmful(lm, probe, PROMPTS)
+    iv = _compose(lm, els, adapter, lora_gate=sorted(p)[len(p) // 2], gate=0.99)
+    keep = GenerationConfig(max_new_tokens=12, batch_size=16, drop_finished=False)
+    long = generate(lm, PROMPTS, keep, iv, progress=False)
+    rows = [lm.tokenizer(g.response, add_special_tokens=False)["input_ids"] for g in long]
+    eos = lm.model.generation_config.eos_token_id
+    lm.model.generation_config.eos_token_id = end_token_for_varied_lengths(rows)
+    try:
+        kept = generate(lm, PROMPTS, keep, iv, progress=False)
+        dropped = generate(
+            lm, PROMPTS, GenerationConfig(max_new_tokens=12, batch_size=16), iv, progress=False
+        )
+        alone = [generate(lm, [q], keep, iv, progress=False)[0] for q in PROMPTS]
+    finally:
+        lm.model.generation_config.eos_token_id = eos
+    assert [g.response for g in dropped] == [g.response for g in kept] == [g.response for g in alone]
+    assert len({g.n_tokens for g in kept if g.finish_reason == "stop"}) >= 2
+
+
+def test_prompts_longer_than_the_domain_are_held_back(parts):
+    """``max_prompt_tokens``: ELS (and in a composition, the adapter too) leaves a row whose chat-templated
+    prompt is longer than the limit exactly unsteered; the records give each row's prompt length, the same
+    the generation hooks read from the position ids."""
+    from aligntax.activations.capture import chat_ids
+    from aligntax.activations.decisions import row_info, unsteered_rows
+
+    lm, els, adapter = parts
+    lengths = chat_ids(lm, PROMPTS)[1]
+    cut = sorted(lengths)[len(lengths) // 2]
+    short = [n <= cut for n in lengths]
+    assert 0 < sum(short) < len(short)
+    for build in (
+        lambda **kw: make_intervention("els", lm, path=str(els), layers=[2], eta=2.0, horizon=3, **kw),
+        lambda **kw: _compose(lm, els, adapter, **kw),
+    ):
+        iv = build(gate="none", row_threshold="none", max_prompt_tokens=cut)
+        records = row_info(iv, lm, PROMPTS)
+        assert [r["prompt_tokens"] for r in records] == lengths
+        assert [r["steered"] for r in records] == short and unsteered_rows(iv, lm, PROMPTS) == [
+            not s for s in short
+        ]
+        base = run_steered(lm, PROMPTS)
+        free = run_steered(lm, PROMPTS, build(gate="none", row_threshold="none"))
+        toks, logits, _, _ = run_steered(lm, PROMPTS, iv)
+        for i, inside in enumerate(short):
+            want = free if inside else base
+            assert torch.allclose(logits[i], want[1][i], atol=1e-5), (i, inside)
+        assert not torch.allclose(free[1], base[1])
+
+
+def test_the_domain_limit_in_aligntax_generation(parts):
+    """Through aligntax's own loop (shared prompt prefix computed once, finished rows dropped), rows longer
+    than ``max_prompt_tokens`` answer as unsteered and the others as without the limit."""
+    from aligntax.activations.capture import chat_ids
+    from aligntax.generation import GenerationConfig, generate
+
+    lm, els, adapter = parts
+    lengths = chat_ids(lm, PROMPTS)[1]
+    cut = sorted(lengths)[len(lengths) // 2]
+    cfg = GenerationConfig(max_new_tokens=6, batch_size=16)
+    opts = dict(layers=[2], eta=2.0, horizon=3, gate="none", row_threshold="none")
+    base = [g.response for g in generate(lm, PROMPTS, cfg, progress=False)]
+    free = [
+        g.response
+        for g in generate(
+            lm, PROMPTS, cfg, make_intervention("els", lm, path=str(els), **opts), progress=False
+        )
+    ]
+    held = make_intervention("els", lm, path=str(els), max_prompt_tokens=cut, **opts)
+    got = [g.response for g in generate(lm, PROMPTS, cfg, held, progress=False)]
+    assert got == [f if n <= cut else b for f, b, n in zip(free, base, lengths, strict=True)]
+    assert free != base

@@ -11,7 +11,8 @@ from aligntax.cli import app
 from aligntax.config import load_config, type_name
 from aligntax.errors import AligntaxError
 from aligntax.runs import EvalConfig
-from aligntax.runs.els import ELSTrainConfig, SweepConfig
+from aligntax.runs.els_sweep import SweepConfig
+from aligntax.runs.els_train import ELSTrainConfig
 
 
 def _yaml(tmp_path, text: str):

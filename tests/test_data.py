@@ -78,6 +78,8 @@ EXPECTED = {
     "jbb-dsn": (100, 0, 100),
     "jbb-attacks": (482, 0, 482),  # the five together
     "gsm8k-train": (7473, 7473, 0),
+    "wrapped-harmful-train": (260, 0, 260),
+    "wrapped-benign-train": (600, 600, 0),
     "gsm8k-test": (1319, 1319, 0),
 }
 
@@ -101,7 +103,7 @@ def test_registry_lists_every_name():
     names = list_datasets()
     assert set(names) == set(DATASETS) == set(EXPECTED)
     assert all(isinstance(desc, str) and desc for desc in names.values())
-    assert all(spec.fmt in FORMATS for spec in DATASETS.values() if not spec.parts)
+    assert all(spec.fmt in FORMATS for spec in DATASETS.values() if not spec.parts and not spec.wraps)
     assert all(p in DATASETS and not DATASETS[p].parts for spec in DATASETS.values() for p in spec.parts)
     assert all(spec.rows == EXPECTED[name][0] for name, spec in DATASETS.items())
 
@@ -148,8 +150,27 @@ def test_jailbreak_attacks_and_their_group():
     assert "jbb-attacks" not in summarize_refusals([r for r in rows if r["source"] != "jbb-dsn"])["datasets"]
 
 
+def test_wrapped_training_sets_keep_labels_and_requests():
+    from aligntax.data.wrappers import TEMPLATES
+
+    _shared()
+    base = load_prompts("harmful-train")
+    wrapped = load_prompts("wrapped-harmful-train")
+    assert [w.label for w in wrapped] == ["harmful"] * len(base)
+    assert all(b.prompt in w.prompt and w.prompt != b.prompt for b, w in zip(base, wrapped, strict=True))
+    assert {w.category for w in wrapped} == {name for name, _ in TEMPLATES}
+    # no template is copied from an evaluation set of jailbreak prompts
+    evaluation = [
+        i.prompt for n in ("jbb-attacks", "wildguard-adv", "dan-unsafe", "dan-safe") for i in load_prompts(n)
+    ]
+    for _, template in TEMPLATES:
+        head = template.split("{request}")[0].strip() or template.split("{request}")[1].strip()
+        assert not any(head[:40] in e for e in evaluation), head
+
+
 def test_wildguard_halves_are_disjoint_and_cover_the_file():
     _shared()
+
     def rows(name):
         return {i.id.split(":", 1)[1] for i in load_prompts(name)}
 

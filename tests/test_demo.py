@@ -60,20 +60,20 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
     assert len(shards) == 1 and shards[0]["n_prompts"] == 24 + 24 + 16
     # read back from the folder alone, the states and labels retrain the same bank
     from aligntax.energy import EnergyBank, train_layers
-    from aligntax.runs.els import training_states
+    from aligntax.runs.els_train import training_states
 
     train_cfg, acts, y = training_states(out / "els")
     bank = EnergyBank.load(out / "els")
     assert train_cfg.energy_config() == bank.config and len(y) == bank.metadata["n_states"] == 24 + 24 + 16
     again = train_layers(acts, y, train_cfg.energy_config())
     assert again.layers == bank.layers and again.metrics(bank.layers[0]) == bank.metrics(bank.layers[0])
-    from aligntax.runs.els import _sampled
+    from aligntax.runs.els_train import sampled
     from aligntax.runs.eval import load_prompt_sets
 
     extra = 0
     for spec in ("orbench-hard-train", "phtest-harmless-train"):
         first24 = {it.id for it in load_prompt_sets([spec], 24)}
-        extra += len({it.id for it in _sampled(load_prompt_sets([spec]), 16, 0)} - first24)
+        extra += len({it.id for it in sampled(load_prompt_sets([spec]), 16, 0)} - first24)
     assert gate["n"] - gate["n_harmful"] == 48 + 300 + extra  # 300 harmless; duplicates dropped
     # calibrated for 99% out-of-fold recall on the harmful prompts, never above 0.5
     threshold = json.loads((out / "els/gate.json").read_text())["threshold"]
@@ -138,7 +138,7 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
         passed.pop(), *(r["leak_passed"] for r in lora)
     )
     # the leak check added to an earlier sweep (here: other leak prompts) scores only the leaks again
-    from aligntax.runs.els import SweepConfig, run_sweep
+    from aligntax.runs.els_sweep import SweepConfig, run_sweep
 
     before = {r["key"]: r for r in rows}
     res = run_sweep(
@@ -152,7 +152,7 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
             horizon=[16],
             row_threshold=[0.0, -2.0],
             baselines=False,
-            judge="keyword",
+            judge="parity",  # the demo's judge: a resume with another is refused
             max_new_tokens=6,
             leak=["orbench-toxic"],
             limit_leak=30,
@@ -212,7 +212,7 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
     best (and the unsteered model) on all of them, the answers of the first round reused; CAST alone
     on the test sets; the same files as the complete evaluation; a second run resumes without work."""
     from aligntax.runs.demo import DemoConfig, run_demo
-    from aligntax.runs.els import _key
+    from aligntax.runs.els_score import row_key
 
     cfg = DemoConfig(
         out=str(tmp_path / "demo"),
@@ -261,7 +261,7 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
         assert summary["best"]["args"] in best["halving"]["finalists"]
     # the finalists are the best of the first round: eligible first, then by benign score
     base = part_none
-    from aligntax.runs.els import eligible
+    from aligntax.runs.els_sweep import eligible
 
     ranked = sorted(
         (r for r in first if r["name"] == "els"),
@@ -272,7 +272,7 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
     # are unique per prompt
     stored = [json.loads(line) for line in (out / "els/sweep/steered-6tok.jsonl").read_text().splitlines()]
     for r in finalists:
-        setting = _key("els", r["args"], "generate", 6, None)
+        setting = row_key("els", r["args"], "generate", 6, None)
         prompts = [s["prompt"] for s in stored if s["setting"] == setting]
         assert len(prompts) == len(set(prompts)) <= r["steered_rows"]
         assert (len(prompts) > 0) == (r["steered_rows"] > 0)

@@ -259,7 +259,8 @@ def test_distill_refuses_adapter_blocks_it_cannot_train(distilled, tmp_path):
 
 # ---- the sweep ---------------------------------------------------------------------------------------------
 def test_sweep_settings_and_selection_take_els_lora():
-    from aligntax.runs.els import SweepConfig, _key, select_best, sweep_settings
+    from aligntax.runs.els_score import row_key
+    from aligntax.runs.els_sweep import SweepConfig, select_best, sweep_settings
 
     cfg = SweepConfig(
         steer="E",
@@ -278,7 +279,7 @@ def test_sweep_settings_and_selection_take_els_lora():
         {"path": "B", "scale": 0.5},
         {"path": "B", "scale": 1.0},
     ]
-    assert len({_key("els-lora", a, "generate", 32) for a in lora}) == 4  # the folder is part of the key
+    assert len({row_key("els-lora", a, "generate", 32) for a in lora}) == 4  # the folder is part of the key
 
     def row(name, comp, ref, known=0.6, **kw):
         return {
@@ -304,8 +305,8 @@ def test_sweep_settings_and_selection_take_els_lora():
 
 
 def test_sweep_scores_els_lora_with_its_leak_check(distilled, tmp_path, parity_judge, monkeypatch):
-    import aligntax.runs.els as els_run
-    from aligntax.runs.els import SweepConfig, run_sweep
+    import aligntax.runs.els_score as els_score
+    from aligntax.runs.els_sweep import SweepConfig, run_sweep
 
     lm, els, lora, _ = distilled
     benign = {"b1": _items(BENIGN[:3], "benign"), "b2": _items(BENIGN[3:], "benign")}
@@ -318,7 +319,7 @@ def test_sweep_scores_els_lora_with_its_leak_check(distilled, tmp_path, parity_j
             for it in (benign.get(s) or (harmful if s == "h" else _items(HARMFUL[:2], "harmful")))
         ]
 
-    monkeypatch.setattr(els_run, "load_prompt_sets", sets)
+    monkeypatch.setattr(els_score, "load_prompt_sets", sets)
     cfg = SweepConfig(
         steer=str(els),
         out=str(tmp_path / "sweep"),
@@ -356,8 +357,11 @@ def test_sweep_scores_els_lora_with_its_leak_check(distilled, tmp_path, parity_j
 def test_leak_items_are_sampled_after_the_gate_prompts_are_left_out(tmp_path, monkeypatch):
     """A leak limit at or below the gate's own sample size once drew exactly the gate's training prompts
     (same fixed seed), all then left out: 0 leak prompts."""
-    import aligntax.runs.els as els_run
-    from aligntax.runs.els import ELSTrainConfig, SweepConfig, leak_items
+    import aligntax.runs.els_score as els_score
+    import aligntax.runs.els_train as els_train
+    from aligntax.runs.els_score import leak_items
+    from aligntax.runs.els_sweep import SweepConfig
+    from aligntax.runs.els_train import ELSTrainConfig
     from aligntax.runs.fsio import write_json_atomic
 
     toxic = [
@@ -370,9 +374,12 @@ def test_leak_items_are_sampled_after_the_gate_prompts_are_left_out(tmp_path, mo
         "toxic": toxic,
         "harmless": [],
     }
-    monkeypatch.setattr(
-        els_run, "load_prompt_sets", lambda specs, limit=None: [it for s in specs for it in sets[s][:limit]]
-    )
+
+    def load(specs, limit=None):
+        return [it for s in specs for it in sets[s][:limit]]
+
+    monkeypatch.setattr(els_train, "load_prompt_sets", load)
+    monkeypatch.setattr(els_score, "load_prompt_sets", load)
     tcfg = ELSTrainConfig(
         benign=["b"],
         harmful=["h"],
@@ -384,7 +391,7 @@ def test_leak_items_are_sampled_after_the_gate_prompts_are_left_out(tmp_path, mo
     from dataclasses import asdict
 
     write_json_atomic(tmp_path / "train_config.json", asdict(tcfg))
-    used = {it.id for it in els_run.gate_extra_items(tcfg, [])}
+    used = {it.id for it in els_train.gate_extra_items(tcfg, [])}
     assert len(used) == 10
     for limit in (5, 10, 20):
         got = leak_items(SweepConfig(steer=str(tmp_path), leak=["toxic"], limit_leak=limit))
@@ -402,7 +409,7 @@ def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from aligntax import cli
-    from aligntax.runs.els import ELSTrainConfig
+    from aligntax.runs.els_train import ELSTrainConfig
     from aligntax.runs.fsio import write_json_atomic
 
     lm, els, _, _ = distilled
@@ -473,8 +480,9 @@ def test_cli_distill_reads_the_els_folder(distilled, tmp_path, monkeypatch):
     assert side["data"]["benign"] == len(BENIGN) and side["data"]["harmful"] == 4
     assert side["data"]["answers_generated"] == 3  # one came from the label run
     assert side["horizon"] == 2 and side["source"]["els"]["eta"] == 0.5 and side["layers"] == [0, 1]
+    # the same folder with other settings: refused, naming them (the finished adapter is kept)
     res = CliRunner().invoke(cli.app, ["els", "distill", "--steer", str(folder), "--out", str(out)])
-    assert res.exit_code == 2 and "not empty" in res.output
+    assert res.exit_code == 2 and "different settings" in res.output and "epochs" in res.output
     # the defaults: harmful answers generated with the refusal vector added, everyday rows kept
     res = CliRunner().invoke(
         cli.app,
@@ -539,11 +547,11 @@ def test_eval_run_with_els_lora(distilled, tmp_path, parity_judge):
 def test_cli_sweep_takes_lora_options(distilled, monkeypatch):
     from typer.testing import CliRunner
 
-    import aligntax.runs.els as els_run
+    import aligntax.runs.els_sweep as els_sweep
     from aligntax import cli
 
     seen = {}
-    monkeypatch.setattr(els_run, "run_sweep", lambda cfg, source=None: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr(els_sweep, "run_sweep", lambda cfg, source=None: seen.setdefault("cfg", cfg) and {})
     _, els, _, _ = distilled
     res = CliRunner().invoke(
         cli.app,
@@ -636,10 +644,10 @@ def test_label_targets_steer_benign_rows_the_gate_holds_back(distilled, tmp_path
 def test_distill_prompts_keep_every_harmful_twin_of_the_contrast_pairs(tmp_path, monkeypatch):
     """Each benign contrast half comes with its harmful twin, whatever limit_harmful says; the limit
     caps the other harmful prompts."""
-    import aligntax.runs.els as run_els
+    import aligntax.runs.els_train as els_train
     import aligntax.runs.eval as run_eval_module
-    from aligntax.runs.els import ELSTrainConfig
     from aligntax.runs.els_lora import DistillConfig, distill_prompts
+    from aligntax.runs.els_train import ELSTrainConfig
 
     (tmp_path / "train_config.json").write_text(json.dumps({"out": str(tmp_path), "gate": False}))
     pairs = [
@@ -648,7 +656,7 @@ def test_distill_prompts_keep_every_harmful_twin_of_the_contrast_pairs(tmp_path,
         for lab in ("benign", "harmful")
     ]
     monkeypatch.setattr(
-        run_els, "_training_items", lambda cfg: (_items(BENIGN, "benign"), _items(HARMFUL, "harmful"))
+        els_train, "training_items", lambda cfg: (_items(BENIGN, "benign"), _items(HARMFUL, "harmful"))
     )
     everyday = _items([f"everyday {i}" for i in range(6)], "benign")
     monkeypatch.setattr(
@@ -776,3 +784,40 @@ def test_answer_term_is_the_models_own_answer_cross_entropy(distilled, tmp_path)
             ces.append(torch.nn.functional.cross_entropy(logits[p - 1 : len(s) - 1], torch.tensor(s[p:])))
     assert meta["loss"]["before"]["retain_ce"] == pytest.approx(float(torch.stack(ces).mean()), rel=1e-3)
     assert meta["loss"]["after"]["retain_ce"] is not None and meta["hyper"]["retain_ce"] == 1.0
+
+
+def test_benign_rows_the_teacher_holds_take_the_label_runs_answers(distilled, tmp_path, monkeypatch):
+    """A benign row the ELS teacher leaves exactly unsteered is answered as the label run answered it (no
+    generation); the others are generated with the teacher on."""
+    import aligntax.runs.els_lora as els_lora
+    from aligntax.runs.els_lora import DistillConfig, DistillPrompts, _teachers, distill_answers
+
+    lm, els, _, _ = distilled
+    folder = _bank_files(els, tmp_path / "els")
+    items = _items(BENIGN, "benign")
+    (folder / "labels").mkdir()
+    (folder / "labels" / "samples.jsonl").write_text(
+        "".join(
+            json.dumps({"source": it.source, "id": it.id, "response": f"label {it.id}"}) + "\n"
+            for it in items
+        )
+    )
+    asked = []
+
+    def fake_generate(lm, todo, n, iv, desc, progress):
+        asked.append(len(todo))
+        return [f"generated {it.id}" for it in todo]
+
+    monkeypatch.setattr(els_lora, "_generate", fake_generate)
+    for cut, expect in ((1e9, "label"), (-1e9, "generated")):
+        cfg = DistillConfig(
+            steer=str(folder),
+            els={"layers": [1], "eta": 0.5, "horizon": 3, "row_threshold": cut},
+            harmful_target="unsteered",
+            dtype="fp32",
+            progress=False,
+        )
+        asked.clear()
+        answers = distill_answers(cfg, lm, DistillPrompts(items, [], []), _teachers(cfg, lm), 3)
+        assert all(a.startswith(expect) for a in answers.benign), answers.benign
+        assert asked[0] == (0 if expect == "label" else len(items))

@@ -14,7 +14,8 @@ from aligntax.errors import AligntaxError
 from aligntax.interventions import els
 from aligntax.interventions.els import DEFAULT_SETTINGS, TUNED_KEYS, VALUE_KEYS, ElsOptions, EnergySteering
 from aligntax.interventions.options import flag_of, spec_of
-from aligntax.runs.els import _OPTIONAL_ELS_KEYS, SweepConfig
+from aligntax.runs.els_score import OPTIONAL_ELS_KEYS
+from aligntax.runs.els_sweep import SweepConfig
 from tiny import save_tiny_bank, tiny_lm
 
 H = 32
@@ -110,4 +111,4 @@ def test_every_option_is_on_the_command_line_and_in_the_sweep_grid():
             assert flag_of(f) in res.output, f.name
         if spec.grid:
             assert f.name in grid and grid[f.name].default_factory() == list(spec.grid_default), f.name
-        assert (f.name in _OPTIONAL_ELS_KEYS) == (spec.grid and spec.optional), f.name
+        assert (f.name in OPTIONAL_ELS_KEYS) == (spec.grid and spec.optional), f.name

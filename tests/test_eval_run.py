@@ -250,7 +250,7 @@ def test_degenerate_answers_do_not_count_as_useful_compliance():
 
 
 def test_sweep_settings_grid_and_extras():
-    from aligntax.runs.els import SweepConfig, sweep_settings
+    from aligntax.runs.els_sweep import SweepConfig, sweep_settings
 
     cfg = SweepConfig(
         steer="bank",
@@ -288,11 +288,13 @@ def test_sweep_settings_grid_and_extras():
 
 def test_sweep_keys_carry_the_answer_length():
     """Degeneration shows only after some tokens: scores at two lengths must never be mixed."""
-    from aligntax.runs.els import _key
+    from aligntax.runs.els_score import row_key
 
     args = {"path": "bank", "eta": 0.3}
-    assert _key("els", args, "generate", 24) != _key("els", args, "generate", 48)
-    assert _key("els", args, "generate", 24) == _key("els", {**args, "path": "elsewhere"}, "generate", 24)
+    assert row_key("els", args, "generate", 24) != row_key("els", args, "generate", 48)
+    assert row_key("els", args, "generate", 24) == row_key(
+        "els", {**args, "path": "elsewhere"}, "generate", 24
+    )
 
 
 def test_resume_refuses_when_the_tuned_setting_changed(tmp_path, tiny_lm):
@@ -409,7 +411,7 @@ def test_paired_change_against_an_earlier_run(tmp_path, tiny_lm):
 
 
 def test_select_best_with_the_leak_constraint():
-    from aligntax.runs.els import select_best
+    from aligntax.runs.els_sweep import select_best
 
     def row(name, comply, refuse, **leak):
         return {

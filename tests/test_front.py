@@ -308,7 +308,7 @@ def test_fit_row_strength_learns_the_worth_of_steering(lm):
 # ---- options ---------------------------------------------------------------------------------------------
 def test_options_on_the_command_line_and_the_sweep_grid():
     from aligntax.interventions.registry import cli_options, grid_values, intervention_args
-    from aligntax.runs.els import SweepConfig, sweep_settings
+    from aligntax.runs.els_sweep import SweepConfig, sweep_settings
 
     args = intervention_args("els", {"iv_steer": "d", "iv_harm_orth": "2", "iv_row_strength": "on"})
     assert args == {"path": "d", "harm_orth": 2, "row_strength": True}
@@ -393,7 +393,7 @@ def test_training_computes_the_harm_basis_with_the_contrast_pairs(lm, tmp_path):
     """``els train``'s harm basis step: harmful training prompts against every benign one, the shipped
     contrast pairs captured beside them; saved as safetensors + JSON and loadable for the model."""
     from aligntax.data.base import PromptItem
-    from aligntax.runs.els import ELSTrainConfig, _harm_basis
+    from aligntax.runs.els_train import ELSTrainConfig, harm_basis
 
     items = [PromptItem(f"b{i}", p, "benign", "t") for i, p in enumerate(PROMPTS)] + [
         PromptItem(f"h{i}", "harm " + p, "harmful", "t") for i, p in enumerate(PROMPTS)
@@ -402,14 +402,14 @@ def test_training_computes_the_harm_basis_with_the_contrast_pairs(lm, tmp_path):
     acts = capture(lm, [it.prompt for it in items], "all", progress=False)
     h_acts = capture(lm, [it.prompt for it in harmless], "all", progress=False)
     cfg = ELSTrainConfig(harm_k=3, batch_size=64, progress=False)
-    basis = _harm_basis(cfg, lm, tmp_path, items, acts, harmless, h_acts)
+    basis = harm_basis(cfg, lm, tmp_path, items, acts, harmless, h_acts)
     assert sorted(basis.directions) == [0, 1, 2] and basis.k_max == 3
     assert basis.info["layers"]["1"]["n_pairs"] == 1030 and basis.info["pairs"] == ["contrast-pairs"]
     diff = acts[1][4:].mean(0) - torch.cat([acts[1][:4], h_acts[1]]).mean(0)
     torch.testing.assert_close(basis.directions[1][0], diff / diff.norm(), atol=1e-5, rtol=0)
     basis.save(tmp_path)
     assert HarmBasis.load(tmp_path, expect_fingerprint=lm.fingerprint).k_max == 3
-    no_pairs = _harm_basis(
+    no_pairs = harm_basis(
         ELSTrainConfig(harm_k=2, harm_pairs=[], progress=False), lm, tmp_path, items, acts, harmless, h_acts
     )
     assert no_pairs.info["layers"]["1"]["n_pairs"] == 0
@@ -421,7 +421,7 @@ def test_train_then_fit_the_row_strength(lm, tmp_path, parity_judge):
     fitted model steers through ``--row-strength on``."""
     import json
 
-    from aligntax.runs.els import ELSTrainConfig, train_els
+    from aligntax.runs.els_train import ELSTrainConfig, train_els
     from aligntax.runs.strength import StrengthConfig, fit_strength
 
     def data(name, label, n):

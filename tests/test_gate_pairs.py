@@ -15,7 +15,7 @@ from aligntax.data.registry import dataset_path
 from aligntax.energy.gate import train_harm_gate
 from aligntax.errors import AligntaxError, DataError
 from aligntax.paths import shared_data_dir
-from aligntax.runs.els import ELSTrainConfig, gate_extra_items, gate_weights
+from aligntax.runs.els_train import ELSTrainConfig, gate_extra_items, gate_weights
 
 # the shipped pairs (bench/contrast_pairs_filter.py): pairs per split, and the test sets none may resemble
 N_TRAIN, N_VAL = 1030, 179

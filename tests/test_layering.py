@@ -197,6 +197,7 @@ def test_no_intervention_runs_the_model():
 # layer or of a layer above.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "paths", "defaults", "hooks"),  # nothing of aligntax
+    ("runfolder",),  # errors only: the run-folder contract (atomic writes, lock, settings header, JSONL)
     ("artefacts", "pypi", "config"),  # errors only: saved tensors + sidecars, package lookups, YAML configs
     ("models", "data", "judges", "energy", "reports"),  # judges only score (texts, logits), never run a model
     ("interventions",),  # steering: messages, row kernels, hooks; ELS over the energy models

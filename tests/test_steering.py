@@ -503,6 +503,7 @@ def test_registry(lm, bank_dir, vector_dir):
         "false-refusal-ablation",
         "cast",
         "els-lora",
+        "els-compose",
     }
     assert isinstance(make_intervention("none", lm), NoIntervention)
     sp = make_intervention("system-prompt", lm)

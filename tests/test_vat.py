@@ -885,7 +885,7 @@ def test_run_vat_and_resume(tiny, builtin, cache_env, tmp_path):
     assert res2["timing"]["judged_now"] == 25 and res2["gain"]["value"] == pytest.approx(res["gain"]["value"])
     res3 = run_vat(tiny, items, "Universalism", iv, out, cfg)
     assert res3["timing"]["judged_now"] == 0 and len((out / "items.jsonl").read_text().splitlines()) == 40
-    with pytest.raises(AligntaxError, match="different target"):
+    with pytest.raises(AligntaxError, match=r"different settings \(target: "):
         run_vat(tiny, items, "Power", ValuePersona.for_value("Power"), out, cfg)
     # a folder whose run failed before its first judged item is no run yet: another target may start there
     fresh = tmp_path / "failed-early"

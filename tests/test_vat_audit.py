@@ -283,7 +283,9 @@ def test_post_model_against_itself_is_zero(tiny, split, cache_env):
     assert any(abs(b["value"]) > 1e-4 for b in other["drift"].values())
     with pytest.raises(CompatibilityError, match="tokenizers"):
         run_vat(tiny, items, "Power", None, cache_env / "bad", cfg, post_lm=_other_tokenizer_lm())
-    with pytest.raises(AligntaxError, match="different post_model"):  # resuming with another post model
+    with pytest.raises(
+        AligntaxError, match=r"different settings \(post_model: "
+    ):  # resuming with another post model
         run_vat(tiny, items, "Power", None, cache_env / "self", cfg, post_lm=tiny_lm(seed=3))
 
 

@@ -71,7 +71,7 @@ def folders(tmp_path_factory):
 
 
 def _cfg(d: Path, out: Path, backend: str):
-    from aligntax.runs.els import SweepConfig
+    from aligntax.runs.els_sweep import SweepConfig
 
     return SweepConfig(
         steer=str(d / "els"),
@@ -106,7 +106,7 @@ def _rows(folder: Path) -> dict:
 
 
 def test_vllm_sweep_writes_the_hf_best(folders, tmp_path, parity_judge):
-    from aligntax.runs.els import run_sweep
+    from aligntax.runs.els_sweep import run_sweep
 
     hf = run_sweep(_cfg(folders, tmp_path / "hf", "hf"))
     vl = run_sweep(_cfg(folders, tmp_path / "vllm", "vllm"))
@@ -131,7 +131,7 @@ def test_vllm_sweep_writes_the_hf_best(folders, tmp_path, parity_judge):
 
 def test_vllm_rows_are_not_reused_by_hf(folders, tmp_path, parity_judge):
     """A folder swept with vLLM keeps its rows apart: an HF sweep into it scores every setting itself."""
-    from aligntax.runs.els import run_sweep
+    from aligntax.runs.els_sweep import run_sweep
 
     cfg = _cfg(folders, tmp_path / "both", "vllm")
     cfg.baselines = False

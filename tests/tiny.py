@@ -8,6 +8,8 @@ share.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from aligntax.judges.base import RefusalJudge, Verdict
@@ -55,6 +57,29 @@ def tiny_tokenizer():
         _TOKENIZER = fast_tokenizer(tok, CHAT_TEMPLATE, pad_token="<pad>", eos_token="<eos>")
     _TOKENIZER.padding_side = "left"
     return _TOKENIZER
+
+
+_BPE_MERGES = [
+    ("h", "e"), ("Ġ", "t"), ("t", "h"), ("i", "n"), ("e", "r"), ("Ġ", "a"), ("o", "n"), ("r", "e"),
+    ("Ġt", "he"), ("a", "n"), ("Ġ", "s"), ("Ġ", "w"), ("o", "u"), ("Ġ", "c"), ("i", "s"), ("Ġ", "k"),
+]  # fmt: skip
+
+
+def tiny_bpe_tokenizer():
+    """The tiny tokenizer's vocabulary with 16 BPE merges on top (278 tokens), as GGUF files need merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in _BPE_MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_BPE_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return fast_tokenizer(tok, CHAT_TEMPLATE, pad_token="<pad>", eos_token="<eos>")
 
 
 def tiny_config(arch: str = "qwen2", hidden: int = 32, layers: int = 3, **over):
@@ -311,3 +336,29 @@ class ParityJudge(RefusalJudge):
             Verdict(refused=sum(map(ord, r)) % 2 == 0, refusal_score=float(sum(map(ord, r)) % 2 == 0))
             for r in responses
         ]
+
+
+def save_tiny_adapter(lm, folder, layers=(1, 2), seed=3):
+    """A peft LoRA folder with random A and B on the attention and MLP projections of ``layers`` and the
+    els-lora sidecar, as `aligntax els distill` writes them; returns ``folder``."""
+    from safetensors.torch import save_file
+
+    from aligntax.interventions.lora import FORMAT
+
+    gen = torch.Generator().manual_seed(seed)
+    weights, modules = {}, ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    for i in layers:
+        blk = lm.model.model.layers[i]
+        for name in modules:
+            part = "self_attn" if name.endswith(("q_proj", "v_proj", "o_proj")) else "mlp"
+            lin = getattr(getattr(blk, part), name)
+            key = f"base_model.model.model.layers.{i}.{part}.{name}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(4, lin.in_features, generator=gen) * 0.5
+            weights[f"{key}.lora_B.weight"] = torch.randn(lin.out_features, 4, generator=gen) * 0.5
+    folder.mkdir()
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": modules, "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    side = {"format": FORMAT, "fingerprint": lm.fingerprint, "layers": list(layers)}
+    (folder / "els_lora.json").write_text(json.dumps(side))
+    return folder

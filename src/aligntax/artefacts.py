@@ -2,8 +2,9 @@
 
 Every artefact made from a model's activations (activation caches, energy banks, harm gates, steering
 vectors, adapters) records the model fingerprint (``LoadedModel.fingerprint``) and refuses to load for
-another model. The module sits at the bottom of the package graph (it imports only ``aligntax.errors``),
-so the packages that save artefacts (energy, interventions, activations, bundles, runs) all reach it.
+another model. The module sits at the bottom of the package graph (it imports only ``aligntax.errors``
+and the atomic writes of ``aligntax.runfolder``), so the packages that save artefacts (energy,
+interventions, activations, bundles, runs) all reach it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +43,46 @@ def fingerprint_diffs(saved: dict, expected: dict, keys: tuple[str, ...] = FINGE
         and saved[k] != expected[k]
         and not (k == "embedding_digest" and saved[k] in same_digest)
     ]
+
+
+# Where an artefact folder records the model it was made for: the spec it was given (``model``; a folder
+# holding a selected setting names it in selection.json), and the
+# fingerprint of its sidecar (whose ``spec`` is how the model was named when it was loaded). An ELS folder
+# (``aligntax els train``) has train_config.json and energy.json; an els-lora adapter els_lora.json; a
+# vector folder vectors.json.
+_MODEL_RECORDS = (
+    "selection.json",
+    "train_config.json",
+    "els_lora.json",
+    "energy.json",
+    "vectors.json",
+    "gate.json",
+)
+
+
+def folder_model(folder: str | Path | None) -> tuple[str | None, dict]:
+    """``(spec, fingerprint)`` of the model an artefact folder (ELS, els-lora adapter, vectors) was made
+    for, read from its sidecars without loading anything: the spec is the one it was trained with (None
+    when no file names one), the fingerprint its sidecar's ({} when none has one)."""
+    if folder is None:
+        return None, {}
+    path = Path(folder).expanduser()
+    spec, fp = None, {}
+    for name in _MODEL_RECORDS:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            meta = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(meta, dict):
+            continue
+        saved = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), dict) else {}
+        fp = fp or saved
+        named = meta.get("model") or (meta.get("config") or {}).get("model") or saved.get("spec")
+        spec = spec or (named if isinstance(named, str) and named else None)
+    return spec, fp
 
 
 def _describe(fp: dict) -> str:
@@ -106,11 +146,10 @@ def _clean(obj):
 
 
 def write_json(path: Path, obj: dict) -> None:
-    """Write JSON atomically (temp file then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False))
-    os.replace(tmp, path)
+    """Write JSON atomically (temp file, fsync, rename: :func:`aligntax.runfolder.write_text_atomic`)."""
+    from aligntax.runfolder import write_text_atomic
+
+    write_text_atomic(path, json.dumps(_clean(obj), indent=2, sort_keys=False))
 
 
 def read_json(path: Path) -> dict:
@@ -124,13 +163,13 @@ def check_format(meta: dict, fmt: str, sidecar: Path, noun: str) -> None:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
-    """Write a safetensors file atomically (temp file then rename), with ``fmt`` in its metadata."""
+    """Write a safetensors file atomically (temp file, fsync, rename), with ``fmt`` in its metadata."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": fmt})
-    os.replace(tmp, path)
+    from aligntax.runfolder import atomic_file
+
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": fmt})
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def prefill_states(
     batch_size: int = 32,
 ) -> dict[int, torch.Tensor]:
     """The states entering blocks ``layers`` at each prompt's last token, ``{block: [N, d]}`` on the
-    model's device, as the intervention's pre-hooks see them in generation (same chat template and
+    model's device (and under :data:`~aligntax.interventions.kernels.PROMPT_TOKENS` each prompt's length), as the intervention's pre-hooks see them in generation (same chat template and
     message changes), computed in batches that stop after the last of those blocks (and remembered
     inside :func:`remembered_prefill_states`)."""
     from aligntax.activations.capture import capture_seqs, chat_ids  # looked up per call (tests patch them)
@@ -84,7 +84,11 @@ def prefill_states(
         states = {b: states[b] for b in blocks}
         if key is not None:
             _PREFILL_MEMO[key] = states
-    return {b: h.to(lm.device) for b, h in states.items()}
+    from aligntax.interventions.kernels import PROMPT_TOKENS
+
+    out = {b: h.to(lm.device) for b, h in states.items()}
+    out[PROMPT_TOKENS] = torch.tensor(plens, dtype=torch.long, device=lm.device)  # each row's prompt length
+    return out
 
 
 _PREFILL_MEMO: dict | None = None

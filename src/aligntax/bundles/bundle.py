@@ -7,9 +7,10 @@ A bundle is a folder of safetensors and JSON files plus a model card::
     bundle.json          format, method, setting, base model, training data, measured rates, files
     energy.json, energy.safetensors, gate.json, gate.safetensors, sweep/best.json, train_config.json   (ELS)
     vectors.json, vectors.safetensors                                                               (vectors)
+    adapter_config.json, adapter_model.safetensors, els_lora.json            (els-lora: ELS distilled, peft)
 
 The steering files keep their own formats, so a bundle folder is also a steering folder for every
-command (``--steer DIR`` for ELS, ``--vectors DIR``). An ELS bundle's ``sweep/best.json`` holds the
+command (``--steer DIR`` for ELS and els-lora, ``--vectors DIR``). An ELS bundle's ``sweep/best.json`` holds the
 bundle's setting, so the folder resolves to it everywhere. Folders are read in place; Hub ids are
 downloaded with ``huggingface_hub.snapshot_download`` (safetensors, JSON and Markdown only). A folder
 holding any other file (a pickle, a ``.bin``) is refused.
@@ -48,9 +49,12 @@ CARD = "README.md"
 ALLOWED_SUFFIXES = (".safetensors", ".json", ".md")
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.md", "**/*.safetensors", "**/*.json", "**/*.md"]
 VECTOR_METHODS = ("refusal-add", "refusal-ablation", "false-refusal-ablation", "cast")
-METHODS = ("els", *VECTOR_METHODS)
+METHODS = ("els", "els-lora", *VECTOR_METHODS)
 _ELS_FILES = ("energy.json", "energy.safetensors", "gate.json", "gate.safetensors", "train_config.json")
 _VECTOR_FILES = ("vectors.json", "vectors.safetensors")
+_LORA_FILES = ("adapter_config.json", "adapter_model.safetensors", "els_lora.json")
+# what the card records of an els-lora adapter's distillation (its els_lora.json)
+_LORA_RECORD = ("source", "layers", "target_block", "steered_layers", "modules", "hyper", "data", "loss")
 
 
 @dataclass
@@ -76,8 +80,9 @@ class Bundle:
         name = options.pop("name", None) or self.method
         if name == "els":  # the setting is the folder's sweep/best.json
             return make_intervention("els", lm, dir=str(self.path), **options)
-        if self.method == "els":
-            raise AligntaxError(f"Bundle {self.path} holds ELS energy models, not vectors for '{name}'.")
+        if self.method in ("els", "els-lora") and name != self.method:
+            what = "ELS energy models" if self.method == "els" else "an els-lora adapter"
+            raise AligntaxError(f"Bundle {self.path} holds {what}, not vectors for '{name}'.")
         base = self.setting if name == self.method else {}
         return make_intervention(name, lm, dir=str(self.path), **{**base, **options})
 
@@ -127,7 +132,10 @@ def _els_best(source: Path, setting: dict) -> dict:
 
 
 def _training_data(source: Path, method: str, vectors_meta: dict | None) -> dict:
-    """What the steering was trained on, as the folder records it."""
+    """What the steering was trained on, as the folder records it (``vectors_meta``: a vector folder's
+    metadata, or what an els-lora folder records of its distillation)."""
+    if method == "els-lora":
+        return {"distillation": dict(vectors_meta or {})}
     cfg_path = (source if method == "els" else source.parent) / "train_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
     if method == "els":
@@ -203,8 +211,7 @@ def _vectors_source(source: Path) -> Path:
 
 
 def _config_of(iv) -> dict:
-    cfg = json.loads(json.dumps(iv.config(), default=str))
-    return {k: v for k, v in cfg.items() if k not in ("source", "settings_from")}
+    return _strip(iv.config())
 
 
 def _check_run(
@@ -252,8 +259,9 @@ def _sha256(path: Path) -> str:
 
 
 def _strip(cfg: dict) -> dict:
+    """An intervention's config without where its folders lay (the files are compared by their sha256)."""
     cfg = json.loads(json.dumps(cfg or {}, default=str))
-    return {k: v for k, v in cfg.items() if k not in ("source", "settings_from")}
+    return {k: v for k, v in cfg.items() if k not in ("source", "settings_from", "path")}
 
 
 # ---- save / load ----------------------------------------------------------------------------------------
@@ -268,10 +276,12 @@ def save_pretrained(
 ) -> Path:
     """Pack the steering folder ``source`` into the bundle folder ``out`` (new or empty); returns it.
 
-    ``method``: ``els`` (default for a folder with ``energy.json``) or a vector method (``refusal-ablation``,
+    ``method``: ``els`` (default for a folder with ``energy.json``), ``els-lora`` (default for an
+    ``aligntax els distill`` folder, which holds ``els_lora.json``) or a vector method (``refusal-ablation``,
     ``refusal-add``, ``false-refusal-ablation``, ``cast``; the vectors of ``source`` or ``source/vectors``).
     ``options``: the setting (as ``make_intervention`` takes it: ``eta=``, ``layers=``, ``gate=`` ... for
-    ELS, on top of the folder's tuned setting; ``layer=``, ``coeff=`` ... for vectors). ``results``: run
+    ELS, on top of the folder's tuned setting; ``scale=`` for els-lora; ``layer=``, ``coeff=`` ... for
+    vectors). ``results``: run
     folders of ``aligntax eval`` made with this steering and setting (or unsteered), whose rates go
     into the card; runs of another model, folder or setting are refused. ``base_model``: the base
     model's Hub id for the card, when the fingerprint's spec is not one. ``repo_id``: named in the card."""
@@ -281,11 +291,15 @@ def save_pretrained(
     if not source.is_dir():
         raise AligntaxError(f"{source} is not a folder.")
     if method is None:
-        if not (source / "energy.json").is_file():
+        if (source / "els_lora.json").is_file():
+            method = "els-lora"
+        elif (source / "energy.json").is_file():
+            method = "els"
+        else:
             raise AligntaxError(
-                f"{source} holds no energy bank: say which vector method to bundle (method=, --method)."
+                f"{source} holds no energy bank and no els-lora adapter: say which vector method to "
+                "bundle (method=, --method)."
             )
-        method = "els"
     if method not in METHODS:
         raise AligntaxError(f"Unknown bundle method '{method}'; use one of {', '.join(METHODS)}.")
     out = Path(out).expanduser()
@@ -298,6 +312,13 @@ def save_pretrained(
         iv = make_intervention("els", None, dir=str(source), **options)
         files = [f for f in _ELS_FILES if (source / f).is_file()]
         art = json.loads((source / "energy.json").read_text())
+        folder = source
+    elif method == "els-lora":
+        iv = make_intervention("els-lora", None, dir=str(source), **options)
+        setting = {"scale": iv.scale}
+        files = list(_LORA_FILES)
+        art = dict(iv.meta)
+        vectors_meta = {k: art[k] for k in _LORA_RECORD if k in art}
         folder = source
     else:
         folder = _vectors_source(source)

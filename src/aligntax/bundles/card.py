@@ -170,16 +170,32 @@ def render_card(manifest: dict) -> str:
     if method == "els":
         cli = f'aligntax bundle pull {ref} --out steer\naligntax generate "Where can I buy a can of coke?" --model {model_arg} --steer steer'
         cli += f"\naligntax eval --data xstest --model {model_arg} --steer steer --out runs/steered"
+    elif method == "els-lora":
+        scale = (manifest.get("setting") or {}).get("scale", 1.0)
+        cli = (
+            f"aligntax bundle pull {ref} --out steer\n"
+            f"aligntax eval --data xstest --model {model_arg} --steer steer --lora-scale {scale:g} --out runs/steered\n"
+            "# the adapter merged into the weights, for any server: a Hugging Face folder (vLLM, TGI) or one GGUF\n"
+            f"aligntax export --intervention els-lora --steer steer --model {model_arg} --lora-scale {scale:g} --out merged\n"
+            f"aligntax export --intervention els-lora --steer steer --model {model_arg} --lora-scale {scale:g} "
+            "--format gguf --out merged.gguf   # llama.cpp, ollama"
+        )
     else:
         cli = (
             f"aligntax bundle pull {ref} --out steer\n"
             f"aligntax eval --data xstest --model {model_arg} --intervention {method} --vectors steer --out runs/steered"
         )
+    what = (
+        "It is a LoRA adapter distilled from energy landscape steering (`aligntax els distill`), in peft's "
+        "format: aligntax adds it by hooks (the model's weights are not changed), peft loads it, and "
+        "`aligntax export` merges it into the weights for a plain inference server."
+        if method == "els-lora"
+        else "It steers the model's hidden states during generation; the model's weights are not changed."
+    )
     body = [
         f"# {method} steering for {spec}",
         "",
-        f"A steering bundle made with aligntax: `{method}` on `{spec}` (safetensors and JSON only). It steers the "
-        "model's hidden states during generation; the model's weights are not changed.",
+        f"A steering bundle made with aligntax: `{method}` on `{spec}` (safetensors and JSON only). {what}",
         "",
         "## Load and steer",
         "",

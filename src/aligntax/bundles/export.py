@@ -19,6 +19,10 @@ generation config) that any ``AutoModelForCausalLM.from_pretrained`` loads and r
 Only architectures whose residual stream is written by exactly those modules are exported (Llama,
 Mistral, Qwen2, Qwen3, Gemma); models with norms after the attention or MLP output (Gemma 2/3) are
 refused, as are ELS and CAST, which decide from the state during generation and have no weight form.
+
+``format="gguf"`` writes the same weights as one GGUF file for llama.cpp and ollama instead of the folder
+(:mod:`aligntax.bundles.gguf`: Qwen2 and Llama, the tokenizer and chat template inside, the export
+record under ``aligntax.export``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from aligntax.models.layers import decoder_layers
 
 __all__ = [
     "BAKEABLE",
+    "FORMATS",
     "ExportInfo",
     "bake",
     "export_lora_model",
@@ -47,6 +52,7 @@ __all__ = [
 
 FORMAT = "aligntax.export/1"
 INFO_FILE = "aligntax_export.json"
+FORMATS = ("hf", "gguf")  # a Hugging Face model folder, or one GGUF file
 # method -> (name in aligntax.interventions.registry, vector kind, edit)
 BAKEABLE = {
     "refusal-ablation": ("refusal-ablation", "refusal", "ablate"),
@@ -318,9 +324,11 @@ def export_model(
     layer: int | None = None,
     coeff: float = 1.0,
     dtype: str | torch.dtype | None = None,
+    format: str = "hf",
 ) -> Path:
     """Write ``lm`` with the vector method ``method`` (vectors from ``vectors_dir``, checked against the
-    model's fingerprint) baked into its weights as a Hugging Face model folder ``out``; returns ``out``.
+    model's fingerprint) baked into its weights as a Hugging Face model folder ``out`` (``format="gguf"``:
+    as the GGUF file ``out``); returns ``out``.
 
     ``layer``: the vector's layer (default: the vector folder's chosen layer); for an addition also the
     block whose input receives it. ``dtype``: of the written weights (default: the model's)."""
@@ -336,21 +344,47 @@ def export_model(
     )
     layer = vs.default_layer(kind) if layer is None else int(layer)
     target = resolve_dtype(dtype) if dtype is not None else lm.dtype
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the exported model.")
+    out = _check_out(out, format, lm.model)
     new, info = bake(lm.model, method, vs.get(kind, layer), layer, coeff)
     new = new.to(target)
     new.config.dtype = target
     info.dtype = str(target).replace("torch.", "")
     info.base_model = dict(lm.fingerprint or {})
     info.vectors_fingerprint = dict(vs.fingerprint)
+    if format == "gguf":
+        return _write_gguf(new, lm, out, asdict(info))
     out.mkdir(parents=True, exist_ok=True)
     new.save_pretrained(out)
     lm.tokenizer.save_pretrained(out)
     (out / INFO_FILE).write_text(json.dumps(asdict(info), indent=2) + "\n")
     (out / "README.md").write_text(_card(info, lm.spec))
     return out
+
+
+def _check_out(out: str | Path, format: str, model: nn.Module) -> Path:
+    """The output path, refused when it is taken; for a GGUF file, also the architecture (before any work)."""
+    out = Path(out)
+    if format not in FORMATS:
+        raise AligntaxError(f"Unknown export format '{format}'; use one of {', '.join(FORMATS)}.")
+    if format == "gguf":
+        from aligntax.bundles.gguf import check_model
+
+        if out.suffix != ".gguf":
+            raise AligntaxError(f"A GGUF export is one file: give --out a name ending in .gguf, not {out}.")
+        if out.exists():
+            raise AligntaxError(f"{out} exists; choose a new file for the exported model.")
+        check_model(model)
+        return out
+    if out.exists() and any(out.iterdir()):
+        raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the exported model.")
+    return out
+
+
+def _write_gguf(new: nn.Module, lm, out: Path, info: dict) -> Path:
+    from aligntax.bundles.gguf import write_gguf
+
+    name = f"{lm.spec} + {info['method']}"
+    return write_gguf(new, lm.tokenizer, out, dtype=new.dtype, name=name, info={"format": FORMAT, **info})
 
 
 def _card(info: ExportInfo, spec: str) -> str:
@@ -396,18 +430,17 @@ def export_lora_model(
     out: str | Path,
     scale: float | None = None,
     dtype: str | torch.dtype | None = None,
+    format: str = "hf",
 ) -> Path:
     """Write ``lm`` with the els-lora adapter of ``adapter_dir`` (checked against the model) merged into its
-    weights, at ``scale`` (default 1), as a plain Hugging Face model folder ``out``; returns ``out``.
-    ``dtype``: of the written weights (default: the model's)."""
+    weights, at ``scale`` (default 1), as a plain Hugging Face model folder ``out`` (``format="gguf"``: as
+    the GGUF file ``out``); returns ``out``. ``dtype``: of the written weights (default: the model's)."""
     from aligntax.interventions.lora import ElsLora
     from aligntax.models.loader import resolve_dtype
 
     iv = ElsLora.load(adapter_dir, lm, scale=scale)
     target = resolve_dtype(dtype) if dtype is not None else lm.dtype
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the exported model.")
+    out = _check_out(out, format, lm.model)
     new = merge_lora(lm.model, iv).to(target)
     new.config.dtype = target
     info = {
@@ -426,6 +459,8 @@ def export_lora_model(
             "source": (iv.meta.get("source") or {}).get("path"),
         },
     }
+    if format == "gguf":
+        return _write_gguf(new, lm, out, info)
     out.mkdir(parents=True, exist_ok=True)
     new.save_pretrained(out)
     lm.tokenizer.save_pretrained(out)

@@ -38,13 +38,15 @@ def _options(pairs: list[str] | None) -> dict:
 @bundle_app.command("save")
 def bundle_save(
     source: Path = typer.Argument(
-        ..., help="steering folder: an `aligntax els train` folder, or a vector folder"
+        ...,
+        help="steering folder: an `aligntax els train` folder, an `aligntax els distill` adapter folder, "
+        "or a vector folder",
     ),
     out: Path = typer.Option(..., help="new bundle folder"),
     method: str | None = typer.Option(
         None,
-        help="els (default for a folder with energy.json), refusal-ablation, "
-        "refusal-add, false-refusal-ablation or cast",
+        help="els (default for a folder with energy.json), els-lora (default for a folder with "
+        "els_lora.json), refusal-ablation, refusal-add, false-refusal-ablation or cast",
     ),
     results: list[Path] | None = typer.Option(
         None,
@@ -57,7 +59,7 @@ def bundle_save(
         None,
         "--set",
         help="KEY=VALUE of the setting (e.g. eta=0.35, "
-        "layers=[19], gate=true; layer=20, coeff=1.0); repeatable",
+        "layers=[19], gate=true; scale=0.5 for els-lora; layer=20, coeff=1.0); repeatable",
     ),
     base_model: str | None = typer.Option(None, help="the base model's Hub id, for the card"),
     repo_id: str | None = typer.Option(None, help="the Hub repository the card's loading lines name"),
@@ -121,29 +123,43 @@ def export_command(
     vectors: Path | None = typer.Option(None, help="vector folder (aligntax els train writes DIR/vectors)"),
     steer: Path | None = typer.Option(None, help="els-lora: the adapter folder (aligntax els distill)"),
     lora_scale: float | None = typer.Option(None, help="els-lora: the adapter's scale (default 1)"),
-    out: Path = typer.Option(..., help="new Hugging Face model folder"),
+    out: Path = typer.Option(
+        ..., help="new Hugging Face model folder; with --format gguf, the new .gguf file"
+    ),
+    format: str = typer.Option(
+        "hf",
+        "--format",
+        help="hf: a Hugging Face model folder; gguf: one GGUF file with the tokenizer and chat template "
+        "(llama.cpp, ollama; Qwen2 and Llama models)",
+    ),
     layer: int | None = typer.Option(
         None,
         help="the vector's layer (default: the folder's); addition: also the block whose input receives it",
     ),
     coeff: float = typer.Option(1.0, help="addition: scale of the vector; ablation: must be 1"),
     model: str | None = typer.Option(None, help="model spec (default: the vector folder's model)"),
-    dtype: str = typer.Option("bf16", help="dtype the model is loaded and written in"),
+    dtype: str = typer.Option(
+        "bf16", help="dtype the model is loaded and written in (bf16, fp16 or fp32; GGUF: bf16, f16, f32)"
+    ),
 ) -> None:
     """Write a model with a vector intervention baked into its weights, or the els-lora adapter merged into
-    them (a plain Hugging Face folder)."""
-    from aligntax.bundles.export import canonical_method, export_lora_model, export_model
+    them: a plain Hugging Face folder, or one GGUF file (--format gguf)."""
+    from aligntax.bundles.export import FORMATS, canonical_method, export_lora_model, export_model
     from aligntax.models import load_model
 
     try:
-        from aligntax.cli.options import check_out_folder
+        from aligntax.cli.options import UsageError, check_out_folder
 
+        if format not in FORMATS:
+            raise UsageError(f"--format {format}: use one of {', '.join(FORMATS)}.")
+        check_out = _check_gguf_out if format == "gguf" else check_out_folder
+        dtype = {"f32": "fp32", "f16": "fp16"}.get(dtype, dtype)
         if canonical_method(intervention) == "els-lora":
             if steer is None or vectors is not None:
                 raise AligntaxError(
                     "els-lora is exported from its adapter folder: give --steer DIR (not --vectors)."
                 )
-            check_out_folder(out)
+            check_out(out)
             side = steer / "els_lora.json"
             spec = model or (
                 (json.loads(side.read_text()).get("fingerprint") or {}).get("spec")
@@ -153,14 +169,14 @@ def export_command(
             if not spec:
                 raise AligntaxError("Give --model: the adapter folder names no model.")
             lm = load_model(spec, dtype=dtype, device="cpu")
-            print(export_lora_model(lm, steer, out, scale=lora_scale))
+            print(export_lora_model(lm, steer, out, scale=lora_scale, format=format))
             return
         if vectors is None or steer is not None or lora_scale is not None:
             raise AligntaxError(
                 f"{intervention} is exported from a vector folder: give --vectors DIR "
                 "(--steer and --lora-scale are for els-lora)."
             )
-        check_out_folder(out)
+        check_out(out)
         if not (vectors / "vectors.json").is_file():
             raise AligntaxError(
                 f"--vectors {vectors} holds no vectors.json: not a vector folder "
@@ -174,10 +190,21 @@ def export_command(
         if not spec:
             raise AligntaxError("Give --model: the vector folder names no model.")
         lm = load_model(spec, dtype=dtype, device="cpu")
-        path = export_model(lm, vectors, intervention, out, layer=layer, coeff=coeff)
+        path = export_model(lm, vectors, intervention, out, layer=layer, coeff=coeff, format=format)
     except AligntaxError as exc:
         _fail(exc)
     print(path)
+
+
+def _check_gguf_out(out: Path) -> None:
+    """``--out`` of a GGUF export: a new file whose name ends in .gguf, in a folder (made if missing)."""
+    from aligntax.cli.options import UsageError, check_out_folder
+
+    if out.suffix != ".gguf":
+        raise UsageError(f"--out {out}: a GGUF export is one file; give a name ending in .gguf.")
+    if out.exists():
+        raise UsageError(f"--out {out} exists; choose a new file for the exported model.")
+    check_out_folder(out.parent)
 
 
 def mount(app: typer.Typer) -> None:

@@ -10,8 +10,17 @@ from typing import Annotated
 
 import typer
 
-from aligntax.cli.options import InterventionOpt, check_out_folder, fail, steering_options
-from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    InterventionOpt,
+    ModelOpt,
+    check_dtype,
+    check_out_folder,
+    fail,
+    steering_options,
+    use_device,
+)
 
 
 @steering_options
@@ -23,10 +32,10 @@ def lm_eval_command(
             "--include_path, --apply_chat_template, --log_samples, ..."
         ),
     ] = None,
-    model: Annotated[str, typer.Option("--model", "-m", help="model spec")] = DEFAULT_MODEL,
+    model: ModelOpt = None,
     out: Annotated[Path, typer.Option(help="run folder")] = Path("runs/lm-eval"),
-    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if available)")] = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
     compare: Annotated[
@@ -47,7 +56,7 @@ def lm_eval_command(
     folder = options.pop("path", None)
     config = LmEvalConfig(
         model=model,
-        dtype=dtype,
+        dtype=dtype or "bf16",
         device=device,
         intervention=intervention,
         steer=folder if intervention == "els" else None,
@@ -60,6 +69,8 @@ def lm_eval_command(
         if not config.lm_eval_args:
             raise UsageError("give lm-eval's arguments after '--', e.g. -- --tasks arc_easy")
         check_out_folder(out)
+        check_dtype(dtype)
+        use_device(device)
         require_lm_eval()
         run_lm_eval(config, out)
     except AligntaxError as exc:

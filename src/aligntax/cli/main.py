@@ -16,8 +16,14 @@ from rich.table import Table
 from aligntax import __version__
 from aligntax.cli.options import (
     AligntaxGroup,
+    DeviceOpt,
+    DtypeOpt,
     InterventionOpt,
+    ModelOpt,
+    ProgressOpt,
+    ProgressOrConfigOpt,
     check_datasets,
+    check_dtype,
     check_intervention,
     check_judge,
     check_layers,
@@ -27,8 +33,10 @@ from aligntax.cli.options import (
     deprecated,
     ensure_datasets,
     grid_options,
+    resolve_model,
     set_debug,
     steering_options,
+    use_device,
 )
 from aligntax.cli.options import fail as _fail
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
@@ -52,7 +60,6 @@ console = Console(stderr=True)
 # Generation options shared by eval, generate, knowns and the demo; their defaults are
 # aligntax.defaults (48 new tokens, greedy), shown in every --help.
 TEMPERATURE_HELP = "0: greedy (the same answers every run); above 0: sample at this temperature"
-ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
 
 
 def _version(value: bool) -> None:
@@ -254,7 +261,7 @@ def data_mirror(
 @steering_options
 def generate(
     prompt: list[str] = typer.Argument(None, help="prompts; or use --in"),
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: ModelOpt = None,
     in_file: Path | None = typer.Option(None, "--in", help="prompts: a file or dataset name"),
     out: Path | None = typer.Option(None, help="write JSONL to this file instead of stdout"),
     system: str | None = typer.Option(None, help="system prompt"),
@@ -264,7 +271,8 @@ def generate(
     sample: bool = typer.Option(False, "--sample", hidden=True),
     top_p: float = typer.Option(1.0, help="nucleus sampling (with a temperature above 0)"),
     seed: int | None = typer.Option(None, help="seed of the sampling"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     limit: int | None = typer.Option(None, help="with --in: the first N prompts"),
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
@@ -278,6 +286,8 @@ def generate(
 
     try:
         check_out_file(out)
+        check_dtype(dtype)
+        use_device(device)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
         check_range(top_p, "probability", "--top-p")
@@ -292,7 +302,7 @@ def generate(
 
             check_datasets([str(in_file)], "--in")
             ensure_datasets([str(in_file)], progress, "generate")
-            items = load_prompts(str(in_file), limit=limit)
+            items = load_prompts(str(in_file), limit=limit, default_label="benign")  # labels unused
             prompts += [it.prompt for it in items]
             ids += [it.id for it in items]
         if not prompts:
@@ -309,7 +319,7 @@ def generate(
     except AligntaxError as exc:
         _fail(exc)
     name = intervention if intervention != "none" else None
-    with source.open(SourceSpec(model, dtype, name, dict(iv_args or {}), batch_size)) as gen:
+    with source.open(SourceSpec(model, dtype or "bf16", name, dict(iv_args or {}), batch_size)) as gen:
         gens: list = [None] * len(prompts)
         for idx, batch in gen.iter_generate(prompts, cfg, progress=progress):
             for i, g in zip(idx, batch, strict=True):
@@ -345,10 +355,11 @@ def _make_iv(lm, intervention: str | None, iv_args: dict | None):
 @app.command()
 @steering_options
 def chat(
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: ModelOpt = None,
     system: str | None = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(256, help="tokens per reply at most (a chat answers at length)"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
 ) -> None:
@@ -358,7 +369,9 @@ def chat(
     from aligntax.models import load_model
 
     try:
-        lm = load_model(model, dtype=dtype)
+        check_dtype(dtype)
+        use_device(device)
+        lm = load_model(model, dtype=dtype or "bf16")
         iv = _make_iv(lm, intervention, iv_args)
     except AligntaxError as exc:
         _fail(exc)
@@ -437,7 +450,7 @@ def _ray_config(address: str | None, workers: int | None, cpus: float, gpus: flo
 def eval_cmd(
     data: list[str] = typer.Option(None, "--data", help="file or dataset name; repeatable"),
     out: Path | None = typer.Option(None, help="run folder (required, here or in --config; a rerun resumes)"),
-    model: str | None = typer.Option(None, help="model spec", show_default=DEFAULT_MODEL),
+    model: ModelOpt = None,
     config: Path | None = typer.Option(None, help="YAML config; flags override it"),
     judge_name: str | None = typer.Option(
         None, "--judge", help="keyword, prefix, classifier, llm", show_default="classifier"
@@ -448,7 +461,8 @@ def eval_cmd(
     ),
     limit: int | None = typer.Option(None, help="first N items of each dataset"),
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
-    dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     sample: bool | None = typer.Option(None, "--sample", hidden=True),
     temperature: float | None = typer.Option(
         None, help=TEMPERATURE_HELP, show_default=str(DEFAULT_TEMPERATURE)
@@ -469,10 +483,7 @@ def eval_cmd(
         help="an earlier run folder over the same prompts (default: --reuse-unsteered): the paired change "
         "against it per dataset (turned compliant/refusing, exact McNemar p)",
     ),
-    progress: Annotated[
-        bool | None,
-        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
-    ] = None,
+    progress: ProgressOrConfigOpt = None,
     ray: RayOpt = None,
     workers: WorkersOpt = None,
     worker_cpus: WorkerCpusOpt = 1.0,
@@ -515,6 +526,12 @@ def eval_cmd(
             device_map=device_map,
             backend=backend,
         )
+        if config is not None:  # the model may come from the file: resolved with the merged settings
+            from aligntax.runs.provenance import intervention_folder
+
+            given = model or ("model" in _yaml_keys(config) and cfg.model) or None
+            cfg.model = resolve_model(given, intervention_folder(cfg.intervention_args))
+        use_device(device)
         _check_eval(cfg)
         ensure_datasets(cfg.data, cfg.progress is not False, "eval")
         source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
@@ -552,6 +569,7 @@ def _check_eval(cfg) -> None:
         check_range(cfg.limit, "count", "--limit")
     check_range(cfg.temperature, "nonnegative", "--temperature")
     check_range(cfg.top_p, "probability", "--top-p")
+    check_dtype(cfg.dtype)
     for flag, folder in (("--reuse-unsteered", cfg.reuse_unsteered), ("--compare-to", cfg.compare_to)):
         if folder and not Path(folder).is_dir():
             raise UsageError(f"{flag} {folder}: no such run folder.")
@@ -634,9 +652,13 @@ def rejudge(
 @app.command()
 def fluency(
     run: Path = typer.Argument(..., help="an evaluation run folder"),
-    model: str | None = typer.Option(None, help="reference model (default: the run's model, unsteered)"),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="reference model spec (default: the run's model, unsteered)"
+    ),
     source: list[str] = typer.Option(None, help="only these datasets"),
     label: str | None = typer.Option("benign", help="only items with this label ('' for all)"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
     """Perplexity of a run's responses under the unsteered reference model; writes RUN/fluency.json."""
@@ -657,7 +679,9 @@ def fluency(
         ]
         if not rows:
             raise AligntaxError(f"No responses to score in {run}")
-        lm = load_model(model or cfg["model"], dtype=cfg.get("dtype", "bf16"))
+        check_dtype(dtype)
+        use_device(device)
+        lm = load_model(model or cfg["model"], dtype=dtype or cfg.get("dtype", "bf16"))
         res = {
             "reference_model": model or cfg["model"],
             "label": label or None,
@@ -682,12 +706,13 @@ def _check_builtin_or_file(data: str, named: tuple[str, ...] = ()) -> None:
 @steering_options
 def mc_cmd(
     out: Path = typer.Option(..., help="output folder (results.json, samples.jsonl)"),
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: ModelOpt = None,
     data: str = typer.Option("builtin", help="'builtin' (137 general questions) or a JSONL/JSON/CSV file"),
     limit: int | None = typer.Option(None, help="first N questions"),
     system: str | None = typer.Option(None, help="system prompt"),
     batch_size: int = typer.Option(16, help="prompts per batch"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
     progress: ProgressOpt = True,
@@ -699,6 +724,8 @@ def mc_cmd(
     try:
         check_out_folder(out)
         check_range(batch_size, "positive_count", "--batch-size")
+        check_dtype(dtype)
+        use_device(device)
         _check_builtin_or_file(data)
         cfg = MCConfig(
             out=str(out),
@@ -707,7 +734,7 @@ def mc_cmd(
             limit=limit,
             system=system,
             batch_size=batch_size,
-            dtype=dtype,
+            dtype=dtype or "bf16",
             intervention=intervention,
             intervention_args=iv_args,
             progress=progress,
@@ -729,7 +756,7 @@ def knowns_cmd(
     out: Path = typer.Option(
         ..., help="output folder (samples.jsonl, results.json, report.md); a rerun resumes"
     ),
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: ModelOpt = None,
     data: str = typer.Option(
         "builtin",
         help="'builtin' (360 everyday questions), 'gsm8k-test' / 'gsm8k-val' (maths word problems, the "
@@ -743,7 +770,8 @@ def knowns_cmd(
     system: str | None = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per question at most"),
     batch_size: int = typer.Option(32, help="prompts per batch"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
     progress: ProgressOpt = True,
@@ -756,6 +784,8 @@ def knowns_cmd(
         check_out_folder(out)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
+        check_dtype(dtype)
+        use_device(device)
         from aligntax.metrics.knowns import GSM8K_SETS
 
         _check_builtin_or_file(data, tuple(GSM8K_SETS))
@@ -769,7 +799,7 @@ def knowns_cmd(
             limit=limit,
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
-            dtype=dtype,
+            dtype=dtype or "bf16",
             system=system,
             intervention=intervention,
             intervention_args=iv_args,
@@ -813,7 +843,14 @@ def _split_list(values: list[str] | None) -> list | None:
 @els_app.command("train")
 def els_train(
     out: Path = typer.Option(..., help="output folder (energy models, vectors, report)"),
-    model: str | None = typer.Option(None),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="model spec: a Hugging Face Hub id (Qwen/Qwen2.5-7B-Instruct), a model folder, a .gguf file "
+        "or embedded:NAME; recorded in the folder, which every command that takes it then uses",
+        show_default=DEFAULT_MODEL,
+    ),
     config: Path | None = typer.Option(None, help="YAML config"),
     benign: list[str] = typer.Option(None, help="over-refusal prompts (default orbench-hard-train)"),
     harmful: list[str] = typer.Option(None, help="harmful prompts (default harmful-train)"),
@@ -835,7 +872,8 @@ def els_train(
         None, help="tokens generated per prompt for the labels", show_default=str(DEFAULT_MAX_NEW_TOKENS)
     ),
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
-    dtype: str | None = typer.Option(None, help="bf16 or fp32", show_default="bf16"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     train_gate: bool | None = typer.Option(
         None, "--train-gate/--no-train-gate", help="also train the harm gate", show_default="train-gate"
     ),
@@ -880,15 +918,12 @@ def els_train(
     workers: WorkersOpt = None,
     worker_cpus: WorkerCpusOpt = 1.0,
     worker_gpus: WorkerGpusOpt = None,
-    progress: Annotated[
-        bool | None,
-        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
-    ] = None,
+    progress: ProgressOrConfigOpt = None,
 ) -> None:
     """Label the model's behaviour, capture activations, train one energy model per layer (with --ray, the
     label generation and the states recorded during it run on replicas of the model over Ray)."""
     from aligntax.config import load_config
-    from aligntax.runs.els import ELSTrainConfig, train_els
+    from aligntax.runs.els_train import ELSTrainConfig, train_els
 
     try:
         if gate is not None:
@@ -931,6 +966,8 @@ def els_train(
             cfg.gate_recall = None if value == "none" else value
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
+        check_dtype(cfg.dtype)
+        use_device(device)
         check_range(cfg.layers, "count", "--layers")
         check_layers(cfg.model, cfg.layers)
         check_datasets(
@@ -978,7 +1015,9 @@ def els_distill(
         ..., help="folder written by `aligntax els train` (its tuned ELS setting is distilled)"
     ),
     out: Path = typer.Option(..., help="new adapter folder (peft adapter + els_lora.json)"),
-    model: str | None = typer.Option(None, help="model spec (default: the ELS folder's)"),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="model spec (default: the model the ELS folder was trained on)"
+    ),
     config: Path | None = typer.Option(None, help="YAML config"),
     layers: str | None = typer.Option(
         None,
@@ -1034,14 +1073,15 @@ def els_distill(
     answer_tokens: int | None = typer.Option(
         None, help="steered answer tokens when the ELS setting has no horizon (default 16)"
     ),
-    dtype: str | None = typer.Option(None),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     seed: int | None = typer.Option(None),
     els_set: list[str] | None = typer.Option(
         None,
         "--els-set",
         help="KEY=VALUE of the ELS setting distilled, over the folder's tuned one (e.g. eta=0.3)",
     ),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    progress: ProgressOpt = True,
 ) -> None:
     """Distil the folder's ELS steering into a LoRA adapter (intervention els-lora): teacher-forced MSE on the
     state leaving the last steered block, ELS-steered on benign prompts, unsteered on harmful ones."""
@@ -1063,6 +1103,10 @@ def els_distill(
                     f"--els-set takes KEY=VALUE with KEY one of {', '.join(specs)}; got {pair!r}."
                 )
             els[key] = parse_value(value, specs[key].parse, f"--els-set {key}")
+        check_dtype(dtype)
+        use_device(device)
+        if model is not None:
+            resolve_model(model, steer)  # a model the folder was not trained on: one line, before loading
         cfg = load_config(
             DistillConfig,
             config,
@@ -1095,6 +1139,9 @@ def els_distill(
             els=els or None,
             progress=progress,
         )
+        ensure_datasets(
+            [*(cfg.pairs or []), *(r for r in cfg.retain if r != "harmless")], progress, "els distill"
+        )
         meta = distill_els_lora(cfg)
     except AligntaxError as exc:
         _fail(exc)
@@ -1117,16 +1164,20 @@ def els_harm_basis(
     ),
     k: int | None = typer.Option(None, help="directions saved per layer (default 8)"),
     batch_size: int | None = typer.Option(None),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    progress: ProgressOpt = True,
 ) -> None:
     """Compute the harm basis (harm_basis.safetensors) of a folder trained before it was part of training:
     what ELS steps are projected off with --harm-orth K."""
-    from aligntax.runs.els import harm_basis_for_folder
+    from aligntax.runs.els_train import harm_basis_for_folder
 
     check_intervention("els", {"path": str(steer)})
     try:
+        check_dtype(dtype)
+        use_device(device)
         basis = harm_basis_for_folder(
-            steer, pairs=_split_list(pairs), k=k, batch_size=batch_size, progress=progress
+            steer, pairs=_split_list(pairs), k=k, batch_size=batch_size, progress=progress, dtype=dtype
         )
     except AligntaxError as exc:
         _fail(exc)
@@ -1136,7 +1187,9 @@ def els_harm_basis(
 @els_app.command("row-strength")
 def els_row_strength(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train` (with its harm basis)"),
-    model: str | None = typer.Option(None),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="model spec (default: the model the ELS folder was trained on)"
+    ),
     layers: str | None = typer.Option(None, help="steered layers (default: the folder's tuned setting)"),
     eta: float | None = typer.Option(None),
     steps: int | None = typer.Option(None),
@@ -1151,14 +1204,21 @@ def els_row_strength(
     ),
     judge_name: str | None = typer.Option(None, "--judge"),
     batch_size: int | None = typer.Option(None),
-    dtype: str | None = typer.Option(None),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    progress: ProgressOpt = True,
 ) -> None:
     """Fit the learned per-row ELS strength (row_strength.safetensors) to the outcome of steering the
     folder's over-refused benign and harmful training prompts; used with --row-strength on."""
     from aligntax.config import load_config
     from aligntax.runs.strength import StrengthConfig, fit_strength
 
+    try:
+        model = resolve_model(model, steer) if steer.is_dir() else model
+        check_dtype(dtype)
+        use_device(device)
+    except AligntaxError as exc:
+        _fail(exc)
     check_intervention(
         "els", {"path": str(steer), "layers": [int(x) for x in layers.split(",")] if layers else None}, model
     )
@@ -1194,7 +1254,9 @@ def els_row_strength(
 def els_sweep(
     steer: Path = typer.Option(..., help="folder written by `aligntax els train`"),
     out: Path | None = typer.Option(None, help="default STEER/sweep"),
-    model: str | None = typer.Option(None),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="model spec (default: the model the ELS folder was trained on)"
+    ),
     config: Path | None = typer.Option(None),
     benign: list[str] = typer.Option(
         None, help="validation benign sets (default orbench-hard-val, phtest-harmless-val)"
@@ -1243,7 +1305,8 @@ def els_sweep(
         None, help="settings scored on every prompt after the first round (default 2)"
     ),
     judge_name: str | None = typer.Option(None, "--judge"),
-    dtype: str | None = typer.Option(None),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     ray: RayOpt = None,
     workers: WorkersOpt = None,
     worker_cpus: WorkerCpusOpt = 1.0,
@@ -1255,14 +1318,11 @@ def els_sweep(
         help="hf, or vllm: the settings' answers from a vLLM engine (./run setup-vllm)",
         show_default="hf",
     ),
-    progress: Annotated[
-        bool | None,
-        typer.Option("--progress/--no-progress", help="show progress bars", show_default="progress"),
-    ] = None,
+    progress: ProgressOrConfigOpt = None,
 ) -> None:
     """Grid over steering strength on validation data, with a compliance-vs-safety Pareto plot."""
     from aligntax.config import load_config
-    from aligntax.runs.els import SweepConfig, run_sweep
+    from aligntax.runs.els_sweep import SweepConfig, run_sweep
     from aligntax.runs.sources import generation_source
 
     try:
@@ -1301,6 +1361,9 @@ def els_sweep(
             cfg.knowns = None if knowns.strip().lower() == "none" else knowns
         source = generation_source(cfg.backend, _ray_config(ray, workers, worker_cpus, worker_gpus))
         check_intervention("els", {"path": cfg.steer})
+        cfg.model = resolve_model(cfg.model, cfg.steer)
+        check_dtype(cfg.dtype)
+        use_device(device)
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
         check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], "a dataset")
@@ -1329,13 +1392,20 @@ def demo(
         "sweep setting on every validation prompt, every baseline on "
         "the test sets (about 2.5 times as long)",
     ),
-    model: str = typer.Option(DEFAULT_MODEL, help="model spec"),
+    model: str = typer.Option(
+        DEFAULT_MODEL,
+        "--model",
+        "-m",
+        help="model spec: a Hugging Face Hub id (Qwen/Qwen2.5-7B-Instruct), a model folder, a .gguf file or "
+        "embedded:NAME",
+    ),
     limit: int | None = typer.Option(None, help="first N items of each test set"),
     max_new_tokens: int = typer.Option(
         DEFAULT_MAX_NEW_TOKENS, help="tokens generated per test prompt at most"
     ),
     judge_name: str = typer.Option("classifier", "--judge", help="keyword, prefix, classifier, llm"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp32"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     batch_size: int = typer.Option(96, help="prompts per batch (vLLM: the engine's sequence slots)"),
     backend: str = typer.Option(
         "hf",
@@ -1361,6 +1431,8 @@ def demo(
         source = generation_source(backend)
         check_out_folder(out)
         check_judge(judge_name)
+        check_dtype(dtype)
+        use_device(device)
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
         picked = (

@@ -49,7 +49,14 @@ __all__ = [
     "check_port",
     "check_range",
     "deprecated",
+    "DeviceOpt",
+    "DtypeOpt",
     "ensure_datasets",
+    "ModelOpt",
+    "ProgressOpt",
+    "ProgressOrConfigOpt",
+    "resolve_model",
+    "use_device",
     "fail",
     "grid_options",
     "model_num_layers",
@@ -131,7 +138,8 @@ def check_port(port: int | None, flag: str = "--port") -> None:
 
 
 def check_out_folder(out: str | Path | None, flag: str = "--out") -> None:
-    """``--out`` names a run folder: refused when it is an existing file (or inside one)."""
+    """``--out`` names a run folder: refused when it is an existing file (or inside one), or when it
+    (or the folder it would be made in) cannot be written: a read-only file system, no permission."""
     if out is None:
         return
     path = Path(out).expanduser()
@@ -142,6 +150,9 @@ def check_out_folder(out: str | Path | None, flag: str = "--out") -> None:
             if not parent.is_dir():
                 raise UsageError(f"{flag} {out}: {parent} is a file, not a folder.")
             break
+    from aligntax.runfolder import check_writable
+
+    check_writable(path, flag)
 
 
 def check_out_file(out: str | Path | None, flag: str = "--out") -> None:
@@ -271,11 +282,11 @@ def _hub_config(repo: str) -> Path | None:
         ) from exc
 
 
-def model_num_layers(spec: str | None) -> int | None:
-    """The number of decoder blocks of model ``spec`` without loading weights: from the ``config.json``
-    of a model folder, of the embedded model (cached), of a Hub model (cached, else that file alone is
-    downloaded), or from a .gguf file's metadata. None when no config is at hand (offline, not cached).
-    A bad spec raises its usage error."""
+def _model_config(spec: str | None) -> dict | None:
+    """The ``config.json`` of model ``spec`` without loading weights (its text config for a multimodal
+    model): of a model folder, of the embedded model (cached), of a Hub model (cached, else that file
+    alone is downloaded); a .gguf file's block count as ``num_hidden_layers``. None when no config is at
+    hand (offline, not cached). A bad spec raises its usage error."""
     from aligntax.models.embedded import converted_dir
     from aligntax.models.spec import DEFAULT_MODEL, parse_spec
 
@@ -286,15 +297,149 @@ def model_num_layers(spec: str | None) -> int | None:
     elif ms.kind == "dir":
         path = Path(ms.value) / "config.json"
     elif ms.kind == "gguf":
-        return gguf_num_layers(ms.value)
+        n = gguf_num_layers(ms.value)
+        return None if n is None else {"num_hidden_layers": n}
     elif ms.kind == "hub":
         path = _hub_config(ms.value)
     if path is None or not path.is_file():
         return None
     try:
-        return _config_layers(json.loads(path.read_text()))
+        cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(cfg, dict):
+        return None
+    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def model_num_layers(spec: str | None) -> int | None:
+    """The number of decoder blocks of model ``spec`` without loading weights (:func:`_model_config`);
+    None when no config is at hand. A bad spec raises its usage error."""
+    cfg = _model_config(spec)
+    return None if cfg is None else _config_layers(cfg)
+
+
+def model_facts(spec: str | None) -> dict:
+    """What the config of model ``spec`` says of the fingerprint keys an artefact is checked by
+    (``model_type``, ``num_layers``, ``hidden_size``), without loading weights; {} when unknown."""
+    cfg = _model_config(spec) or {}
+    facts = {
+        "model_type": cfg.get("model_type"),
+        "num_layers": _config_layers(cfg),
+        "hidden_size": next(
+            (cfg[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(cfg.get(k), int)), None
+        ),
+    }
+    return {k: v for k, v in facts.items() if v is not None}
+
+
+MODEL_HELP = (
+    "model spec: a Hub id (Qwen/Qwen2.5-7B-Instruct), a model folder, a .gguf file or embedded:NAME "
+    "(default: the model the --steer/--vectors folder was made for, else embedded:qwen2.5-coder-0.5b-instruct)"
+)
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)]
+DtypeOpt = Annotated[
+    str | None, typer.Option("--dtype", help="bf16, fp16 or fp32: the weights' dtype", show_default="bf16")
+]
+DEVICE_ENV = "ALIGNTAX_DEVICE"
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help=f"cpu, cuda, cuda:N or mps: where the model runs (default: {DEVICE_ENV}, else cuda when "
+        "available, else cpu)",
+    ),
+]
+
+
+def _progress_switch(value: bool | None) -> bool | None:
+    """``--no-progress`` also silences the bars of the libraries a command loads models and data with
+    (transformers' "Loading weights", the Hugging Face Hub's downloads), for the whole process."""
+    if value is False:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    return value
+
+
+ProgressOpt = Annotated[
+    bool, typer.Option("--progress/--no-progress", help="show progress bars", callback=_progress_switch)
+]
+# the same, for a command whose settings may come from a YAML config (None: the config's, else on)
+ProgressOrConfigOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--progress/--no-progress",
+        help="show progress bars",
+        show_default="progress",
+        callback=_progress_switch,
+    ),
+]
+
+
+def check_dtype(dtype: str | None, flag: str = "--dtype") -> None:
+    if dtype is None:
+        return
+    from aligntax.models.loader import DTYPES
+
+    if str(dtype).lower() not in DTYPES:
+        raise UsageError(f"{flag} {dtype}: use one of {', '.join(sorted(DTYPES))}.")
+
+
+def use_device(device: str | None) -> None:
+    """``--device``: checked, then the device every model of this process loads on (``ALIGNTAX_DEVICE``,
+    read by :func:`aligntax.models.loader.load_model`; Ray replicas and subprocesses inherit it)."""
+    if device is None:
+        return
+    import re
+
+    text = device.strip().lower()
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", text):
+        raise UsageError(f"--device {device}: use cpu, cuda, cuda:N or mps.")
+    if text.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(
+                f"--device {device}: torch {torch.__version__} here has no CUDA device (a CPU build, or no "
+                "GPU): install the CUDA build with `./run setup --cuda`, or use --device cpu."
+            )
+        index = int(text.split(":", 1)[1]) if ":" in text else 0
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices.")
+    if text == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise UsageError("--device mps: no Apple GPU (MPS) here.")
+    os.environ[DEVICE_ENV] = text
+
+
+def resolve_model(model: str | None, folder: str | Path | None, flag: str = "--model") -> str:
+    """The model a command runs: ``model`` when given, else the one the artefact ``folder`` (ELS, els-lora
+    adapter, vectors) was made for, else the default model. A given model whose config (read without
+    loading weights) differs from the folder's fingerprint in architecture, depth or width is a usage
+    error naming both; one of the same shape is checked against the weights' digest when it loads."""
+    from aligntax.artefacts import folder_model
+    from aligntax.models.spec import DEFAULT_MODEL
+
+    spec, fp = folder_model(folder)
+    if model is None:
+        return spec or DEFAULT_MODEL
+    if not fp or model == spec:
+        return model
+    facts = model_facts(model)
+    diffs = [
+        k for k in ("model_type", "num_layers", "hidden_size") if k in fp and k in facts and fp[k] != facts[k]
+    ]
+    if diffs:
+        have = ", ".join(f"{k} {facts[k]}" for k in diffs)
+        want = ", ".join(f"{k} {fp[k]}" for k in diffs)
+        raise UsageError(
+            f"{flag} {model} ({have}) is not the model {folder} was made for ({spec or 'unnamed'}: {want}); "
+            f"leave {flag} out to use that model, or give a folder made for {model}."
+        )
+    return model
 
 
 def check_layers(model: str | None, layers: list | None, flag: str = "--layers") -> None:
@@ -440,6 +585,12 @@ def steering_options(fn=None, *, methods: Mapping[str, Method] | None = None):
         name = _iv_name(kwargs.get("intervention"), given.get("iv_steer"))
         try:
             iv_args = {**selected, **intervention_args(name, given, methods)}
+            # the folder's model unless --model says otherwise (a command reading a YAML config, whose
+            # model may come from the file, resolves it with the merged settings itself)
+            if "model" in kwargs and kwargs.get("config") is None:
+                from aligntax.runs.provenance import intervention_folder
+
+                kwargs["model"] = resolve_model(kwargs["model"], intervention_folder(iv_args))
             # a command reading a YAML config checks --layers against its merged settings itself
             check_intervention(
                 name, iv_args, kwargs.get("model"), layers=kwargs.get("config") is None, methods=methods

@@ -9,16 +9,22 @@ from typing import Annotated
 
 import typer
 
-from aligntax.cli.options import InterventionOpt, check_port, fail, steering_options
-from aligntax.models.spec import DEFAULT_MODEL
+from aligntax.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    InterventionOpt,
+    ModelOpt,
+    check_dtype,
+    check_port,
+    fail,
+    steering_options,
+    use_device,
+)
 
 
 @steering_options
 def serve_command(
-    model: Annotated[
-        str,
-        typer.Option("--model", "-m", help="Model spec: embedded:NAME, Hub id, model folder or .gguf file."),
-    ] = DEFAULT_MODEL,
+    model: ModelOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
@@ -27,7 +33,7 @@ def serve_command(
         str | None,
         typer.Option(envvar="ALIGNTAX_API_KEY", help="Require this bearer key (Authorization: Bearer KEY)."),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
+    dtype: DtypeOpt = None,
     max_batch_size: Annotated[int, typer.Option(min=1, help="Most requests generated together.")] = 32,
     batch_wait_ms: Annotated[
         float, typer.Option(min=0, help="A batch waits for more requests until none has come for this long.")
@@ -44,7 +50,7 @@ def serve_command(
     default_max_tokens: Annotated[
         int, typer.Option(min=1, help="max_tokens when a request sets none.")
     ] = 512,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if available).")] = None,
+    device: DeviceOpt = None,
     threads: Annotated[
         int | None,
         typer.Option(
@@ -129,11 +135,14 @@ def serve_command(
     try:  # everything that can be checked before loading the model
         check_port(port)
         check_bind(host, api_key, insecure)
+        check_dtype(dtype)
         source = generation_source(backend)  # another generation engine behind the same app (docs/vllm.md)
         source.check_serving(device=device, max_latency_ms=max_latency_ms)
+        if backend == "hf":
+            use_device(device)
     except AligntaxError as exc:
         fail(exc)
-    spec = SourceSpec(model, dtype, intervention, dict(iv_args or {}), max_batch_size)
+    spec = SourceSpec(model, dtype or "bf16", intervention, dict(iv_args or {}), max_batch_size)
     with ExitStack() as stack:
         try:
             served = stack.enter_context(source.serving(spec, device=device, threads=threads))

@@ -10,7 +10,17 @@ from typing import Annotated
 
 import typer
 
-from aligntax.cli.options import deprecated, fail, steering_options
+from aligntax.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    ProgressOpt,
+    check_dtype,
+    deprecated,
+    fail,
+    steering_options,
+    use_device,
+)
 from aligntax.errors import AligntaxError
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.vat.methods import REGISTRY
@@ -77,7 +87,7 @@ def _default_intervention(iv_args: dict, post_model: str | None) -> str:
 @steering_options(methods=REGISTRY)
 def run(
     target: str = typer.Option(..., "--target", "-t", help="target value (any of the 10, e.g. Benevolence)"),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="model spec"),
+    model: ModelOpt = None,
     data: str = typer.Option(
         "builtin", "--data", "-d", help="builtin | value-action-lens | Hub id | .jsonl/.json/.csv file"
     ),
@@ -115,7 +125,8 @@ def run(
         help="only these desirability strata, comma-separated: congruent, incongruent, neutral, unlabelled",
     ),
     out: Path | None = typer.Option(None, "--out", "-o", help="output folder (rerun to resume)"),
-    dtype: str = typer.Option("bf16", help="bf16 | fp32 | fp16"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     batch_size: int = typer.Option(16, help="prompts per forward pass"),
     train_fraction: float = typer.Option(
         0.2, help="share of scenes held out for few-shot/steer/lora/dpo data"
@@ -145,7 +156,7 @@ def run(
     worker_gpus: float | None = typer.Option(
         None, help="--ray: GPUs per replica (default 1 when the cluster has GPUs, else 0)"
     ),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    progress: ProgressOpt = True,
 ) -> None:
     """Judge the items before and after an intervention and write items.jsonl, results.json, report.md.
     The intervention's options are those of every steering command (--steer, --vectors, --layers, ...)
@@ -160,6 +171,9 @@ def run(
 
     iv_args = dict(iv_args or {})
     try:
+        check_dtype(dtype)
+        use_device(device)
+        dtype = dtype or "bf16"
         if intervention is None:
             intervention = _default_intervention(iv_args, post_model)
             check_intervention(intervention, iv_args, model, methods=REGISTRY)
@@ -359,7 +373,7 @@ def matrix_cmd(
     runs: list[Path] = typer.Option([], "--from", help="build the matrix from ten finished runs instead"),
     intervention: str = typer.Option("fewshot-8", "--intervention", "-i", help="as for `vat run`"),
     iv_args: dict | None = None,
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    model: ModelOpt = None,
     post_model: str | None = typer.Option(None, help="judge 'post' with this model"),
     data: str = typer.Option("builtin", "--data", "-d"),
     limit_per_value: int | None = typer.Option(None, help="evaluate at most N items per value"),
@@ -369,7 +383,8 @@ def matrix_cmd(
     ),
     per_scene_value: int = typer.Option(2, help="--sample-by scene: items of each value per scene"),
     strata: str | None = typer.Option(None, help="only these desirability strata (comma-separated)"),
-    dtype: str = typer.Option("bf16"),
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     batch_size: int = typer.Option(16),
     train_fraction: float = typer.Option(0.2),
     bootstrap: int = typer.Option(500),
@@ -382,9 +397,14 @@ def matrix_cmd(
     """The intervention aimed at each of the ten values: the 10 x 10 shift matrix, double-centred, with a
     permutation test of its diagonal and a Mantel test against distance on the Schwartz circle. The
     intervention's options are those of `vat run`."""
+    from aligntax.cli.options import check_out_folder
     from aligntax.vat.matrix import matrix_from_runs, run_matrix, write_matrix
 
     try:
+        check_dtype(dtype)
+        use_device(device)
+        dtype = dtype or "bf16"
+        check_out_folder(out)
         if runs:
             res = write_matrix(matrix_from_runs(runs), out, n_perm=matrix_permutations, seed=seed)
         else:
@@ -478,9 +498,11 @@ def sweep_cmd(
 ) -> None:
     """Models x interventions x targets, one resumable run folder per cell, and a summary table
     (summary.md, summary.csv, summary.json). Rerun the same command to resume; flags override the YAML."""
+    from aligntax.cli.options import check_out_folder
     from aligntax.vat.sweep import SweepSpec, run_sweep
 
     try:
+        check_out_folder(out)
         d: dict = {}
         if config is not None:
             import yaml

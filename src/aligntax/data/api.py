@@ -20,6 +20,7 @@ def load_prompts(
     limit: int | None = None,
     label: str | None = None,
     fmt: str | None = None,
+    default_label: str | None = None,
 ) -> list[PromptItem]:
     """Load prompts from ``spec``, tried in this order:
 
@@ -33,9 +34,12 @@ def load_prompts(
     ``label`` column, text files, Hub datasets); where the source labels its rows, only rows with
     this label are kept (``load_prompts("xstest", label="benign")`` = xstest-safe), and a source
     without any such row is an error. ``limit`` keeps the first ``limit`` rows, in file order,
-    after that filter. Problems raise :class:`aligntax.errors.DataError`.
+    after that filter. ``default_label``: the label of a file's rows that carry none, with nothing
+    filtered (for a caller that does not use labels, such as generation). Problems raise
+    :class:`aligntax.errors.DataError`.
     """
     want = label_argument(label)
+    fill = want or label_argument(default_label)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise DataError(f"limit must be a whole number >= 0, got {limit!r}")
     text = str(spec).strip()
@@ -50,7 +54,7 @@ def load_prompts(
             raise DataError(f"{text!r} is a named dataset; its format is fixed, so leave fmt unset")
         items = load_named(text)
     elif Path(text).expanduser().exists():
-        items = load_file(Path(text).expanduser(), fmt, want)
+        items = load_file(Path(text).expanduser(), fmt, fill)
     elif fmt_key is None and looks_like_hub_id(text):
         items = load_hub(text, label=want)
     else:

@@ -34,6 +34,9 @@ class DatasetSpec:
     parts: tuple[str, ...] = ()
     # keep the rows whose id hashes to ``k`` of ``n`` (:func:`in_subset`): a fixed split of a file that has none
     subset: tuple[int, int] | None = None
+    # a training set made from another named dataset (``path`` and ``fmt`` unused): its first ``rows`` items,
+    # each inside a jailbreak wrapper (:mod:`aligntax.data.wrappers`)
+    wraps: str | None = None
 
 
 def in_subset(item_id: str, subset: tuple[int, int] | None) -> bool:
@@ -382,6 +385,27 @@ DATASETS: dict[str, DatasetSpec] = {
                 subset=(k, 2),
             )
             for part, k, rows, what in [("val", 0, 171, "validation"), ("test", 1, 153, "test")]
+        ),
+        # jailbreak framings around training requests (aligntax.data.wrappers), for what learns the harm
+        # distinction: a harmful request stays harmful inside a wrapper, a benign one stays benign
+        DatasetSpec(
+            "wrapped-harmful-train",
+            "",
+            "",
+            "wrapped-harmful-train",
+            260,
+            "harmful train split (Arditi et al.) inside jailbreak wrappers (story, persona, no warnings, forced "
+            "opening, ...), written for aligntax: 260 harmful",
+            wraps="harmful-train",
+        ),
+        DatasetSpec(
+            "wrapped-benign-train",
+            "",
+            "",
+            "wrapped-benign-train",
+            600,
+            "the first 600 harmless train instructions (Alpaca) inside the same jailbreak wrappers: 600 benign",
+            wraps="harmless-train",
         ),
         _spec(
             "gsm8k-train",

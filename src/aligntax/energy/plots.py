@@ -55,6 +55,8 @@ def plot_energy_histograms(
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from aligntax.runfolder import save_figure
+
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path

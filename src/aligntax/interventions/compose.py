@@ -30,7 +30,7 @@ from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached
 from aligntax.interventions.base import Intervention, SteerContext
 from aligntax.interventions.els import ElsOptions, EnergySteering
-from aligntax.interventions.kernels import RowKernel, Site, attach_kernel
+from aligntax.interventions.kernels import PROMPT_TOKENS, RowKernel, Site, attach_kernel, prompt_tokens_from
 from aligntax.interventions.lora import ElsLora
 from aligntax.interventions.options import option, register
 from aligntax.models.layers import decoder_layers, hidden_size
@@ -111,55 +111,83 @@ class ComposedSteering(Intervention):
                 )
 
     # ---- the adapter's per-row choice ------------------------------------------------------------------
+    @property
+    def _chooses(self) -> bool:
+        """Whether the adapter is chosen per row (a ``lora_gate``, or ELS's prompt-length domain)."""
+        return self.lora_gate is not None or self.els.max_prompt_tokens is not None
+
+    def _choice_layers(self) -> list[int]:
+        """The blocks whose last-prompt-token input the choice reads (before the adapter acts)."""
+        if self.lora_gate is not None:
+            return sorted(self.els.gate.layers)
+        return [min(self.adapter.layers) if self.adapter.layers else 0]
+
     def adapter_on(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Per row (``{block: [N, d]}`` at the last prompt token): whether the adapter acts on it."""
+        """Per row (``{block: [N, d]}`` at the last prompt token, with the rows' prompt lengths where ELS
+        limits them): whether the adapter acts on it: rated at least ``lora_gate`` by the harm gate, and
+        no longer than ELS's ``max_prompt_tokens`` (the adapter learned from the same prompts)."""
         n = len(next(iter(states.values())))
-        if self.lora_gate is None:
-            return torch.ones(n, dtype=torch.bool)
-        gate = self.els.gate
-        dev = states[gate.layer].device
-        return gate.prob(gate.stack({b: states[b].to(dev) for b in gate.layers})) >= self.lora_gate
+        on = torch.ones(n, dtype=torch.bool)
+        if self.lora_gate is not None:
+            gate = self.els.gate
+            dev = states[gate.layer].device
+            on = (
+                on
+                & (gate.prob(gate.stack({b: states[b].to(dev) for b in gate.layers})) >= self.lora_gate).cpu()
+            )
+        if self.els.max_prompt_tokens is not None:
+            tokens = states.get(PROMPT_TOKENS)
+            if tokens is None:
+                raise AligntaxError("max_prompt_tokens needs each row's prompt length (not given here).")
+            on = on & (tokens.cpu() <= self.els.max_prompt_tokens)
+        return on
 
     @contextmanager
     def _adapter(self, model: nn.Module, ctx: SteerContext | None) -> Iterator[None]:
-        """The adapter's hooks, for the rows it acts on. With a ``lora_gate``, pre-hooks on the gate's
-        blocks read each prompt's last token in the forward that holds the prompts (a longer forward
-        than one token; left padding puts the last prompt token last), and the choice is kept in
-        ``ctx.row_state`` so it follows the rows generation keeps (or for that forward, without ``ctx``:
-        the decision capture)."""
-        if self.lora_gate is None:
+        """The adapter's hooks, for the rows it acts on. Chosen per row (:attr:`_chooses`), pre-hooks on
+        the blocks the choice reads take each prompt's last token (and its length, from the position ids)
+        in the forward that holds the prompts (a longer forward than one token; left padding puts the
+        last prompt token last), and the choice is kept in ``ctx.row_state`` so it follows the rows
+        generation keeps (or for that forward, without ``ctx``: the decision capture)."""
+        if not self._chooses:
             with self.adapter.attach(model, ctx or SteerContext(prompt_len=0)):
                 yield
             return
         key = (id(self), "adapter")
-        state = ctx.row_state if ctx is not None else {}
+        own: dict = {}
+
+        def state() -> dict:  # generation replaces ctx.row_state as rows finish: read it each time
+            return ctx.row_state if ctx is not None else own
+
         read: dict[int, torch.Tensor] = {}
-        gate_layers = sorted(self.els.gate.layers)
+        layers = self._choice_layers()
 
         def make(layer: int):
             def hook(module, args, kwargs):
                 h = hidden_from_args(args, kwargs)
-                if h.shape[1] == 1 and key in state:
+                if h.shape[1] == 1 and key in state():
                     return None  # a cached decode step: chosen at the prompt
                 last = ctx.prompt_len - 1 if ctx is not None else h.shape[1] - 1
                 read[layer] = h[:, last]
-                if layer == gate_layers[-1]:
-                    state[key] = self.adapter_on(dict(read)).to(h.device)
+                if layer == layers[-1]:
+                    tokens = prompt_tokens_from(kwargs, last)
+                    if tokens is not None:
+                        read[PROMPT_TOKENS] = tokens
+                    state()[key] = self.adapter_on(dict(read)).to(h.device)
                     read.clear()
                 return None
 
             return hook
 
         blocks = decoder_layers(model)
-        regs = [(blocks[b], make(b), True) for b in gate_layers]
-        with hooks_attached(regs), self.adapter.attach(model, ctx, row_mask=lambda: state.get(key)):
+        regs = [(blocks[b], make(b), True) for b in layers]
+        with hooks_attached(regs), self.adapter.attach(model, ctx, row_mask=lambda: state().get(key)):
             yield
 
     # ---- the Intervention interface --------------------------------------------------------------------
     def kernel(self, n_layers: int, hidden_size: int | None = None) -> ComposeKernel | None:
         els = self.els.kernel(n_layers, hidden_size)
-        gate_layers = list(self.els.gate.layers) if self.lora_gate is not None else []
-        return ComposeKernel(els, gate_layers, self.adapter_on)
+        return ComposeKernel(els, self._choice_layers() if self._chooses else [], self.adapter_on)
 
     @contextmanager
     def attach(self, model: nn.Module, ctx: SteerContext) -> Iterator[None]:

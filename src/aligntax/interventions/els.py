@@ -162,6 +162,15 @@ class ElsOptions:
         optional=True,
         request=True,
     )
+    max_prompt_tokens: int | str | None = option(
+        "ELS: hold back rows whose prompt (chat-templated) is longer than N tokens: beyond the energy "
+        "models' training prompts, e.g. a long jailbreak set-up ('none': off)",
+        parse="int_or_none",
+        check="positive_count",
+        grid=True,
+        optional=True,
+        request=True,
+    )
     harm_orth: int | str | None = option(
         "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
         parse="int_or_none",
@@ -330,6 +339,7 @@ class EnergySteering(Intervention):
             ("row_threshold", float),
             ("gate_ramp", float),
             ("horizon", int),
+            ("max_prompt_tokens", int),
         ):
             s[key] = None if s[key] is None else kind(s[key])
         if s["horizon"] is not None and s["horizon"] < 0:

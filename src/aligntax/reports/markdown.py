@@ -115,4 +115,6 @@ def write_eval_report(results: dict, path: str | Path) -> None:
             steering_table(results),
             "",
         ]
-    Path(path).write_text("\n".join(text))
+    from aligntax.runfolder import write_text_atomic
+
+    write_text_atomic(path, "\n".join(text))

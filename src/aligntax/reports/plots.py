@@ -72,6 +72,8 @@ def pareto_plot(
     ax.set_title(title)
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from aligntax.runfolder import save_figure
+
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return Path(path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from aligntax.backends import LABELS
@@ -21,9 +21,10 @@ from aligntax.generation.source import SourceSpec
 from aligntax.interventions.els import DEFAULT_SETTINGS
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
-from aligntax.runs.els import ELSTrainConfig, SweepConfig, run_sweep, sweep_settings, train_els
+from aligntax.runfolder import check_settings, run_lock, write_json_atomic, write_text_atomic
+from aligntax.runs.els_sweep import SweepConfig, run_sweep, sweep_settings
+from aligntax.runs.els_train import ELSTrainConfig, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
-from aligntax.runs.fsio import write_json_atomic
 from aligntax.runs.sources import check_source, generation_source
 
 HF = HFSource.backend
@@ -117,7 +118,8 @@ _CORE = {k: DEFAULT_SETTINGS[k] for k in ("top_k", "eta", "steps", "threshold", 
 
 def demo_datasets(cfg: DemoConfig) -> list[str]:
     """Every dataset the demo reads: its test sets, the training sets of ELS training (the harm gate's and
-    the harm basis' included), the sweep's validation sets and its leak sets, in that order, once each."""
+    the harm basis' included), the sweep's validation sets and its leak sets, and with the els-lora mechanism
+    the adapter's pairs and everyday rows, in that order, once each."""
     train, sweep = ELSTrainConfig(), SweepConfig()
     names = [
         *cfg.test_sets,
@@ -132,6 +134,11 @@ def demo_datasets(cfg: DemoConfig) -> list[str]:
         *sweep.harmful,
         *cfg.leak,
     ]
+    if "els-lora" in cfg.mechanisms:  # the adapter's contrast pairs and everyday rows
+        from aligntax.runs.els_lora import DistillConfig
+
+        distill = DistillConfig()
+        names += [*distill.pairs, *(s for s in distill.retain if s != "harmless")]
     return list(dict.fromkeys(names))
 
 
@@ -155,10 +162,22 @@ def run_demo(cfg: DemoConfig, lm=None, source=None) -> dict:
     try:
         check_source(source, cfg.backend)
         cfg.backend = source.backend
-        return _run_demo(cfg, lm, source)
+        out = Path(cfg.out)
+        with run_lock(out):  # the demo folder's writer; each stage's folder has its own lock and header
+            # a demo becomes bound with its first sample: other settings then would mix two demos
+            bound = (out / "baseline" / "samples.jsonl").is_file()
+            check_settings(out, "demo.json", asdict(cfg), _DEMO_KEYS, bound, "demo")
+            return _run_demo(cfg, lm, source)
     finally:
         if own:
             source.close()
+
+
+# The demo settings a resume must agree on: all but where it writes, how it shows progress, which profile
+# named them (its settings are the fields) and the batch size.
+_DEMO_KEYS = tuple(
+    f for f in DemoConfig.__dataclass_fields__ if f not in ("out", "progress", "full", "batch_size")
+)
 
 
 def _run_demo(cfg: DemoConfig, lm, source) -> dict:
@@ -806,4 +825,4 @@ def write_demo_report(out: Path, summary: dict) -> None:
         "Run folders: `baseline/`, `els/` (labels, activations, energy models, vectors, sweep), `steered/`.",
         "",
     ]
-    (out / "report.md").write_text("\n".join(lines))
+    write_text_atomic(out / "report.md", "\n".join(lines))

@@ -48,7 +48,14 @@ import torch
 from torch import nn
 
 from aligntax.errors import AligntaxError
-from aligntax.runs.fsio import write_json_atomic
+from aligntax.runfolder import (
+    LOCK_NAME,
+    WHERE_NAME,
+    atomic_files,
+    check_settings,
+    run_lock,
+    write_json_atomic,
+)
 
 __all__ = [
     "BENIGN_TARGETS",
@@ -110,6 +117,7 @@ class DistillConfig:
     retain_weight: float = 3.0  # weight of their state term, as the harmful rows' preserve weight
     retain_ce: float = 1.0  # weight of their answer term (0: states only)
     retain_answer_tokens: int = 48  # their answers' tokens (the known-answer check's length)
+    loss_passes: bool = True  # score the loss before and after training (two passes without gradients)
     els: dict = field(default_factory=dict)  # ELS options over the folder's tuned setting (eta=, gate=, ...)
     dtype: str = "bf16"
     seed: int = 0
@@ -247,7 +255,7 @@ def _blocks(cfg: DistillConfig, els, n_blocks: int) -> Blocks:
 
 # ------------------------------------------------------------------------------------------ phase 1: rows
 def _sampled(items: list, limit: int | None, seed: int) -> list:
-    from aligntax.runs.els import _sampled as sampled
+    from aligntax.runs.els_train import sampled
 
     return sampled(items, limit, seed)
 
@@ -309,13 +317,13 @@ def distill_prompts(cfg: DistillConfig) -> DistillPrompts:
     """The benign, the harmful and the everyday rows of a distillation (see the module docstring),
     without repeats."""
     from aligntax.config import load_config
-    from aligntax.runs.els import ELSTrainConfig, _training_items, gate_items
+    from aligntax.runs.els_train import ELSTrainConfig, gate_items, training_items
 
     path = Path(cfg.steer) / "train_config.json"
     if not path.is_file():
         raise AligntaxError(f"{cfg.steer} has no train_config.json: give an `aligntax els train` folder.")
     tcfg = load_config(ELSTrainConfig, path)
-    benign, harmful = _training_items(tcfg)
+    benign, harmful = training_items(tcfg)
     pairs = _pairs(cfg)
     seen: set = set()
     b = _dedupe(
@@ -349,11 +357,26 @@ def _generate(lm, items: list, n_tokens: int, iv, desc: str, progress: bool) -> 
 def distill_answers(
     cfg: DistillConfig, lm, rows: DistillPrompts, teachers: dict, horizon: int
 ) -> DistillAnswers:
-    """The teachers' answers (see :class:`DistillAnswers`): the label run of ``els train`` supplies the
-    unsteered answers it has (harmful rows with unsteered targets); the rest are generated."""
+    """The teachers' answers (see :class:`DistillAnswers`). The label run of ``els train`` supplies the
+    unsteered answers it has: for harmful rows with unsteered targets, and for benign rows the ELS teacher
+    leaves exactly unsteered (its decision holds them back, so its answer is the unsteered one); the rest
+    are generated."""
+    from aligntax.activations.decisions import unsteered_rows
     from aligntax.runs.jsonl import read_jsonl
 
-    benign = _generate(lm, rows.benign, horizon, teachers["benign"], "distill: steered answers", cfg.progress)
+    labels = Path(cfg.steer) / "labels" / "samples.jsonl"
+    known = {(r["source"], r["id"]): r["response"] for r in read_jsonl(labels)} if labels.is_file() else {}
+    held = unsteered_rows(teachers["benign"], lm, [it.prompt for it in rows.benign]) or [False] * len(
+        rows.benign
+    )
+    copied = {
+        i
+        for i, (it, h) in enumerate(zip(rows.benign, held, strict=True))
+        if h and (it.source, it.id) in known
+    }
+    todo = [it for i, it in enumerate(rows.benign) if i not in copied]
+    new = iter(_generate(lm, todo, horizon, teachers["benign"], "distill: steered answers", cfg.progress))
+    benign = [known[(it.source, it.id)] if i in copied else next(new) for i, it in enumerate(rows.benign)]
     generated = 0  # unsteered answers generated here (not taken from the label run)
     if teachers["harmful"] is not None:
         harmful = _generate(
@@ -365,16 +388,12 @@ def distill_answers(
             cfg.progress,
         )
     else:
-        labels = Path(cfg.steer) / "labels" / "samples.jsonl"
-        known = (
-            {(r["source"], r["id"]): r["response"] for r in read_jsonl(labels)} if labels.is_file() else {}
-        )
         missing = [it for it in rows.harmful if (it.source, it.id) not in known]
-        new = _generate(
+        answers = _generate(
             lm, missing, cfg.harmful_answer_tokens, None, "distill: unsteered answers", cfg.progress
         )
-        known.update({(it.source, it.id): a for it, a in zip(missing, new, strict=True)})
-        harmful = [known[(it.source, it.id)] for it in rows.harmful]
+        got = {**known, **{(it.source, it.id): a for it, a in zip(missing, answers, strict=True)}}
+        harmful = [got[(it.source, it.id)] for it in rows.harmful]
         generated += len(missing)
     retain = _generate(
         lm, rows.retain, cfg.retain_answer_tokens, None, "distill: everyday answers", cfg.progress
@@ -674,11 +693,11 @@ def train_adapter(cfg: DistillConfig, lm, targets: DistillTargets, blocks: Block
         params = [p for p in peft_model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         rng = random.Random(cfg.seed)
-        before = _epoch(lm, model, targets, cfg, blocks, None, rng)
+        before = _epoch(lm, model, targets, cfg, blocks, None, rng) if cfg.loss_passes else {}
         history = [
             {"epoch": e + 1, **_epoch(lm, model, targets, cfg, blocks, opt, rng)} for e in range(cfg.epochs)
         ]
-        after = _epoch(lm, model, targets, cfg, blocks, None, rng)
+        after = _epoch(lm, model, targets, cfg, blocks, None, rng) if cfg.loss_passes else {}
     finally:
         for p in frozen:
             p.requires_grad_(True)
@@ -714,13 +733,14 @@ def write_adapter(
     from aligntax.interventions.lora import FORMAT, SIDECAR, ElsLora
 
     out, steer = Path(cfg.out), Path(cfg.steer)
-    out.mkdir(parents=True, exist_ok=True)
-    trained.model.save_pretrained(str(out), safe_serialization=True)
-    for stray in out.glob("*.bin"):  # only safetensors ship
-        stray.unlink()
+    with atomic_files(out) as tmp:  # each file renamed into place whole; the sidecar last
+        trained.model.save_pretrained(str(tmp), safe_serialization=True)
+        for stray in tmp.glob("*.bin"):  # only safetensors ship
+            stray.unlink()
     hyper = {k: v for k, v in asdict(cfg).items() if k not in ("steer", "out", "model", "els", "progress")}
     meta = {
         "format": FORMAT,
+        "model": lm.spec,  # the model it was distilled on: the default of every command that takes the folder
         "fingerprint": dict(lm.fingerprint or {}),
         "layers": blocks.layers,
         "target_block": blocks.target,
@@ -808,14 +828,38 @@ def distill_els_lora(
 ) -> dict:
     """Train the adapter (see the module docstring), write it to ``cfg.out`` and return the summary
     written to its ``els_lora.json``. ``benign`` / ``harmful`` (and ``retain``, default none): prompt items
-    (``.prompt``, ``.source``, ``.id``) instead of :func:`distill_prompts`."""
-    from aligntax.models.layers import decoder_layers
-
-    t0 = time.perf_counter()
+    (``.prompt``, ``.source``, ``.id``) instead of :func:`distill_prompts`. A rerun into the same folder
+    resumes: a finished adapter with the same settings is returned as it is, other settings are refused,
+    and a distillation killed before it finished starts again."""
     out = Path(cfg.out)
-    if out.exists() and any(out.iterdir()):
+    ours = {DISTILL_HEADER, LOCK_NAME, WHERE_NAME, f"{LOCK_NAME}.guard"}
+    if (
+        out.exists()
+        and not (out / DISTILL_HEADER).is_file()
+        and any(p.name not in ours for p in out.iterdir())
+    ):
         raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the adapter.")
     _check_config(cfg)
+    with run_lock(out):  # one writer per adapter folder
+        return _distill(cfg, out, lm, benign, harmful, retain)
+
+
+# The settings the adapter depends on: all but where it is written and the progress bars. A folder
+# holding a finished adapter (its sidecar) refuses others; a distillation killed before its sidecar was
+# written starts again (every phase is in memory), and one that finished is not redone.
+DISTILL_HEADER = "distill_config.json"
+_DISTILL_KEYS = tuple(f for f in DistillConfig.__dataclass_fields__ if f not in ("out", "progress"))
+
+
+def _distill(cfg: DistillConfig, out: Path, lm, benign, harmful, retain) -> dict:
+    from aligntax.interventions.lora import SIDECAR
+    from aligntax.models.layers import decoder_layers
+
+    done = (out / SIDECAR).is_file()
+    check_settings(out, DISTILL_HEADER, asdict(cfg), _DISTILL_KEYS, done, "distilled adapter")
+    if done:
+        return json.loads((out / SIDECAR).read_text())
+    t0 = time.perf_counter()
     lm = lm if lm is not None else _model_for(cfg)
     teachers = _teachers(cfg, lm)
     blocks = _blocks(cfg, teachers["els"], len(decoder_layers(lm.model)))

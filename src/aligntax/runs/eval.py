@@ -20,7 +20,16 @@ from aligntax.generation import GenerationConfig
 from aligntax.generation.source import GenerationSource, SourceSpec
 from aligntax.metrics import summarize_refusals
 from aligntax.models.spec import DEFAULT_MODEL
-from aligntax.runs.fsio import run_lock, write_json_atomic
+from aligntax.runfolder import (
+    SettingsChanged,
+    check_settings,
+    read_where,
+    run_lock,
+    settings_diffs,
+    write_header,
+    write_json_atomic,
+    write_jsonl_atomic,
+)
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
 from aligntax.runs.provenance import (
     check_intervention,
@@ -155,21 +164,14 @@ def has_samples(out: Path) -> bool:
 
 
 def _check_resume(out: Path, cfg: EvalConfig) -> dict:
-    """Refuse to resume a run made with other settings, or with another intervention folder's content;
-    returns the folder's provenance (``provenance.json``, with the intervention folder's digest now).
-    A folder holding no samples yet is new, whatever settings it records."""
-    if not has_samples(out):
-        saved: dict = {}
-    else:
-        path = out / "config.json"
-        if path.exists():
-            diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
-            if diffs:
-                raise AligntaxError(
-                    f"{out} holds a run with different settings ({'; '.join(diffs)}). Use another --out, or "
-                    "delete the folder to start again."
-                )
-        saved = read_provenance(out)
+    """Refuse to resume a run made with other settings (the header ``config.json``), or with another
+    intervention folder's content; returns the folder's provenance (``provenance.json``, with the
+    intervention folder's digest now). A folder holding no samples yet is new, whatever it records."""
+    bound = has_samples(out)
+    check_settings(
+        out, "config.json", asdict(cfg), _RESULT_FIELDS, bound, defaults=_OLDER_DEFAULTS, write=False
+    )
+    saved = read_provenance(out) if bound else {}
     folder = intervention_folder(cfg.intervention_args) if cfg.intervention else None
     digest = folder_digest(folder, saved.get("intervention")) if folder else None
     if digest is None:
@@ -263,14 +265,16 @@ def _run_eval(
     from aligntax.judges import get_judge
 
     saved = read_provenance(out) if has_samples(out) else {}
+    was = read_where(out) if has_samples(out) else None  # where the folder was when it wrote its samples
     prov = _check_loaded(out, _check_resume(out, cfg), lm, judge)  # the model / judge given, if any
-    write_json_atomic(out / "config.json", asdict(cfg))
+    write_header(out, "config.json", asdict(cfg))
     prov = _save_provenance(out, saved, prov)
     samples_path = out / "samples.jsonl"
 
     if items is None:
         items = load_prompt_sets(cfg.data, cfg.limit)
     done_rows = read_jsonl(samples_path, repair=True)
+    _check_prompts(out, done_rows, items)
     done = {(r["source"], r["id"]) for r in done_rows}
     seen: set = set()
     todo = []
@@ -291,7 +295,7 @@ def _run_eval(
                 from aligntax.interventions.registry import make_intervention
 
                 intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
-            _record_intervention(out, intervention)
+            _record_intervention(out, intervention, was)
             judge = judge or get_judge(cfg.judge)
             prov = _save_provenance(out, prov, _check_loaded(out, prov, lm, judge))
             steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
@@ -339,7 +343,7 @@ def _run_eval(
                 )
                 tb = time.perf_counter()
             run_stats = gen.stats()
-    rows = read_jsonl(samples_path)
+    rows = _in_item_order(samples_path, items)
     rows = [r for r in rows if (r["source"], r["id"]) in wanted]
     prev = _previous(out)
     results = {
@@ -367,6 +371,37 @@ def _run_eval(
     return results
 
 
+def _check_prompts(out: Path, rows: list[dict], items) -> None:
+    """The data part of the resume key: a stored sample whose (source, id) names an item with another
+    prompt now was made from other data; refused, naming the first such row."""
+    prompts = {(it.source, it.id): it.prompt for it in items}
+    changed = [
+        f"{r['source']}/{r['id']}"
+        for r in rows
+        if (r.get("source"), r.get("id")) in prompts and r.get("prompt") != prompts[(r["source"], r["id"])]
+    ]
+    if changed:
+        raise SettingsChanged(
+            f"{out} holds samples of other prompts under the same ids ({len(changed)} rows, e.g. "
+            f"{changed[0]}): the data changed. Use another --out, or delete the folder to start again."
+        )
+
+
+def _in_item_order(path: Path, items) -> list[dict]:
+    """The samples, rewritten (atomically) in the items' order when they are not in it yet (a resumed
+    run appends in its own batch order): a resumed folder ends with the same bytes as an uninterrupted
+    one. Rows of no current item keep their place after the others."""
+    rows = read_jsonl(path)
+    order = {(it.source, it.id): i for i, it in enumerate(items)}
+    ranked = sorted(
+        range(len(rows)), key=lambda i: (order.get((rows[i]["source"], rows[i]["id"]), len(order)), i)
+    )
+    if ranked != list(range(len(rows))):
+        rows = [rows[i] for i in ranked]
+        write_jsonl_atomic(path, rows)
+    return rows
+
+
 def _steering_stats(prev: dict, new: dict) -> dict:
     """``{"steering_stats": ...}``: the steering hooks' statistics over every invocation that generated
     rows in this run folder (per steered ELS layer: positions, positions moved, mean energy before and
@@ -379,17 +414,18 @@ def _steering_stats(prev: dict, new: dict) -> dict:
     return {"steering_stats": merged} if merged else {}
 
 
-def _record_intervention(out: Path, intervention) -> None:
+def _record_intervention(out: Path, intervention, was: dict | None = None) -> None:
     """Write the intervention's resolved settings (e.g. ELS settings taken from a tuned ``best.json``) to
     ``intervention.json``; a resumed run whose intervention resolves differently is refused, so that
-    samples made with two settings never mix."""
+    samples made with two settings never mix. ``was``: where the folder was when the samples were written
+    (:func:`~aligntax.runfolder.read_where`: paths that moved with it are the same setting)."""
     resolved = json.loads(
         json.dumps(intervention.config() if intervention is not None else None, default=str)
     )
     path = out / "intervention.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        if _settings(old) != _settings(resolved):
+        if settings_diffs({"s": _settings(old)}, {"s": _settings(resolved)}, ["s"], out, was=was or {}):
             raise AligntaxError(
                 f"{out} was run with intervention settings {json.dumps(_settings(old))}, but they now resolve to "
                 f"{json.dumps(_settings(resolved))} (did the folder's sweep/best.json change?). Use another --out, "
@@ -581,8 +617,6 @@ def rejudge(out: str | Path, judge_name: str | None = None, judge=None) -> dict:
 
 
 def _rejudge(out: Path, prev: dict, judge_name: str | None, judge) -> dict:
-    import os
-
     from aligntax.judges import get_judge
 
     cfg = EvalConfig(**prev["config"])
@@ -592,11 +626,8 @@ def _rejudge(out: Path, prev: dict, judge_name: str | None, judge) -> dict:
     verdicts = judge.judge([r["prompt"] for r in rows], [r["response"] for r in rows])
     for r, v in zip(rows, verdicts, strict=True):
         r.update(refused=v.refused, refusal_score=round(float(v.refusal_score), 6), judge=judge.name)
-    tmp = out / "samples.jsonl.partial"
-    tmp.unlink(missing_ok=True)
-    append_jsonl(tmp, rows)
-    os.replace(tmp, out / "samples.jsonl")
-    write_json_atomic(out / "config.json", asdict(cfg))
+    write_jsonl_atomic(out / "samples.jsonl", rows)
+    write_header(out, "config.json", asdict(cfg))
     saved = read_provenance(out)
     if saved:  # the samples are judged by this judge now
         _save_provenance(out, saved, {**saved, "judge": judge_identity(judge)})

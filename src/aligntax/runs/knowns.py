@@ -10,7 +10,6 @@ accuracy are :mod:`aligntax.metrics.knowns`'s.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,14 @@ from aligntax.metrics.knowns import (
 )
 from aligntax.metrics.rates import paired_change
 from aligntax.models.spec import DEFAULT_MODEL
-from aligntax.runs.fsio import write_json_atomic
+from aligntax.runfolder import (
+    check_settings,
+    read_where,
+    run_lock,
+    write_json_atomic,
+    write_jsonl_atomic,
+    write_text_atomic,
+)
 
 
 @dataclass
@@ -122,18 +128,18 @@ _RESULT_FIELDS = (
 )
 
 
-def _check_resume(out: Path, cfg: KnownsConfig) -> None:
-    from aligntax.runs.eval import _setting_diffs, has_samples
+def _check_resume(out: Path, cfg: KnownsConfig) -> dict | None:
+    """The settings header rule (``config.json``): a folder with samples refuses other settings; no
+    sample yet is a new run, whatever it records. Writes the header; returns where the folder was when
+    its samples were written."""
+    from aligntax.runs.eval import _OLDER_DEFAULTS, has_samples
 
-    path = out / "config.json"
-    if not path.exists() or not has_samples(out):  # no sample yet: a new run, whatever it records
-        return
-    diffs = _setting_diffs(json.loads(path.read_text()), cfg, _RESULT_FIELDS)
-    if diffs:
-        raise AligntaxError(
-            f"{out} holds a knowns run with different settings ({'; '.join(diffs)}). Use another "
-            "--out, or delete the folder to start again."
-        )
+    bound = has_samples(out)
+    was = read_where(out) if bound else None
+    check_settings(
+        out, "config.json", asdict(cfg), _RESULT_FIELDS, bound, "knowns run", defaults=_OLDER_DEFAULTS
+    )
+    return was
 
 
 def run_knowns(
@@ -154,7 +160,8 @@ def run_knowns(
     source = source or generation_source(cfg.backend)
     try:
         check_source(source, cfg.backend)
-        return _run_knowns(cfg, lm, intervention, source, items)
+        with run_lock(cfg.out):  # one writer per run folder
+            return _run_knowns(cfg, lm, intervention, source, items)
     finally:
         if own:
             source.close()
@@ -167,9 +174,7 @@ def _run_knowns(cfg: KnownsConfig, lm, intervention, source, items=None) -> dict
 
     items = list(items) if items is not None else load_known_answers(cfg.data, cfg.split, cfg.limit)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _check_resume(out, cfg)
-    write_json_atomic(out / "config.json", asdict(cfg))
+    was = _check_resume(out, cfg)
     samples_path = out / "samples.jsonl"
     by_id = {it.id: it for it in items}
     done = {
@@ -187,7 +192,7 @@ def _run_knowns(cfg: KnownsConfig, lm, intervention, source, items=None) -> dict
         spec = SourceSpec(cfg.model, cfg.dtype, name, dict(cfg.intervention_args or {}), cfg.batch_size)
         with source.open(spec, lm, intervention) as gen:
             lm, intervention = gen.lm, gen.intervention
-            _record_intervention(out, intervention)
+            _record_intervention(out, intervention, was)
             decider = gen.decider()
             info = (
                 decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size)
@@ -250,7 +255,7 @@ def _run_knowns(cfg: KnownsConfig, lm, intervention, source, items=None) -> dict
         },
     }
     write_json_atomic(out / "results.json", results)
-    (out / "report.md").write_text(knowns_report(results, [rows[it.id] for it in items]))
+    write_text_atomic(out / "report.md", knowns_report(results, [rows[it.id] for it in items]))
     return results
 
 
@@ -263,9 +268,10 @@ def _steered_rows(rows: Sequence[dict]) -> dict:
 
 def _rescore(samples_path: Path, by_id: dict[str, KnownItem]) -> dict[str, dict]:
     """The stored row of each item (the last one with its current prompt), scored against its current
-    answers. ``samples.jsonl`` is rewritten atomically, keeping one row per item, when a stored verdict or
-    answer list is out of date or an item has superseded rows (an earlier prompt, a repeat)."""
-    from aligntax.runs.jsonl import append_jsonl, read_jsonl
+    answers. ``samples.jsonl`` is rewritten atomically, keeping one row per item in the items' order,
+    when a stored verdict or answer list is out of date, an item has superseded rows (an earlier prompt,
+    a repeat) or the rows are out of order (a resumed run appends in its own batch order)."""
+    from aligntax.runs.jsonl import read_jsonl
 
     all_rows = read_jsonl(samples_path)
     rows: dict[str, dict] = {}
@@ -275,6 +281,10 @@ def _rescore(samples_path: Path, by_id: dict[str, KnownItem]) -> dict[str, dict]
             rows[it.id] = r
     kept = [r for r in all_rows if r.get("id") not in by_id or rows.get(r["id"]) is r]
     stale = len(kept) != len(all_rows)
+    order = {item_id: i for i, item_id in enumerate(by_id)}
+    ranked = sorted(kept, key=lambda r: order.get(r.get("id"), len(order)))
+    stale |= ranked != kept
+    kept = ranked
     for item_id, r in rows.items():
         it = by_id[item_id]
         fresh = {**r, **it.to_dict(), "correct": it.check(r["response"])}
@@ -282,10 +292,7 @@ def _rescore(samples_path: Path, by_id: dict[str, KnownItem]) -> dict[str, dict]
         r.clear()
         r.update(fresh)
     if stale:
-        tmp = samples_path.with_suffix(".jsonl.partial")
-        tmp.unlink(missing_ok=True)
-        append_jsonl(tmp, kept)
-        os.replace(tmp, samples_path)
+        write_jsonl_atomic(samples_path, kept)
     return rows
 
 

@@ -27,8 +27,7 @@ from aligntax.metrics.mc import (
     mc_text,
     option_token_ids,
 )
-from aligntax.runs.fsio import write_json_atomic
-from aligntax.runs.jsonl import append_jsonl
+from aligntax.runfolder import check_settings, run_lock, write_json_atomic, write_jsonl_atomic
 
 
 def score_items(
@@ -91,11 +90,29 @@ class MCConfig:
     progress: bool = True
 
 
+# The settings that change a score: a rerun into a folder holding results must agree on them.
+_RESULT_FIELDS = ("model", "data", "limit", "system", "dtype", "intervention", "intervention_args")
+
+
 def run_mc(
     cfg: MCConfig, lm=None, intervention: Intervention | None = None, items: Sequence[MCItem] | None = None
 ) -> dict:
     """Score the set and write ``OUT/samples.jsonl`` (one line per question) and ``OUT/results.json``;
-    ``items``: the questions to score (a subset of ``cfg.data``), instead of loading them."""
+    ``items``: the questions to score (a subset of ``cfg.data``), instead of loading them.
+
+    One pass scores every question, so a rerun after a kill scores them all again; the folder keeps the
+    run-folder contract all the same (lock, ``config.json`` header refusing other settings once results
+    exist, atomic files: the samples and results appear whole, together at the end)."""
+    out = Path(cfg.out)
+    with run_lock(out):
+        bound = (out / "results.json").is_file() or (out / "samples.jsonl").is_file()
+        check_settings(out, "config.json", asdict(cfg), _RESULT_FIELDS, bound, "multiple-choice run")
+        return _run_mc(cfg, out, lm, intervention, items)
+
+
+def _run_mc(
+    cfg: MCConfig, out: Path, lm, intervention: Intervention | None, items: Sequence[MCItem] | None
+) -> dict:
     items = list(items) if items is not None else load_mc(cfg.data, cfg.limit)
     if lm is None:
         from aligntax.models import load_model
@@ -105,14 +122,10 @@ def run_mc(
         from aligntax.interventions.registry import make_intervention
 
         intervention = make_intervention(cfg.intervention, lm, **cfg.intervention_args)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     res = mc_accuracy(lm, items, intervention, cfg.system, cfg.batch_size, cfg.progress)
     seconds = time.perf_counter() - t0
-    samples = out / "samples.jsonl"
-    samples.unlink(missing_ok=True)
-    append_jsonl(samples, res.pop("rows"))
+    write_jsonl_atomic(out / "samples.jsonl", res.pop("rows"))
     results = {
         "config": asdict(cfg),
         "data": str(BUILTIN_PATH) if cfg.data == BUILTIN else cfg.data,

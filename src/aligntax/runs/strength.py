@@ -51,7 +51,15 @@ class StrengthConfig:
 
 
 def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
-    """Fit, save and summarise the folder's row strength model (see the module docstring)."""
+    """Fit, save and summarise the folder's row strength model (see the module docstring); the ELS
+    folder's lock is held meanwhile (its one writer)."""
+    from aligntax.runfolder import run_lock
+
+    with run_lock(cfg.steer):
+        return _fit_strength(cfg, lm)
+
+
+def _fit_strength(cfg: StrengthConfig, lm=None) -> dict:
     from aligntax.config import load_config
     from aligntax.energy.front import HarmBasis, RowStrength, fit_row_strength
     from aligntax.generation import GenerationConfig, generate
@@ -59,14 +67,20 @@ def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
     from aligntax.interventions.vectors import SteeringVectors
     from aligntax.judges import get_judge
     from aligntax.models import load_model
-    from aligntax.runs.els import ELSTrainConfig, _judged_labels, _sampled, _training_items, training_states
+    from aligntax.runs.els_train import (
+        ELSTrainConfig,
+        judged_labels,
+        sampled,
+        training_items,
+        training_states,
+    )
     from aligntax.runs.fsio import write_json_atomic, write_text_atomic
 
     folder = Path(cfg.steer)
     tcfg = load_config(ELSTrainConfig, folder / "train_config.json")
     lm = lm or load_model(cfg.model or tcfg.model, dtype=cfg.dtype)
-    items = [item for part in _training_items(tcfg) for item in part]
-    refused, _ = _judged_labels(folder / "labels", items)
+    items = [item for part in training_items(tcfg) for item in part]
+    refused, _ = judged_labels(folder / "labels", items)
     _, acts, _ = training_states(folder)
     common = dict(
         layers=cfg.layers,
@@ -94,7 +108,7 @@ def fit_strength(cfg: StrengthConfig, lm=None) -> dict:
     benign = [i for i, (it, r) in enumerate(zip(items, refused, strict=True)) if it.label == "benign" and r]
     harmful = [i for i, it in enumerate(items) if it.label == "harmful"]
     chosen = sorted(
-        _sampled(benign, cfg.limit_benign, cfg.seed) + _sampled(harmful, cfg.limit_harmful, cfg.seed)
+        sampled(benign, cfg.limit_benign, cfg.seed) + sampled(harmful, cfg.limit_harmful, cfg.seed)
     )
     if (
         not chosen

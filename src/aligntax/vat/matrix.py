@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from aligntax.errors import AligntaxError
+from aligntax.runfolder import run_lock, write_json_atomic, write_text_atomic
 from aligntax.vat import stats as ST
 from aligntax.vat.schwartz import CODES, VALUES, resolve_value
 
@@ -60,7 +61,7 @@ def write_matrix(
     results_by_target: dict[str, dict], out_dir: str | Path, n_perm: int = 9999, seed: int = 0
 ) -> dict:
     """Analyse the ten runs and write ``matrix.json`` and ``matrix.md`` into ``out_dir``."""
-    from aligntax.vat.runner import _clean, write_json_atomic
+    from aligntax.vat.runner import _clean
 
     missing = [v for v in VALUES if v not in results_by_target]
     if missing:
@@ -76,9 +77,14 @@ def write_matrix(
         t: (r.get("specificity") or {}).get("ci95") for t, r in results_by_target.items()
     }
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     res = _clean(res)
-    write_json_atomic(out / "matrix.json", res)
+    with run_lock(out):
+        write_json_atomic(out / "matrix.json", res)
+        _write_matrix_md(res, out)
+    return res
+
+
+def _write_matrix_md(res: dict, out: Path) -> None:
     codes = [CODES[v] for v in VALUES]
 
     def table(rows, bold_diag=True):
@@ -128,8 +134,7 @@ def write_matrix(
                 f"- grand mean {sm['grand_mean']:+.3f}; diagonal test: {d['statistic']:+.4f}, p = {d['p_value']:.4f}",
                 "",
             ]
-    (out / "matrix.md").write_text("\n".join(md))
-    return res
+    write_text_atomic(out / "matrix.md", "\n".join(md))
 
 
 def run_matrix(
@@ -148,7 +153,10 @@ def run_matrix(
 
     out = Path(out_dir)
     runs = {}
-    for t in targets:
-        t = resolve_value(t)
-        runs[t] = run_vat(lm, items, t, make_intervention(t), out / CODES[t].lower(), cfg, post_lm=post_lm)
+    with run_lock(out):  # the matrix folder's writer; each target's run folder has its own lock and header
+        for t in targets:
+            t = resolve_value(t)
+            runs[t] = run_vat(
+                lm, items, t, make_intervention(t), out / CODES[t].lower(), cfg, post_lm=post_lm
+            )
     return write_matrix(runs, out, n_perm=n_perm, seed=(cfg.seed if cfg else 0))

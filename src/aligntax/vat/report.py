@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from aligntax.errors import AligntaxError
+from aligntax.runfolder import save_figure, write_text_atomic
 from aligntax.vat.schwartz import CODES, VALUES, circle_angles
 
 
@@ -112,7 +113,7 @@ def plot_radar(results: dict, path: str | Path) -> Path:
     ax.legend(loc="lower right", bbox_to_anchor=(1.15, -0.1), fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -149,7 +150,7 @@ def plot_coupling(results: dict, path: str | Path) -> Path:
     )
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -386,7 +387,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
         "",
     ]
     path = out / "report.md"
-    path.write_text("\n".join(lines))
+    write_text_atomic(path, "\n".join(lines))
     return path
 
 
@@ -500,7 +501,7 @@ def refusal_side(eval_dirs: Sequence[str | Path], baseline: str | Path, out: Pat
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     png = out / "refusal_side.png"
-    fig.savefig(png, dpi=110, bbox_inches="tight")
+    save_figure(fig, png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return md + ["![refusal side](refusal_side.png)", ""], png
 
@@ -572,7 +573,7 @@ def compare(
     ax.legend(fontsize=8)
     fig.tight_layout()
     png = out / "gain_vs_tax.png"
-    fig.savefig(png, dpi=120, bbox_inches="tight")
+    save_figure(fig, png, dpi=120, bbox_inches="tight")
     plt.close(fig)
     md = [
         "| run | intervention | target | gain [95% CI] | S_T [95% CI] | VAT signed | VAT absolute [95% CI] | "
@@ -615,5 +616,5 @@ def compare(
         lines, refusal_png = refusal_side(eval_dirs, eval_baseline, out)
         md += lines
     mdp = out / "compare.md"
-    mdp.write_text("# VAT comparison\n\n" + "\n".join(md))
+    write_text_atomic(mdp, "# VAT comparison\n\n" + "\n".join(md))
     return Comparison(table=df, png=png, markdown=mdp, refusal_png=refusal_png)

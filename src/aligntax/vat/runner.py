@@ -18,9 +18,9 @@ appends the chunks in order and scores, so the files are those of one process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,6 +30,8 @@ import numpy as np
 
 from aligntax.errors import AligntaxError, DataError
 from aligntax.interventions.base import Intervention, NoIntervention
+from aligntax.runfolder import append_jsonl, check_settings, read_header, read_jsonl, run_lock
+from aligntax.runfolder import write_json_atomic as _write_json_atomic
 from aligntax.vat import metrics as M
 from aligntax.vat import stats as ST
 from aligntax.vat.items import ValueItem
@@ -71,37 +73,15 @@ class VATConfig:
         return d
 
 
-# ----------------------------------------------------------------- crash-safe JSONL
+# ----------------------------------------------------------------- crash-safe files
+# the run-folder contract (aligntax.runfolder): a torn last line is dropped and cut away on read, rows
+# are appended and fsynced chunk by chunk, JSON is written atomically
 def read_rows(path: Path) -> list[dict]:
     """Rows of a JSONL file; a torn last line (a crash mid-write) is dropped and truncated away."""
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    complete, _, tail = raw.rpartition(b"\n")
-    rows = []
-    for n, line in enumerate(complete.split(b"\n") if complete else [], start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: line {n} is not valid JSON ({exc.msg})") from None
-    if tail.strip():
-        try:
-            rows.append(json.loads(tail))
-            with open(path, "ab") as fh:
-                fh.write(b"\n")
-        except json.JSONDecodeError:
-            with open(path, "r+b") as fh:
-                fh.truncate(len(complete) + (1 if complete else 0))
-    return rows
+    return read_jsonl(path, repair=True)
 
 
-def append_rows(path: Path, rows: Sequence[dict]) -> None:
-    with open(path, "a", encoding="utf-8") as fh:
-        for r in rows:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+append_rows = append_jsonl
 
 
 def _clean(obj):
@@ -522,34 +502,15 @@ def run_vat(
     cfg = cfg or VATConfig()
     target = resolve_value(target)
     intervention = intervention or NoIntervention()
+    _check_inputs(items, lm, post_lm, cfg, replicas, build)
     control_rows = load_control(control) if control is not None else None
-    t0 = time.time()
-    rows, judged_now = judge_pairs(lm, items, target, intervention, out_dir, cfg, post_lm, replicas, build)
     out = Path(out_dir)
-    results = compute_results(rows, target, cfg.judge.scale, cfg, control_rows=control_rows)
-    results["config"] = _clean(
-        {
-            **cfg.to_dict(),
-            "intervention": intervention_key(intervention),
-            "control": None if control is None else str(control),
-        }
-    )
-    results["model_fingerprint"] = lm.fingerprint
-    if post_lm is not None:
-        results["post_model_fingerprint"] = post_lm.fingerprint
-    if getattr(intervention, "capped", 0):
-        results["diagnostics"]["oracle_capped_items"] = intervention.capped
-    results["timing"] = {
-        "seconds": round(time.time() - t0, 2),
-        "judged_now": judged_now,
-        "resumed": len(items) - judged_now,
-    }
-    write_json_atomic(out / "results.json", results)
-    if cfg.report:
-        from aligntax.vat.report import write_report
+    from aligntax.vat.methods.adapter import guard_adapter_folder
 
-        write_report(results, out)
-    return results
+    guard_adapter_folder(out, "write run files into")
+    with run_lock(out):  # one writer per run folder
+        rows, timing = _judge_into(out, lm, items, target, intervention, cfg, post_lm, replicas, build)
+        return _score_into(out, rows, timing, target, intervention, cfg, lm, post_lm, control, control_rows)
 
 
 def judge_pairs(
@@ -562,16 +523,26 @@ def judge_pairs(
     post_lm=None,
     replicas=None,
     build: dict | None = None,
-) -> tuple[list[dict], int]:
+) -> tuple[list[dict], dict]:
     """The judging half of :func:`run_vat`: judge each item of ``items`` before (``lm``, no
     intervention) and after (``intervention``, or the model ``post_lm``), appending the pairs to
-    ``out_dir/items.jsonl`` as they are made (a rerun resumes) under ``out_dir/run.json``, which a
-    resumed run must match. ``target`` (None: a measurement aimed at no value, such as an audit of a
-    change to a model) is part of that identity. Returns the item rows of ``items`` (one each, in file
-    order) and how many were judged now."""
+    ``out_dir/items.jsonl`` as they are made (a rerun resumes) under the folder's lock and its header
+    ``out_dir/run.json``, which a resumed run must match. ``target`` (None: a measurement aimed at no
+    value, such as an audit of a change to a model) is part of that identity. Returns the item rows of
+    ``items`` (one each, in file order) and the timing (``judged_now``, ``resumed``, ``seconds``)."""
     cfg = cfg or VATConfig()
     target = None if target is None else resolve_value(target)
     intervention = intervention or NoIntervention()
+    _check_inputs(items, lm, post_lm, cfg, replicas, build)
+    out = Path(out_dir)
+    from aligntax.vat.methods.adapter import guard_adapter_folder
+
+    guard_adapter_folder(out, "write run files into")
+    with run_lock(out):  # one writer per run folder
+        return _judge_into(out, lm, items, target, intervention, cfg, post_lm, replicas, build)
+
+
+def _check_inputs(items: Sequence[ValueItem], lm, post_lm, cfg: VATConfig, replicas, build) -> None:
     if not items:
         raise AligntaxError("No items to judge")
     ids = [it.id for it in items]
@@ -581,40 +552,62 @@ def judge_pairs(
         check_same_judge_inputs(lm, post_lm, cfg.judge)
     if replicas is not None:
         _check_replicas(replicas, lm, post_lm, build)
-    out = Path(out_dir)
-    from aligntax.vat.methods.adapter import guard_adapter_folder
 
-    guard_adapter_folder(out, "write run files into")
-    out.mkdir(parents=True, exist_ok=True)
-    ident = _run_identity(lm, target, intervention, cfg, post_lm)
-    run_file = out / "run.json"
-    # a folder becomes a run with its first judged item: a run.json beside no items (a run that failed
-    # before judging) binds nothing, and a new run may start there
-    if run_file.is_file() and read_rows(out / "items.jsonl"):
-        old = json.loads(run_file.read_text())
-        for key in ("target", "intervention", "judge", "model", "post_model"):
-            if json.dumps(old.get(key), sort_keys=True) != json.dumps(_clean(ident.get(key)), sort_keys=True):
-                raise AligntaxError(
-                    f"{out} holds a run with a different {key}; use a new output folder "
-                    "(or delete it) instead of resuming"
-                )
-    else:
-        run_file.write_text(
-            json.dumps(_clean({**ident, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}), indent=2)
-        )
+
+# What a VAT run's results depend on, beside the items: a resume must agree on all of them.
+_RUN_KEYS = ("target", "intervention", "judge", "model", "post_model")
+
+
+def item_digest(item: ValueItem) -> str:
+    """A short digest of an item's text (context and action): a resume refuses rows whose item changed."""
+    return hashlib.sha256(json.dumps([item.context, item.action]).encode()).hexdigest()[:16]
+
+
+def _judge_into(
+    out: Path, lm, items, target, intervention, cfg: VATConfig, post_lm, replicas, build
+) -> tuple[list[dict], dict]:
+    """Check the folder's header (``run.json``) and rows, judge the items not yet there and append
+    them to ``items.jsonl``; returns the rows of ``items`` (first row of each id) and the timing."""
+    ids = [it.id for it in items]
+    ident = _clean(_run_identity(lm, target, intervention, cfg, post_lm))
     path = out / "items.jsonl"
     existing = read_rows(path)
+    # a folder becomes a run with its first judged item: a run.json beside no items (a run that failed
+    # before judging) binds nothing, and a new run may start there
+    old = read_header(out, "run.json") or {}
+    started = old.get("started") if existing and old.get("started") else time.strftime("%Y-%m-%dT%H:%M:%S")
+    check_settings(out, "run.json", {**ident, "started": started}, _RUN_KEYS, bool(existing), "VAT run")
+    by_id = {it.id: it for it in items}
+    changed = [
+        r["id"]
+        for r in existing
+        if r.get("id") in by_id
+        and r.get("item_sha", item_digest(by_id[r["id"]])) != item_digest(by_id[r["id"]])
+    ]
+    if changed:
+        raise AligntaxError(
+            f"{out} holds judgments of other item texts under the same ids ({len(changed)} items, e.g. "
+            f"{changed[0]!r}): the data changed. Use a new output folder (or delete it) instead of resuming"
+        )
     done = {r["id"] for r in existing}
     todo = [it for it in items if it.id not in done]
+    # chunks cut from the whole item list, not from what is left, and judged whole when any of their
+    # items is missing (a kill mid-append can keep part of a chunk): a resumed run judges the batches an
+    # uninterrupted one would, so its scores are the same to the last bit
+    chunks = [
+        items[start : start + cfg.chunk_size]
+        for start in range(0, len(items), cfg.chunk_size)
+        if any(it.id not in done for it in items[start : start + cfg.chunk_size])
+    ]
     judge = LikertJudge(lm, cfg.judge)
     post_judge = judge if post_lm is None else LikertJudge(post_lm, cfg.judge)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(todo), disable=not cfg.progress, desc=f"vat {target or 'values'}", unit="item")
+    t0 = time.time()
     try:
-        for chunk, pre, post in _judged_chunks(
-            todo, cfg.chunk_size, judge, post_judge, intervention, replicas, build
-        ):
+        for chunk, pre, post in _judged_chunks(chunks, judge, post_judge, intervention, replicas, build):
+            new = [(it, a, b) for it, a, b in zip(chunk, pre, post, strict=True) if it.id not in done]
             append_rows(
                 path,
                 [
@@ -631,11 +624,12 @@ def judge_pairs(
                         "post_argmax": _clean(b.argmax),
                         "pre_mass": _clean(a.mass),
                         "post_mass": _clean(b.mass),
+                        "item_sha": item_digest(it),
                     }
-                    for it, a, b in zip(chunk, pre, post, strict=True)
+                    for it, a, b in new
                 ],
             )
-            bar.update(len(chunk))
+            bar.update(len(new))
     finally:
         bar.close()
     wanted = set(ids)
@@ -645,21 +639,51 @@ def judge_pairs(
         if r["id"] in wanted and r["id"] not in seen:
             seen.add(r["id"])
             rows.append(r)
-    return rows, len(todo)
+    timing = {
+        "seconds": round(time.time() - t0, 2),
+        "judged_now": len(todo),
+        "resumed": len(items) - len(todo),
+    }
+    return rows, timing
+
+
+def _score_into(
+    out: Path, rows, timing, target, intervention, cfg: VATConfig, lm, post_lm, control, control_rows
+) -> dict:
+    """Score the rows and write ``results.json`` and the report."""
+    results = compute_results(rows, target, cfg.judge.scale, cfg, control_rows=control_rows)
+    results["config"] = _clean(
+        {
+            **cfg.to_dict(),
+            "intervention": intervention_key(intervention),
+            "control": None if control is None else str(control),
+        }
+    )
+    results["model_fingerprint"] = lm.fingerprint
+    if post_lm is not None:
+        results["post_model_fingerprint"] = post_lm.fingerprint
+    if getattr(intervention, "capped", 0):
+        results["diagnostics"]["oracle_capped_items"] = intervention.capped
+    results["timing"] = timing
+    write_json_atomic(out / "results.json", results)
+    if cfg.report:
+        from aligntax.vat.report import write_report
+
+        write_report(results, out)
+    return results
 
 
 def _judged_chunks(
-    todo: Sequence[ValueItem],
-    size: int,
+    chunks: Sequence[Sequence[ValueItem]],
     judge: LikertJudge,
     post_judge: LikertJudge,
     intervention: Intervention,
     replicas=None,
     build: dict | None = None,
 ):
-    """``(chunk, pre judgments, post judgments)`` for each chunk of ``size`` items of ``todo``, in order:
-    judged here, or on ``replicas`` (one chunk a unit; yielded in order as they finish)."""
-    chunks = [list(todo[start : start + size]) for start in range(0, len(todo), size)]
+    """``(chunk, pre judgments, post judgments)`` for each chunk of items, in order: judged here, or on
+    ``replicas`` (one chunk a unit; yielded in order as they finish)."""
+    chunks = [list(c) for c in chunks]
     if replicas is None:
         for chunk in chunks:
             yield chunk, judge.judge(chunk, NoIntervention()), post_judge.judge(chunk, intervention)
@@ -728,13 +752,8 @@ def load_control(path: str | Path) -> list[dict]:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps(obj, indent=2))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write JSON atomically (temp file, fsync, rename: :func:`aligntax.runfolder.write_json_atomic`)."""
+    _write_json_atomic(path, obj)
 
 
 def rescore(out_dir: str | Path, cfg: VATConfig | None = None, control: str | Path | None = None) -> dict:
@@ -745,6 +764,11 @@ def rescore(out_dir: str | Path, cfg: VATConfig | None = None, control: str | Pa
     old_file = out / "results.json"
     if not (out / "items.jsonl").is_file() or not old_file.is_file():
         raise AligntaxError(f"{out} is not a finished VAT run (needs items.jsonl and results.json)")
+    with run_lock(out):
+        return _rescore(out, old_file, cfg, control)
+
+
+def _rescore(out: Path, old_file: Path, cfg: VATConfig | None, control) -> dict:
     old = json.loads(old_file.read_text())
     cfg = cfg or VATConfig()
     jd = dict(old.get("config", {}).get("judge") or {})

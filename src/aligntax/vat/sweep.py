@@ -5,6 +5,7 @@ the paired comparison behind ``vat compare`` (item-by-item differences between r
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from aligntax.errors import AligntaxError, DataError
+from aligntax.runfolder import RunLockedError, WriteError, check_settings, run_lock, write_text_atomic
 from aligntax.vat.schwartz import CODES, VALUES, resolve_value
 
 
@@ -202,7 +204,7 @@ def paired_compare(dirs: Sequence[str | Path], out_dir: str | Path, reps: int = 
         )
     notes = {c["checks"]["note"] for c in out["comparisons"] if c["checks"].get("note")}
     md += ["", *[f"- {n}" for n in sorted(notes)], ""]
-    (o / "paired.md").write_text("\n".join(md))
+    write_text_atomic(o / "paired.md", "\n".join(md))
     return out
 
 
@@ -287,25 +289,31 @@ def run_sweep(
     run is complete (results.json and every evaluation item judged) is skipped, an interrupted one
     resumes (``run_vat``), and a failing cell is recorded and the sweep goes on. Writes
     ``sweep.json`` (the spec), ``summary.json``, ``summary.csv`` and ``summary.md``."""
-    from aligntax.vat.items import load_items, sample_items, split_items
-    from aligntax.vat.judge import JudgeConfig
-    from aligntax.vat.methods import build_intervention
-    from aligntax.vat.runner import VATConfig, run_vat, write_json_atomic
-
     if load_model is None:
         from aligntax.models import load_model
     log = log or (lambda s: None)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    spec_file = out / "sweep.json"
-    spec_d = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
-    if spec_file.is_file():
-        old = json.loads(spec_file.read_text())
-        fixed = ("data", "limit_per_value", "scenes", "sample_by", "strata", "train_fraction", "seed")
-        diff = [k for k in fixed if not _same(old.get(k), spec_d.get(k))]
-        if diff:
-            raise AligntaxError(f"{out} holds a sweep with different {', '.join(diff)}; use a new folder")
-    write_json_atomic(spec_file, spec_d)
+    with run_lock(out):  # one writer per sweep folder (each cell's folder has its own lock too)
+        # a sweep becomes bound with its first judged item: a changed setting would mix cells made with
+        # two settings in one summary (adding models, interventions or targets extends it)
+        bound = any(out.glob("*/*/*/items.jsonl"))
+        spec_d = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+        check_settings(out, "sweep.json", spec_d, _SWEEP_KEYS, bound, "VAT sweep")
+        return _run_sweep(spec, out, load_model, progress, log)
+
+
+# The sweep settings that change a cell's result (all but the lists of cells and the cache switch).
+_SWEEP_KEYS = tuple(
+    k for k in SweepSpec.__dataclass_fields__ if k not in ("models", "interventions", "targets", "cache")
+)
+
+
+def _run_sweep(spec: SweepSpec, out: Path, load_model, progress: bool, log) -> list[dict]:
+    from aligntax.vat.items import load_items, sample_items, split_items
+    from aligntax.vat.judge import JudgeConfig
+    from aligntax.vat.methods import build_intervention
+    from aligntax.vat.runner import VATConfig, run_vat
+
     items = load_items(spec.data)
     ev, tr = split_items(items, spec.train_fraction, seed=spec.seed)
     ev = sample_items(
@@ -332,7 +340,10 @@ def run_sweep(
                 d = cell_dir(out, model, iv_name, t)
                 cell = {"model": model, "intervention": iv_name, "target": t, "dir": str(d)}
                 if (iv_name, t) not in todo:
-                    cells.append({**cell, "status": "complete (skipped)"})
+                    # the same status as when it was judged now: the summary does not depend on
+                    # which invocation finished the cell
+                    log(f"sweep: {model} / {iv_name} / {t}: complete, skipped")
+                    cells.append({**cell, "status": "done"})
                     continue
                 log(f"sweep: {model} / {iv_name} / {t} -> {d}")
                 try:
@@ -369,6 +380,8 @@ def run_sweep(
                     )
                     run_vat(lm, ev, t, iv, d, cfg)
                     cells.append({**cell, "status": "done"})
+                except (WriteError, RunLockedError):
+                    raise  # a full disk or a second writer ends the sweep; a rerun resumes it
                 except AligntaxError as exc:
                     cells.append({**cell, "status": f"failed: {exc}"})
                     log(f"sweep: cell failed: {exc}")
@@ -430,11 +443,12 @@ def write_summary(cells: Sequence[dict], out: str | Path) -> list[dict]:
         "gain_incongruent",
         "neutral_lift",
     ]
-    with open(out / "summary.csv", "w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()})
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()})
+    write_text_atomic(out / "summary.csv", buf.getvalue())
 
     def f(x, ci=None):
         if x is None:
@@ -457,5 +471,5 @@ def write_summary(cells: Sequence[dict], out: str | Path) -> list[dict]:
             f"| {f(r.get('gain_congruent'))} | {f(r.get('gain_incongruent'))} | {f(r.get('neutral_lift'))} | "
             f"{r['status']} |"
         )
-    (out / "summary.md").write_text("\n".join(md) + "\n")
+    write_text_atomic(out / "summary.md", "\n".join(md) + "\n")
     return rows

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions.kernels import RowKernel, Site, edited_mask
+from aligntax.interventions.kernels import PROMPT_TOKENS, RowKernel, Site, edited_mask
 
 # The request fields a client may send (``SamplingParams.extra_args``; OpenAI clients: ``vllm_xargs``).
 EXTRA_STEER = "aligntax_steer"
@@ -278,6 +278,7 @@ class BatchSteering:
     def _decide(self, g: _Group) -> None:
         kernel = g.preset.kernel
         states = {b: g.read[b] for b in kernel.decision_layers}
+        states[PROMPT_TOKENS] = torch.tensor([self.live[g.req_ids[j]].prompt_len for j in g.deciding])
         decision, parts = kernel.decide_with_parts(states)
         if parts:
             kernel.record_decisions(parts, g.preset.stats)
