@@ -6,9 +6,11 @@ them, and the HTML report in a real headless browser. Tiny random models; no dow
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from aligntax.audit.spec import load_panels, load_policy, parse_policy
 from aligntax.errors import AligntaxError, CompatibilityError, UsageError
 from aligntax.judges.base import RefusalJudge, Verdict
 from aligntax.metrics.rates import mcnemar_exact
+from aligntax.runfolder import LOCK_NAME, RunLockedError, SettingsChanged
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -360,7 +363,7 @@ def test_planted_regression_fails_on_the_harmful_rows(lm, data, tmp_path, cache)
 
 
 def test_resume_after_a_stop_gives_the_same_audit(lm, data, tmp_path, cache):
-    from aligntax.audit import run_audit
+    from aligntax.audit import rescore, run_audit
     from tiny import ParityJudge, save_tiny_vectors
 
     vec = save_tiny_vectors(lm, tmp_path / "vectors")
@@ -378,9 +381,11 @@ def test_resume_after_a_stop_gives_the_same_audit(lm, data, tmp_path, cache):
     assert _rows(resumed) == _rows(full)
     res = json.loads((out / "candidate" / "eval" / "results.json").read_text())
     assert 0 < res["timing"]["new_samples"] < len(lines)
-    # nothing left to do: nothing generated again
+    # nothing left to do: nothing generated, scored or judged again
+    kept = {p: p.stat().st_mtime_ns for p in [*out.glob("*/mc-*/results.json"), out / "fluency.jsonl"]}
     run_audit(_cfg(data, out, **kw), lm=lm, judge=ParityJudge())
     assert json.loads((out / "candidate" / "eval" / "results.json").read_text())["timing"]["new_samples"] == 0
+    assert len(kept) == 3 and {p: p.stat().st_mtime_ns for p in kept} == kept
     # another audit of the same model takes this one's baseline runs: only its candidate is generated
     reused = run_audit(
         _cfg(data, tmp_path / "reused", **kw, baseline_from=str(tmp_path / "whole")),
@@ -394,9 +399,26 @@ def test_resume_after_a_stop_gives_the_same_audit(lm, data, tmp_path, cache):
         run_audit(
             _cfg(data, tmp_path / "r2", **kw, max_new_tokens=7, baseline_from=str(tmp_path / "whole")), lm=lm
         )
-    # other settings are refused, before anything runs
-    with pytest.raises(UsageError, match="other settings"):
+    assert not list((tmp_path / "reused" / "baseline").glob(".copy.*"))  # copied whole, renamed in
+    assert not (tmp_path / "reused" / "baseline" / "eval" / LOCK_NAME).exists()
+    # other settings are refused, before anything runs, naming the key that differs
+    header = (out / "config.json").read_text()
+    with pytest.raises(SettingsChanged, match=r"different settings \(max_new_tokens: 6 -> 7\)"):
         run_audit(_cfg(data, out, **kw, max_new_tokens=7), lm=lm, judge=ParityJudge())
+    assert (out / "config.json").read_text() == header
+    # one writer: a live process holding the folder's lock refuses a second one
+    (out / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    with pytest.raises(RunLockedError, match="in use by another aligntax run"):
+        run_audit(_cfg(data, out, **kw), lm=lm, judge=ParityJudge())
+    with pytest.raises(RunLockedError):
+        rescore(out)
+    (out / LOCK_NAME).unlink()
+    # a folder with a header but no measurement yet (a run stopped while loading) binds nothing
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.json").write_text(json.dumps({"model": "other", "max_new_tokens": 99}))
+    run_audit(_cfg(data, fresh, **kw, panels=["over-refusal"]), lm=lm, judge=ParityJudge())
+    assert json.loads((fresh / "config.json").read_text())["model"] == "tiny"
 
 
 def test_target_gives_the_vat_metrics_of_vat_run(lm, data, tmp_path, cache):

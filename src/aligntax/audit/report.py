@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from aligntax.audit.stats import DOWN, EITHER, FAIL, INCONCLUSIVE, PASS, UP
+from aligntax.runfolder import write_text_atomic
 
 COLOURS = {PASS: "#2e7d32", FAIL: "#c62828", INCONCLUSIVE: "#e69500"}
 _UNIT = {"pt": " pt", "nats": " nats", "Likert": ""}
@@ -288,6 +289,6 @@ def html_report(audit: dict) -> str:
 def write_reports(audit: dict, out: str | Path) -> tuple[Path, Path]:
     out = Path(out)
     md, page = out / "report.md", out / "report.html"
-    md.write_text(markdown(audit))
-    page.write_text(html_report(audit))
+    write_text_atomic(md, markdown(audit))
+    write_text_atomic(page, html_report(audit))
     return md, page

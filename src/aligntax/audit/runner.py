@@ -2,8 +2,9 @@
 
 The folder ``OUT`` holds
 
-- ``config.json``: the audit's settings (a rerun with the same model, candidate, judge and generation
-  settings resumes; the profile, the panels and the policy may change between runs);
+- ``config.json``: the audit's settings header (a rerun with the same model, candidate, judge and
+  generation settings resumes; once the folder holds a measurement, other settings are refused with one
+  line naming each key that differs; the profile, the panels and the policy may change between runs);
 - ``baseline/`` and ``candidate/``: one run folder per measurement, each written and resumed by the
   run it is: ``eval/`` (:func:`aligntax.runs.eval.run_eval`, every refusal row's prompts; the candidate
   copies the answers of the rows its intervention leaves unsteered from the baseline), ``knowns-NAME/``
@@ -14,6 +15,11 @@ The folder ``OUT`` holds
   the whole VAT run of :func:`aligntax.vat.runner.run_vat`);
 - ``audit.json``, ``report.md`` and ``report.html``: the rows, their statistics and the verdict
   (:mod:`aligntax.audit.report`).
+
+The folder keeps the run-folder contract (:mod:`aligntax.runfolder`): one writer (its lock, and each
+sub-run's own), the settings header, atomic writes of every file but the append-only ones, and a rerun
+of the same command that redoes nothing finished (each sub-run resumes its samples; the multiple-choice
+rows and the fluency scores already made are kept).
 
 Everything the audit reads is loaded and checked (panels, policy, datasets, the candidate's folder
 against the model's architecture) before any model is loaded.
@@ -43,8 +49,15 @@ from aligntax.audit.spec import PROFILES, Panel, Policy, RowSpec, load_panels, l
 from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError, UsageError
 from aligntax.models.spec import DEFAULT_MODEL
-from aligntax.runs.fsio import run_lock, write_json_atomic
-from aligntax.runs.jsonl import append_jsonl, read_jsonl
+from aligntax.runfolder import (
+    LOCK_NAME,
+    WHERE_NAME,
+    append_jsonl,
+    check_settings,
+    read_jsonl,
+    run_lock,
+    write_json_atomic,
+)
 
 SCHEMA = "aligntax.audit/1"
 SIDES = ("baseline", "candidate")
@@ -258,18 +271,20 @@ def plan_audit(cfg: AuditConfig) -> Plan:
 
 
 # ---------------------------------------------------------------- running
-def _check_resume(out: Path, cfg: AuditConfig) -> None:
-    path = out / "config.json"
-    if not path.is_file():
-        return
-    old = json.loads(path.read_text())
-    new = asdict(cfg)
-    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in _RESUME_FIELDS if old.get(k) != new.get(k)]
-    if diffs:
-        raise UsageError(
-            f"{out} holds an audit with other settings ({'; '.join(diffs)}). Use another --out, or delete "
-            "the folder to start again."
-        )
+def _measured(out: Path) -> bool:
+    """Whether the folder holds a measurement (it is then bound to its settings header)."""
+    if any((out / f).is_file() for f in ("audit.json", "fluency.jsonl")):
+        return True
+    return any(
+        (out / side).is_dir() and any(p.is_file() for p in (out / side).rglob("*.jsonl"))
+        for side in (*SIDES, "values")
+    )
+
+
+def _check_resume(out: Path, cfg: AuditConfig, write: bool) -> None:
+    """The settings header rule (``config.json``): a folder holding a measurement refuses other
+    settings (:data:`_RESUME_FIELDS`) with one line; the header is (re)written when ``write``."""
+    check_settings(out, "config.json", asdict(cfg), _RESUME_FIELDS, _measured(out), "audit", write=write)
 
 
 def build_candidate(cand: Candidate, lm):
@@ -305,11 +320,11 @@ def run_audit(cfg: AuditConfig, lm=None, candidate_lm=None, judge=None, plan: Pl
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is an existing file; give a folder.")
-    _check_resume(out, cfg)
+    if out.is_dir():
+        _check_resume(out, cfg, write=False)  # refused before anything loads or is written
     source = _check_baseline_from(cfg)
-    out.mkdir(parents=True, exist_ok=True)
     with run_lock(out):
-        write_json_atomic(out / "config.json", asdict(cfg))
+        _check_resume(out, cfg, write=True)
         if source is not None:
             _copy_baseline(source, out)
         return _run(plan, out, lm, candidate_lm, judge)
@@ -334,21 +349,30 @@ def _check_baseline_from(cfg: AuditConfig) -> Path | None:
 
 def _copy_baseline(src: Path, out: Path) -> None:
     """The baseline runs of the audit ``src`` into ``out`` (those ``out`` lacks; each then resumes as
-    its own run), and the fluency scores of its answers."""
+    its own run), and the fluency scores of its answers. Each run is copied into a temp folder and
+    renamed into place whole, so a copy cut short leaves nothing a rerun would take for a run."""
+    import os
     import shutil
 
     (out / "baseline").mkdir(exist_ok=True)
+    for stale in (out / "baseline").glob(".copy.*"):
+        shutil.rmtree(stale, ignore_errors=True)  # a copy cut short (we hold the folder's lock)
     for run in sorted((src / "baseline").iterdir()):
-        if run.is_dir() and not (out / "baseline" / run.name).exists():
-            shutil.copytree(run, out / "baseline" / run.name)
-            for f in ("config.json", "results.json"):  # the copy is its own run folder now
-                path = out / "baseline" / run.name / f
-                if path.is_file() and run.name != "values":
-                    doc = json.loads(path.read_text())
-                    block = doc.get("config", doc) if f == "results.json" else doc
-                    if isinstance(block, dict) and "out" in block:
-                        block["out"] = str(out / "baseline" / run.name)
-                        write_json_atomic(path, doc)
+        final = out / "baseline" / run.name
+        if not run.is_dir() or run.name.startswith(".") or final.exists():
+            continue
+        tmp = out / "baseline" / f".copy.{os.getpid()}.{run.name}"
+        # not the source's lock or where it was: the copy is its own run folder, here
+        shutil.copytree(run, tmp, ignore=shutil.ignore_patterns(f"{LOCK_NAME}*", WHERE_NAME, ".*.tmp"))
+        for f in ("config.json", "results.json"):
+            path = tmp / f
+            if path.is_file() and run.name != "values":
+                doc = json.loads(path.read_text())
+                block = doc.get("config", doc) if f == "results.json" else doc
+                if isinstance(block, dict) and "out" in block:
+                    block["out"] = str(final)
+                    write_json_atomic(path, doc)
+        os.replace(tmp, final)
     scores = src / "fluency.jsonl"
     if scores.is_file():
         have = (
@@ -823,6 +847,11 @@ def rescore(out: str | Path, policy: str | None = None) -> dict:
     cfg = AuditConfig(**json.loads(path.read_text()))
     cfg.policy = policy if policy is not None else cfg.policy
     plan = plan_audit(cfg)
+    with run_lock(out):
+        return _rescore(plan, out)
+
+
+def _rescore(plan: Plan, out: Path) -> dict:
     values = None
     if any(r.kind == "values" for r in plan.rows()):
         values = _values_from_folder(plan, out)
