@@ -324,6 +324,7 @@ def test_baseline_against_itself_is_zero_and_passes(lm, data, tmp_path, cache):
     assert by["fluency"]["detectable"] > 0
     for name in ("audit.json", "report.md", "report.html", "config.json", "fluency.jsonl"):
         assert (tmp_path / "a" / name).is_file()
+    assert not (tmp_path / "a" / "candidate").exists()  # unchanged: its answers are the baseline's
     assert json.loads((tmp_path / "a" / "audit.json").read_text())["verdict"] == "pass"
     # the same checkpoint as a candidate model: the same zero
     again = run_audit(

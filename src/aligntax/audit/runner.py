@@ -126,6 +126,17 @@ class Plan:
     def rows(self) -> list[RowSpec]:
         return [r for p in self.panels for r in p.rows]
 
+    def unchanged(self) -> bool:
+        """Whether the candidate is the baseline itself (``--intervention none``, or ``--candidate-model``
+        the same spec as ``--model``): every row is then unsteered, and the candidate's answers are the
+        baseline's (the same runs, not a second generation whose batches could differ)."""
+        cand = self.candidate
+        return (not cand.model and cand.intervention == "none") or cand.model == self.cfg.model
+
+    def folder(self, out: Path, side: str) -> Path:
+        """The folder of ``side``'s runs (the candidate's are the baseline's when it is unchanged)."""
+        return out / ("baseline" if side == "candidate" and self.unchanged() else side)
+
 
 def stratified(items: Sequence, n: int | None, seed: int, key: Callable, salt: str = "") -> list:
     """``n`` of ``items`` (all when ``n`` is None or not smaller), drawn at random (``seed``) within the
@@ -411,8 +422,10 @@ def _run(plan: Plan, out: Path, lm, candidate_lm, judge) -> dict:
     judge = judge or (get_judge(cfg.judge) if needs_judge else None)
     source = generation_source("hf")
     timing: dict = {}
+    if plan.unchanged():
+        _say(cfg, "candidate: the baseline itself; its answers are the baseline's")
     try:
-        for side in (bside, cside):
+        for side in (bside,) if plan.unchanged() else (bside, cside):
             t = time.perf_counter()
             if plan.prompts:
                 _say(cfg, f"{side.name}: {len(plan.prompts)} prompts of the refusal rows")
@@ -533,8 +546,8 @@ def _answer_key(prompt: str, response: str) -> str:
     return hashlib.sha256(f"{prompt}\0{response}".encode()).hexdigest()[:32]
 
 
-def _samples(out: Path, side: str) -> dict[tuple[str, str], dict]:
-    path = out / side / "eval" / "samples.jsonl"
+def _samples(plan: Plan, out: Path, side: str) -> dict[tuple[str, str], dict]:
+    path = plan.folder(out, side) / "eval" / "samples.jsonl"
     return {(r["source"], r["id"]): r for r in read_jsonl(path)} if path.is_file() else {}
 
 
@@ -542,7 +555,7 @@ def _fluency_pairs(plan: Plan, out: Path) -> dict[tuple[str, str], list[tuple[st
     """Per fluency row: ``((prompt, baseline answer), (prompt, candidate answer))`` for each of its benign
     prompts that both sides answered (judged not a refusal): a refusal turned into an answer is the
     over-refusal rows' business, and a refusal's boilerplate is not a fluent answer to compare with."""
-    base, cand = _samples(out, "baseline"), _samples(out, "candidate")
+    base, cand = _samples(plan, out, "baseline"), _samples(plan, out, "candidate")
     pairs = {}
     for p in plan.panels:
         for r in p.rows:
@@ -731,7 +744,7 @@ def assemble(plan: Plan, out: Path, values: dict | None) -> dict:
     """``audit.json``'s content from the finished runs: every row with its statistics, Holm-adjusted p,
     detectable change and verdict, the panels' and the overall verdict."""
     cfg, policy = plan.cfg, plan.policy
-    base, cand = _samples(out, "baseline"), _samples(out, "candidate")
+    base, cand = _samples(plan, out, "baseline"), _samples(plan, out, "candidate")
     fluency = None
     rows: list[dict] = []
     for p in plan.panels:
@@ -754,7 +767,8 @@ def assemble(plan: Plan, out: Path, values: dict | None) -> dict:
                 ids = [it.id for it in items]
                 name = f"{r.kind}-{_safe(r.name)}"
                 b, a = _paired(
-                    _correct(out / "baseline" / name, ids), _correct(out / "candidate" / name, ids)
+                    _correct(plan.folder(out, "baseline") / name, ids),
+                    _correct(plan.folder(out, "candidate") / name, ids),
                 )
                 rows.append({**common, **S.rate_row(b, a)})
             elif r.kind == "fluency":
