@@ -120,7 +120,7 @@ def cv_logits(
     seed: int = 0,
     sample_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    from aligntax.energy.gate import _fit_standardised
+    from aligntax.energy.gate import fit_standardised
 
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     out = torch.empty(len(y))
@@ -128,7 +128,7 @@ def cv_logits(
         va = perm[i::folds]
         tr = torch.ones(len(y), dtype=torch.bool)
         tr[va] = False
-        w, b, mu, sd = _fit_standardised(
+        w, b, mu, sd = fit_standardised(
             x[tr], y[tr], l2, None if sample_weight is None else sample_weight[tr]
         )
         out[va] = ((x[va] - mu) / sd) @ w + b
@@ -355,7 +355,7 @@ def main() -> None:
 
     from aligntax.config import load_config
     from aligntax.data.api import load_prompt_sets
-    from aligntax.energy.gate import _fit_standardised
+    from aligntax.energy.gate import fit_standardised
     from aligntax.models import load_model
     from aligntax.runs.els_train import ELSTrainConfig, gate_extra_items, gate_items
 
@@ -410,7 +410,7 @@ def main() -> None:
             oof = torch.sigmoid(cv_logits(x_tr, y_tr, 1e-2, sample_weight=sw))
             harm_p = oof[y_tr].sort().values
             threshold = min(0.5, float(harm_p[int(0.01 * len(harm_p))]))
-            w, b, mu, sd = _fit_standardised(x_tr, y_tr, 1e-2, sw)
+            w, b, mu, sd = fit_standardised(x_tr, y_tr, 1e-2, sw)
             score = {name: ((feat(s) - mu) / sd) @ w + b for name, s in ev.items()}
             logit_t = float(torch.logit(torch.tensor(threshold)))
             row = {

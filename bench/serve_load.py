@@ -143,6 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def serve_child(args) -> None:
     bl.set_threads(args.threads)
     from aligntax.serve.app import create_app, serve
+    from aligntax.serve.settings import ServerSettings
 
     if args.model == "tiny":
         sys.path.insert(0, str(HERE.parent / "tests"))
@@ -151,27 +152,28 @@ def serve_child(args) -> None:
         lm = tiny_lm()
     else:
         lm, _ = bl.load_lm(args.model, args.dtype, args.device)
-    app = create_app(
-        lm,
-        None,
-        MODEL_NAME,
+    settings = ServerSettings(
+        port=args.serve_child,
+        model_name=MODEL_NAME,
         max_batch_size=args.max_batch_size,
         max_queue=args.max_queue,
         max_batch_wait_ms=args.max_batch_wait_ms,
         max_queue_wait_ms=args.max_queue_wait_ms or None,
-        request_timeout_s=args.request_timeout,
-        max_new_tokens_limit=max(args.max_tokens, 4),
+        request_timeout=args.request_timeout,
+        max_tokens_limit=max(args.max_tokens, 4),
         max_latency_ms=args.max_latency_ms or None,
     )
+    app = create_app(lm, None, settings)
 
     @app.post("/_bench/max-latency")
     async def set_max_latency(body: dict):  # the load generator sets the target from the unloaded p95
         ms = float(body["ms"])
-        app.state.settings.max_latency_ms = ms
+        handler = app.state.handler
+        handler.settings = app.state.settings = handler.settings.replace(max_latency_ms=ms)
         app.state.engine.max_latency = ms / 1000.0
         return {"max_latency_ms": ms}
 
-    serve(lm, port=args.serve_child, log_level="warning", app=app)
+    serve(app, log_level="warning")
 
 
 def _free_port() -> int:

@@ -113,7 +113,7 @@ async def _clients(url: str, model: str, prompts: list[str], concurrency: int, m
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from aligntax.generation import GenerationConfig, generate
-    from aligntax.serve import create_app, default_model_name
+    from aligntax.serve import ServerSettings, create_app, default_model_name
     from aligntax.serve.background import BackgroundServer
 
     lm, load_s = bl.start(args)
@@ -129,17 +129,16 @@ def main(argv=None) -> dict:
     prompts = bl.load_prompt_texts(args.dataset, args.prompts)
     warm_prompts = prompts[: max(1, min(args.warmup_prompts, len(prompts)))]
     name = default_model_name(lm)
-    app = create_app(
-        lm,
-        iv,
-        name,
+    settings = ServerSettings(
+        model_name=name,
         max_batch_size=args.max_batch_size,
         batch_wait_ms=args.batch_wait_ms,
         max_batch_wait_ms=args.max_batch_wait_ms,
-        max_new_tokens_limit=max(args.max_tokens, 1),
+        max_tokens_limit=max(args.max_tokens, 1),
         default_max_tokens=args.max_tokens,
     )
-    steered_name = app.state.settings.steered_name
+    app = create_app(lm, iv, settings)
+    steered_name = app.state.handler.steered_name
     metrics = app.state.metrics
     srv = BackgroundServer(app).start()
     print(

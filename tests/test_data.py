@@ -516,7 +516,7 @@ def _fake_packaged(
     import zipfile
 
     from aligntax.data.packaged import PackagedData
-    from aligntax.pypi import wheel_name
+    from aligntax.wheels import wheel_name
 
     monkeypatch.setenv("ALIGNTAX_CACHE", str(tmp_path / "cache"))
     wheels = tmp_path / "wheels"

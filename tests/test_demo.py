@@ -27,6 +27,9 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
         limit_gate_benign=16,
         sweep_max_new_tokens=6,
         limit_leak=40,
+        sweep_limit=60,
+        limit_reasoning=4,
+        reasoning_max_new_tokens=6,
         progress=False,
         mechanisms=["harm-orth", "row-strength", "els-lora"],
     )
@@ -101,12 +104,20 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
     assert all(
         r["args"]["path"] == str(out / "els-lora") and r["leak_passed"] == r["leak_prompts"] for r in lora
     )
-    rows = [r for r in rows if r not in front and r not in lora]
+    # ELS on top of the adapter: the core setting on the best layer, the adapter everywhere or gated
+    compose = [r for r in rows if r["name"] == "els-compose"]
+    assert sorted(str(r["args"]["lora_gate"]) for r in compose) == ["0.1", "None"]
+    assert all(r["args"]["adapter"] == str(out / "els-lora") for r in compose)
+    rows = [r for r in rows if r not in front and r not in lora and r not in compose]
     gated = [r for r in rows if r["name"] == "els" and r["args"].get("gate") is True]  # the saved threshold
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]
     runner_ups = [r for r in gated if "layers" in r["args"]]
     assert {r["args"]["layers"][0] for r in runner_ups} == set(ranked[1:3])  # the 2nd and 3rd best layers
-    assert len(gated) == 2 * (1 + len(ranked[1:3])) and any(
+    # the grid within the energy models' prompt-length domain, and the core setting without it
+    domain = [r for r in gated if r["args"].get("max_prompt_tokens") is not None]
+    assert len(domain) == 2 * (1 + len(ranked[1:3])) and len(gated) == len(domain) + 1
+    assert len({r["args"]["max_prompt_tokens"] for r in domain}) == 1
+    assert len(gated) == 2 * (1 + len(ranked[1:3])) + 1 and any(
         r["name"] == "els" and "gate" not in r["args"] for r in rows
     )
     assert all(r["args"]["threshold"] is None and r["args"]["horizon"] == 16 for r in gated)
@@ -114,12 +125,15 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
     assert all("degenerate" in r for r in rows)
     # benign validation is scored per set (OR-Bench-Hard val and PHTest val) and averaged; every setting is
     # also scored on the known-answer val questions
-    assert all(set(r["benign_by_set"]) == {"orbench-hard-val", "phtest-harmless-val"} for r in rows)
-    assert all(abs(r["benign_compliance"] - sum(r["benign_by_set"].values()) / 2) < 1e-9 for r in rows)
-    assert all(0 <= r["known_accuracy"] <= 1 and r["known_n"] >= 100 for r in rows)
+    benign_sets = {"orbench-hard-val", "phtest-harmless-val", "contrast-benign-val"}
+    assert all(set(r["benign_by_set"]) == benign_sets for r in rows)
+    assert all(abs(r["benign_compliance"] - sum(r["benign_by_set"].values()) / 3) < 1e-9 for r in rows)
+    assert all(0 <= r["known_accuracy"] <= 1 and r["known_n"] == 60 for r in rows)
+    # the jailbreak validation prompts (WildGuardTest adversarial, val half) are scored apart
+    assert all(0 <= r["jailbreak_refusal"] <= 1 for r in rows)
     # the sweep keeps the unsteered answers, and gated settings take the rows the gate holds back from them
     assert (out / "els/sweep/unsteered-6tok.jsonl").is_file()
-    assert all(0 <= r["reused_unsteered"] <= 132 + 300 + 39 + 41 + r["known_n"] for r in gated)
+    assert all(0 <= r["reused_unsteered"] <= 3 * 60 + 39 + 41 + 60 + 60 + r["known_n"] for r in gated)
     # the leak check: 40 OR-Bench toxic prompts sampled after the 16 the gate was trained on are left out;
     # each gated setting's gate passes the same rows (one gate, one threshold)
     assert all(r["leak_sets"] == ["orbench-toxic"] and r["leak_prompts"] == 40 for r in gated)
@@ -138,36 +152,30 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
         passed.pop(), *(r["leak_passed"] for r in lora)
     )
     # the leak check added to an earlier sweep (here: other leak prompts) scores only the leaks again
-    from aligntax.runs.els_sweep import SweepConfig, run_sweep
+    from dataclasses import replace
+
+    from aligntax.runs.demo import demo_sweep_config
+    from aligntax.runs.els_sweep import run_sweep
+    from aligntax.runs.els_train import prompt_domain
 
     before = {r["key"]: r for r in rows}
+    demo_sweep = demo_sweep_config(cfg, out / "els", prompt_domain(out / "els", tiny_lm))
     res = run_sweep(
-        SweepConfig(
-            steer=str(out / "els"),
-            top_k=[1],
-            eta=[0.35],
-            layers=[[x] for x in ranked[1:3]],
-            threshold=[None],
-            gate=[True],
-            horizon=[16],
-            row_threshold=[0.0, -2.0],
-            baselines=False,
-            judge="parity",  # the demo's judge: a resume with another is refused
-            max_new_tokens=6,
-            leak=["orbench-toxic"],
+        replace(
+            demo_sweep,
+            extra=[e for e in demo_sweep.extra if not {"harm_orth", "row_strength"} & set(e)],
+            lora=[],
+            compose=[],
             limit_leak=30,
-            extra=[{"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0}],
-            progress=False,
         ),
         lm=tiny_lm,
     )
     again = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
+    done = len(rows) + len(front) + len(lora) + len(compose)
     assert (
-        len(again) == len(rows) + len(front) + len(lora) + len(gated)
-        and res["n_settings"] == 2 + len(gated)
-        and res["leak_prompts"] == 30
+        len(again) == done + len(gated) and res["n_settings"] == 2 + len(gated) and res["leak_prompts"] == 30
     )
-    for r in again[len(rows) + len(front) + len(lora) :]:
+    for r in again[done:]:
         old = before[r["key"]]
         assert r["leak_prompts"] == 30
         assert {k: r[k] for k in ("benign_compliance", "harmful_refusal")} == {
@@ -180,11 +188,18 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
     minutes = json.loads((out / "timing.json").read_text())
     assert minutes["total"] >= minutes["baseline evaluation"] >= 0 and "validation sweep" in minutes
     if summary["best"] is not None:  # a steered run of the selected setting, with the same test sets
+        from aligntax.interventions.selection import read_selection
+        from aligntax.runs.els_score import sweep_iv_args
+
         steered = json.loads((out / "steered/config.json").read_text())
-        assert steered["intervention"] == summary["best"]["name"]
-        assert {k: steered["intervention_args"][k] for k in summary["best"]["args"]} == summary["best"][
-            "args"
-        ]
+        name = summary["best"]["name"]
+        assert steered["intervention"] == name
+        args = sweep_iv_args(name, {"path": str(out / "els"), **summary["best"]["args"]})
+        assert steered["intervention_args"] == args
+        # the folder's selection (what --steer DIR applies) is exactly the steered run's setting
+        chosen, chosen_args, record = read_selection(out)
+        assert (chosen, chosen_args) == (name, args) and record["chosen_on"]["split"] == "validation"
+        assert "jailbreak_refusal" in record["validation"]
         assert steered["reuse_unsteered"] == str(out / "baseline")
         timing = summary["steered"]["timing"]
         assert timing["new_samples"] + timing["reused_unsteered_samples"] == 12
@@ -226,9 +241,12 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
         limit_gate_benign=16,
         sweep_max_new_tokens=6,
         limit_leak=40,
+        sweep_limit=30,
+        limit_reasoning=4,
+        reasoning_max_new_tokens=6,
         progress=False,
     )
-    assert not cfg.full and cfg.sweep_halving == 3 and cfg.test_baselines == ["cast"]
+    assert not cfg.full and cfg.sweep_halving == 3 and cfg.test_baselines == []
     summary = run_demo(cfg, lm=tiny_lm)
     out = tmp_path / "demo"
     for path in (
@@ -236,17 +254,17 @@ def test_quick_demo_halves_the_sweep_and_scores_the_strongest_baseline(tmp_path,
         "els/sweep/pareto.png",
         "report.md",
         "test_pareto.png",
-        "test-baselines/cast/results.json",
+        "reasoning-baseline/results.json",
     ):
         assert (out / path).is_file(), path
-    assert not (out / "test-baselines" / "system-prompt").exists()
+    assert not (out / "test-baselines").exists()
     rows = [json.loads(line) for line in (out / "els/sweep/sweep.jsonl").read_text().splitlines()]
     first = [r for r in rows if json.loads(r["key"])["data"].get("part") == "1/3"]
     second = [r for r in rows if "part" not in json.loads(r["key"])["data"]]
     ranked = json.loads((out / "els/energy.json").read_text())["layers"]
     # unsteered, the best layers x 2 row cut-offs, the paper-style one, and harm-orthogonal descent on the
     # best layer (the quick profile's front mechanism)
-    n_settings = 1 + 2 * len(ranked[:3]) + 1 + 1
+    n_settings = 1 + 2 * len(ranked[:3]) + 1 + 1 + 1  # + the core setting without the length domain
     assert len(first) == n_settings and len(second) == 1 + 2
     assert [r["args"]["harm_orth"] for r in first if "harm_orth" in r["args"]] == [2]
     # a third of each validation set (rounded up), known answers too
@@ -301,3 +319,23 @@ def test_calibration_forward_runs_on_a_tiny_model(tiny_lm):
 
     seconds = calibrate(tiny_lm, rows=2, tokens=4, repeats=1)
     assert 0 < seconds < 30
+
+
+def test_test_subsets_sample_each_attack_alike(data_dir):
+    """The quick profile's jailbreak test set: 40 prompts of each JailbreakBench attack, the same draw
+    every run, the other test sets whole."""
+    from collections import Counter
+
+    from aligntax.runs.demo import DemoConfig
+    from aligntax.runs.eval import EvalConfig, eval_items
+
+    cfg = DemoConfig()
+    ev = EvalConfig(data=["xstest-safe", "jbb-attacks"], subsets=dict(cfg.test_subsets))
+    items = eval_items(ev)
+    counts = Counter(it.source for it in items)
+    assert counts == {
+        "xstest": 250,
+        **{f"jbb-{a}": 40 for a in ("pair", "jbc", "random-search", "gcg", "dsn")},
+    }
+    assert [(it.source, it.id) for it in eval_items(ev)] == [(it.source, it.id) for it in items]
+    assert len(eval_items(EvalConfig(data=["jbb-attacks"]))) == 482

@@ -94,10 +94,10 @@ def test_exported_addition_gives_the_hook_tokens(arch, layer, tmp_path):
     torch.manual_seed(11)
     v = torch.randn(H) * 3
     d = SteeringVectors({"refusal": {layer: v}}, lm.fingerprint, {"layer": layer}).save(tmp_path / "v")
-    out = export_model(lm, d, "refusal-addition", tmp_path / "m", coeff=1.5)
+    out = export_model(lm, d, "refusal-add", tmp_path / "m", coeff=1.5)
     model, tok = load_plain(out)
     got = generate(model, tok)
-    iv = hook_equivalent(d, lm, "refusal-addition", coeff=1.5)
+    iv = hook_equivalent(d, lm, "refusal-add", coeff=1.5)
     assert isinstance(iv, ActivationAddition) and iv.positions == "all" and sorted(iv.vectors) == [layer]
     with iv.apply(lm.model):
         want = generate(lm.model, lm.tokenizer)
@@ -127,10 +127,10 @@ def test_what_has_no_weight_form_is_refused(tmp_path):
     for arch in ("gemma", "qwen3"):
         m = tiny_lm(arch, hidden=H, layers=2).model if arch == "gemma" else _qwen3()
         with pytest.raises(AligntaxError, match="no MLP bias"):
-            bake(m, "refusal-addition", torch.randn(H), 1)
+            bake(m, "refusal-add", torch.randn(H), 1)
     mistral = tiny_lm("mistral", hidden=H, layers=2, sliding_window=8)
     with pytest.raises(AligntaxError, match="sliding window"):
-        bake(mistral.model, "refusal-addition", torch.randn(H), 1)
+        bake(mistral.model, "refusal-add", torch.randn(H), 1)
     export_model(lm, vectors, "refusal-ablation", tmp_path / "m")
     with pytest.raises(AligntaxError, match="not empty"):
         export_model(lm, vectors, "refusal-ablation", tmp_path / "m")
@@ -170,7 +170,7 @@ def test_cli_export(tmp_path):
         [
             "export",
             "--intervention",
-            "refusal-addition",
+            "refusal-add",
             "--vectors",
             str(vectors),
             "--out",
@@ -187,7 +187,7 @@ def test_cli_export(tmp_path):
     )
     assert res.exit_code == 0, res.output
     model, tok = load_plain(tmp_path / "m")
-    with hook_equivalent(vectors, base, "refusal-addition", layer=2, coeff=4.0).apply(base.model):
+    with hook_equivalent(vectors, base, "refusal-add", layer=2, coeff=4.0).apply(base.model):
         want = generate(base.model, base.tokenizer)
     assert torch.equal(generate(model, tok), want)
     res = runner.invoke(

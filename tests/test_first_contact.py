@@ -448,38 +448,52 @@ def test_progress_switch_and_shared_defaults_in_help(cmd):
         assert "--temperature" in text and "greedy" in text
 
 
-def test_renamed_options_keep_their_old_spellings(no_load, tmp_path):
-    text = invoke("els", "train", "--help").stdout
-    assert "--train-gate" in text and "--no-train-gate" in text
+def test_removed_spellings_fail_with_one_line_naming_the_new_one(no_load, tmp_path):
+    """Spellings removed in 0.2 (CHANGELOG.md): each is a usage error naming its replacement, before any
+    check or load."""
     text = invoke("els", "sweep", "--help").stdout
     assert "--layers-grid" in text
     text = invoke("vat", "run", "--help").stdout
     assert "--steer" in text and "--energy-dir" not in text
-    # the old spellings still parse, with a note, and reach the same checks
-    res = invoke("els", "sweep", "--steer", tmp_path / "missing", "--layers", "1;2")
-    assert res.exit_code == 2 and "note: --layers in a sweep is deprecated; use --layers-grid" in res.stderr
-    assert res.stderr.strip().splitlines()[-1].startswith("error: --steer")
-    res = invoke(
-        "vat",
-        "run",
-        "--target",
-        "Benevolence",
-        "--intervention",
-        "els",
-        "--energy-dir",
-        tmp_path / "x",
-        "--out",
-        tmp_path / "vat",
-    )
-    assert res.exit_code == 2 and "note: --energy-dir is deprecated; use --steer" in res.stderr
-    text = invoke("export", "--help").stdout
-    assert "refusal-add" in text
+    cases = [
+        (("els", "sweep", "--steer", tmp_path / "missing", "--layers", "1;2"), "--layers", "--layers-grid"),
+        (
+            (
+                "vat",
+                "run",
+                "--target",
+                "Benevolence",
+                "--intervention",
+                "els",
+                "--energy-dir",
+                tmp_path / "x",
+            ),
+            "--energy-dir",
+            "--steer",
+        ),
+        (("generate", "hi", "--sample"), "--sample", "--temperature T"),
+        (("eval", "--data", "xstest", "--out", tmp_path / "e", "--sample"), "--sample", "--temperature T"),
+    ]
+    for args, old, new in cases:
+        res = invoke(*args)
+        assert res.exit_code == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0] == f"error: {old} was removed in 0.2; use {new}" + (
+            " (above 0 samples) (CHANGELOG.md)." if old == "--sample" else " (CHANGELOG.md)."
+        ), lines
+    # --layers is still an option of the commands that take one layer set
+    assert "--layers" in invoke("eval", "--help").stdout
+    res = invoke("knowns", "--layers", "1;2", "--out", tmp_path / "k")
+    assert "was removed" not in res.stderr
 
 
-def test_export_accepts_refusal_add_and_the_old_name():
+def test_export_refuses_the_removed_method_name_naming_the_new_one():
     from aligntax.bundles.export import canonical_method
+    from aligntax.errors import AligntaxError
 
-    assert canonical_method("refusal-add") == canonical_method("refusal-addition") == "refusal-add"
+    assert canonical_method("refusal-add") == "refusal-add"
+    with pytest.raises(AligntaxError, match=r"^'refusal-addition' was removed in 0.2; use 'refusal-add'"):
+        canonical_method("refusal-addition")
 
 
 def test_els_folder_commands_check_the_folder_first(no_load, tmp_path, bank_dir):

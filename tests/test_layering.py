@@ -198,7 +198,7 @@ def test_no_intervention_runs_the_model():
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "paths", "defaults", "hooks"),  # nothing of aligntax
     ("runfolder",),  # errors only: the run-folder contract (atomic writes, lock, settings header, JSONL)
-    ("artefacts", "pypi", "config"),  # errors only: saved tensors + sidecars, package lookups, YAML configs
+    ("artefacts", "wheels", "config"),  # errors only: tensors + sidecars, pinned-wheel files, YAML configs
     ("models", "data", "judges", "energy", "reports"),  # judges only score (texts, logits), never run a model
     ("interventions",),  # steering: messages, row kernels, hooks; ELS over the energy models
     ("generation",),  # chat rendering, the decode loop, prompt logits (the first-token refusal score)

@@ -6,7 +6,7 @@ import pytest
 from aligntax.errors import HashMismatchError, ModelSpecError
 from aligntax.models import embedded as emb
 from aligntax.models.spec import parse_spec
-from aligntax.pypi import wheel_name
+from aligntax.wheels import wheel_name
 
 
 def test_parse_spec_kinds(tmp_path):

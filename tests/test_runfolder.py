@@ -320,7 +320,7 @@ import shutil, sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from aligntax.models import embedded as E
-from aligntax.pypi import wheel_name
+from aligntax.wheels import wheel_name
 
 wheel, sha, size, count, ready = Path({wheel!r}), {sha!r}, {size}, Path({count!r}), Path({ready!r})
 E.EMBEDDED_MODELS["fake-tiny"] = E.EmbeddedModel(

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from aligntax.serve import create_app
+from aligntax.serve import ServerSettings, create_app
 from aligntax.serve.background import BackgroundServer
 from serve_tiny import AddVector, tiny_lm
 
@@ -33,13 +33,15 @@ def live(lm):
     app = create_app(
         lm,
         AddVector(lm.hidden_size, fail_strength=FAIL_STRENGTH),
-        NAME,
-        api_key=KEY,
-        max_batch_size=32,
-        batch_wait_ms=20,
-        max_prompt_tokens=200,
-        max_new_tokens_limit=64,
-        default_max_tokens=16,
+        ServerSettings(
+            model_name=NAME,
+            api_key=KEY,
+            max_batch_size=32,
+            batch_wait_ms=20,
+            max_prompt_tokens=200,
+            max_tokens_limit=64,
+            default_max_tokens=16,
+        ),
     )
     srv = BackgroundServer(app).start()
     yield srv
@@ -362,7 +364,7 @@ def test_health_and_metrics(live):
 
 
 def test_shutdown_drains_queued_requests(lm):
-    srv = BackgroundServer(create_app(lm, None, "drain", batch_wait_ms=5)).start()
+    srv = BackgroundServer(create_app(lm, None, ServerSettings(model_name="drain", batch_wait_ms=5))).start()
     engine = srv.app.state.engine
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
     results: list = []
@@ -429,7 +431,7 @@ def test_serve_takes_every_steering_option_of_the_registry(tmp_path, monkeypatch
     monkeypatch.setattr("aligntax.models.loader.load_model", lambda *a, **k: lm)
     # the bank names its random model 'tiny-qwen2', which no loader resolves: its layer count is given here
     monkeypatch.setattr("aligntax.cli.options.model_num_layers", lambda spec: 3)
-    monkeypatch.setattr(serve_app, "serve", lambda lm, app=None, **kw: seen.setdefault("app", app))
+    monkeypatch.setattr(serve_app, "serve", lambda app, **kw: seen.setdefault("app", app))
     res = CliRunner().invoke(
         app,
         ["serve", "--steer", str(bank), "--layers", "1", "--eta", "0.7", "--horizon", "4", "--gate", "none"],

@@ -21,6 +21,7 @@ from aligntax.serve.jobs import (
     SamplingParams,
     StopMatcher,
 )
+from aligntax.serve.settings import ServerSettings
 from serve_tiny import AddVector, tiny_lm
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -99,7 +100,7 @@ def test_stop_matcher_holds_back_partial_stops():
 
 
 def test_batches_respect_max_size_and_mixing(lm):
-    engine = BatchEngine(lm, AddVector(lm.hidden_size), max_batch_size=4, batch_wait_ms=50)
+    engine = BatchEngine(lm, AddVector(lm.hidden_size), ServerSettings(max_batch_size=4, batch_wait_ms=50))
     jobs = [Job(_ids(lm, f"question {i}"), GREEDY) for i in range(10)]
     res = _run(engine, jobs, pause=True)
     assert dict(engine.metrics.batch_sizes) == {4: 2, 2: 1}
@@ -107,7 +108,7 @@ def test_batches_respect_max_size_and_mixing(lm):
     engine.shutdown()
 
     alone = _run(BatchEngine(lm, AddVector(lm.hidden_size)), [Job(_ids(lm, "hi"), GREEDY)])[0][0].text
-    separate = BatchEngine(lm, AddVector(lm.hidden_size), batch_wait_ms=50, mix_steered=False)
+    separate = BatchEngine(lm, AddVector(lm.hidden_size), ServerSettings(batch_wait_ms=50, mix_steered=False))
     jobs = [Job(_ids(lm, "hi"), GREEDY, steer=bool(i % 2)) for i in range(6)]
     res = _run(separate, jobs, pause=True)
     assert dict(separate.metrics.batch_sizes) == {3: 2}
@@ -118,7 +119,7 @@ def test_batches_respect_max_size_and_mixing(lm):
 
 
 def test_streaming_rows_and_plain_rows_agree(lm):
-    engine = BatchEngine(lm, None, batch_wait_ms=50)
+    engine = BatchEngine(lm, None, ServerSettings(batch_wait_ms=50))
     ids = _ids(lm, "Café 🙂 naïve")
     params = SamplingParams(max_tokens=20, temperature=0)
     (plain, _), (streamed, deltas) = _run(
@@ -129,7 +130,7 @@ def test_streaming_rows_and_plain_rows_agree(lm):
 
 
 def test_queue_limit_and_closed_engine(lm):
-    engine = BatchEngine(lm, None, max_queue=2)
+    engine = BatchEngine(lm, None, ServerSettings(max_queue=2))
     engine.start()
     engine.pause()
     submitted = []
@@ -163,7 +164,7 @@ def test_engine_ignores_model_generation_config_sampling_options(lm):
 
 
 def test_failed_batch_is_retried_per_request(lm):
-    engine = BatchEngine(lm, AddVector(lm.hidden_size, fail_strength=13.0), batch_wait_ms=50)
+    engine = BatchEngine(lm, AddVector(lm.hidden_size, fail_strength=13.0), ServerSettings(batch_wait_ms=50))
     jobs = [
         Job(_ids(lm, "hi"), GREEDY, steer=True, strength=13.0),
         Job(_ids(lm, "hi"), GREEDY),
@@ -189,7 +190,7 @@ def test_finished_requests_leave_the_batch(lm):
         lambda mod, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
     try:
-        engine = BatchEngine(lm, None, batch_wait_ms=50)
+        engine = BatchEngine(lm, None, ServerSettings(batch_wait_ms=50))
         res = _run(engine, [Job(ids, short), Job(ids, long), Job(ids, short)], pause=True)
         engine.shutdown()
     finally:
@@ -231,6 +232,10 @@ def test_a_burst_arriving_one_by_one_forms_one_batch(lm):
 
     # 8 requests 10 ms apart, each within batch_wait (60 ms) of the one before: one batch, though the
     # burst lasts longer than batch_wait
-    assert burst(BatchEngine(lm, None, batch_wait_ms=60, max_batch_wait_ms=5000), 8, 0.01) == {8: 1}
+    assert burst(
+        BatchEngine(lm, None, ServerSettings(batch_wait_ms=60, max_batch_wait_ms=5000)), 8, 0.01
+    ) == {8: 1}
     # the same burst with the whole wait capped at 60 ms: split
-    assert 8 not in burst(BatchEngine(lm, None, batch_wait_ms=60, max_batch_wait_ms=60), 8, 0.01)
+    assert 8 not in burst(
+        BatchEngine(lm, None, ServerSettings(batch_wait_ms=60, max_batch_wait_ms=60)), 8, 0.01
+    )

@@ -21,12 +21,12 @@ from typer.testing import CliRunner
 
 from aligntax.interventions.base import Intervention, hidden_from_args, hooks_attached, replace_hidden_in_args
 from aligntax.models.layers import decoder_layers
-from aligntax.serve import create_app
-from aligntax.serve.app import MAX_BODY_BYTES, InsecureBindError, _RequestGuard, check_bind
+from aligntax.serve import ServerSettings, create_app
 from aligntax.serve.background import BackgroundServer
 from aligntax.serve.engine import BatchEngine
 from aligntax.serve.jobs import Failed, Finished, Job, SamplingParams
 from aligntax.serve.metrics import ServeMetrics
+from aligntax.serve.security import MAX_BODY_BYTES, InsecureBindError, RequestGuard, check_bind
 from serve_tiny import tiny_lm
 
 KEY = "sk-hardening"
@@ -111,15 +111,17 @@ def live(lm, logs):
     app = create_app(
         lm,
         Trouble(lm.hidden_size),
-        NAME,
-        api_key=KEY,
-        max_batch_size=16,
-        batch_wait_ms=20,
-        max_prompt_tokens=200,
-        max_new_tokens_limit=64,
-        default_max_tokens=16,
-        max_queue=3,
-        request_timeout_s=TIMEOUT_S,
+        ServerSettings(
+            model_name=NAME,
+            api_key=KEY,
+            max_batch_size=16,
+            batch_wait_ms=20,
+            max_prompt_tokens=200,
+            max_tokens_limit=64,
+            default_max_tokens=16,
+            max_queue=3,
+            request_timeout=TIMEOUT_S,
+        ),
     )
     srv = BackgroundServer(app).start()
     # uvicorn configures its loggers at start: attach (again) afterwards
@@ -199,7 +201,7 @@ def test_guard_answers_413_to_endless_chunked_body_without_reading_it():
     async def app(scope, receive, send):  # pragma: no cover - must not be reached
         raise AssertionError("the app was called")
 
-    guard = _RequestGuard(app, None, ServeMetrics())
+    guard = RequestGuard(app, None, ServeMetrics())
     scope = {"type": "http", "method": "POST", "path": URL, "headers": [(b"transfer-encoding", b"chunked")]}
     asyncio.run(guard(scope, receive, send))
     assert sent[0]["status"] == 413
@@ -293,7 +295,9 @@ def test_unknown_fields_are_400(live, http, logs, lm):
     _healthy(live, logs)
 
     lenient = BackgroundServer(
-        create_app(lm, None, "lenient", allow_unknown_fields=True, max_new_tokens_limit=8)
+        create_app(
+            lm, None, ServerSettings(model_name="lenient", allow_unknown_fields=True, max_tokens_limit=8)
+        )
     ).start()
     try:
         r = httpx.post(
@@ -403,7 +407,7 @@ def test_full_queue_answers_429_with_retry_after(live, logs):
 
 def test_requests_being_tokenised_count_against_the_queue_bound(live, logs):
     """max_queue=3: three requests stuck in tokenisation fill the queue; a fourth gets 429 at once."""
-    server, engine = live.app.state.server, _engine(live)
+    server, engine = live.app.state.handler, _engine(live)
     release = threading.Event()
     encode = server.encode
 
@@ -452,7 +456,7 @@ def test_requests_refused_after_admission_are_withdrawn(live, http, logs):
 def test_engine_admission_counts_and_expected_wait(lm):
     from aligntax.serve.jobs import EngineOverloaded
 
-    engine = BatchEngine(lm, None, max_batch_size=2, max_queue=3, max_queue_wait_ms=100)
+    engine = BatchEngine(lm, None, ServerSettings(max_batch_size=2, max_queue=3, max_queue_wait_ms=100))
     for _ in range(3):
         engine.admit()
     with pytest.raises(EngineOverloaded) as e:
@@ -489,7 +493,11 @@ def test_engine_admission_counts_and_expected_wait(lm):
 
 def test_expected_wait_over_the_target_answers_503_with_retry_after(lm, logs):
     app = create_app(
-        lm, None, "w", max_batch_size=4, max_queue=50, max_queue_wait_ms=50, max_new_tokens_limit=64
+        lm,
+        None,
+        ServerSettings(
+            model_name="w", max_batch_size=4, max_queue=50, max_queue_wait_ms=50, max_tokens_limit=64
+        ),
     )
     assert app.state.engine.max_queue_wait == pytest.approx(0.05)
     with BackgroundServer(app) as srv:
@@ -525,7 +533,9 @@ def test_expected_wait_over_the_target_answers_503_with_retry_after(lm, logs):
 
 def test_a_latency_target_stops_batches_from_waiting_for_requests_that_may_not_come(lm):
     engine = BatchEngine(
-        lm, None, max_batch_size=8, batch_wait_ms=400, max_batch_wait_ms=400, max_queue_wait_ms=100
+        lm,
+        None,
+        ServerSettings(max_batch_size=8, batch_wait_ms=400, max_batch_wait_ms=400, max_queue_wait_ms=100),
     )
 
     async def go():
@@ -567,7 +577,9 @@ def test_padded_token_budget_keeps_a_long_prompt_apart(lm):
     long = _ids(lm, "The quick brown fox jumps over the lazy dog. " * 6)
     budget = max(len(long), 4 * max(map(len, short)))
     assert len(long) * 2 > budget
-    engine = BatchEngine(lm, None, max_batch_size=8, batch_wait_ms=50, max_batch_tokens=budget)
+    engine = BatchEngine(
+        lm, None, ServerSettings(max_batch_size=8, batch_wait_ms=50, max_batch_tokens=budget)
+    )
     jobs = [Job(short[0], SamplingParams(4, 0)), Job(long, SamplingParams(4, 0))] + [
         Job(ids, SamplingParams(4, 0)) for ids in short[1:]
     ]
@@ -588,7 +600,7 @@ def test_padded_token_budget_keeps_a_long_prompt_apart(lm):
 
 
 def test_decoding_does_not_wait_on_prompt_tokenisation(live):
-    server = live.app.state.server
+    server = live.app.state.handler
     engine = _engine(live)
     assert server.encode_tokenizer is not engine.tokenizer and server.encode_lock is not engine.tokenizer_lock
     done = threading.Event()
@@ -648,7 +660,7 @@ def test_nan_row_fails_alone(live, http, logs):
 
 
 def test_nan_row_engine_level(lm):
-    engine = BatchEngine(lm, Trouble(lm.hidden_size), batch_wait_ms=50)
+    engine = BatchEngine(lm, Trouble(lm.hidden_size), ServerSettings(batch_wait_ms=50))
     jobs = [
         Job(_ids(lm, "hi"), SamplingParams(6, 0), steer=True, strength=NAN_STRENGTH),
         Job(_ids(lm, "hi"), SamplingParams(6, 1.0, seed=1)),
@@ -676,7 +688,11 @@ def test_nan_row_engine_level(lm):
 
 def test_shutdown_timeout_bounds_a_graceful_shutdown(lm, logs):
     srv = BackgroundServer(
-        create_app(lm, Trouble(lm.hidden_size), "slow", shutdown_timeout_s=1, max_new_tokens_limit=64)
+        create_app(
+            lm,
+            Trouble(lm.hidden_size),
+            ServerSettings(model_name="slow", shutdown_timeout=1, max_tokens_limit=64),
+        )
     ).start()
     engine = srv.app.state.engine
     assert srv.server.config.timeout_graceful_shutdown == 1
@@ -704,7 +720,7 @@ def test_shutdown_timeout_bounds_a_graceful_shutdown(lm, logs):
 
 
 def test_step_time_model_fits_a_per_row_cost():
-    from aligntax.serve.engine import StepTimeModel
+    from aligntax.serve.batch import StepTimeModel
 
     model = StepTimeModel()
     assert model.step_seconds(1) is None
@@ -726,7 +742,9 @@ def test_step_time_model_fits_a_per_row_cost():
 
 def _latency_engine(lm, target_ms: float) -> BatchEngine:
     """An engine whose step time is 0.01 + 0.01 * rows s (measured on two batches), not started."""
-    engine = BatchEngine(lm, None, max_batch_size=2, batch_wait_ms=0, max_latency_ms=target_ms)
+    engine = BatchEngine(
+        lm, None, ServerSettings(max_batch_size=2, batch_wait_ms=0, max_latency_ms=target_ms)
+    )
     engine.step_model.observe(1, 0.2, 10)
     engine.step_model.observe(3, 0.4, 10)
     engine.step_model.margin = 0  # the plain fit: the arithmetic below is exact
@@ -781,7 +799,11 @@ def test_admission_refuses_a_request_predicted_over_the_latency_target(lm):
 
 def test_latency_target_answers_503_through_the_server(lm, logs):
     app = create_app(
-        lm, None, "w", max_batch_size=4, max_queue=50, max_latency_ms=300, max_new_tokens_limit=64
+        lm,
+        None,
+        ServerSettings(
+            model_name="w", max_batch_size=4, max_queue=50, max_latency_ms=300, max_tokens_limit=64
+        ),
     )
     assert app.state.engine.max_latency == pytest.approx(0.3)
     with BackgroundServer(app) as srv:

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from aligntax.serve import create_app
+from aligntax.serve import ServerSettings, create_app
 from aligntax.serve.background import BackgroundServer
 from aligntax.serve.options import InterventionCache, RequestField, options_key, request_fields
 from serve_tiny import tiny_lm
@@ -33,15 +33,17 @@ def live(lm, tmp_path_factory):
     app = create_app(
         lm,
         None,
-        NAME,
+        ServerSettings(
+            model_name=NAME,
+            max_batch_size=8,
+            batch_wait_ms=20,
+            max_prompt_tokens=200,
+            max_tokens_limit=64,
+            default_max_tokens=16,
+            options_cache_size=4,
+        ),
         steer_method="els",
         steer_options={"path": str(bank)},
-        max_batch_size=8,
-        batch_wait_ms=20,
-        max_prompt_tokens=200,
-        max_new_tokens_limit=64,
-        default_max_tokens=16,
-        options_cache_size=4,
     )
     srv = BackgroundServer(app).start()
     yield srv
@@ -66,7 +68,7 @@ def _text(live, **kw) -> str:
 
 
 def _steering(live):
-    return live.app.state.server.steering
+    return live.app.state.handler.steering
 
 
 def test_models_list_the_registry_fields(live):

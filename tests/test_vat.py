@@ -807,8 +807,7 @@ def test_els_intervention_from_energy_bank(tiny, builtin, tmp_path):
         "els",
         tiny,
         "Benevolence",
-        energy_dir=tmp_path / "bank",
-        options={"row_threshold": "none", "horizon": "none"},
+        options={"path": tmp_path / "bank", "row_threshold": "none", "horizon": "none"},
     )
     assert isinstance(iv, EnergySteering) and iv.cacheable is False
     ref = _state(tiny.model)

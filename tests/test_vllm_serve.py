@@ -38,6 +38,7 @@ import openai  # noqa: E402
 import psutil  # noqa: E402
 
 from aligntax.generation import GenerationConfig, generate  # noqa: E402
+from aligntax.serve.settings import ServerSettings  # noqa: E402
 from tiny import PROMPTS, save_tiny_bank, tiny_model, tiny_tokenizer  # noqa: E402
 
 NAME = "tiny"
@@ -91,8 +92,8 @@ def lm(tiny_dir):
 
 @pytest.fixture(scope="module")
 def vm(tiny_dir):
+    from aligntax.backends.vllm.async_engine import AsyncVllm
     from aligntax.backends.vllm.engine import VllmOptions
-    from aligntax.backends.vllm.serving import AsyncVllm
 
     engine = AsyncVllm(
         str(tiny_dir / "model"), "fp32", VllmOptions(max_model_len=256, max_num_seqs=4, kv_cache_gib=1)
@@ -116,13 +117,15 @@ def live(vm, tiny_dir):
         vm,
         iv,
         preset,
-        NAME,
-        max_batch_size=4,
-        max_new_tokens_limit=64,
-        default_max_tokens=16,
+        ServerSettings(
+            model_name=NAME,
+            max_batch_size=4,
+            max_tokens_limit=64,
+            default_max_tokens=16,
+            options_cache_size=OPTIONS_BOUND,
+        ),
         steer_method="els",
         steer_options=args,
-        options_cache_size=OPTIONS_BOUND,
     )
     srv = BackgroundServer(app).start()
     yield srv
@@ -537,11 +540,9 @@ def test_app_registers_its_method_and_drops_its_presets(vm, live, lm, tiny_dir):
         vm,
         None,
         None,
-        NAME,
-        max_new_tokens_limit=64,
+        ServerSettings(model_name=NAME, max_tokens_limit=64, options_cache_size=1),
         steer_method="els",
         steer_options=args,
-        options_cache_size=1,
     )
     srv = BackgroundServer(app).start()
     engine = app.state.engine

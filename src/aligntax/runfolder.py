@@ -79,9 +79,9 @@ VOLATILE_FIELDS = frozenset(
         "phase_seconds",  # ELS distillation: wall seconds per phase
     }
 )
-# Files that may differ: the flock file that guards a stale lock's takeover (left by a resumed run only)
-# and where the folder was.
-VOLATILE_FILES = frozenset({f"{LOCK_NAME}.guard", WHERE_NAME})
+# Files that may differ: the flock file that guards a stale lock's takeover (left by a resumed run only),
+# where the folder was, and the demo's stage clock (wall minutes per stage, its estimates).
+VOLATILE_FILES = frozenset({f"{LOCK_NAME}.guard", WHERE_NAME, "timing.json"})
 
 
 class RunLockedError(AligntaxError):
@@ -177,6 +177,11 @@ def _temp_is_stale(entry: os.DirEntry, now: float, locked: bool) -> bool:
         return pid != os.getpid() and not pid_alive(pid)
     # an older name without the writer's pid: only the lock holder, or age, tells
     return locked or now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_S
+
+
+def is_temp(name: str) -> bool:
+    """Whether ``name`` is the temp file of an atomic write (``.NAME.PID.XXXXXXXX.tmp``)."""
+    return _TEMP_RE.match(name) is not None
 
 
 def clean_stale_temps(folder: str | Path, locked: bool = False) -> list[Path]:
@@ -324,15 +329,15 @@ def read_jsonl(path: str | Path, repair: bool = False) -> list[dict]:
             continue
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: line {i} is not valid JSON ({exc.msg})") from exc
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise DataError(f"{path}: line {i} is not valid JSON ({getattr(exc, 'msg', exc)})") from exc
     if tail.strip():
         try:  # a last line without newline: keep it if whole, drop it if torn
             rows.append(json.loads(tail))
             if repair:
                 with _translated(path), open(path, "ab") as fh:
                     fh.write(b"\n")
-        except json.JSONDecodeError:
+        except ValueError:  # torn: not JSON, or cut inside a UTF-8 character
             if repair:
                 with _translated(path), open(path, "r+b") as fh:
                     fh.truncate(len(complete) + (1 if complete else 0))

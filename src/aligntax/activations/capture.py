@@ -35,7 +35,7 @@ def resolve_layers(model: nn.Module, layers: int | str | Sequence[int] | None) -
     return _resolve_layers(layers, model)
 
 
-def _require_finite(h: torch.Tensor, layer: int) -> None:
+def require_finite(h: torch.Tensor, layer: int) -> None:
     if not torch.isfinite(h).all():
         raise AligntaxError(f"Non-finite hidden states entering layer {layer}; the model produced NaN/inf.")
 
@@ -136,7 +136,7 @@ def capture_ids(
             width = ids.shape[1]
             for layer in layer_ids:
                 h = current[layer].float()
-                _require_finite(h[mask.bool()], layer)
+                require_finite(h[mask.bool()], layer)
                 picked = []
                 for i, (s, p) in enumerate(zip(batch, bp, strict=True)):
                     off = width - len(s)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from aligntax.activations.capture import _require_finite, resolve_layers
+from aligntax.activations.capture import require_finite, resolve_layers
 from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached
 from aligntax.interventions.base import Intervention, SteerContext, decide_at_prefill
@@ -32,9 +32,17 @@ class PrefillRecorder(Intervention):
     name = "none"
     prefix_free = True  # reads the last prompt token only
 
-    def __init__(self, model: nn.Module | int, layers: int | str | Sequence[int] | None = "all") -> None:
-        # ``model``: the model, or its number of blocks (a recorder of states that replicas send back)
+    def __init__(
+        self,
+        model: nn.Module | int,
+        layers: int | str | Sequence[int] | None = "all",
+        sink: tuple | None = None,
+    ) -> None:
+        # ``model``: the model, or its number of blocks (a recorder of states that replicas send back);
+        # ``sink``: ``(lm, directory, system)``, the activation cache each kept batch is appended to by
+        # :meth:`flush` (None: kept in memory until :meth:`save`)
         self.layers = resolve_layers(model, layers)
+        self.sink = sink
         self._last: dict[int, torch.Tensor] | None = None
         self._acts: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
         self.prompt_ids: list[str] = []
@@ -65,7 +73,7 @@ class PrefillRecorder(Intervention):
             if (id(self), layer) in ctx.decisions
         }
         for layer, h in got.items():
-            _require_finite(h, layer)
+            require_finite(h, layer)
         self._last = got
 
     def recorded(self, states: dict[int, torch.Tensor]) -> None:
@@ -79,7 +87,7 @@ class PrefillRecorder(Intervention):
             )
         got = {layer: states[layer].float().cpu() for layer in self.layers}
         for layer, h in got.items():
-            _require_finite(h, layer)
+            require_finite(h, layer)
         self._last = got
 
     def keep(self, prompt_ids: Sequence[str], labels: Sequence | None = None) -> None:
@@ -100,6 +108,15 @@ class PrefillRecorder(Intervention):
     def states(self) -> dict[int, torch.Tensor]:
         """``{layer: [N, d]}`` float32: the kept states, rows in the order of :attr:`prompt_ids`."""
         return {layer: torch.cat(v) if v else torch.empty(0) for layer, v in self._acts.items()}
+
+    def flush(self) -> None:
+        """Append what was kept to the sink's activation cache now and forget it (nothing without a
+        sink): a run that stores each batch's states before its samples loses no states when killed."""
+        if self.sink is None or not self.prompt_ids:
+            return
+        self.save(*self.sink)
+        self._acts = {layer: [] for layer in self.layers}
+        self.prompt_ids, self.labels = [], []
 
     def save(self, lm, directory, system: str | None = None) -> None:
         """Append the kept states to the activation cache in ``directory`` (nothing if none were kept);

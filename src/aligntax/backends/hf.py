@@ -20,7 +20,7 @@ def hf_generate(lm) -> SettingGenerate:
     return gen
 
 
-class HFGenerator:
+class HFSession:
     """One run's generation on a loaded model, with the run's intervention (None: unsteered)."""
 
     def __init__(self, lm, intervention=None) -> None:
@@ -94,13 +94,13 @@ class HFSource:
         return self.lm
 
     @contextmanager
-    def open(self, spec: SourceSpec, lm=None, intervention=None) -> Iterator[HFGenerator]:
+    def open(self, spec: SourceSpec, lm=None, intervention=None) -> Iterator[HFSession]:
         lm = self._model(spec, lm)
         if intervention is None and spec.intervention:
             from aligntax.interventions.registry import make_intervention
 
             intervention = make_intervention(spec.intervention, lm, **spec.intervention_args)
-        yield HFGenerator(lm, intervention)
+        yield HFSession(lm, intervention)
 
     @contextmanager
     def sweep(self, spec: SourceSpec) -> Iterator[SweepGeneration]:

@@ -59,7 +59,7 @@ BAKEABLE = {
     "false-refusal-ablation": ("false-refusal-ablation", "false_refusal", "ablate"),
     "refusal-add": ("refusal-add", "refusal", "add"),
 }
-_ALIASES = {"refusal-addition": "refusal-add"}  # the name exports had before: still accepted
+_REMOVED = {"refusal-addition": "refusal-add"}  # names removed in 0.2 -> the name now (CHANGELOG.md)
 _STATEFUL = {
     "els": "ELS moves each state along the gradient of an energy model of that state, and decides per row "
     "(harm gate, row energy) at generation time",
@@ -97,7 +97,8 @@ class ExportInfo:
 
 def canonical_method(method: str) -> str:
     """The export name of ``method``; a clear error for methods that cannot be baked into weights."""
-    method = _ALIASES.get(method, method)
+    if method in _REMOVED:
+        raise AligntaxError(f"'{method}' was removed in 0.2; use '{_REMOVED[method]}' (CHANGELOG.md).")
     if method in BAKEABLE or method == "els-lora":  # els-lora: merged by export_lora_model
         return method
     if method in _STATEFUL:

@@ -136,7 +136,9 @@ def export_command(
         None,
         help="the vector's layer (default: the folder's); addition: also the block whose input receives it",
     ),
-    coeff: float = typer.Option(1.0, help="addition: scale of the vector; ablation: must be 1"),
+    coeff: float | None = typer.Option(
+        None, help="addition: scale of the vector (default 1); ablation: must be 1"
+    ),
     model: str | None = typer.Option(None, help="model spec (default: the vector folder's model)"),
     dtype: str = typer.Option(
         "bf16", help="dtype the model is loaded and written in (bf16, fp16 or fp32; GGUF: bf16, f16, f32)"
@@ -190,7 +192,8 @@ def export_command(
         if not spec:
             raise AligntaxError("Give --model: the vector folder names no model.")
         lm = load_model(spec, dtype=dtype, device="cpu")
-        path = export_model(lm, vectors, intervention, out, layer=layer, coeff=coeff, format=format)
+        scale = {} if coeff is None else {"coeff": coeff}  # export_model's default otherwise
+        path = export_model(lm, vectors, intervention, out, layer=layer, format=format, **scale)
     except AligntaxError as exc:
         _fail(exc)
     print(path)

@@ -82,11 +82,8 @@ def main(
     set_debug(debug)
 
 
-def _sampling(temperature: float | None, sample: bool | None) -> tuple[bool | None, float | None]:
-    """``(do_sample, temperature)`` from ``--temperature`` (0: greedy) and the old ``--sample`` switch."""
-    if sample:
-        deprecated("--sample", "--temperature T (above 0 samples)")
-        return True, temperature if temperature else 1.0
+def _sampling(temperature: float | None) -> tuple[bool | None, float | None]:
+    """``(do_sample, temperature)`` from ``--temperature`` (0: greedy; None: not given)."""
     if temperature is None:
         return None, None
     check_range(temperature, "nonnegative", "--temperature")
@@ -268,7 +265,6 @@ def generate(
     max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="tokens generated per prompt at most"),
     batch_size: int = typer.Option(32, help="prompts per batch"),
     temperature: float = typer.Option(DEFAULT_TEMPERATURE, help=TEMPERATURE_HELP),
-    sample: bool = typer.Option(False, "--sample", hidden=True),
     top_p: float = typer.Option(1.0, help="nucleus sampling (with a temperature above 0)"),
     seed: int | None = typer.Option(None, help="seed of the sampling"),
     dtype: DtypeOpt = None,
@@ -291,7 +287,7 @@ def generate(
         check_range(max_new_tokens, "positive_count", "--max-new-tokens")
         check_range(batch_size, "positive_count", "--batch-size")
         check_range(top_p, "probability", "--top-p")
-        do_sample, temp = _sampling(temperature, sample)
+        do_sample, temp = _sampling(temperature)
         if limit is not None:
             check_range(limit, "count", "--limit")
         source = generation_source(backend)
@@ -463,7 +459,6 @@ def eval_cmd(
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
-    sample: bool | None = typer.Option(None, "--sample", hidden=True),
     temperature: float | None = typer.Option(
         None, help=TEMPERATURE_HELP, show_default=str(DEFAULT_TEMPERATURE)
     ),
@@ -499,7 +494,7 @@ def eval_cmd(
     from aligntax.runs.sources import generation_source
 
     try:
-        do_sample, temp = _sampling(temperature, sample)
+        do_sample, temp = _sampling(temperature)
         if out is None and "out" not in _yaml_keys(config):
             raise UsageError("eval needs --out DIR (the run folder; a rerun with the same DIR resumes).")
         cfg = load_config(
@@ -1259,10 +1254,19 @@ def els_sweep(
     ),
     config: Path | None = typer.Option(None),
     benign: list[str] = typer.Option(
-        None, help="validation benign sets (default orbench-hard-val, phtest-harmless-val)"
+        None,
+        help="validation benign sets (default orbench-hard-val, phtest-harmless-val, contrast-benign-val)",
     ),
     harmful: list[str] = typer.Option(
-        None, help="validation harmful sets (default harmful-val, harmbench-val)"
+        None, help="validation harmful sets (default harmful-val, harmbench-val, contrast-harmful-val)"
+    ),
+    jailbreak: list[str] = typer.Option(
+        None,
+        help="jailbreak-wrapped harmful validation sets whose refusal a setting must keep within "
+        "--jailbreak-tolerance (default wildguard-adv-val; 'none': not checked)",
+    ),
+    jailbreak_tolerance: float | None = typer.Option(
+        None, help="largest jailbreak-refusal loss allowed (default 0)"
     ),
     method: str | None = typer.Option(None, help="first-token (screen, then confirm) or generate"),
     knowns: str | None = typer.Option(
@@ -1334,6 +1338,8 @@ def els_sweep(
             model=model,
             benign=_split_list(benign),
             harmful=_split_list(harmful),
+            jailbreak=_split_list(jailbreak),
+            jailbreak_tolerance=jailbreak_tolerance,
             method=method,
             **(grid or {}),
             knowns_tolerance=knowns_tolerance,
@@ -1366,10 +1372,9 @@ def els_sweep(
         use_device(device)
         check_out_folder(cfg.out)
         check_judge(cfg.judge)
-        check_datasets([*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], "a dataset")
-        ensure_datasets(
-            [*(cfg.benign or []), *(cfg.harmful or []), *(cfg.leak or [])], cfg.progress, "els sweep"
-        )
+        sets = [*(cfg.benign or []), *(cfg.harmful or []), *(cfg.jailbreak or []), *(cfg.leak or [])]
+        check_datasets(sets, "a dataset")
+        ensure_datasets(sets, cfg.progress, "els sweep")
         check_layers(cfg.model, [x for lay in cfg.layers or [] for x in lay], "--layers-grid")
         check_range(cfg.max_new_tokens, "positive_count", "--max-new-tokens")
     except AligntaxError as exc:

@@ -11,14 +11,16 @@ traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
 import os
 import sys
 import traceback
+import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -32,8 +34,9 @@ try:  # typer >= 0.20 carries its own copy of click
 except ImportError:  # pragma: no cover - older typer on click
     from click import exceptions as click_exc
 
+from aligntax.config import load_config
 from aligntax.errors import AligntaxError, UsageError
-from aligntax.interventions.options import Method, check_value
+from aligntax.interventions.options import Method, check_value, flag_of, spec_of
 from aligntax.interventions.registry import INTERVENTIONS, cli_options, grid_values, intervention_args
 from aligntax.interventions.selection import is_selection_dir, read_selection
 
@@ -60,6 +63,7 @@ __all__ = [
     "fail",
     "grid_options",
     "model_num_layers",
+    "settings_options",
     "steering_options",
 ]
 
@@ -110,6 +114,25 @@ def deprecated(old: str, new: str) -> None:
     console.print(f"note: {escape(old)} is deprecated; use {escape(new)}", soft_wrap=True, highlight=False)
 
 
+# Option spellings removed in 0.2 (CHANGELOG.md): (the command, or None for any) -> the spelling now.
+# Typing one is a usage error naming its replacement.
+REMOVED_OPTIONS: dict[str, tuple[str | None, str]] = {
+    "--sample": (None, "--temperature T (above 0 samples)"),
+    "--energy-dir": ("vat run", "--steer"),
+    "--layers": ("els sweep", "--layers-grid"),
+}
+
+
+def removed_option(exc: click_exc.NoSuchOption) -> UsageError | None:
+    """The error for an option spelling removed in 0.2 (:data:`REMOVED_OPTIONS`), else None."""
+    name = exc.option_name
+    command, new = REMOVED_OPTIONS.get(name, (None, ""))
+    path = exc.ctx.command_path if exc.ctx is not None else ""
+    if not new or (command is not None and not path.endswith(" " + command)):
+        return None
+    return UsageError(f"{name} was removed in 0.2; use {new} (CHANGELOG.md).")
+
+
 class AligntaxGroup(TyperGroup):
     """The root command group: whatever a command raises (or click's own usage errors) ends in
     :func:`fail`, so every failure looks the same."""
@@ -119,6 +142,8 @@ class AligntaxGroup(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, KeyboardInterrupt, click_exc.NoArgsIsHelpError):
             raise
+        except click_exc.NoSuchOption as exc:
+            fail(removed_option(exc) or UsageError(exc.format_message()))
         except click_exc.UsageError as exc:
             fail(UsageError(exc.format_message()))
         except Exception as exc:  # noqa: BLE001 - the one error path of the command line
@@ -179,7 +204,7 @@ def check_judge(name: str | None) -> None:
 def check_datasets(specs: list[str] | None, flag: str = "--data") -> None:
     """Each spec is a named dataset, an existing file or a Hub id (read the same way
     :func:`aligntax.data.load_prompts` reads it); nothing is loaded."""
-    from aligntax.data.api import _not_found_message
+    from aligntax.data.api import not_found_message
     from aligntax.data.hub import HUB_PREFIX, looks_like_hub_id
     from aligntax.data.registry import find_dataset
 
@@ -194,7 +219,7 @@ def check_datasets(specs: list[str] | None, flag: str = "--data") -> None:
             or looks_like_hub_id(text)
         ):
             continue
-        raise UsageError(f"{flag}: {_not_found_message(text)}")
+        raise UsageError(f"{flag}: {not_found_message(text)}")
 
 
 def ensure_datasets(names: list[str] | None, progress: bool = True, what: str = "data") -> None:
@@ -266,9 +291,9 @@ def _hub_config(repo: str) -> Path | None:
         found = None
     if isinstance(found, str):
         return Path(found)
-    from aligntax.models.loader import _offline
+    from aligntax.models.loader import hub_offline
 
-    if _offline():
+    if hub_offline():
         return None
     try:
         return Path(hf_hub_download(repo, "config.json"))
@@ -607,8 +632,8 @@ def steering_options(fn=None, *, methods: Mapping[str, Method] | None = None):
 def grid_options(fn):
     """Add every ELS option that is a sweep grid axis to a command, as a comma-separated grid
     (``--eta 0.2,0.35``; ``none`` turns an option off). Layer sets are ``--layers-grid "17;19,20"``
-    (sets separated by ``;``, each set written like ``--layers 17,19``; the old spelling ``--layers``
-    still works, with a note). The command receives ``grid``: ``{field: [values]}`` for the axes given."""
+    (sets separated by ``;``, each set written like ``--layers 17,19``). The command receives ``grid``:
+    ``{field: [values]}`` for the axes given."""
 
     opts = [o for o in cli_options() if o.grid and "els" in o.methods]
     hints = typing.get_type_hints(fn, include_extras=True)
@@ -634,14 +659,6 @@ def grid_options(fn):
                     ],
                 )
             )
-            extra.append(
-                inspect.Parameter(
-                    o.param + "_old",
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=None,
-                    annotation=Annotated[str | None, typer.Option(o.flag, hidden=True)],
-                )
-            )
         else:
             extra.append(
                 inspect.Parameter(
@@ -656,12 +673,6 @@ def grid_options(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        for o in opts:
-            old = kwargs.pop(o.param + "_old", None) if o.parse == "layers" else None
-            if old is not None:
-                deprecated(f"{o.flag} in a sweep", "--layers-grid")
-                if kwargs.get(o.param) is None:
-                    kwargs[o.param] = old
         try:
             grid = {o.name: v for o in opts if (v := grid_values(kwargs.pop(o.param, None), o)) is not None}
         except AligntaxError as exc:
@@ -670,3 +681,69 @@ def grid_options(fn):
 
     wrapper.__signature__ = sig.replace(parameters=keep + extra)
     return wrapper
+
+
+# ---------------------------------------------------------------- settings dataclasses as options
+def _option_type(tp: Any) -> type:
+    """The one value type of a settings field (``int | None`` -> int) for the command line."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
+
+
+def _field_help(f: dataclasses.Field) -> str:
+    """The field's help and its default as typer shows one (``[default: 8000]``; the bracket escaped from
+    rich markup); none shown for no default or a switch."""
+    shown = f.default not in (None, False, True, dataclasses.MISSING)
+    return spec_of(f).help + (f" \\[default: {f.default}]" if shown else "")
+
+
+def settings_options(
+    cls: type, param: str = "settings"
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add to a command one option per field of the settings dataclass ``cls`` that is declared with
+    :func:`~aligntax.interventions.options.option` and ``cli`` (its flag, help, environment variable
+    and default from the declaration), and ``--config FILE``: a YAML file whose keys are the field
+    names. The command receives ``param``: ``cls`` built from the file and the flags given (a flag wins
+    over the file, the field's default applies where neither gives a value), every value checked as
+    its option says; a bad value or key is one error line, before the command runs."""
+    fields = [f for f in dataclasses.fields(cls) if spec_of(f).cli]
+    hints = typing.get_type_hints(cls)
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        fn_hints = typing.get_type_hints(fn, include_extras=True)
+        keep = [
+            p.replace(annotation=fn_hints.get(n, p.annotation))
+            for n, p in sig.parameters.items()
+            if n != param
+        ]
+        clash = {p.name for p in keep} & ({f.name for f in fields} | {"config"})
+        if clash:
+            raise TypeError(f"{fn.__name__} has parameters named like {cls.__name__} fields: {sorted(clash)}")
+        kw = inspect.Parameter.KEYWORD_ONLY
+        help_config = "YAML file of these settings (keys: the option names, with _); options given here win."
+        extra = [
+            inspect.Parameter(
+                "config", kw, default=None, annotation=Annotated[Path | None, typer.Option(help=help_config)]
+            )
+        ]
+        for f in fields:
+            spec = spec_of(f)
+            option = typer.Option(flag_of(f), *spec.aliases, help=_field_help(f), envvar=spec.envvar)
+            tp = _option_type(hints[f.name])
+            extra.append(inspect.Parameter(f.name, kw, default=None, annotation=Annotated[tp | None, option]))
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            path = kwargs.pop("config", None)
+            given = {f.name: kwargs.pop(f.name, None) for f in fields}
+            try:
+                kwargs[param] = load_config(cls, path, **given)
+            except AligntaxError as exc:
+                fail(exc)
+            return fn(*args, **kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=keep + extra)  # type: ignore[attr-defined]
+        return wrapper
+
+    return deco

@@ -1,6 +1,7 @@
 """``aligntax serve``: an OpenAI-compatible server for a model, optionally with a steered variant.
 
-Register with ``app.command("serve")(serve_command)``.
+Register with ``app.command("serve")(serve_command)``. The server's settings are the fields of
+:class:`aligntax.serve.settings.ServerSettings` (options here, or keys of ``--config FILE``).
 """
 
 from __future__ import annotations
@@ -15,41 +16,22 @@ from aligntax.cli.options import (
     InterventionOpt,
     ModelOpt,
     check_dtype,
-    check_port,
     fail,
+    settings_options,
     steering_options,
     use_device,
 )
+from aligntax.serve.settings import ServerSettings
 
 
 @steering_options
+@settings_options(ServerSettings)
 def serve_command(
     model: ModelOpt = None,
     intervention: InterventionOpt = None,
     iv_args: dict | None = None,
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    api_key: Annotated[
-        str | None,
-        typer.Option(envvar="ALIGNTAX_API_KEY", help="Require this bearer key (Authorization: Bearer KEY)."),
-    ] = None,
+    settings: ServerSettings | None = None,
     dtype: DtypeOpt = None,
-    max_batch_size: Annotated[int, typer.Option(min=1, help="Most requests generated together.")] = 32,
-    batch_wait_ms: Annotated[
-        float, typer.Option(min=0, help="A batch waits for more requests until none has come for this long.")
-    ] = 10.0,
-    max_batch_wait_ms: Annotated[
-        float, typer.Option(min=0, help="The longest a batch waits for more requests in all.")
-    ] = 100.0,
-    model_name: Annotated[
-        str | None, typer.Option(help="Name served in /v1/models (default: from the spec).")
-    ] = None,
-    max_tokens_limit: Annotated[
-        int, typer.Option(min=1, help="Largest max_tokens a request may ask for.")
-    ] = 2048,
-    default_max_tokens: Annotated[
-        int, typer.Option(min=1, help="max_tokens when a request sets none.")
-    ] = 512,
     device: DeviceOpt = None,
     threads: Annotated[
         int | None,
@@ -58,62 +40,6 @@ def serve_command(
             help="torch intra-op threads (default: torch's choice; fewer is faster on a busy shared CPU).",
         ),
     ] = None,
-    insecure: Annotated[
-        bool, typer.Option("--insecure", help="Allow a non-loopback --host without an API key.")
-    ] = False,
-    allow_unknown_fields: Annotated[
-        bool,
-        typer.Option(
-            "--allow-unknown-fields",
-            help="Accept (and ignore) request fields the server does not know, instead of answering 400.",
-        ),
-    ] = False,
-    request_timeout: Annotated[
-        float | None,
-        typer.Option(
-            min=0.001, help="Seconds a request may take in all; past it its generation is cancelled (504)."
-        ),
-    ] = None,
-    max_queue: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="Most requests waiting for a batch (counted from "
-            "arrival, tokenisation included); more get 429 with "
-            "Retry-After.",
-        ),
-    ] = 1024,
-    max_batch_tokens: Annotated[
-        int, typer.Option(min=1, help="Most padded prompt tokens in one batch (rows x longest prompt).")
-    ] = 32768,
-    max_queue_wait_ms: Annotated[
-        float | None,
-        typer.Option(
-            min=1,
-            help="Target wait for a batch: a request "
-            "expected to wait longer (from the measured "
-            "batch duration and the requests ahead) gets 503 "
-            "with Retry-After. Default: no target (only "
-            "--max-queue bounds the queue).",
-        ),
-    ] = None,
-    max_latency_ms: Annotated[
-        float | None,
-        typer.Option(
-            min=1,
-            help="Target completion latency: a request "
-            "predicted to finish later (the running batch, the "
-            "batches ahead and its own, from measured step "
-            "times) gets 503 with Retry-After. Default: no "
-            "target.",
-        ),
-    ] = None,
-    shutdown_timeout: Annotated[
-        float,
-        typer.Option(
-            min=0, help="Seconds a graceful shutdown waits for running requests before failing them."
-        ),
-    ] = 30.0,
     backend: Annotated[
         str,
         typer.Option(
@@ -124,52 +50,40 @@ def serve_command(
 ) -> None:
     """Serve MODEL (and MODEL+<intervention> when steering) behind an OpenAI-compatible API. The steered
     variant takes the intervention's options like every steering command (--steer DIR alone means ELS
-    with the setting its sweep selected; --gate, --horizon, --eta, ... override it)."""
+    with the setting its sweep selected; --gate, --horizon, --eta, ... override it). The server's
+    settings are options here or keys of a YAML file (--config; aligntax.serve.settings)."""
     from contextlib import ExitStack
 
     from aligntax.errors import AligntaxError
     from aligntax.generation.source import SourceSpec
     from aligntax.runs.sources import generation_source
-    from aligntax.serve.app import check_bind, serve
+    from aligntax.serve.app import serve
+    from aligntax.serve.security import check_bind
 
+    s = settings or ServerSettings()
     try:  # everything that can be checked before loading the model
-        check_port(port)
-        check_bind(host, api_key, insecure)
+        check_bind(s.host, s.api_key, s.insecure)
         check_dtype(dtype)
         source = generation_source(backend)  # another generation engine behind the same app (docs/vllm.md)
-        source.check_serving(device=device, max_latency_ms=max_latency_ms)
+        source.check_serving(device=device, max_latency_ms=s.max_latency_ms)
         if backend == "hf":
             use_device(device)
     except AligntaxError as exc:
         fail(exc)
-    spec = SourceSpec(model, dtype or "bf16", intervention, dict(iv_args or {}), max_batch_size)
+    spec = SourceSpec(model, dtype or "bf16", intervention, dict(iv_args or {}), s.max_batch_size)
     with ExitStack() as stack:
         try:
             served = stack.enter_context(source.serving(spec, device=device, threads=threads))
         except (AligntaxError, RuntimeError) as exc:
             fail(exc, 1)  # a model or intervention that fails to load: a runtime failure
         app = served.create_app(
-            model_name,
-            api_key=api_key,
-            max_batch_size=max_batch_size,
-            batch_wait_ms=batch_wait_ms,
-            max_batch_wait_ms=max_batch_wait_ms,
-            max_new_tokens_limit=max_tokens_limit,
-            default_max_tokens=min(default_max_tokens, max_tokens_limit),
-            max_queue=max_queue,
-            max_batch_tokens=max_batch_tokens,
-            allow_unknown_fields=allow_unknown_fields,
-            request_timeout_s=request_timeout,
-            shutdown_timeout_s=shutdown_timeout,
-            max_queue_wait_ms=max_queue_wait_ms,
+            s,
             steer_method=intervention if served.intervention is not None else None,
             steer_options=iv_args,
-            max_latency_ms=max_latency_ms,
         )
-        settings = app.state.settings
-        names = ", ".join(n for n in (settings.model_name, settings.steered_name) if n)
+        names = ", ".join(app.state.handler.model_names())
         typer.echo(
-            f"Serving {names} at http://{host}:{port}/v1{served.describe}"
-            f"{', API key required' if api_key else ''})"
+            f"Serving {names} at http://{s.host}:{s.port}/v1{served.describe}"
+            f"{', API key required' if s.api_key else ''})"
         )
-        serve(None, host=host, port=port, log_level="info", insecure=insecure, app=app)
+        serve(app, log_level="info")

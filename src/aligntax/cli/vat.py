@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
@@ -16,7 +13,6 @@ from aligntax.cli.options import (
     ModelOpt,
     ProgressOpt,
     check_dtype,
-    deprecated,
     fail,
     steering_options,
     use_device,
@@ -55,35 +51,12 @@ def _default_out(model: str, intervention: str, target: str) -> Path:
     return Path("vat-runs") / f"{short}-{intervention}-{CODES[target].lower()}"
 
 
-def _legacy_spellings(fn):
-    """Keep ``--energy-dir``, the old name of ``--steer``, as a hidden option: it prints a one-line note
-    and is read as ``--steer`` before the steering options are checked."""
-    sig = inspect.signature(fn)
-    old = inspect.Parameter(
-        "energy_dir",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=None,
-        annotation=Annotated[str | None, typer.Option("--energy-dir", hidden=True)],
-    )
-
-    @functools.wraps(fn)
-    def wrapper(*args, energy_dir: str | None = None, **kwargs):
-        if energy_dir is not None:
-            deprecated("--energy-dir", "--steer")
-            kwargs["iv_steer"] = kwargs.get("iv_steer") or energy_dir
-        return fn(*args, **kwargs)
-
-    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), old])
-    return wrapper
-
-
 def _default_intervention(iv_args: dict, post_model: str | None) -> str:
     """Without --intervention: adapter with --adapter, none with --post-model, else persona."""
     return "adapter" if iv_args.get("adapter") is not None else "none" if post_model else "persona"
 
 
 @app.command("run")
-@_legacy_spellings
 @steering_options(methods=REGISTRY)
 def run(
     target: str = typer.Option(..., "--target", "-t", help="target value (any of the 10, e.g. Benevolence)"),

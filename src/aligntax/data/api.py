@@ -58,7 +58,7 @@ def load_prompts(
     elif fmt_key is None and looks_like_hub_id(text):
         items = load_hub(text, label=want)
     else:
-        raise DataError(_not_found_message(text))
+        raise DataError(not_found_message(text))
 
     if want is not None:
         kept = [item for item in items if item.label == want]
@@ -131,7 +131,7 @@ def load_prompt_sets(
     return items
 
 
-def _not_found_message(text: str) -> str:
+def not_found_message(text: str) -> str:
     path_like = any(sep in text for sep in ("/", "\\")) or Path(text).suffix != ""
     if path_like:
         return f"{text}: file not found"

@@ -101,7 +101,7 @@ def _row_id(source: str, row: Row, upstream: str = "") -> str:
     return f"{source}:{upstream}" if upstream else f"{source}:{row.num - 1}"
 
 
-def _row_item(
+def row_item(
     table: Table,
     row: Row,
     source: str,
@@ -124,7 +124,7 @@ def _row_item(
     return PromptItem(item_id, prompt, label, source, category)
 
 
-def _map_rows(table: Table, make: Callable[[Row], PromptItem | None]) -> list[PromptItem]:
+def map_rows(table: Table, make: Callable[[Row], PromptItem | None]) -> list[PromptItem]:
     """``make`` applied to every row (``None``: the row is left out), with ids checked for duplicates."""
     return _finish(table, [(row, item) for row in table.rows if (item := make(row)) is not None])
 
@@ -146,7 +146,7 @@ def _fixed(
         pcol = table.require_column(prompt_cols, fmt)
         ccol = table.find_column(category_cols) if category_cols else None
         icol = table.find_column(id_cols) if id_cols else None
-        return _map_rows(table, lambda row: _row_item(table, row, source, lab, pcol, ccol, icol))
+        return map_rows(table, lambda row: row_item(table, row, source, lab, pcol, ccol, icol))
 
     return mapper
 
@@ -173,9 +173,9 @@ def _map_generic(table: Table, source: str, default: Label | None) -> list[Promp
 
     def make(row: Row) -> PromptItem:
         lab = _label_cell(table, row, lcol, default, "'benign' or 'harmful'") if lcol else default
-        return _row_item(table, row, source, lab, pcol, ccol, icol, verbatim_id=True)
+        return row_item(table, row, source, lab, pcol, ccol, icol, verbatim_id=True)
 
-    return _map_rows(table, make)
+    return map_rows(table, make)
 
 
 def _map_xstest(table: Table, source: str, default: Label | None) -> list[PromptItem]:
@@ -194,9 +194,9 @@ def _map_xstest(table: Table, source: str, default: Label | None) -> list[Prompt
             raise DataError(f"{table.name}, {row.where}: empty 'type' and no 'label' column")
         else:  # the completions files have no label; unsafe types start with contrast_
             lab = "harmful" if kind.startswith("contrast_") else "benign"
-        return _row_item(table, row, source, lab, pcol, None, icol, category=kind)
+        return row_item(table, row, source, lab, pcol, None, icol, category=kind)
 
-    return _map_rows(table, make)
+    return map_rows(table, make)
 
 
 def _harmbench(standard_only: bool) -> Mapper:
@@ -221,7 +221,7 @@ def _harmbench(standard_only: bool) -> Mapper:
             category = _category(table, row, scol) or functional or None
             return PromptItem(item_id, prompt, "harmful", source, category)
 
-        return _map_rows(table, make)
+        return map_rows(table, make)
 
     return mapper
 
@@ -246,15 +246,15 @@ def _map_jbb_artifact(table: Table, source: str, default: Label | None) -> list[
     def make(row: Row) -> PromptItem | None:
         if row.values.get(pcol) is None:
             return None
-        return _row_item(table, row, source, "harmful", pcol, ccol, icol)
+        return row_item(table, row, source, "harmful", pcol, ccol, icol)
 
-    return _map_rows(table, make)
+    return map_rows(table, make)
 
 
 def _map_gsm8k(table: Table, source: str, default: Label | None) -> list[PromptItem]:
     """GSM8K (``question``, ``answer`` ending in ``#### N``): the question as a benign prompt."""
     pcol = table.require_column(("question",), "gsm8k")
-    return _map_rows(table, lambda row: _row_item(table, row, source, "benign", pcol))
+    return map_rows(table, lambda row: row_item(table, row, source, "benign", pcol))
 
 
 def _map_instruction(table: Table, source: str, default: Label | None) -> list[PromptItem]:

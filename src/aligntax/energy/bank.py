@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from aligntax.artefacts import TensorArtefact
 from aligntax.energy.model import EnergyConfig, EnergyModel
-from aligntax.energy.train import EnergyTrainer, _score
+from aligntax.energy.train import EnergyTrainer, rank_key
 from aligntax.errors import AligntaxError, DataError
 
 FORMAT = "aligntax.energy/1"
@@ -33,9 +34,10 @@ class EnergyBank:
 
     models: dict[int, EnergyModel]
     config: EnergyConfig = field(default_factory=EnergyConfig)
-    fingerprint: dict = field(default_factory=dict)
-    info: dict[int, dict] = field(default_factory=dict)  # per layer: metrics, train_metrics, data, best_epoch
-    metadata: dict = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    # per layer: metrics, train_metrics, data, best_epoch
+    info: dict[int, dict[str, Any]] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.models = {int(k): m.eval() for k, m in self.models.items()}
@@ -51,10 +53,13 @@ class EnergyBank:
     @property
     def layers(self) -> list[int]:
         """Layers ranked by validation accuracy, then AUROC (best first)."""
-        return sorted(self.models, key=lambda layer: (tuple(-x for x in _score(self.metrics(layer))), layer))
+        return sorted(
+            self.models, key=lambda layer: (tuple(-x for x in rank_key(self.metrics(layer))), layer)
+        )
 
-    def metrics(self, layer: int) -> dict:
-        return self.info.get(int(layer), {}).get("metrics", {})
+    def metrics(self, layer: int) -> dict[str, Any]:
+        metrics: dict[str, Any] = self.info.get(int(layer), {}).get("metrics", {})
+        return metrics
 
     def median_norm(self, layer: int) -> float | None:
         v = self.info.get(int(layer), {}).get("data", {}).get("median_norm")
@@ -66,7 +71,7 @@ class EnergyBank:
     def __getitem__(self, layer: int) -> EnergyModel:
         return self.models[int(layer)]
 
-    def summary(self) -> list[dict]:
+    def summary(self) -> list[dict[str, Any]]:
         """One row per layer (ranked): layer, val acc, AUROC, mean energies, median norm."""
         rows = []
         for rank, layer in enumerate(self.layers):
@@ -109,7 +114,7 @@ class EnergyBank:
     def load(
         cls,
         directory: str | Path,
-        expect_fingerprint: dict | None = None,
+        expect_fingerprint: dict[str, Any] | None = None,
         expect_hidden_size: int | None = None,
         layers: Sequence[int] | None = None,
         map_location: str | torch.device = "cpu",
@@ -147,10 +152,10 @@ def train_layers(
     acts_by_layer: dict[int, torch.Tensor],
     labels: Sequence[int] | torch.Tensor,
     config: EnergyConfig | None = None,
-    fingerprint: dict | None = None,
+    fingerprint: dict[str, Any] | None = None,
     layers: Sequence[int] | None = None,
     progress: bool = False,
-    metadata: dict | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> EnergyBank:
     """Train one energy model per layer; ``labels[i]`` is 1 for a bad (undesirable) state, 0 for good.
 
@@ -161,7 +166,7 @@ def train_layers(
     if not set(y.unique().tolist()) <= {0, 1}:
         raise DataError("labels must be 0 (good) or 1 (bad).")
     models: dict[int, EnergyModel] = {}
-    info: dict[int, dict] = {}
+    info: dict[int, dict[str, Any]] = {}
     todo = list(layers if layers is not None else sorted(acts_by_layer))
     bar = tqdm(total=len(todo) * config.folds, desc="energy models", unit="model", disable=not progress)
     for layer in todo:
@@ -197,11 +202,11 @@ def train_layers(
     return EnergyBank(models, config, dict(fingerprint or {}), info, meta)
 
 
-def _mean_metrics(per_fold: list[dict]) -> dict:
+def _mean_metrics(per_fold: list[dict[str, Any]]) -> dict[str, Any]:
     """Validation metrics averaged over folds (counts summed); one fold is returned as it is."""
     if len(per_fold) == 1:
         return per_fold[0]
-    out = {}
+    out: dict[str, Any] = {}
     for key in per_fold[0]:
         vals = [float(m[key]) for m in per_fold if m.get(key) is not None]
         if key.startswith("n_"):

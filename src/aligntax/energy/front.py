@@ -25,8 +25,10 @@ refusal turned into compliance) weigh more.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,8 +62,8 @@ class HarmBasis:
     the most important first)."""
 
     directions: dict[int, torch.Tensor]
-    fingerprint: dict = field(default_factory=dict)
-    info: dict = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.directions = {
@@ -112,7 +114,7 @@ class HarmBasis:
     def load(
         cls,
         directory: str | Path,
-        expect_fingerprint: dict | None = None,
+        expect_fingerprint: dict[str, Any] | None = None,
         expect_hidden_size: int | None = None,
     ) -> HarmBasis:
         meta, t = _BASIS.load(directory, expect_fingerprint, expect_hidden_size)
@@ -125,7 +127,7 @@ class HarmBasis:
         return (Path(directory) / _BASIS.sidecar).is_file()
 
 
-def pair_states(items, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_states(items: Sequence[Any], states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The contrast pairs among ``items`` (prompts sharing a ``category``, one benign and one harmful)
     and their states ``[N, d]`` (one row per item): ``(harmful [P, d], benign [P, d])``, pairs in order."""
     groups: dict[str, dict[str, int]] = {}
@@ -144,8 +146,8 @@ def compute_harm_basis(
     benign: dict[int, torch.Tensor],
     pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     k_max: int = 8,
-    fingerprint: dict | None = None,
-    metadata: dict | None = None,
+    fingerprint: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> HarmBasis:
     """Per layer of ``harmful`` ``{layer: [Nh, d]}`` and ``benign`` ``{layer: [Nb, d]}``: the unit
     difference of means, then the top singular directions of the pairs' differences (``pairs[layer]
@@ -153,7 +155,8 @@ def compute_harm_basis(
     projecting the first direction out; ``k_max`` directions in all, orthonormal."""
     if k_max < 1:
         raise AligntaxError(f"k_max must be >= 1; got {k_max}.")
-    directions, info = {}, {"k_max": k_max, "layers": {}}
+    directions: dict[int, torch.Tensor] = {}
+    info: dict[str, Any] = {"k_max": k_max, "layers": {}}
     for layer in sorted(harmful):
         xh, xb = harmful[layer].float(), benign[layer].float()
         if not len(xh) or not len(xb):
@@ -198,8 +201,8 @@ class RowStrength:
     refusal_dir: torch.Tensor  # [d]
     harm_dir: torch.Tensor  # [d]
     floor: float = 0.1
-    fingerprint: dict = field(default_factory=dict)
-    info: dict = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.layer = int(self.layer)
@@ -266,7 +269,7 @@ class RowStrength:
     def load(
         cls,
         directory: str | Path,
-        expect_fingerprint: dict | None = None,
+        expect_fingerprint: dict[str, Any] | None = None,
         expect_hidden_size: int | None = None,
     ) -> RowStrength:
         meta, t = _STRENGTH.load(directory, expect_fingerprint, expect_hidden_size)
@@ -294,7 +297,8 @@ class RowStrength:
 
 
 def _unit(v: torch.Tensor) -> torch.Tensor:
-    return v / v.norm().clamp_min(1e-12)
+    unit: torch.Tensor = v / v.norm().clamp_min(1e-12)
+    return unit
 
 
 def fit_row_strength(
@@ -306,12 +310,12 @@ def fit_row_strength(
     weight: torch.Tensor | None = None,
     l2: float = 1e-2,
     floor: float = 0.1,
-    fingerprint: dict | None = None,
-    metadata: dict | None = None,
+    fingerprint: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> RowStrength:
     """A :class:`RowStrength` fitted by L2-regularised logistic regression (classes weighted equally,
     ``weight`` per row within its class) on ``features`` ``[N, F]`` and ``worth`` (1: worth steering)."""
-    from aligntax.energy.gate import _fit_standardised, _rates
+    from aligntax.energy.gate import fit_standardised, gate_rates
 
     y = torch.as_tensor(worth).bool().flatten()
     x = torch.as_tensor(features).float()
@@ -321,7 +325,7 @@ def fit_row_strength(
         raise DataError("The row strength model needs rows worth steering and rows that must not be.")
     if not torch.isfinite(x).all():
         raise DataError("Row strength features contain NaN or inf.")
-    w, b, mu, sd = _fit_standardised(x, y, l2, weight)
+    w, b, mu, sd = fit_standardised(x, y, l2, weight)
     model = RowStrength(layer, w, b, mu, sd, refusal_dir, harm_dir, floor, dict(fingerprint or {}))
     p = model.prob(x)
     s = model.strength(x)
@@ -329,7 +333,7 @@ def fit_row_strength(
         "l2": l2,
         "n": len(y),
         "n_worth": int(y.sum()),
-        "train_fit": _rates(torch.logit(p.clamp(1e-6, 1 - 1e-6)), y),
+        "train_fit": gate_rates(torch.logit(p.clamp(1e-6, 1 - 1e-6)), y),
         "mean_strength": {"worth": float(s[y].mean()), "not_worth": float(s[~y].mean())},
         "held_at_floor": {
             "worth": float((s[y] == 0).float().mean()),

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,8 +43,8 @@ class HarmGate:
     mean: torch.Tensor  # [L, d]
     scale: torch.Tensor  # [L, d]
     threshold: float = 0.5
-    fingerprint: dict = field(default_factory=dict)
-    info: dict = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.layers = [
@@ -55,7 +56,7 @@ class HarmGate:
         order = sorted(range(n), key=self.layers.__getitem__)  # rows follow the layers, sorted
         self.layers = [self.layers[i] for i in order]
 
-        def rows(t) -> torch.Tensor:
+        def rows(t: Any) -> torch.Tensor:
             return torch.as_tensor(t).detach().float().cpu().reshape(n, -1)[order]
 
         self.weight, self.mean = rows(self.weight), rows(self.mean)
@@ -135,7 +136,7 @@ class HarmGate:
     def load(
         cls,
         directory: str | Path,
-        expect_fingerprint: dict | None = None,
+        expect_fingerprint: dict[str, Any] | None = None,
         expect_hidden_size: int | None = None,
     ) -> HarmGate:
         meta, t = _FILES.load(directory, expect_fingerprint, expect_hidden_size)
@@ -178,7 +179,7 @@ def _fit_logistic(
         weights = s * torch.where(y > 0, 0.5 / pos, 0.5 / (1 - pos)) / s.mean()
     opt = torch.optim.LBFGS([w, b], max_iter=max_iter, line_search_fn="strong_wolfe")
 
-    def closure():
+    def closure() -> torch.Tensor:
         opt.zero_grad()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y.float(), weight=weights)
         loss = loss + l2 * (w * w).sum()
@@ -190,13 +191,15 @@ def _fit_logistic(
     return w.detach(), float(b.detach())
 
 
-def _fit_standardised(x: torch.Tensor, y: torch.Tensor, l2: float, sample_weight: torch.Tensor | None = None):
+def fit_standardised(
+    x: torch.Tensor, y: torch.Tensor, l2: float, sample_weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float, torch.Tensor, torch.Tensor]:
     """:func:`_fit_logistic` on ``x`` standardised by its own mean and std: ``(w, b, mean, std)``."""
     mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
     return (*_fit_logistic((x - mu) / sd, y, l2, sample_weight=sample_weight), mu, sd)
 
 
-def _rates(logit: torch.Tensor, y: torch.Tensor) -> dict:
+def gate_rates(logit: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     pred = logit >= 0
     yb = y.bool()
     return {
@@ -213,8 +216,8 @@ def train_harm_gate(
     l2: float = 1e-2,
     folds: int = 5,
     seed: int = 0,
-    fingerprint: dict | None = None,
-    metadata: dict | None = None,
+    fingerprint: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
     recall: float | None = None,
     ensemble: bool = False,
     sample_weight: Sequence[float] | torch.Tensor | None = None,
@@ -263,14 +266,14 @@ def train_harm_gate(
         for va in splits:
             tr = torch.ones(len(y), dtype=torch.bool)
             tr[va] = False
-            w, b, mu, sd = _fit_standardised(x[tr], y[tr], l2, None if sw is None else sw[tr])
+            w, b, mu, sd = fit_standardised(x[tr], y[tr], l2, None if sw is None else sw[tr])
             logits[va] = ((x[va] - mu) / sd) @ w + b
         oof[(layer,)] = logits
     if ensemble and len(cand) > 1:
         oof[tuple(cand)] = torch.stack([oof[(layer,)] for layer in cand]).mean(0)
     recalls = sorted({0.9, 0.95, 0.98, 0.99, *([recall] if recall else [])})
 
-    def operating_point(logits: torch.Tensor) -> dict:
+    def operating_point(logits: torch.Tensor) -> dict[str, Any]:
         """Out-of-fold rates at 0.5, the thresholds at each recall, and the rates at the gate's threshold."""
         p = torch.sigmoid(logits)
         harm_p = p[y].sort().values
@@ -279,7 +282,7 @@ def train_harm_gate(
             for r in recalls
         }
         threshold = 0.5 if recall is None else min(0.5, at[str(recall)])
-        rates = _rates(logits, y)
+        rates = gate_rates(logits, y)
         rates["balanced_acc"] = (rates["harmful_caught"] + rates["benign_passed"]) / 2
         return {
             "val": rates,
@@ -294,13 +297,13 @@ def train_harm_gate(
     points = {k: operating_point(v) for k, v in oof.items()}
 
     def score(k: tuple[int, ...]) -> float:
-        return points[k]["val"]["balanced_acc"]
+        return float(points[k]["val"]["balanced_acc"])
 
     best = max(points, key=lambda k: (round(score(k), 6), -len(k), -k[0]))
     chosen = points[best]
-    fits = [_fit_standardised(acts_by_layer[layer].float(), y, l2, sw) for layer in best]
-    w, b, mu, sd = (torch.stack([torch.as_tensor(f[i]) for f in fits]) for i in range(4))
-    gate = HarmGate(list(best), w, b, mu, sd, chosen["threshold"], dict(fingerprint or {}))
+    fits = [fit_standardised(acts_by_layer[layer].float(), y, l2, sw) for layer in best]
+    ws, bs, mus, sds = (torch.stack([torch.as_tensor(f[i]) for f in fits]) for i in range(4))
+    gate = HarmGate(list(best), ws, bs, mus, sds, chosen["threshold"], dict(fingerprint or {}))
     x_all = gate.stack({layer: acts_by_layer[layer].float() for layer in best})
     name = {k: "ensemble" if len(k) > 1 else str(k[0]) for k in points}
     gate.info = {
@@ -318,7 +321,7 @@ def train_harm_gate(
         "l2": l2,
         "n": len(y),
         "n_harmful": int(y.sum()),
-        "train_fit": _rates(gate.logit(x_all), y),
+        "train_fit": gate_rates(gate.logit(x_all), y),
         **({} if sw is None else {"n_weighted": int((sw != 1).sum()), "max_weight": float(sw.max())}),
         **(metadata or {}),
     }

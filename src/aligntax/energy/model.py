@@ -13,6 +13,7 @@ calls at every step.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,13 @@ from torch import nn
 
 from aligntax.errors import AligntaxError
 
-OBJECTIVES = ("infonce", "logistic")
-NORMALIZATIONS = ("standard", "norm", "none")
-BALANCES = ("truncate", "weight", "none")
+Objective = Literal["infonce", "logistic"]
+Normalization = Literal["standard", "norm", "none"]
+Balance = Literal["truncate", "weight", "none"]
+GradMethod = Literal["closed", "autograd"]
+OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
+NORMALIZATIONS: tuple[Normalization, ...] = get_args(Normalization)
+BALANCES: tuple[Balance, ...] = get_args(Balance)
 
 
 @dataclass
@@ -39,7 +44,7 @@ class EnergyConfig:
     widths: list[int] = field(default_factory=lambda: [2048, 1024, 1024, 512])
     layernorm: bool = True
     dropout: float = 0.15
-    objective: str = "infonce"  # "infonce" | "logistic"
+    objective: Objective = "infonce"
     temperature: float = 0.1
     lr: float = 5e-5
     batch_size: int = 64
@@ -52,8 +57,8 @@ class EnergyConfig:
     # nearly tied layers.
     folds: int = 1
     patience: int | None = 20  # epochs without val improvement before stopping (None: never stop early)
-    normalize: str = "standard"  # "standard" (per-feature mean/std) | "norm" (divide by median norm) | "none"
-    balance: str = "truncate"  # "truncate" (paper: equal-size good/bad) | "weight" (logistic only) | "none"
+    normalize: Normalization = "standard"  # per-feature mean/std | divide by the median norm | none
+    balance: Balance = "truncate"  # paper: equal-size good/bad | weight (logistic only) | none
     calibrate: bool = True  # shift E so that the best train threshold sits at 0 (always on for InfoNCE)
     seed: int = 0
     device: str | None = None  # None: CPU
@@ -75,10 +80,10 @@ class EnergyConfig:
         self.widths = [int(w) for w in self.widths]
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> EnergyConfig:
+    def preset(cls, name: str, **overrides: Any) -> EnergyConfig:
         """``paper`` (the default) or ``small`` (Linear(d,512)-SiLU-Linear(512,256)-SiLU-Linear(256,1))."""
         if name == "paper":
-            base: dict = {}
+            base: dict[str, Any] = {}
         elif name == "small":
             base = dict(
                 widths=[512, 256], layernorm=False, dropout=0.0, lr=1e-3, epochs=60, weight_decay=1e-4
@@ -87,17 +92,20 @@ class EnergyConfig:
             raise AligntaxError(f"Unknown energy preset '{name}'; use 'paper' or 'small'.")
         return cls(**{**base, **overrides})
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> EnergyConfig:
+    def from_dict(cls, d: dict[str, Any]) -> EnergyConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class EnergyModel(nn.Module):
     """Scalar energy of a hidden state. ``energy(h)`` accepts any leading dims: ``[..., d] -> [...]``."""
+
+    in_mean: torch.Tensor  # buffers: the input normalisation
+    in_scale: torch.Tensor
 
     def __init__(
         self,
@@ -130,7 +138,7 @@ class EnergyModel(nn.Module):
     def from_config(cls, dim: int, cfg: EnergyConfig) -> EnergyModel:
         return cls(dim, cfg.widths, cfg.layernorm, cfg.dropout)
 
-    def arch(self) -> dict:
+    def arch(self) -> dict[str, Any]:
         return {
             "dim": self.dim,
             "widths": self.widths,
@@ -141,6 +149,12 @@ class EnergyModel(nn.Module):
     def set_normalization(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
         self.in_mean.copy_(mean.to(self.in_mean))
         self.in_scale.copy_(scale.to(self.in_scale).clamp_min(1e-6))
+
+    def _linear(self, i: int) -> nn.Linear:
+        return cast(nn.Linear, self.linears[i])
+
+    def _norm(self, i: int) -> nn.LayerNorm:
+        return cast(nn.LayerNorm, self.norms[i])
 
     # ---- forward ----------------------------------------------------------------------------------
     def _check(self, h: torch.Tensor) -> torch.Tensor:
@@ -163,11 +177,13 @@ class EnergyModel(nn.Module):
             if self.use_layernorm:
                 x = self.norms[i](x)
             x = self.drop(F.silu(x))
-        return self.out(x).squeeze(-1)
+        out: torch.Tensor = self.out(x).squeeze(-1)
+        return out
 
     def energy(self, h: torch.Tensor) -> torch.Tensor:
         """Energy (float32) of states ``[..., d]``; uses the module's current train/eval mode."""
-        return self(h)
+        e: torch.Tensor = self(h)
+        return e
 
     @torch.no_grad()
     def energy_and_grad(self, h: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,11 +194,12 @@ class EnergyModel(nn.Module):
         x = self._check(h) if check else h.float()
         shape = x.shape
         x = ((x - self.in_mean) / self.in_scale).reshape(-1, self.dim)
-        cache = []
-        for i, lin in enumerate(self.linears):
+        cache: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]] = []
+        for i in range(len(self.linears)):
+            lin = self._linear(i)
             z = F.linear(x, lin.weight, lin.bias)
             if self.use_layernorm:
-                ln = self.norms[i]
+                ln = self._norm(i)
                 mu = z.mean(-1, keepdim=True)
                 zc = z - mu
                 rstd = torch.rsqrt(zc.pow(2).mean(-1, keepdim=True) + ln.eps)
@@ -196,20 +213,21 @@ class EnergyModel(nn.Module):
         e = F.linear(x, self.out.weight, self.out.bias).squeeze(-1)
         g = self.out.weight.expand(x.shape[0], -1)  # dE/da of the last activation
         for i in range(len(self.linears) - 1, -1, -1):
-            u, rstd, y = cache[i]
+            un, rs, y = cache[i]
             s = torch.sigmoid(y)
             gy = g * (s * (1 + y * (1 - s)))
             if self.use_layernorm:
-                ln = self.norms[i]
+                assert un is not None and rs is not None  # kept for every layer with a LayerNorm
+                ln = self._norm(i)
                 gu = gy * ln.weight if ln.weight is not None else gy
-                gz = rstd * (gu - gu.mean(-1, keepdim=True) - u * (gu * u).mean(-1, keepdim=True))
+                gz = rs * (gu - gu.mean(-1, keepdim=True) - un * (gu * un).mean(-1, keepdim=True))
             else:
                 gz = gy
-            g = gz @ self.linears[i].weight
+            g = gz @ self._linear(i).weight
         g = g / self.in_scale
         return e.reshape(shape[:-1]), g.reshape(shape)
 
-    def grad(self, h: torch.Tensor, method: str = "closed") -> torch.Tensor:
+    def grad(self, h: torch.Tensor, method: GradMethod = "closed") -> torch.Tensor:
         """``dE/dh`` (float32, same shape as ``h``), closed form or via autograd; never through the LLM."""
         if method == "closed":
             return self.energy_and_grad(h)[1]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,9 +15,9 @@ from aligntax.energy.bank import EnergyBank
 def plot_energy_histograms(
     bank: EnergyBank,
     acts_by_layer: dict[int, torch.Tensor],
-    labels,
+    labels: Any,
     path: str | Path,
-    layers=None,
+    layers: Sequence[int] | None = None,
     bins: int = 40,
     title: str | None = None,
 ) -> Path:

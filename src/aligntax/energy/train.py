@@ -19,6 +19,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,7 @@ def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float:
     return float(u / (n_pos * n_neg))
 
 
-def sign_metrics(e_good: torch.Tensor, e_bad: torch.Tensor) -> dict:
+def sign_metrics(e_good: torch.Tensor, e_bad: torch.Tensor) -> dict[str, Any]:
     """Accuracy (good < 0, bad > 0), balanced accuracy, AUROC and mean energies."""
     good_ok = (e_good < 0).float()
     bad_ok = (e_bad > 0).float()
@@ -131,11 +132,11 @@ class TrainResult:
     """A trained energy model with its training history and validation metrics."""
 
     model: EnergyModel
-    metrics: dict  # best-epoch validation metrics: acc, balanced_acc, auroc, mean energies, counts
-    train_metrics: dict
-    history: list[dict] = field(default_factory=list)
+    metrics: dict[str, Any]  # best-epoch validation metrics: acc, balanced_acc, auroc, mean energies, counts
+    train_metrics: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
     best_epoch: int = 0
-    data: dict = field(default_factory=dict)  # sizes of the good/bad train/val sets, offset, norm
+    data: dict[str, Any] = field(default_factory=dict)  # sizes of the good/bad train/val sets, offset, norm
 
     @property
     def val_acc(self) -> float:
@@ -154,7 +155,7 @@ def _split(n: int, frac: float, gen: torch.Generator, fold: int = 0) -> tuple[to
     return torch.cat([perm[:lo], perm[hi:]]), perm[lo:hi]
 
 
-def _score(key: dict) -> tuple:
+def rank_key(key: dict[str, Any]) -> tuple[Any, ...]:
     """Ranking key (higher is better): validation accuracy, then AUROC, then lower validation loss."""
     acc = key.get("acc", float("nan"))
     au = key.get("auroc", float("nan"))
@@ -222,7 +223,7 @@ class EnergyTrainer:
         pos_weight = torch.tensor(len(xg) / len(xb), device=device) if cfg.balance == "weight" else None
 
         best_state, best_key, best_epoch, best_offset = None, None, -1, 0.0
-        history: list[dict] = []
+        history: list[dict[str, Any]] = []
         bad_epochs = 0
         for epoch in range(cfg.epochs):
             model.train()
@@ -269,7 +270,7 @@ class EnergyTrainer:
                     "val_auroc": val["auroc"],
                 }
             )
-            key = _score(val)
+            key = rank_key(val)
             if best_key is None or key > best_key:
                 best_key, best_epoch, best_offset = key, epoch, offset
                 best_state = copy.deepcopy(model.state_dict())
@@ -282,9 +283,10 @@ class EnergyTrainer:
                 print(
                     f"epoch {epoch}: loss {history[-1]['loss']:.4f} val acc {val['acc']:.3f} auroc {val['auroc']:.3f}"
                 )
-        model.load_state_dict(best_state)
+        if best_state is not None:
+            model.load_state_dict(best_state)
         with torch.no_grad():
-            model.out.bias -= best_offset
+            model.out.bias.sub_(best_offset)
         model.eval()
         e_vg, e_vb = self._energies(model, vg.to(device)), self._energies(model, vb.to(device))
         e_tg, e_tb = self._energies(model, xg_d), self._energies(model, xb_d)

@@ -38,3 +38,16 @@ def length_batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None
     if start < len(lengths):
         spans.append(range(start, len(lengths)))
     return spans
+
+
+def length_order_batches(
+    lengths: Sequence[int], max_rows: int, max_tokens: int | None = None
+) -> list[list[int]]:
+    """The batches generation forms over prompts of these token ``lengths``: indices sorted longest first
+    (ties by index), cut by :func:`length_batches`. The cut is greedy from each batch's start, so the
+    prompts of any whole batches of this plan, given again in plan order, are batched the same way: a
+    resumed run that generates only the batches still missing rows generates them as an uninterrupted
+    run did."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    spans = length_batches([lengths[i] for i in order], max_rows, max_tokens)
+    return [order[s.start : s.stop] for s in spans]

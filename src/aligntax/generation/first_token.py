@@ -9,15 +9,19 @@ logits.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from aligntax.generation.generate import prompt_logits
 from aligntax.interventions.base import Intervention
 from aligntax.judges.first_token import REFUSAL_OPENINGS, refusal_mass, refusal_token_ids
 
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
+
 
 def first_token_refusal_score(
-    lm,
-    prompts: Sequence[str | list[dict]],
+    lm: LoadedModel,
+    prompts: Sequence[str | list[dict[str, Any]]],
     system: str | None = None,
     intervention: Intervention | None = None,
     batch_size: int = 32,

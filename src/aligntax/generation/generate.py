@@ -22,18 +22,28 @@ words, ...) use ``model.generate``; ``GenerationConfig(drop_finished=False)`` as
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from aligntax.generation.batching import GENERATION_BATCH_TOKENS, length_batches
+from aligntax.generation.batching import GENERATION_BATCH_TOKENS, length_order_batches
 from aligntax.generation.chat import build_messages, render_chat
 from aligntax.generation.prefix import prefix_cache, prefixed_inputs, unpadded, usable_prefix
 from aligntax.hooks import pad_left, with_cache
 from aligntax.interventions.base import Intervention, NoIntervention, SteerContext
 from aligntax.interventions.kernels import merge_stats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from aligntax.models.loader import LoadedModel
+
+# choose(logits [rows, vocab], alive rows) -> next tokens [rows]; ended(alive, tokens, step) -> bool [rows]
+Choose = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Ended = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass
@@ -52,7 +62,7 @@ class GenerationConfig:
     # a batch also holds at most this many padded prompt tokens (None: no limit); see generation.batching
     max_batch_tokens: int | None = GENERATION_BATCH_TOKENS
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -65,7 +75,7 @@ class Generation:
     finish_reason: str  # "stop" or "length"
 
 
-def _truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     cut = min((text.find(s) for s in stops if s and s in text), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
 
@@ -90,7 +100,7 @@ _GREEDY_CHANGERS = {
 }
 
 
-def plain_greedy(model) -> bool:
+def plain_greedy(model: PreTrainedModel) -> bool:
     """Whether ``model.generate``'s greedy decoding is the plain argmax for this model, so
     :func:`greedy_decode` gives the same tokens; also False for encoder-decoder models."""
     if getattr(model.config, "is_encoder_decoder", False):
@@ -99,7 +109,7 @@ def plain_greedy(model) -> bool:
     return all(getattr(gc, k, None) in neutral for k, neutral in _GREEDY_CHANGERS.items())
 
 
-def eos_token_ids(lm) -> set[int]:
+def eos_token_ids(lm: LoadedModel) -> set[int]:
     """Token ids that end a response: the generation config's eos ids and the tokenizer's."""
     ids = getattr(lm.model.generation_config, "eos_token_id", None)
     ids = set(ids if isinstance(ids, list) else [ids]) | {lm.tokenizer.eos_token_id}
@@ -108,16 +118,16 @@ def eos_token_ids(lm) -> set[int]:
 
 @torch.no_grad()
 def decode_loop(
-    model,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     max_new_tokens: int,
     eos_ids: set[int],
     ctx: SteerContext | None = None,
-    cache=None,
+    cache: Any = None,
     cached: int = 0,
-    choose=None,
-    ended=None,
+    choose: Choose | None = None,
+    ended: Ended | None = None,
     out: list[list[int]] | None = None,
 ) -> list[list[int]]:
     """Decoding with the KV cache, left padding and position ids from the mask, as ``model.generate``
@@ -145,7 +155,7 @@ def decode_loop(
     if ended is None:
         eos = torch.tensor(sorted(eos_ids), device=input_ids.device)
 
-        def ended(alive, tokens, step):
+        def ended(alive: torch.Tensor, tokens: torch.Tensor, step: int) -> torch.Tensor:
             return torch.isin(tokens, eos)
 
     alive = torch.arange(batch)  # original row of each row still in the batch
@@ -184,13 +194,13 @@ def decode_loop(
 
 
 def greedy_decode(
-    model,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     max_new_tokens: int,
     eos_ids: set[int],
     ctx: SteerContext | None = None,
-    cache=None,
+    cache: Any = None,
     cached: int = 0,
 ) -> list[list[int]]:
     """Greedy :func:`decode_loop`: the argmax each step, a row ending at an end token of ``eos_ids``."""
@@ -198,16 +208,16 @@ def greedy_decode(
 
 
 def decode_batch(
-    model,
-    enc: dict,
+    model: PreTrainedModel,
+    enc: dict[str, Any],
     intervention: Intervention,
     max_new_tokens: int,
     eos_ids: set[int],
     rows: torch.Tensor | None = None,
     strength: torch.Tensor | None = None,
     share_prefix: bool = True,
-    choose=None,
-    ended=None,
+    choose: Choose | None = None,
+    ended: Ended | None = None,
     out: list[list[int]] | None = None,
 ) -> tuple[list[list[int]], SteerContext]:
     """One left-padded batch (``input_ids``, ``attention_mask``) through :func:`decode_loop` (greedy
@@ -229,7 +239,7 @@ def decode_batch(
 
 
 def _generate_batch(
-    lm,
+    lm: LoadedModel,
     texts: list[str],
     seqs: list[list[int]],
     cfg: GenerationConfig,
@@ -237,8 +247,8 @@ def _generate_batch(
     rows: torch.Tensor | None,
     strength: torch.Tensor | None,
     batch_seed: int | None,
-    stats: dict | None = None,
-):
+    stats: dict[str, Any] | None = None,
+) -> list[Generation]:
     """One batch of already tokenised prompts (``seqs``: each text's ids, tokenised once per run)."""
     tok, model = lm.tokenizer, lm.model
     ids, mask = pad_left(seqs, tok.pad_token_id if tok.pad_token_id is not None else 0, lm.device)
@@ -275,7 +285,7 @@ def _generate_batch(
                 n, finish = j, "stop"
                 break
         text = tok.decode(row[:n], skip_special_tokens=True)
-        text, stopped = _truncate_at_stop(text, cfg.stop)
+        text, stopped = truncate_at_stop(text, cfg.stop)
         results.append(
             Generation(
                 prompt=texts[i],
@@ -289,15 +299,15 @@ def _generate_batch(
 
 
 def iter_generate(
-    lm,
-    prompts: Sequence[str | list[dict]],
+    lm: LoadedModel,
+    prompts: Sequence[str | list[dict[str, Any]]],
     cfg: GenerationConfig | None = None,
     intervention: Intervention | None = None,
     steer_rows: Sequence[bool] | None = None,
     strengths: Sequence[float] | None = None,
     progress: bool = True,
     desc: str = "generate",
-    stats: dict | None = None,
+    stats: dict[str, Any] | None = None,
 ) -> Iterator[tuple[list[int], list[Generation]]]:
     """Yield (input indices, generations) batch by batch, so callers can save as they go. Each prompt is
     rendered and tokenised once. ``stats``: a dict the steering statistics of every batch are merged
@@ -308,12 +318,9 @@ def iter_generate(
     texts = [render_chat(lm.tokenizer, build_messages(p, cfg.system, intervention)) for p in prompts]
     seqs = lm.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     lengths = [len(x) for x in seqs]
-    order = sorted(range(len(texts)), key=lambda i: (-lengths[i], i))
     bar = tqdm(total=len(texts), desc=desc, disable=not progress, unit="prompt")
     try:
-        spans = length_batches([lengths[i] for i in order], cfg.batch_size, cfg.max_batch_tokens)
-        for b, span in enumerate(spans):
-            idx = order[span.start : span.stop]
+        for b, idx in enumerate(length_order_batches(lengths, cfg.batch_size, cfg.max_batch_tokens)):
             rows = torch.tensor([bool(steer_rows[i]) for i in idx]) if steer_rows is not None else None
             strength = torch.tensor([float(strengths[i]) for i in idx]) if strengths is not None else None
             seed = None if cfg.seed is None else cfg.seed + b
@@ -329,7 +336,8 @@ def iter_generate(
                 stats,
             )
             for i, g in zip(idx, gens, strict=True):
-                g.prompt = prompts[i] if isinstance(prompts[i], str) else texts[i]
+                p = prompts[i]
+                g.prompt = p if isinstance(p, str) else texts[i]
             bar.update(len(idx))
             yield idx, gens
     finally:
@@ -337,11 +345,11 @@ def iter_generate(
 
 
 def generate(
-    lm,
-    prompts: Sequence[str | list[dict]],
+    lm: LoadedModel,
+    prompts: Sequence[str | list[dict[str, Any]]],
     cfg: GenerationConfig | None = None,
     intervention: Intervention | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> list[Generation]:
     """Generate a response for every prompt; returns them in input order."""
     out: list[Generation | None] = [None] * len(prompts)
@@ -352,8 +360,8 @@ def generate(
 
 
 def prompt_logits(
-    lm,
-    prompts: Sequence[str | list[dict]],
+    lm: LoadedModel,
+    prompts: Sequence[str | list[dict[str, Any]]],
     system: str | None = None,
     intervention: Intervention | None = None,
     batch_size: int = 32,
@@ -366,7 +374,7 @@ def prompt_logits(
 
 
 def text_logits(
-    lm,
+    lm: LoadedModel,
     texts: Sequence[str],
     intervention: Intervention | None = None,
     batch_size: int = 32,

@@ -13,11 +13,15 @@ with :attr:`aligntax.interventions.base.Intervention.prefix_free`.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from aligntax.hooks import position_ids_from_mask, with_cache
+
+if TYPE_CHECKING:
+    from transformers import Cache, PretrainedConfig, PreTrainedModel
 
 
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
@@ -40,7 +44,9 @@ def unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list
     return [input_ids[i, width - n :].tolist() for i, n in enumerate(attention_mask.sum(1).tolist())]
 
 
-def usable_prefix(model, seqs: Sequence[Sequence[int]], prefix_free: bool, new_tokens: int = 0) -> int:
+def usable_prefix(
+    model: PreTrainedModel, seqs: Sequence[Sequence[int]], prefix_free: bool, new_tokens: int = 0
+) -> int:
     """How many leading tokens of ``seqs`` to compute once, apart (:func:`common_prefix_len`): 0 when
     the hooks at work need the prefix's states (``prefix_free`` False) or the model's attention window
     does not cover the sequences plus ``new_tokens`` (:func:`prefix_fits`)."""
@@ -49,7 +55,7 @@ def usable_prefix(model, seqs: Sequence[Sequence[int]], prefix_free: bool, new_t
     return common_prefix_len(seqs)
 
 
-def attention_window(config) -> int | None:
+def attention_window(config: PretrainedConfig) -> int | None:
     """The smallest sliding attention window of a model (None: every layer attends to all tokens)."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -60,7 +66,7 @@ def attention_window(config) -> int | None:
     return int(window) if window and sliding else None
 
 
-def prefix_fits(model, width: int, max_new_tokens: int) -> bool:
+def prefix_fits(model: PreTrainedModel, width: int, max_new_tokens: int) -> bool:
     """Whether a shared prefix may be cached apart from the rest of the prompts (:func:`prefix_cache`):
     the padding between them shifts KV columns against positions, so a sliding attention window
     (which counts columns) must cover the whole sequence."""
@@ -68,7 +74,9 @@ def prefix_fits(model, width: int, max_new_tokens: int) -> bool:
     return window is None or width + max_new_tokens <= window
 
 
-def split_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int):
+def split_prefix(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A left-padded batch whose rows share their first ``prefix`` tokens, split into the prefix
     (``[1, prefix]``) and the rest of each row, left-padded (``suffix_ids``, ``suffix_mask``)."""
     lens = attention_mask.sum(1)
@@ -80,7 +88,9 @@ def split_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: 
     return input_ids[0:1, start : start + prefix], input_ids[:, width - rest :], suffix_mask
 
 
-def run_prefix(model, prefix_ids: torch.Tensor, rows: int, forward=None):
+def run_prefix(
+    model: PreTrainedModel, prefix_ids: torch.Tensor, rows: int, forward: Callable[..., Any] | None = None
+) -> Cache:
     """The KV cache of a prefix every row shares: computed once (one row), then repeated for ``rows``
     rows. ``forward(**kwargs)`` runs the model (default: ``model(**kwargs)``)."""
     from transformers import DynamicCache
@@ -101,7 +111,13 @@ def run_prefix(model, prefix_ids: torch.Tensor, rows: int, forward=None):
 
 
 @torch.no_grad()
-def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int, forward=None):
+def prefix_cache(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prefix: int,
+    forward: Callable[..., Any] | None = None,
+) -> tuple[Cache, torch.Tensor, torch.Tensor]:
     """Split a left-padded batch whose rows share their first ``prefix`` tokens: the KV cache of the
     prefix, computed once (one row) and repeated for every row, and the rest of each row, left-padded
     (``(cache, suffix_ids, suffix_mask)``). The prefix keeps positions 0..prefix-1 and the rest follows
@@ -111,7 +127,7 @@ def prefix_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     return run_prefix(model, prefix_ids, input_ids.shape[0], forward), suffix_ids, suffix_mask
 
 
-def repeated(prefix_kv, rows: int):
+def repeated(prefix_kv: Cache, rows: int) -> Cache:
     """A copy of a one-row prefix cache (:func:`run_prefix` with ``rows=1``) repeated for ``rows`` rows."""
     cache = copy.deepcopy(prefix_kv)
     cache.batch_repeat_interleave(rows)

@@ -8,8 +8,8 @@ engine for every run of the process) or Ray replicas of either
 command-line option to one; nothing below it asks which backend it holds.
 
 A run opens the source for its model and intervention (:meth:`GenerationSource.open`) and gets a
-:class:`Generator`: the model and intervention as the run records them, where the per-row decisions
-are made before generating (:meth:`Generator.decider`), the generation itself, and what the engine
+:class:`SourceSession`: the model and intervention as the run records them, where the per-row decisions
+are made before generating (:meth:`SourceSession.decider`), the generation itself, and what the engine
 decided and counted while generating.
 """
 
@@ -18,19 +18,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from aligntax.generation.generate import Generation, GenerationConfig
 
 __all__ = [
+    "Backend",
     "Decider",
     "GenerationSource",
-    "Generator",
+    "SourceSession",
     "SettingGenerate",
     "Serving",
     "SourceSpec",
     "SweepGeneration",
 ]
+
+
+# where answers are generated: aligntax's own loop on a Hugging Face model, or vLLM
+Backend = Literal["hf", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class SourceSpec:
     model: str
     dtype: str = "bf16"
     intervention: str | None = None
-    intervention_args: dict = field(default_factory=dict)
+    intervention_args: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 32
     device_map: str | None = None
 
@@ -52,40 +57,40 @@ class Decider(Protocol):
     (:mod:`aligntax.activations.decisions`)."""
 
     def row_info(
-        self, prompts: Sequence, system: str | None = None, batch_size: int = 32
-    ) -> list[dict] | None: ...
+        self, prompts: Sequence[Any], system: str | None = None, batch_size: int = 32
+    ) -> list[dict[str, Any]] | None: ...
 
     def unsteered_rows(
-        self, prompts: Sequence, system: str | None = None, batch_size: int = 32
+        self, prompts: Sequence[Any], system: str | None = None, batch_size: int = 32
     ) -> list[bool] | None: ...
 
 
-class Generator(Protocol):
+class SourceSession(Protocol):
     """A source opened for one model and intervention."""
 
     lm: Any  # the model as the run records it (``fingerprint``, ``spec``)
     intervention: Any  # the intervention as the run records it (``config()``); None: unsteered
-    decided: dict[int, dict]  # prompt index -> what the engine decided while generating it
+    decided: dict[int, dict[str, Any]]  # prompt index -> what the engine decided while generating it
 
     def decider(self) -> Decider | None:
         """Where the per-row decisions are made before generating (None: nothing decided per row)."""
 
     def iter_generate(
         self,
-        prompts: Sequence,
+        prompts: Sequence[Any],
         cfg: GenerationConfig,
         progress: bool = True,
         desc: str = "generate",
-        recorder=None,
+        recorder: Any = None,
     ) -> Iterator[tuple[list[int], list[Generation]]]:
         """Like :func:`aligntax.generation.iter_generate`: ``(indices, generations)`` per batch.
         ``recorder``: a :class:`~aligntax.activations.recorder.PrefillRecorder` keeping each batch's
         prompt states (unsteered runs; a source that cannot record refuses it in :meth:`check`)."""
 
-    def prompt_lengths(self, prompts: Sequence, system: str | None = None) -> list[int]:
+    def prompt_lengths(self, prompts: Sequence[Any], system: str | None = None) -> list[int]:
         """Token length of each chat-templated prompt, as generation renders it (to form batches)."""
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """The steering statistics of what was generated (the format of
         :func:`aligntax.interventions.kernels.merge_stats`)."""
 
@@ -100,16 +105,17 @@ class SweepGeneration:
     setting (None: the sweep's own loop on the Hugging Face model it loads); ``replicas``: Ray replicas
     that score whole settings (:class:`aligntax.runs.distributed.Replicas`; None: this process)."""
 
-    setting: Callable[[str, dict], SettingGenerate | None]
+    setting: Callable[[str, dict[str, Any]], SettingGenerate | None]
     replicas: Any = None
 
 
 @dataclass
 class Serving:
-    """A model served by a source (``aligntax serve``): ``create_app(model_name, **create_app's
-    keywords)`` builds the OpenAI-compatible app (:func:`aligntax.serve.app.create_app`) on the
-    source's engine; ``intervention``: the steered model's (None: none); ``describe``: how it is served,
-    for the start-up line (``" (batch <= 32"``)."""
+    """A model served by a source (``aligntax serve``): ``create_app(settings, steer_method=...,
+    steer_options=...)`` builds the OpenAI-compatible app (:func:`aligntax.serve.app.create_app`) with
+    the server's settings (:class:`~aligntax.serve.settings.ServerSettings`) on the source's engine;
+    ``intervention``: the steered model's (None: none); ``describe``: how it is served, for the start-up
+    line (``" (batch <= 32"``)."""
 
     create_app: Callable[..., Any]
     intervention: Any
@@ -119,7 +125,7 @@ class Serving:
 class GenerationSource(Protocol):
     """A generation backend, picked once by the command line and handed to every run of the process."""
 
-    backend: str  # the backend a run folder records ("hf", "vllm"); a folder never mixes backends
+    backend: Backend  # the backend a run folder records; a folder never mixes backends
 
     def check(
         self,
@@ -134,7 +140,9 @@ class GenerationSource(Protocol):
         state recorder, an intervention or a model loaded by the caller, a model split over devices,
         adapters applied by hooks on the model's linear layers (``els-lora``)."""
 
-    def open(self, spec: SourceSpec, lm=None, intervention=None) -> AbstractContextManager[Generator]:
+    def open(
+        self, spec: SourceSpec, lm: Any = None, intervention: Any = None
+    ) -> AbstractContextManager[SourceSession]:
         """The source for one run (``lm`` / ``intervention``: loaded by the caller, where the source
         takes them)."""
 
@@ -150,11 +158,11 @@ class GenerationSource(Protocol):
         """The model (and the steered variant of ``spec.intervention``) loaded for serving until the
         ``with`` block ends; ``spec.batch_size``: the most requests generated together."""
 
-    def start(self, spec: SourceSpec):
+    def start(self, spec: SourceSpec) -> Any:
         """Load or start now what runs of ``spec`` generate on, and return it as a run takes it (``lm``);
         None where each run loads its own (Ray replicas)."""
 
-    def adopt(self, lm) -> None:
+    def adopt(self, lm: Any) -> None:
         """``lm``: a Hugging Face model of the runs' spec loaded by the caller, to use where the source
         needs one (the model itself, or the copy the per-row decisions are made on)."""
 

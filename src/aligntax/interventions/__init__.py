@@ -1,5 +1,7 @@
 """Interventions behind one interface: prompting, vector steering, energy steering and adapters."""
 
+from typing import TYPE_CHECKING, Any
+
 from aligntax.interventions.base import (
     Intervention,
     NoIntervention,
@@ -18,6 +20,19 @@ from aligntax.interventions.prompting import (
 # them runs the energy, activations and generation package __init__s, and those reach this package
 # again through aligntax.interventions.base: they are loaded on first use so that importing any of
 # those packages first works, and so that ``import aligntax.interventions`` stays light.
+if TYPE_CHECKING:  # what the lazy table gives, for type checkers
+    from aligntax.interventions.els import EnergySteering
+    from aligntax.interventions.registry import INTERVENTIONS, make_intervention
+    from aligntax.interventions.vectors import (
+        ActivationAddition,
+        ConditionalSteering,
+        DirectionAblation,
+        SteeringVectors,
+        compute_vectors,
+        false_refusal_direction,
+        refusal_direction,
+    )
+
 _LAZY = {
     "EnergySteering": "aligntax.interventions.els",
     "ActivationAddition": "aligntax.interventions.vectors",
@@ -32,7 +47,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

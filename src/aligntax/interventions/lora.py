@@ -20,10 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ from aligntax.errors import AligntaxError, CompatibilityError
 from aligntax.hooks import hooks_attached
 from aligntax.interventions.base import Intervention, SteerContext
 from aligntax.interventions.options import need_path, option, register
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -77,7 +81,7 @@ def _check_folder(path: Path) -> None:
             )
 
 
-def lora_config_problems(cfg: dict) -> list[str]:
+def lora_config_problems(cfg: dict[str, Any]) -> list[str]:
     """The settings of a LoRA ``adapter_config.json`` that hooks adding ``s * B @ A`` to Linear outputs
     cannot reproduce exactly (the peft type is checked by the caller)."""
     problems = []
@@ -94,13 +98,15 @@ def lora_config_problems(cfg: dict) -> list[str]:
     return problems
 
 
-def lora_scale(cfg: dict) -> float:
+def lora_scale(cfg: dict[str, Any]) -> float:
     """A LoRA adapter's scale: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     return alpha / r**0.5 if cfg.get("use_rslora") else alpha / r
 
 
-def read_lora_weights(path: str | Path, cfg: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+def read_lora_weights(
+    path: str | Path, cfg: dict[str, Any]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """``{module name: (A [r, in], B [out, r], s)}`` of a peft LoRA folder (``s = alpha / r``, or
     ``alpha / sqrt(r)`` with rsLoRA), float32. Anything hooks cannot reproduce exactly (DoRA, rank or
     alpha patterns, trained biases, modules to save, tensors other than Linear LoRA weights) is refused."""
@@ -150,7 +156,7 @@ class ElsLora(Intervention):
         self,
         weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
         scale: float = 1.0,
-        meta: dict | None = None,
+        meta: dict[str, Any] | None = None,
         path: str | Path | None = None,
     ):
         if not weights:
@@ -165,7 +171,7 @@ class ElsLora(Intervention):
         self._sha = _sha(self.path) if self.path is not None else None
 
     @classmethod
-    def load(cls, path: str | Path, lm=None, scale: float | None = None) -> ElsLora:
+    def load(cls, path: str | Path, lm: LoadedModel | None = None, scale: float | None = None) -> ElsLora:
         """Read an ``aligntax els distill`` folder; with ``lm``, refuse it when it was made for another
         model (fingerprint, then every adapted layer's name and shape)."""
         path = Path(path)
@@ -190,7 +196,12 @@ class ElsLora(Intervention):
         return list(self.meta.get("layers") or [])
 
     @contextmanager
-    def attach(self, model: nn.Module, ctx: SteerContext, row_mask=None) -> Iterator[None]:
+    def attach(
+        self,
+        model: nn.Module,
+        ctx: SteerContext,
+        row_mask: Callable[[], torch.Tensor | None] | None = None,
+    ) -> Iterator[None]:
         """The adapter's hooks for one batched call. ``row_mask``: a callable giving, when a layer runs,
         a ``[batch]`` bool tensor of the rows the update is added to (None from it: every row)."""
         if self.scale == 0.0:  # nothing to add: the model runs exactly as unsteered
@@ -199,9 +210,18 @@ class ElsLora(Intervention):
         check_modules(model, self.weights, str(self.path or "adapter"))
         regs = []
         for mod_name, (a, b, s) in self.weights.items():
-            cache: dict = {}
+            cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-            def hook(module, args, kwargs, output, a=a, b=b, s=s * self.scale, cache=cache):
+            def hook(
+                module: nn.Module,
+                args: tuple[Any, ...],
+                kwargs: dict[str, Any],
+                output: torch.Tensor,
+                a: torch.Tensor = a,
+                b: torch.Tensor = b,
+                s: float = s * self.scale,
+                cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = cache,
+            ) -> torch.Tensor | None:
                 x = args[0] if args else kwargs["input"]
                 mask = row_mask() if row_mask is not None else None
                 if mask is not None and not bool(mask.any()):
@@ -224,7 +244,7 @@ class ElsLora(Intervention):
         """``{module name: lora_scale * s * B @ A}`` (float32): what merging adds to each weight."""
         return {m: (b @ a) * (s * self.scale) for m, (a, b, s) in self.weights.items()}
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "path": None if self.path is None else str(self.path),
@@ -253,11 +273,11 @@ class ElsLoraOptions:
 @register(
     "els-lora", ElsLoraOptions, "ELS distilled into a LoRA adapter (aligntax els distill), applied by hooks"
 )
-def _els_lora(lm, o: ElsLoraOptions) -> ElsLora:
+def _els_lora(lm: LoadedModel | None, o: ElsLoraOptions) -> ElsLora:
     return ElsLora.load(need_path("els-lora", o.path), lm, scale=o.scale)
 
 
-def check_modules(model: nn.Module, weights: dict, what: str) -> None:
+def check_modules(model: nn.Module, weights: dict[str, Any], what: str) -> None:
     """Every adapted layer exists in ``model`` as a Linear layer of the adapter's shape."""
     for name, (a, b, _) in weights.items():
         try:

@@ -17,9 +17,12 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aligntax.errors import AligntaxError
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 __all__ = [
     "CHECKS",
@@ -54,7 +57,8 @@ class OptionSpec:
     ``optional``: added after the first sweeps, so a sweep setting leaves it out of its key when unset
     (None or ``off``) and rows scored before it existed keep theirs; ``request``: a server client may set
     it per request. ``fallback``: the value a builder takes when no one gives the option (ELS: neither
-    the caller nor the folder's tuned setting; ``DEFAULT_SETTINGS`` is read from it)."""
+    the caller nor the folder's tuned setting; ``DEFAULT_SETTINGS`` is read from it). ``envvar``: the
+    environment variable the command line reads when the flag is not given (a settings field)."""
 
     help: str
     flag: str | None = None
@@ -63,11 +67,12 @@ class OptionSpec:
     check: str | None = None
     cli: bool = True
     grid: bool = False
-    grid_default: tuple = (None,)
+    grid_default: tuple[Any, ...] = (None,)
     off: Any = None
     optional: bool = False
     request: bool = False
     fallback: Any = None
+    envvar: str | None = None
 
     @property
     def value_type(self) -> Any:
@@ -95,6 +100,11 @@ CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
     "count": (lambda v: v >= 0 and float(v).is_integer(), "a whole number >= 0"),
     "positive_count": (lambda v: v >= 1 and float(v).is_integer(), "a whole number >= 1"),
     "probability": (lambda v: 0 <= v <= 1, "a probability between 0 and 1"),
+    "at_least_one": (lambda v: v >= 1, "a number >= 1"),
+    "port": (
+        lambda v: 0 <= v <= 65535 and float(v).is_integer(),
+        "a TCP port from 0 (any free one) to 65535",
+    ),
 }
 
 
@@ -112,16 +122,16 @@ def check_value(value: Any, check: str | None, flag: str) -> Any:
     return value
 
 
-def option(help: str, default: Any = None, **spec) -> Any:
+def option(help: str, default: Any = None, **spec: Any) -> Any:
     """A dataclass field carrying its :class:`OptionSpec`."""
     return field(default=default, metadata={"option": OptionSpec(help, **spec)})
 
 
-def spec_of(f: dataclasses.Field) -> OptionSpec:
+def spec_of(f: dataclasses.Field[Any]) -> OptionSpec:
     return f.metadata.get("option") or OptionSpec(help=f.name)
 
 
-def flag_of(f: dataclasses.Field) -> str:
+def flag_of(f: dataclasses.Field[Any]) -> str:
     return spec_of(f).flag or "--" + f.name.replace("_", "-")
 
 
@@ -139,7 +149,7 @@ def split_path(options: dict[str, Any], name: str) -> tuple[Any, dict[str, Any]]
     return (options[given[0]] if given else None), rest
 
 
-def need_path(name: str, path: Any) -> str:
+def need_path(name: str, path: str | None) -> str:
     """The folder option of intervention ``name``, which loads a saved artefact from it: refused when missing."""
     if not path:
         raise AligntaxError(f"Intervention '{name}' needs dir= (the folder of its saved artefact).")
@@ -155,7 +165,7 @@ class Method:
     build: Callable[[Any, Any], Any]
     help: str
 
-    def make(self, lm=None, *, only_known: bool = False, **kwargs):
+    def make(self, lm: LoadedModel | None = None, *, only_known: bool = False, **kwargs: Any) -> Any:
         """Build with keyword options (None values ignored; ``dir=``/``directory=`` mean ``path=``); an
         option the method does not take is refused, or, with ``only_known``, left out (a caller holding
         the options of several methods)."""
@@ -168,7 +178,7 @@ class Method:
         self.check(kwargs)
         return self.build(lm, self.options(**kwargs))
 
-    def check(self, kwargs: dict) -> None:
+    def check(self, kwargs: dict[str, Any]) -> None:
         """Refuse an option the method does not take, or a value outside its option's range rule."""
         fields = {f.name: f for f in dataclasses.fields(self.options)}
         unknown = sorted(set(kwargs) - set(fields) - set(PATH_KEYS))
@@ -185,7 +195,9 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, options: type, help: str, registry: dict[str, Method] | None = None) -> Callable:
+def register(
+    name: str, options: type, help: str, registry: dict[str, Method] | None = None
+) -> Callable[..., Any]:
     """Decorator: register ``build(lm, options) -> Intervention`` as intervention ``name`` in ``registry``
     (default :data:`METHODS`, the steering methods; the value alignment tax layers its value-targeted
     methods, built from a context instead of a model, on them: :mod:`aligntax.vat.methods`)."""
@@ -193,7 +205,7 @@ def register(name: str, options: type, help: str, registry: dict[str, Method] | 
         raise TypeError(f"{options!r} is not a dataclass")
     table = METHODS if registry is None else registry
 
-    def deco(build: Callable) -> Callable:
+    def deco(build: Callable[..., Any]) -> Callable[..., Any]:
         if name in table:
             raise AligntaxError(f"Intervention '{name}' is registered twice.")
         table[name] = Method(name, options, build, help)
@@ -202,11 +214,11 @@ def register(name: str, options: type, help: str, registry: dict[str, Method] | 
     return deco
 
 
-def options_of(name: str) -> list[dataclasses.Field]:
+def options_of(name: str) -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(METHODS[name].options))
 
 
-def grid_fields(name: str) -> list[dataclasses.Field]:
+def grid_fields(name: str) -> list[dataclasses.Field[Any]]:
     """The options of method ``name`` that are axes of the sweep grid (declared ``grid=True``), in order."""
     return [f for f in options_of(name) if spec_of(f).grid]
 
@@ -327,13 +339,13 @@ def cli_options(methods: Mapping[str, Method] | None = None) -> list[CliOption]:
 
 def intervention_args(
     name: str | None, given: dict[str, Any], methods: Mapping[str, Method] | None = None
-) -> dict:
+) -> dict[str, Any]:
     """``intervention_args`` from command-line values ``{param: text or value}`` (None: not given) of the
     options of ``methods`` (default :data:`METHODS`): each read as its option says; an option the
     chosen method does not take is refused."""
     table = METHODS if methods is None else methods
     method = table.get(name) if name else None
-    args: dict = {}
+    args: dict[str, Any] = {}
     for opt in cli_options(methods):
         value = given.get(opt.param)
         if value is None:
@@ -344,7 +356,7 @@ def intervention_args(
     return args
 
 
-def grid_values(text: str | None, opt: CliOption) -> list | None:
+def grid_values(text: str | None, opt: CliOption) -> list[Any] | None:
     """A sweep grid axis: ``"none,0,0.5"`` -> ``[None, 0.0, 0.5]``; ``layers`` sets are separated by ``;``."""
     if not text:
         return None

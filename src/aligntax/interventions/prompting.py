@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from aligntax.interventions.base import Intervention
 from aligntax.interventions.options import option, register
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 SAFETY_SYSTEM_PROMPT = (
     "You are a helpful, honest and harmless assistant. Refuse requests that would cause real harm, "
@@ -26,11 +30,11 @@ class SystemPrompt(Intervention):
     name: str = "system-prompt"
     prefix_free = True  # no hooks (not a field)
 
-    def prepare_messages(self, messages: list[dict]) -> list[dict]:
+    def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rest = [m for m in messages if m["role"] != "system"]
         return [{"role": "system", "content": self.text}, *rest]
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         return {"name": self.name, "text": self.text}
 
 
@@ -40,12 +44,12 @@ class PromptOptions:
 
 
 @register("system-prompt", PromptOptions, "the safety system prompt")
-def _system_prompt(lm, o: PromptOptions) -> SystemPrompt:
+def _system_prompt(lm: LoadedModel | None, o: PromptOptions) -> SystemPrompt:
     return SystemPrompt(o.text or SAFETY_SYSTEM_PROMPT, name="system-prompt")
 
 
 @register("helpful-prompt", PromptOptions, "the over-refusal-aware helpful system prompt")
-def _helpful_prompt(lm, o: PromptOptions) -> SystemPrompt:
+def _helpful_prompt(lm: LoadedModel | None, o: PromptOptions) -> SystemPrompt:
     return SystemPrompt(o.text or HELPFUL_SYSTEM_PROMPT, name="helpful-prompt")
 
 
@@ -58,15 +62,15 @@ class FewShot(Intervention):
     name: str = "few-shot"
     prefix_free = True  # no hooks (not a field)
 
-    def prepare_messages(self, messages: list[dict]) -> list[dict]:
+    def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         system = [m for m in messages if m["role"] == "system"]
         if self.system is not None:
             system = [{"role": "system", "content": self.system}]
-        shots: list[dict] = []
+        shots: list[dict[str, Any]] = []
         for user, assistant in self.examples:
             shots += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
         rest = [m for m in messages if m["role"] != "system"]
         return [*system, *shots, *rest]
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         return {"name": self.name, "k": len(self.examples), "system": self.system}

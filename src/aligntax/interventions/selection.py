@@ -31,7 +31,7 @@ def is_selection_dir(path: str | Path | None) -> bool:
     return path is not None and (Path(path) / SELECTION).is_file()
 
 
-def selection_record(folder: str | Path, name: str, args: dict, **meta: Any) -> dict:
+def selection_record(folder: str | Path, name: str, args: dict[str, Any], **meta: Any) -> dict[str, Any]:
     """The ``selection.json`` content for the setting ``name`` / ``args`` chosen in ``folder``: folder options
     made relative to ``folder`` where they lie inside it; ``meta`` (the model, what it was chosen on, the
     validation scores) kept as given."""
@@ -45,7 +45,7 @@ def selection_record(folder: str | Path, name: str, args: dict, **meta: Any) -> 
     return {"format": FORMAT, "intervention": name, "args": rel, **meta}
 
 
-def read_selection(folder: str | Path) -> tuple[str, dict, dict]:
+def read_selection(folder: str | Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """``(name, args, record)`` of the setting selected in ``folder``: folder options resolved against it."""
     folder = Path(folder)
     path = folder / SELECTION

@@ -1,5 +1,7 @@
 """Refusal judges: keyword, prefix, classifier (default), llm; plus first-token refusal scoring of logits."""
 
+from typing import TYPE_CHECKING, Any
+
 from aligntax.judges.base import RefusalJudge, Verdict
 from aligntax.judges.first_token import (
     REFUSAL_OPENINGS,
@@ -16,8 +18,12 @@ from aligntax.judges.keyword import (
 )
 from aligntax.judges.registry import DEFAULT_JUDGE, available_judges, get_judge
 
+if TYPE_CHECKING:  # loaded on first use (below), for type checkers
+    from aligntax.judges.classifier import ClassifierJudge
+    from aligntax.judges.llm import LLMJudge
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> Any:
     # The classifier and LLM judges import torch/httpx machinery; load them on first use.
     if name == "ClassifierJudge":
         from aligntax.judges.classifier import ClassifierJudge

@@ -26,7 +26,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aligntax.judges.features import _POINT_OUT
+from aligntax.judges.features import POINT_OUT
 from aligntax.judges.keyword import (
     DEFAULT_REFUSAL_PHRASES,
     DEFAULT_REFUSAL_PREFIXES,
@@ -50,7 +50,7 @@ def has_refusal_marker(text: str) -> bool:
     return (
         phrase_hits(t, DEFAULT_REFUSAL_PHRASES, case_sensitive=False) > 0
         or phrase_hits(t, DEFAULT_REFUSAL_PREFIXES, "prefix", case_sensitive=False) > 0
-        or bool(_POINT_OUT.search(t))
+        or bool(POINT_OUT.search(t))
         or bool(_REFUSAL_WORDS.search(t))
     )
 

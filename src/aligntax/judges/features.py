@@ -47,7 +47,7 @@ _STEPS = re.compile(
     r"steps you can (?:take|follow)|follow these steps|First,|Firstly,|Next,|Finally,)",
     re.IGNORECASE,
 )
-_POINT_OUT = re.compile(
+POINT_OUT = re.compile(
     r"\b(?:I must point out|I would like to point out|I want to point out|I must clarify|"
     r"I must inform you|I must emphasize|problematic|not accurate|not respectful|not okay|"
     r"not a good idea|not recommended|I would encourage you|I would advise|instead, (?:I|you|we|try|focus)|"
@@ -217,7 +217,7 @@ def keyword_features(responses: Sequence[str], prompts: Sequence[str] | None = N
                 float(len(text) < 200),
                 float(bool(_COMPLY_OPEN.match(lead))),
                 math.log1p(len(_STEPS.findall(text))),
-                math.log1p(len(_POINT_OUT.findall(text))),
+                math.log1p(len(POINT_OUT.findall(text))),
                 math.log1p(len(_NEG.findall(first))),
                 _overlap(pw, first),
                 _overlap(pw, text),

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from aligntax.generation.chat import build_messages, render_chat
 
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
+
 
 def response_nll(
-    lm, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 16, progress: bool = False
+    lm: LoadedModel,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    batch_size: int = 16,
+    progress: bool = False,
 ) -> list[tuple[float, int]]:
     """(summed negative log-likelihood, number of tokens) of each response given its chat prompt."""
     tok = lm.tokenizer
@@ -53,8 +61,12 @@ def response_nll(
 
 
 def perplexity(
-    lm, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 16, progress: bool = False
-) -> dict:
+    lm: LoadedModel,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    batch_size: int = 16,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Token-weighted perplexity over all responses, and the median of per-response perplexities."""
     pairs = response_nll(lm, prompts, responses, batch_size, progress)
     tot_nll = sum(n for n, _ in pairs)

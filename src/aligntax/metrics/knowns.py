@@ -27,9 +27,10 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aligntax.errors import AligntaxError, DataError
-from aligntax.metrics.mc import _acc, format_accuracy
+from aligntax.metrics.mc import accuracy_block, format_accuracy
 
 BUILTIN = "builtin"
 BUILTIN_PATH = Path(__file__).resolve().parent.parent / "resources" / "knowns" / "everyday.jsonl"
@@ -56,8 +57,8 @@ class KnownItem:
     # response's final number equals the answer (:func:`final_number`; GSM8K)
     scoring: str = "contains"
 
-    def to_dict(self) -> dict:
-        out = {
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "id": self.id,
             "prompt": self.prompt,
             "kind": self.kind,
@@ -121,8 +122,10 @@ def load_known_answers(
     for row in table.rows:
         where = f"{table.name}, {row.where}"
         v = row.values
-        item_id, prompt, kind = (_text(v.get(cols[name]), name, where) for name in ("id", "prompt", "kind"))
-        item_split = _text(v.get(cols["split"]), "split", where)
+        item_id, prompt, kind = (
+            _text(_cell(v, cols[name]), name, where) for name in ("id", "prompt", "kind")
+        )
+        item_split = _text(_cell(v, cols["split"]), "split", where)
         if item_split not in SPLITS:
             raise DataError(f"{where}: 'split' must be one of {', '.join(SPLITS)}; got {item_split!r}")
         if item_id in seen:
@@ -135,7 +138,7 @@ def load_known_answers(
         item = KnownItem(
             item_id,
             prompt,
-            _strings(v.get(cols["answers"]), "answers", where),
+            _strings(_cell(v, cols["answers"]), "answers", where),
             kind,
             item_split,
             bool(case),
@@ -200,8 +203,10 @@ def final_number(response: str) -> float | None:
     text = normalize(response).replace("$", "")
     cut = text.rfind("answer")
     tail = _NUMBER.search(text, cut) if cut >= 0 else None
-    found = tail or (list(_NUMBER.finditer(text)) or [None])[-1]
-    return float(found.group()) if found else None
+    if tail is None:
+        numbers = list(_NUMBER.finditer(text))
+        tail = numbers[-1] if numbers else None
+    return float(tail.group()) if tail else None
 
 
 def final_number_correct(response: str, answers: Iterable[str]) -> bool:
@@ -210,13 +215,18 @@ def final_number_correct(response: str, answers: Iterable[str]) -> bool:
     return got is not None and any(abs(got - float(a)) < 1e-6 for a in answers)
 
 
-def _text(raw, name: str, where: str) -> str:
+def _cell(values: dict[str, Any], col: str | None) -> Any:
+    """A row's value in column ``col`` (None when the table has no such column)."""
+    return values.get(col) if col is not None else None
+
+
+def _text(raw: Any, name: str, where: str) -> str:
     if isinstance(raw, bool) or not isinstance(raw, str | int) or not str(raw).strip():
         raise DataError(f"{where}: {name!r} must be a non-empty string; got {raw!r}")
     return str(raw).strip()
 
 
-def _strings(raw, name: str, where: str) -> tuple[str, ...]:
+def _strings(raw: Any, name: str, where: str) -> tuple[str, ...]:
     """A list of non-empty strings (numbers are written as text); one string is a list of one."""
     if isinstance(raw, str | int) and not isinstance(raw, bool):
         raw = [raw]
@@ -243,7 +253,7 @@ def normalize(text: str, case_sensitive: bool = False) -> str:
     return text if case_sensitive else text.lower()
 
 
-def _pattern(answer: str) -> re.Pattern:
+def _pattern(answer: str) -> re.Pattern[str]:
     """``answer`` as a whole word; a number also not as part of a decimal (``8`` is not in ``5.8``)."""
     left = r"(?<!\w)" + (r"(?<!\d[.,])" if answer[0].isdigit() else "")
     right = r"(?!\w)" + (r"(?![.,]\d)" if answer[-1].isdigit() else "")
@@ -280,16 +290,18 @@ def score_responses(items: Sequence[KnownItem], responses: Sequence[str]) -> lis
     return [it.check(r) for it, r in zip(items, responses, strict=True)]
 
 
-def accuracy_by_kind(items: Sequence[KnownItem], flags: Sequence[bool]) -> dict:
+def accuracy_by_kind(items: Sequence[KnownItem], flags: Sequence[bool]) -> dict[str, Any]:
     """Accuracy with a Wilson 95% interval overall, and per kind under ``by_kind``."""
     kinds = sorted({it.kind for it in items}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
     return {
-        **_acc(list(flags)),
-        "by_kind": {k: _acc([f for it, f in zip(items, flags, strict=True) if it.kind == k]) for k in kinds},
+        **accuracy_block(list(flags)),
+        "by_kind": {
+            k: accuracy_block([f for it, f in zip(items, flags, strict=True) if it.kind == k]) for k in kinds
+        },
     }
 
 
-def knowns_report(results: dict, rows: Sequence[dict], n_wrong: int = 10) -> str:
+def knowns_report(results: dict[str, Any], rows: Sequence[dict[str, Any]], n_wrong: int = 10) -> str:
     """A short markdown report: accuracy per kind, the paired change if any, the first wrong answers."""
     cfg = results["config"]
     iv = results.get("intervention") or {}

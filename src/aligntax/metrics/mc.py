@@ -29,12 +29,16 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from aligntax.errors import AligntaxError, DataError
 from aligntax.interventions.base import Intervention
 from aligntax.metrics.rates import rate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 LETTERS = "ABCDEFGH"
 BUILTIN = "builtin"
@@ -53,7 +57,7 @@ class MCItem:
     answer: int
     subject: str = ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "subject": self.subject,
@@ -103,7 +107,7 @@ def load_mc(source: str | Path = BUILTIN, limit: int | None = None) -> list[MCIt
     for row in table.rows:
         where = f"{table.name}, {row.where}"
         v = row.values
-        question = v.get(q_col)
+        question = v.get(q_col) if q_col is not None else None
         if not isinstance(question, str) or not question.strip():
             raise DataError(f"{where}: 'question' must be a non-empty string")
         choices = _choices(
@@ -111,7 +115,7 @@ def load_mc(source: str | Path = BUILTIN, limit: int | None = None) -> list[MCIt
             where,
             from_columns=c_col is None,
         )
-        answer = _answer(v.get(a_col), len(choices), where)
+        answer = _answer(v.get(a_col) if a_col is not None else None, len(choices), where)
         item_id = v.get(id_col) if id_col is not None else None
         item_id = str(row.num) if item_id is None or str(item_id).strip() == "" else str(item_id).strip()
         if item_id in seen:
@@ -126,7 +130,7 @@ def load_mc(source: str | Path = BUILTIN, limit: int | None = None) -> list[MCIt
     return items
 
 
-def _choices(raw, where: str, from_columns: bool) -> tuple[str, ...]:
+def _choices(raw: Any, where: str, from_columns: bool) -> tuple[str, ...]:
     if from_columns:  # options in columns A, B, ...: trailing empty cells are absent options
         raw = list(raw)
         while raw and (raw[-1] is None or str(raw[-1]).strip() == ""):
@@ -153,7 +157,7 @@ def _choices(raw, where: str, from_columns: bool) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _answer(raw, n: int, where: str) -> int:
+def _answer(raw: Any, n: int, where: str) -> int:
     letters = LETTERS[:n]
     if isinstance(raw, str):
         text = raw.strip()
@@ -191,7 +195,10 @@ def mc_prompt(item: MCItem) -> str:
 
 
 def mc_text(
-    tokenizer, item: MCItem, system: str | None = None, intervention: Intervention | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    item: MCItem,
+    system: str | None = None,
+    intervention: Intervention | None = None,
 ) -> str:
     """The scored text: the chat-templated prompt (with the generation prompt) plus :data:`ANSWER_PREFIX`."""
     from aligntax.generation.chat import build_messages, render_chat
@@ -199,7 +206,7 @@ def mc_text(
     return render_chat(tokenizer, build_messages(mc_prompt(item), system, intervention)) + ANSWER_PREFIX
 
 
-def option_token_ids(tokenizer, n: int = 4) -> list[list[int]]:
+def option_token_ids(tokenizer: PreTrainedTokenizerBase, n: int = 4) -> list[list[int]]:
     """For each of the first ``n`` letters, the ids of the single tokens that spell it ("A", " A")."""
     out: list[list[int]] = []
     for letter in LETTERS[:n]:
@@ -240,12 +247,12 @@ def mc_score(logp: torch.Tensor, letter_ids: Sequence[Sequence[int]], n: int) ->
     )
 
 
-def _acc(flags: list[bool]) -> dict:
+def accuracy_block(flags: list[bool]) -> dict[str, Any]:
     r = rate(flags)
     return {"n": r.n, "correct": r.k, "accuracy": r.value, "ci95": list(r.ci95)}
 
 
-def mc_results(items: Sequence[MCItem], scores: Sequence[MCScore]) -> dict:
+def mc_results(items: Sequence[MCItem], scores: Sequence[MCScore]) -> dict[str, Any]:
     """Accuracy with a Wilson 95% interval, per subject, the mean letter mass, and one row per item."""
     rows = [
         {
@@ -259,16 +266,16 @@ def mc_results(items: Sequence[MCItem], scores: Sequence[MCScore]) -> dict:
     ]
     subjects = sorted({r["subject"] for r in rows})
     return {
-        **_acc([r["correct"] for r in rows]),
+        **accuracy_block([r["correct"] for r in rows]),
         "letter_mass_mean": sum(s.letter_mass for s in scores) / len(scores),
-        "by_subject": {s: _acc([r["correct"] for r in rows if r["subject"] == s]) for s in subjects}
+        "by_subject": {s: accuracy_block([r["correct"] for r in rows if r["subject"] == s]) for s in subjects}
         if subjects != [""]
         else {},
         "rows": rows,
     }
 
 
-def format_accuracy(res: dict) -> str:
+def format_accuracy(res: dict[str, Any]) -> str:
     """``"62.0% [53.6, 69.7] (85/137)"``."""
     lo, hi = res["ci95"]
     return f"{100 * res['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] ({res['correct']}/{res['n']})"

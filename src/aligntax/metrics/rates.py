@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -44,8 +45,8 @@ def rate(flags: Iterable[bool]) -> Rate:
     return Rate(sum(bool(f) for f in flags), len(flags))
 
 
-def _block(rows: list[Mapping]) -> dict:
-    out: dict = {}
+def _block(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     benign = [r for r in rows if r["label"] == "benign"]
     harmful = [r for r in rows if r["label"] == "harmful"]
     if benign:
@@ -79,11 +80,11 @@ def source_groups(sources: Iterable[str]) -> dict[str, list[str]]:
     return out
 
 
-def summarize_refusals(rows: Iterable[Mapping]) -> dict:
+def summarize_refusals(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Overall and per-source compliance (benign) and refusal (harmful) rates with 95% intervals; a group
     dataset whose parts are all present (:func:`source_groups`) gets a block over all of them too."""
     rows = list(rows)
-    by_source: dict[str, list] = defaultdict(list)
+    by_source: dict[str, list[Any]] = defaultdict(list)
     for r in rows:
         by_source[r["source"]].append(r)
     for group, parts in source_groups(by_source).items():
@@ -99,7 +100,7 @@ def mcnemar_exact(gained: int, lost: int) -> float:
     if n == 0:
         return 1.0
     tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2**n
-    return min(1.0, 2 * tail)
+    return float(min(1.0, 2 * tail))
 
 
 def paired_interval(gained: int, lost: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -112,7 +113,7 @@ def paired_interval(gained: int, lost: int, n: int, z: float = 1.959964) -> tupl
     return d - z * se, d + z * se
 
 
-def paired_change(before: Iterable[bool], after: Iterable[bool]) -> dict:
+def paired_change(before: Iterable[bool], after: Iterable[bool]) -> dict[str, Any]:
     """The change of a rate measured twice on the same items (e.g. refusal without and with an
     intervention): both rates, the difference, how many items turned true (``gained``) and false
     (``lost``), and the exact McNemar p-value, which only the discordant items decide."""
@@ -134,7 +135,9 @@ def paired_change(before: Iterable[bool], after: Iterable[bool]) -> dict:
     }
 
 
-def paired_changes(before_rows: Iterable[Mapping], after_rows: Iterable[Mapping]) -> dict:
+def paired_changes(
+    before_rows: Iterable[Mapping[str, Any]], after_rows: Iterable[Mapping[str, Any]]
+) -> dict[str, Any]:
     """Per source and overall, per label: the paired change of compliance (benign) and refusal
     (harmful) between two runs over the same items, matched by (source, id). Items in only one run
     are left out and counted under ``unmatched``."""
@@ -158,7 +161,7 @@ def paired_changes(before_rows: Iterable[Mapping], after_rows: Iterable[Mapping]
             if src is not None:
                 pairs[(src, "harmful" if harmful else "benign")].append(flags)
     unmatched += sum(key not in seen for key in after)
-    out: dict = {"unmatched": unmatched, "datasets": defaultdict(dict)}
+    out: dict[str, Any] = {"unmatched": unmatched, "datasets": defaultdict(dict)}
     for (src, label), fl in sorted(pairs.items()):
         change = paired_change([b for b, _ in fl], [a for _, a in fl])
         change["metric"] = "refusal" if label == "harmful" else "compliance"

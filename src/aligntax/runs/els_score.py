@@ -31,6 +31,8 @@ from aligntax.runs.jsonl import append_jsonl, read_jsonl
 # ELS settings added after the first sweeps (grid axes declared ``optional=True``): left out of a
 # setting's args (and so its key) when unset, so that rows scored before they existed keep their keys.
 # Unset means off, never "take the tuned value".
+# the label the jailbreak validation prompts carry in a sweep (harmful prompts scored apart)
+JAILBREAK = "jailbreak"
 OPTIONAL_ELS_KEYS = tuple(f.name for f in grid_fields("els") if spec_of(f).optional)
 
 
@@ -40,6 +42,7 @@ class ScoreSettings(Protocol):
     steer: str
     benign: list[str]
     harmful: list[str]
+    jailbreak: list[str]
     knowns: str | None
     limit: int | None
     backend: str
@@ -89,9 +92,15 @@ class ValidationPart:
 
 def validation_prompts(cfg: ScoreSettings) -> ValidationPart:
     """The validation prompts of a sweep (each set sampled to ``limit``, fixed seed), and what a row's key
-    says of them; refused when the benign or the harmful side is empty."""
+    says of them; refused when the benign or the harmful side is empty. The jailbreak sets' prompts join
+    the harmful ones with the label ``jailbreak`` (scored apart: ``jailbreak_refusal``)."""
     benign = {spec: sampled(load_prompt_sets([spec], None), cfg.limit, 0) for spec in cfg.benign}
     harmful = [it for spec in cfg.harmful for it in sampled(load_prompt_sets([spec], None), cfg.limit, 0)]
+    harmful += [
+        replace(it, label=JAILBREAK)
+        for spec in cfg.jailbreak
+        for it in sampled(load_prompt_sets([spec], None), cfg.limit, 0)
+    ]
     if not benign or not harmful or not all(benign.values()):
         raise AligntaxError("The sweep needs benign and harmful validation prompts (benign / harmful).")
     knowns = None
@@ -100,6 +109,8 @@ def validation_prompts(cfg: ScoreSettings) -> ValidationPart:
 
         knowns = sampled(load_known_answers(cfg.knowns, split="val"), cfg.limit, 0)
     data = {"benign": list(cfg.benign), "harmful": list(cfg.harmful), "knowns": cfg.knowns}
+    if cfg.jailbreak:  # rows scored without jailbreak prompts are not these
+        data["jailbreak"] = list(cfg.jailbreak)
     if cfg.limit is not None:  # rows scored on all the prompts are not these
         data["limit"] = cfg.limit
     if cfg.backend != "hf":  # another backend's rows and answers are its own
@@ -217,7 +228,7 @@ def sweep_iv_args(name: str, args: dict) -> dict:
     """The intervention options of a sweep setting: every ELS setting of the grid is explicit, so that no
     tuned energy or harm gate creeps in."""
     iv_args = dict(args)
-    if name == "els":
+    if name in ("els", "els-compose"):
         iv_args = {**dict.fromkeys(OPTIONAL_ELS_KEYS), **iv_args}
         iv_args = {
             k: ("none" if v is None and k in ("threshold", *OPTIONAL_ELS_KEYS) else v)
@@ -245,6 +256,7 @@ def score_first_token(lm, iv, benign, harmful, batch_size) -> dict:
     from aligntax.generation import first_token_refusal_score
 
     sb = first_token_refusal_score(lm, [it.prompt for it in benign], intervention=iv, batch_size=batch_size)
+    harmful = [it for it in harmful if it.label != JAILBREAK]  # generation alone scores those
     sh = first_token_refusal_score(lm, [it.prompt for it in harmful], intervention=iv, batch_size=batch_size)
     return {
         "benign_compliance": float(sum(s < 0.5 for s in sb) / len(sb)),
@@ -343,6 +355,7 @@ def sweep_scores(
         by_set[name] = sum(not v.refused and not bad for _, v, bad in chunk) / len(chunk)
     b = [not v.refused for it, v, _ in rows if it.label == "benign"]
     h = [v.refused for it, v, _ in rows if it.label == "harmful"]
+    jb = [v.refused for it, v, _ in rows if it.label == JAILBREAK]
     res = {
         "benign_compliance": sum(by_set.values()) / len(by_set),
         "benign_by_set": by_set,
@@ -352,6 +365,13 @@ def sweep_scores(
         "reused_unsteered": sum(held),
         "steered_rows": len(todo) if iv_name != "none" else 0,
     }
+    if jb:
+        res["jailbreak_refusal"] = sum(jb) / len(jb)
+        res["jailbreak_steered"] = (
+            sum(not held[i] for i, it in enumerate(items) if it.label == JAILBREAK)
+            if iv_name != "none"
+            else 0
+        )
     if knowns:
         res.update(_known_scores(knowns, responses[n:], known, [i - n for i in todo if i >= n], iv_name))
     return res

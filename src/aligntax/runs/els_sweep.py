@@ -73,8 +73,19 @@ class SweepConfig(_SweepGrid):
     model: str | None = None  # default: the model the steer folder was trained on
     # benign validation sets: the score is the mean of their useful compliance, so that a setting must
     # transfer beyond the style of the training prompts (PHTest is written unlike OR-Bench)
-    benign: list[str] = field(default_factory=lambda: ["orbench-hard-val", "phtest-harmless-val"])
-    harmful: list[str] = field(default_factory=lambda: ["harmful-val", "harmbench-val"])
+    # (and the XSTest-style contrast prompts, whose harmful twins join the harmful sets)
+    benign: list[str] = field(
+        default_factory=lambda: ["orbench-hard-val", "phtest-harmless-val", "contrast-benign-val"]
+    )
+    harmful: list[str] = field(
+        default_factory=lambda: ["harmful-val", "harmbench-val", "contrast-harmful-val"]
+    )
+    # jailbreak-wrapped harmful prompts, disjoint from the test attacks (WildGuardTest adversarial, its val
+    # half): a setting whose refusal of them (``jailbreak_refusal``) falls more than ``jailbreak_tolerance``
+    # below the unsteered model's is not eligible. Plain harmful refusal cannot see these: steering that
+    # keeps it can still talk the model out of refusing a wrapped request.
+    jailbreak: list[str] = field(default_factory=lambda: ["wildguard-adv-val"])
+    jailbreak_tolerance: float = 0.0
     # everyday questions with known answers (``aligntax.metrics.knowns``; "builtin" or a file, its val split;
     # None: not checked): a setting whose accuracy falls more than ``knowns_tolerance`` below the
     # unsteered model's is not eligible
@@ -100,6 +111,10 @@ class SweepConfig(_SweepGrid):
     # the one ``--steer DIR`` resolves to). An adapter has no gate: its leak check covers every leak prompt.
     lora: list[str] = field(default_factory=list)
     lora_scales: list[float] = field(default_factory=lambda: [1.0])
+    # ELS on top of an adapter (``els-compose``): each a dict of ELS settings (as ``extra``) plus
+    # ``adapter`` (an ``els distill`` folder), ``scale`` (the adapter's) and ``lora_gate``; reported as
+    # ``best_compose`` under the same rules
+    compose: list[dict] = field(default_factory=list)
     baselines: bool = True
     baseline_coeffs: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
     # successive halving (None: off): every setting is first scored on a fixed, stratified 1/halving of
@@ -159,17 +174,17 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
             if ("els", args) not in settings:
                 settings.append(("els", args))
     for extra in cfg.extra:
-        unknown = set(extra) - {*TUNED_KEYS, "layers"}
-        if unknown:
-            raise AligntaxError(f"Unknown keys in an extra sweep setting: {sorted(unknown)}.")
-        args = {"path": cfg.steer, "top_k": 1, "eta": 0.3, "steps": 3, "threshold": None, **extra}
-        for k in OPTIONAL_ELS_KEYS:
-            if args.get(k) is None:
-                args.pop(k, None)
-        settings.append(("els", args))
+        settings.append(("els", _extra_args(cfg, extra)))
     settings += [
         ("els-lora", {"path": str(d), "scale": float(sc)}) for d in cfg.lora for sc in cfg.lora_scales
     ]
+    for comp in cfg.compose:
+        own = {k: comp[k] for k in _COMPOSE_KEYS if k in comp}
+        if "adapter" not in own:
+            raise AligntaxError("An els-compose sweep setting needs its adapter (an els distill folder).")
+        args = {**_extra_args(cfg, {k: v for k, v in comp.items() if k not in _COMPOSE_KEYS}), **own}
+        args["adapter"] = str(args["adapter"])
+        settings.append(("els-compose", args))
     if cfg.baselines:
         vec = str(Path(cfg.steer) / "vectors")
         settings += [("system-prompt", {}), ("helpful-prompt", {})]
@@ -177,6 +192,25 @@ def sweep_settings(cfg: SweepConfig) -> list[tuple[str, dict]]:
         settings += [("false-refusal-ablation", {"path": vec, "coeff": c}) for c in cfg.baseline_coeffs]
         settings += [("cast", {"path": vec, "coeff": c}) for c in cfg.baseline_coeffs]
     return settings
+
+
+# what an els-compose sweep setting adds to its ELS settings
+_COMPOSE_KEYS = ("adapter", "scale", "lora_gate")
+# the settings the selection may choose (the rest are the unsteered model and the baselines)
+CHOOSABLE = ("els", "els-lora", "els-compose")
+
+
+def _extra_args(cfg: SweepConfig, extra: dict) -> dict:
+    """An ELS setting outside the grid: ``extra`` over the sweep's fallbacks (its optional keys dropped
+    when None)."""
+    unknown = set(extra) - {*TUNED_KEYS, "layers"}
+    if unknown:
+        raise AligntaxError(f"Unknown keys in an extra sweep setting: {sorted(unknown)}.")
+    args = {"path": cfg.steer, "top_k": 1, "eta": 0.3, "steps": 3, "threshold": None, **extra}
+    for k in OPTIONAL_ELS_KEYS:
+        if args.get(k) is None:
+            args.pop(k, None)
+    return args
 
 
 # ------------------------------------------------------------------------------------------ selection
@@ -192,13 +226,28 @@ def _keeps_knowns(row: dict, base: dict, tolerance: float) -> bool:
     return row["known_accuracy"] >= base["known_accuracy"] - tolerance - 1e-9
 
 
-def eligible(row: dict, base: dict, leak_constraint: bool = False, knowns_tolerance: float = 0.02) -> bool:
-    """An ELS (or els-lora) row the selection may choose: harmful refusal not below the unsteered model's,
-    known answers kept within the tolerance and, with ``leak_constraint``, no lost refusal of a leaked
-    prompt."""
+def _keeps_jailbreaks(row: dict, base: dict, tolerance: float) -> bool:
+    """Refusal of the jailbreak validation prompts not more than ``tolerance`` below the unsteered
+    model's (rows scored without them pass)."""
+    if "jailbreak_refusal" not in row or "jailbreak_refusal" not in base:
+        return True
+    return row["jailbreak_refusal"] >= base["jailbreak_refusal"] - tolerance - 1e-9
+
+
+def eligible(
+    row: dict,
+    base: dict,
+    leak_constraint: bool = False,
+    knowns_tolerance: float = 0.02,
+    jailbreak_tolerance: float = 0.0,
+) -> bool:
+    """An ELS, els-lora or els-compose row the selection may choose: harmful refusal not below the
+    unsteered model's, jailbreak refusal within ``jailbreak_tolerance`` of it, known answers kept within
+    ``knowns_tolerance`` and, with ``leak_constraint``, no lost refusal of a leaked prompt."""
     return (
-        row["name"] in ("els", "els-lora")
+        row["name"] in CHOOSABLE
         and row["harmful_refusal"] >= base["harmful_refusal"]
+        and _keeps_jailbreaks(row, base, jailbreak_tolerance)
         and _keeps_knowns(row, base, knowns_tolerance)
         and (not leak_constraint or _keeps_leaks(row))
     )
@@ -222,13 +271,19 @@ def select_best(
     leak_constraint: bool = False,
     knowns_tolerance: float = 0.02,
     name: str = "els",
+    jailbreak_tolerance: float = 0.0,
 ) -> dict | None:
     """The ``name`` row (``els`` or ``els-lora``) of highest benign compliance whose harmful refusal is
     not below the unsteered model's and whose accuracy on everyday questions with known answers is within
     ``knowns_tolerance`` of it; with ``leak_constraint``, also refusing every held-out harmful prompt its
     harm gate (an adapter: every one) passes that the unsteered model refuses (no fewer refusals on the
     same rows)."""
-    return best_row(rows, method, name, lambda r, base: eligible(r, base, leak_constraint, knowns_tolerance))
+    return best_row(
+        rows,
+        method,
+        name,
+        lambda r, base: eligible(r, base, leak_constraint, knowns_tolerance, jailbreak_tolerance),
+    )
 
 
 # ------------------------------------------------------------------------------------------ the sweep
@@ -317,7 +372,12 @@ class Sweep:
         """Whether a setting gets the leak check: generated, with leak prompts, and an adapter or a gated
         ELS setting."""
         gated = args.get("gate") is not None and args.get("gate") is not False
-        return bool(self.leaks) and method == "generate" and (name == "els-lora" or name == "els" and gated)
+        adapter = name == "els-lora" or name == "els-compose" and args.get("lora_gate") is None
+        return (
+            bool(self.leaks)
+            and method == "generate"
+            and (adapter or name in ("els", "els-compose") and gated)
+        )
 
     def due(self, name: str, args: dict, method: str, part: ValidationPart, leak_check: bool = True):
         """What is left to score of a setting on ``part`` (a :class:`_Due`); None when its row is there
@@ -455,7 +515,10 @@ class Sweep:
     def eligible(self, row: dict, base: dict, leak_check: bool = True) -> bool:
         """Whether the selection may choose ``row`` against the unsteered ``base`` (:func:`eligible`, with
         the leak constraint unless ``leak_check`` is off)."""
-        return eligible(row, base, leak_check and self.cfg.leak_constraint, self.cfg.knowns_tolerance)
+        cfg = self.cfg
+        return eligible(
+            row, base, leak_check and cfg.leak_constraint, cfg.knowns_tolerance, cfg.jailbreak_tolerance
+        )
 
     def select(self, rows: list[dict], method: str, name: str = "els") -> dict | None:
         """The best eligible ``name`` row of ``rows`` (:func:`best_row`)."""
@@ -487,7 +550,7 @@ class Sweep:
         return (
             [("none", {})]
             + [by_key[r["key"]] for r in ranked[: self.cfg.halving_keep]]
-            + [(n, a) for n, a in self.settings if n == "els-lora"]
+            + [(n, a) for n, a in self.settings if n in ("els-lora", "els-compose")]
         )
 
     # ---------------------------------------------------------------------------------- the rounds
@@ -556,9 +619,12 @@ class Sweep:
         if cfg.lora:
             result.update(best_lora=self.select(final, method, "els-lora"))
             result.update(lora=list(cfg.lora), lora_scales=list(cfg.lora_scales))
+        if cfg.compose:
+            result.update(best_compose=self.select(final, method, "els-compose"))
         if cfg.limit is not None:
             result["limit"] = cfg.limit
         result.update(max_new_tokens=cfg.max_new_tokens, benign=cfg.benign, harmful=cfg.harmful)
+        result.update(jailbreak=cfg.jailbreak, jailbreak_tolerance=cfg.jailbreak_tolerance)
         result.update(knowns=cfg.knowns, knowns_tolerance=cfg.knowns_tolerance)
         if halving:
             result["halving"] = halving.record()

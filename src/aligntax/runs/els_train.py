@@ -20,7 +20,7 @@ from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runfolder import check_settings, run_lock, write_json_atomic, write_text_atomic
-from aligntax.runs.eval import EvalConfig, activation_id, load_prompt_sets, run_eval
+from aligntax.runs.eval import EvalConfig, activation_id, load_prompt_sets, run_eval, sampled
 from aligntax.runs.jsonl import read_jsonl
 
 
@@ -268,7 +268,8 @@ def _label_run(label_cfg: EvalConfig, lm, items: list, layers, activations: Path
         # the model the states are recorded from: here, or the replicas' (its block count and fingerprint)
         source = lm if replicas is None else started(replicas)[0]
         blocks = lm.model if replicas is None else source.fingerprint["num_layers"]
-        recorder = PrefillRecorder(blocks, layers) if label_cfg.system is None else None
+        sink = (source, activations, label_cfg.system)  # each batch's states stored before its samples
+        recorder = PrefillRecorder(blocks, layers, sink) if label_cfg.system is None else None
         run_eval(label_cfg, lm=lm, items=items, recorder=recorder, ray=replicas)
         if recorder is not None:
             recorder.save(source, activations, label_cfg.system)
@@ -296,6 +297,20 @@ def captured(lm, items, layers, folder: Path, cfg: ELSTrainConfig) -> dict[int, 
 def training_items(cfg: ELSTrainConfig) -> tuple[list, list]:
     """The benign and the harmful prompts the energy models learn from, in training order."""
     return load_prompt_sets(cfg.benign, cfg.limit_benign), load_prompt_sets(cfg.harmful, cfg.limit_harmful)
+
+
+def prompt_domain(folder: str | Path, lm) -> int:
+    """The longest chat-templated prompt, in tokens of ``lm``'s tokenizer, that the energy models of ELS
+    folder ``folder`` learned from (its benign and harmful training prompts): beyond it a prompt is
+    outside what they have seen (the ELS option ``max_prompt_tokens``)."""
+    from aligntax.activations.capture import chat_ids
+    from aligntax.config import load_config
+
+    cfg = load_config(ELSTrainConfig, Path(folder) / "train_config.json")
+    items = [it for part in training_items(cfg) for it in part]
+    if not items:
+        raise AligntaxError(f"{folder}: no training prompts to measure.")
+    return max(chat_ids(lm, [it.prompt for it in items])[1])
 
 
 def in_item_order(cache, items) -> dict[int, torch.Tensor]:
@@ -481,14 +496,6 @@ def gate_extra_items(cfg: ELSTrainConfig, seen_items) -> list:
         for it in sampled(load_prompt_sets([spec], None), limit, cfg.seed)
         if (it.source, it.id) not in seen
     ]
-
-
-def sampled(items: list, limit: int | None, seed: int) -> list:
-    """At most ``limit`` of ``items``, drawn at random (fixed seed), in their original order."""
-    if limit is None or len(items) <= limit:
-        return items
-    keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
-    return [items[i] for i in sorted(keep.tolist())]
 
 
 def _existing_bank(out: Path, ecfg, lm, n_states: int):

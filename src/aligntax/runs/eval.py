@@ -71,6 +71,9 @@ class EvalConfig:
     system: str | None = None
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     limit: int | None = None
+    # at most N prompts of each source of the named datasets (a group such as jbb-attacks: of each part),
+    # drawn at random with a fixed seed (:func:`sampled`), e.g. {"jbb-attacks": 40}
+    subsets: dict[str, int] = field(default_factory=dict)
     batch_size: int = 32
     dtype: str = "bf16"
     do_sample: bool = False
@@ -113,6 +116,31 @@ class EvalConfig:
             batch_size=self.batch_size,
             system=self.system,
         )
+
+
+def sampled(items: list, limit: int | None, seed: int) -> list:
+    """At most ``limit`` of ``items``, drawn at random (fixed seed), in their original order."""
+    import torch
+
+    if limit is None or len(items) <= limit:
+        return items
+    keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
+    return [items[i] for i in sorted(keep.tolist())]
+
+
+def eval_items(cfg: EvalConfig) -> list:
+    """The prompts of an evaluation: each dataset of ``cfg.data`` (its first ``cfg.limit``), the sets named
+    in ``cfg.subsets`` sampled to their size per source."""
+    items = load_prompt_sets(cfg.data, cfg.limit)
+    for spec, n in (cfg.subsets or {}).items():
+        sources = {it.source for it in load_prompt_sets([spec], cfg.limit)}
+        keep = {
+            (it.source, it.id)
+            for src in sources
+            for it in sampled([it for it in items if it.source == src], int(n), 0)
+        }
+        items = [it for it in items if it.source not in sources or (it.source, it.id) in keep]
+    return items
 
 
 def load_prompt_sets(specs: list[str], limit: int | None = None) -> list:
@@ -272,18 +300,13 @@ def _run_eval(
     samples_path = out / "samples.jsonl"
 
     if items is None:
-        items = load_prompt_sets(cfg.data, cfg.limit)
+        items = eval_items(cfg)
     done_rows = read_jsonl(samples_path, repair=True)
     _check_prompts(out, done_rows, items)
     done = {(r["source"], r["id"]) for r in done_rows}
-    seen: set = set()
-    todo = []
     wanted = {(it.source, it.id) for it in items}
-    for it in items:
-        key = (it.source, it.id)
-        if key not in done and key not in seen:
-            todo.append(it)
-        seen.add(key)
+    uniq = list({(it.source, it.id): it for it in reversed(items)}.values())[::-1]  # first of each key
+    todo = [it for it in uniq if (it.source, it.id) not in done]
 
     t0 = time.perf_counter()
     gen_seconds, n_tokens, n_reused = 0.0, 0, 0
@@ -300,18 +323,35 @@ def _run_eval(
             prov = _save_provenance(out, prov, _check_loaded(out, prov, lm, judge))
             steering: dict = {}  # per (source, id): what the intervention decided for the row before generating
             decider = gen.decider()  # None: nothing decided per row
+            # decisions and batches are made over every item, whatever is already done, so that a
+            # resumed run decides and batches each row as an uninterrupted one did (the same answers
+            # and states to the last bit); a row already stored is generated again only when it shares
+            # a batch with a missing one, and not stored twice
+            pending = {(it.source, it.id) for it in todo}
             with remembered_prefill_states():  # one prefill pass serves the records and the reuse decision
                 info = (
-                    decider.row_info([it.prompt for it in todo], cfg.system, cfg.batch_size)
+                    decider.row_info([it.prompt for it in uniq], cfg.system, cfg.batch_size)
                     if intervention is not None and decider is not None
                     else None
                 )
                 if info is not None:
-                    steering = {(it.source, it.id): r for it, r in zip(todo, info, strict=True)}
+                    steering = {(it.source, it.id): r for it, r in zip(uniq, info, strict=True)}
+                to_generate = uniq
                 if cfg.reuse_unsteered and intervention is not None and decider is not None:
-                    todo, n_reused = _reuse_unsteered(cfg, decider, todo, judge, samples_path, steering)
+                    to_generate, n_reused = _reuse_unsteered(
+                        cfg, decider, uniq, pending, judge, samples_path, steering
+                    )
+                    pending &= {(it.source, it.id) for it in to_generate}  # the copied ones are stored
+            plan = aligned_rows(
+                gen,
+                [it.prompt for it in to_generate],
+                [(it.source, it.id) in pending for it in to_generate],
+                cfg.generation(),
+            )
+            batch_rows = [to_generate[i] for i in plan]
+            todo = [it for it in batch_rows if (it.source, it.id) in pending]
             batches = gen.iter_generate(
-                [it.prompt for it in todo],
+                [it.prompt for it in batch_rows],
                 cfg.generation(),
                 progress=cfg.progress,
                 desc="eval",
@@ -321,9 +361,10 @@ def _run_eval(
             for idx, gens in batches:
                 gen_seconds += time.perf_counter() - tb
                 n_tokens += sum(g.n_tokens for g in gens)
-                batch_items = [todo[i] for i in idx]
+                batch_items = [batch_rows[i] for i in idx]
                 if recorder is not None:
                     recorder.keep([activation_id(it) for it in batch_items], [it.label for it in batch_items])
+                    recorder.flush()  # the batch's states stored before its samples
                 verdicts = judge.judge([it.prompt for it in batch_items], [g.response for g in gens])
                 append_jsonl(
                     samples_path,
@@ -339,6 +380,7 @@ def _run_eval(
                             **_steering_field(steering, it, gen.decided.get(i)),
                         )
                         for i, it, g, v in zip(idx, batch_items, gens, verdicts, strict=True)
+                        if (it.source, it.id) in pending
                     ],
                 )
                 tb = time.perf_counter()
@@ -487,12 +529,37 @@ def steering_summary(rows: list[dict]) -> dict:
     return {"steering": out}
 
 
+def aligned_rows(gen, prompts: list, pending: list[bool], generation) -> list[int]:
+    """Indices of ``prompts`` to generate now: every row of each batch that generation forms over all of
+    them (:func:`~aligntax.generation.batching.length_order_batches`) holding a ``pending`` row, in the
+    plan's order. Generated in that order, they are batched as the whole list was, so a resumed run
+    generates the batches an uninterrupted run did. A generator that cannot tell prompt lengths gets the
+    pending rows alone."""
+    from aligntax.generation.batching import length_order_batches
+
+    lengths = getattr(gen, "prompt_lengths", None)
+    if lengths is None or all(pending):
+        return [i for i, p in enumerate(pending) if p]
+    plan = length_order_batches(
+        lengths(prompts, generation.system), generation.batch_size, generation.max_batch_tokens
+    )
+    return [i for batch in plan if any(pending[j] for j in batch) for i in batch]
+
+
 def _reuse_unsteered(
-    cfg: EvalConfig, decider, todo: list, judge, samples_path: Path, steering: dict | None = None
+    cfg: EvalConfig,
+    decider,
+    items: list,
+    pending: set,
+    judge,
+    samples_path: Path,
+    steering: dict | None = None,
 ) -> tuple[list, int]:
-    """Copy the unsteered run's answers for the rows the intervention leaves unsteered (``decider``:
-    where its decisions are made; appended to the samples with ``"reused": True``); returns the rows
-    still to generate and how many were copied."""
+    """Decide, over every item, which rows the intervention leaves unsteered and the unsteered run
+    ``cfg.reuse_unsteered`` answered (decided over all, so a resumed run decides as an uninterrupted
+    one); copy the answers of those still ``pending`` (appended to the samples with ``"reused":
+    True``). Returns the items that are generated instead (copied ones left out) and how many were
+    copied now."""
     src = Path(cfg.reuse_unsteered)
     cfg_path, samples = src / "config.json", src / "samples.jsonl"
     if not cfg_path.is_file() or not samples.is_file():
@@ -513,11 +580,12 @@ def _reuse_unsteered(
     if diffs:
         raise AligntaxError(f"--reuse-unsteered {src} was made with other settings ({'; '.join(diffs)}).")
     prior = {(r["source"], r["id"]): r for r in read_jsonl(samples, repair=True)}
-    known = [(it.source, it.id) in prior and prior[(it.source, it.id)]["prompt"] == it.prompt for it in todo]
-    copy = rows_to_copy(decider, [it.prompt for it in todo], known, cfg.system, cfg.batch_size)
-    reuse = [it for it, c in zip(todo, copy, strict=True) if c]
+    known = [(it.source, it.id) in prior and prior[(it.source, it.id)]["prompt"] == it.prompt for it in items]
+    copy = rows_to_copy(decider, [it.prompt for it in items], known, cfg.system, cfg.batch_size)
+    reuse = [it for it, c in zip(items, copy, strict=True) if c and (it.source, it.id) in pending]
+    rest = [it for it, c in zip(items, copy, strict=True) if not c]
     if not reuse:
-        return todo, 0
+        return rest, 0
     rows = [prior[(it.source, it.id)] for it in reuse]
     if all(r.get("judge") == judge.name for r in rows):
         verdicts = [(r["refused"], r["refusal_score"]) for r in rows]
@@ -543,7 +611,7 @@ def _reuse_unsteered(
             for it, r, (refused, score) in zip(reuse, rows, verdicts, strict=True)
         ],
     )
-    return [it for it, c in zip(todo, copy, strict=True) if not c], len(reuse)
+    return rest, len(reuse)
 
 
 def _timing(

@@ -7,12 +7,15 @@ import threading
 import time
 
 import uvicorn
+from fastapi import FastAPI
+
+from aligntax.serve.app import graceful_timeout
 
 
 class BackgroundServer:
     """uvicorn in a daemon thread on a socket bound to a free port; ``with BackgroundServer(app) as srv``."""
 
-    def __init__(self, app, host: str = "127.0.0.1", log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", log_level: str = "warning") -> None:
         self.app = app
         # proto=IPPROTO_TCP so that asyncio sets TCP_NODELAY on accepted connections (else Nagle's
         # algorithm adds ~40 ms to every response)
@@ -21,8 +24,8 @@ class BackgroundServer:
         self.sock.bind((host, 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        shutdown = getattr(getattr(app, "state", None), "shutdown_timeout_s", None)
-        graceful = 30 if shutdown is None else max(1, round(shutdown))
+        # an app of create_app: its settings' shutdown_timeout bounds a graceful shutdown
+        graceful = graceful_timeout(app) if hasattr(getattr(app, "state", None), "settings") else None
         config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -43,5 +46,5 @@ class BackgroundServer:
     def __enter__(self) -> BackgroundServer:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -3,7 +3,7 @@
 
 Two engines implement it: :class:`aligntax.serve.engine.BatchEngine` (the Hugging Face model, dynamic
 batches on a worker thread) and the vLLM backend's
-:class:`~aligntax.backends.vllm.serving.VllmServeEngine` (continuous batching). The app talks to the
+:class:`~aligntax.backends.vllm.serve_engine.VllmServeEngine` (continuous batching). The app talks to the
 protocol only; the answers both make from their tokens follow :func:`aligntax.serve.jobs.finish_events`.
 """
 
@@ -59,7 +59,7 @@ class ServeEngine(Protocol):
         fail (503) whatever is left."""
 
 
-# ``factory(lm, intervention, **BatchEngine's keyword arguments)``: how create_app builds its engine
+# ``factory(lm, intervention, settings, metrics=...)``, as BatchEngine is built: how create_app builds its engine
 EngineFactory = Callable[..., ServeEngine]
 
 

@@ -11,7 +11,7 @@ differs between requests is handled per row, so any mix of requests shares a bat
 - steering: ``SteerContext.rows`` / ``.strength`` are per-row tensors (unsteered rows get strength 0);
   a request with its own steering options (``Job.intervention``, built by the server for that option
   set) shares a batch only with unsteered requests and steered ones of the same intervention;
-- sampling: :class:`_RowSampler` picks each row's token (greedy, or temperature / top-p sampling,
+- sampling: :class:`RowSampler` picks each row's token (greedy, or temperature / top-p sampling,
   with a private generator for seeded rows); the model's own generation config plays no part;
 - length, eos, stop strings, streaming and cancellation: :class:`_BatchController`, called once per
   step with the new tokens of the rows still in the batch. It checks eos and per-row ``max_tokens``
@@ -50,18 +50,19 @@ every request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from aligntax.generation.generate import decode_batch, eos_token_ids
 from aligntax.interventions.base import Intervention, NoIntervention
 from aligntax.serve.base import Admission
+from aligntax.serve.batch import Outbox, RowSampler, StepTimeModel
 from aligntax.serve.jobs import (
     EngineOverloaded,
     Failed,
@@ -70,86 +71,23 @@ from aligntax.serve.jobs import (
     finish_events,
 )
 from aligntax.serve.metrics import ServeMetrics
+from aligntax.serve.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 log = logging.getLogger("aligntax.serve")
 
 _STOP = object()
 
 
-def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, ev in items:
-        q.put_nowait(ev)
-
-
-class _Outbox:
-    """Events of one step, sent with a single call_soon_threadsafe per event loop."""
-
-    def __init__(self) -> None:
-        self.items: dict[asyncio.AbstractEventLoop, list] = {}
-
-    def put(self, job: Job, ev: object) -> None:
-        if job.loop is None or job.events is None:
-            return
-        self.items.setdefault(job.loop, []).append((job.events, ev))
-
-    def flush(self) -> None:
-        for loop, items in self.items.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
-        self.items = {}
-
-
-class _RowSampler:
-    """Chooses the next token of every row still in the batch: the argmax for greedy requests, else a
-    draw at the request's temperature and top-p (from its own generator when it gave a seed)."""
-
-    def __init__(self, jobs: Sequence[Job], device):
-        ps = [j.params for j in jobs]
-        self.greedy = torch.tensor([p.greedy for p in ps], device=device)
-        self.temps = torch.tensor([1.0 if p.greedy else p.temperature for p in ps], device=device).unsqueeze(
-            1
-        )
-        self.top_p = torch.tensor([p.top_p for p in ps], device=device).unsqueeze(1)
-        self.use_top_p = any(p.top_p < 1.0 and not p.greedy for p in ps)
-        self.seeded = {
-            i: torch.Generator(device=device).manual_seed(p.seed)
-            for i, p in enumerate(ps)
-            if p.seed is not None and not p.greedy
-        }
-        self.all_greedy = all(p.greedy for p in ps)
-        self.bad: torch.Tensor | None = None  # this step: rows (of those alive) whose logits are NaN/+inf
-
-    def __call__(self, logits: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
-        """Next tokens ``[rows]`` from ``logits`` ``[rows, vocab]`` of the original rows ``alive``.
-
-        Rows with a NaN or +inf logit are flagged in ``self.bad`` (no host sync here; the controller
-        ends and fails them) and given finite scores, so that sampling the others cannot raise."""
-        bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
-        self.bad = bad
-        logits = torch.where(bad[:, None], torch.zeros((), dtype=logits.dtype, device=logits.device), logits)
-        if self.all_greedy:
-            return logits.argmax(-1)
-        rows = alive.to(logits.device)
-        scores = logits.float()
-        probs = torch.softmax(scores / self.temps[rows], dim=-1)
-        if self.use_top_p:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > self.top_p[rows], 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        choice = torch.multinomial(probs, 1).squeeze(1)
-        for k, row in enumerate(alive.tolist()):
-            if row in self.seeded:
-                choice[k] = torch.multinomial(probs[k], 1, generator=self.seeded[row])[0]
-        return torch.where(self.greedy[rows], scores.argmax(-1), choice)
-
-
 class _BatchController:
     """Run once per step on the rows still in the batch: eos, per-row max_tokens, stop strings,
     streaming, cancels. Returns which of those rows end now (they then leave the batch)."""
 
-    def __init__(self, engine: BatchEngine, jobs: list[Job], device, sampler: _RowSampler | None = None):
+    def __init__(
+        self, engine: BatchEngine, jobs: list[Job], device: torch.device, sampler: RowSampler | None = None
+    ) -> None:
         self.engine = engine
         self.jobs = jobs
         self.sampler = sampler
@@ -195,9 +133,9 @@ class _BatchController:
         eos_rows: set[int],
         cancels: bool,
         t: int,
-        bad_rows: set[int] = frozenset(),
+        bad_rows: AbstractSet[int] = frozenset(),
     ) -> None:
-        out = _Outbox()
+        out = Outbox()
         with self.engine.tokenizer_lock:
             for i in bad_rows:
                 self._fail_row(i, out)
@@ -205,7 +143,7 @@ class _BatchController:
                 tok = self.tokens[i][-1]
                 if tok in self.eos_set:
                     continue  # finished below
-                events: list = []
+                events: list[Any] = []
                 stopped = self.text[i].push(self.jobs[i], tok, events)
                 for ev in events:
                     out.put(self.jobs[i], ev)
@@ -227,7 +165,7 @@ class _BatchController:
             self.engine._batch_expected_end = None
         out.flush()
 
-    def _fail_row(self, i: int, out: _Outbox) -> None:
+    def _fail_row(self, i: int, out: Outbox) -> None:
         """Row i's logits went NaN/+inf: fail that request alone (400 when steering did it)."""
         job = self.jobs[i]
         self.finished[i] = True
@@ -249,7 +187,7 @@ class _BatchController:
         log.warning("request failed: non-finite logits (steered=%s, strength=%s)", job.steer, job.strength)
         out.put(job, ev)
 
-    def _finish(self, i: int, reason: str, n_generated: int, out: _Outbox, eos: bool = False) -> None:
+    def _finish(self, i: int, reason: str, n_generated: int, out: Outbox, eos: bool = False) -> None:
         """Complete row i (caller holds the tokenizer lock)."""
         job = self.jobs[i]
         self.finished[i] = True
@@ -263,7 +201,7 @@ class _BatchController:
 
     def finish_rest(self) -> None:
         """After decoding: complete any row that stopped without us (should not happen)."""
-        out = _Outbox()
+        out = Outbox()
         with self.engine.tokenizer_lock:
             for i in range(len(self.jobs)):
                 if not self.finished[i] and not self.jobs[i].cancelled and not self.jobs[i].done:
@@ -274,107 +212,45 @@ class _BatchController:
         out.flush()
 
 
-class StepTimeModel:
-    """Seconds per decoding step of a batch as ``a + b * rows``, fitted by least squares on recent
-    batches (each weighted ``decay`` times the one after it). A batch's duration divided by its steps
-    includes its prefill. Before two batch sizes were seen the slope is 0 (every size is predicted at
-    the mean).
-
-    Predictions add ``margin`` times the mean absolute error of recent predictions (``dev``, a moving
-    average like TCP's round-trip variance), so that on a machine whose speed varies the prediction
-    is an upper estimate rather than the mean."""
-
-    def __init__(self, decay: float = 0.95, margin: float = 2.0, dev_alpha: float = 0.25):
-        self.decay = decay
-        self.margin = margin
-        self.dev_alpha = dev_alpha
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-        self.dev = 0.0  # moving average of |observed - predicted| seconds per step
-
-    def observe(self, rows: int, seconds: float, steps: int) -> None:
-        if steps < 1 or seconds <= 0:
-            return
-        y = seconds / steps
-        if self.fitted:
-            a, b = self.coefficients()
-            self.dev += self.dev_alpha * (abs(y - (a + b * rows)) - self.dev)
-        d = self.decay
-        self.w = d * self.w + 1.0
-        self.x = d * self.x + rows
-        self.y = d * self.y + y
-        self.xx = d * self.xx + rows * rows
-        self.xy = d * self.xy + rows * y
-
-    @property
-    def fitted(self) -> bool:
-        return self.w > 0
-
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b): seconds per step of a batch of ``rows`` is ``a + b * rows``; b >= 0."""
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        slope = max(0.0, (self.xy / self.w - mx * my) / var) if var > 1e-6 else 0.0
-        return my - slope * mx, slope
-
-    def step_seconds(self, rows: int, margin: float | None = None) -> float | None:
-        """Predicted seconds per step for ``rows`` rows, plus ``margin`` (default: the model's) x ``dev``."""
-        if not self.fitted:
-            return None
-        a, b = self.coefficients()
-        k = self.margin if margin is None else margin
-        return max(a + b * rows, 1e-6) + k * self.dev
-
-    def batch_seconds(self, rows: int, steps: int, margin: float | None = None) -> float | None:
-        per = self.step_seconds(rows, margin)
-        return None if per is None else per * max(1, steps)
-
-
 class BatchEngine(Admission):
     """Owns the model in one worker thread and generates queued :class:`Job` s in dynamic batches.
 
-    ``mix_steered=False`` keeps steered and unsteered requests in separate batches, for interventions
-    that cannot act per row (e.g. an adapter that changes the weights of the whole batch).
+    Its limits are ``settings``' (:class:`~aligntax.serve.settings.ServerSettings`: batch size, waits,
+    queue, batch tokens, admission targets). ``mix_steered=False`` keeps steered and unsteered requests
+    in separate batches, for interventions that cannot act per row (e.g. an adapter that changes the
+    weights of the whole batch).
     """
 
     def __init__(
         self,
-        lm,
+        lm: LoadedModel,
         intervention: Intervention | None = None,
-        max_batch_size: int = 32,
-        batch_wait_ms: float = 10.0,
-        max_queue: int = 1024,
+        settings: ServerSettings | None = None,
+        *,
         metrics: ServeMetrics | None = None,
-        max_batch_wait_ms: float = 100.0,
-        mix_steered: bool = True,
-        max_batch_tokens: int | None = None,
-        max_queue_wait_ms: float | None = None,
-        max_latency_ms: float | None = None,
-    ):
-        if max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
-        self._init_admission(max_queue, max_queue_wait_ms)
-        self.max_batch_tokens = max_batch_tokens if max_batch_tokens and max_batch_tokens > 0 else None
+    ) -> None:
+        s = settings or ServerSettings()
+        self._init_admission(s.max_queue, s.max_queue_wait_ms)
+        self.max_batch_tokens = s.max_batch_tokens
         self.lm = lm
         self.tokenizer = lm.tokenizer
         self.intervention = intervention or NoIntervention()
-        self.max_batch_size = max_batch_size
-        self.batch_wait = max(0.0, batch_wait_ms) / 1000.0
-        self.max_batch_wait = max(self.batch_wait, max_batch_wait_ms / 1000.0)
-        self.mix_steered = mix_steered
+        self.max_batch_size = s.max_batch_size
+        self.batch_wait = s.batch_wait_ms / 1000.0
+        self.max_batch_wait = max(self.batch_wait, s.max_batch_wait_ms / 1000.0)
+        self.mix_steered = s.mix_steered
         self.metrics = metrics or ServeMetrics()
         self.eos_ids = sorted(eos_token_ids(lm))
         pad = lm.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.tokenizer_lock = threading.Lock()
         self.cancel_epoch = 0
-        if max_latency_ms is not None and max_latency_ms <= 0:
-            raise ValueError("max_latency_ms must be > 0")
-        self.max_latency = None if max_latency_ms is None else max_latency_ms / 1000.0
+        self.max_latency = None if s.max_latency_ms is None else s.max_latency_ms / 1000.0
         self.step_model = StepTimeModel()
         self._batch_expected_end: float | None = None  # predicted perf_counter() end of the running batch
         self.batch_seconds: float | None = None  # moving average of recent batches' durations
         self._batch_started: float | None = None  # perf_counter() at the start of the running batch
-        self._q: queue.Queue = queue.Queue()  # bounded by admit() / submit(), not by the queue itself
+        self._q: queue.Queue[Any] = queue.Queue()  # bounded by admit() / submit(), not by the queue itself
         self._held: list[Job] = []  # taken from the queue but left for the next batch (mix_steered=False)
         self._waiting: Job | None = None  # taken from the queue while the engine is paused
         self._unpaused = threading.Event()
@@ -437,10 +313,10 @@ class BatchEngine(Admission):
         for k in range(full):
             group = jobs[k * self.max_batch_size : (k + 1) * self.max_batch_size]
             steps = max([j.params.max_tokens for j in group] + [max_tokens])
-            total += model.batch_seconds(self.max_batch_size, steps)
+            total += model.batch_seconds(self.max_batch_size, steps) or 0.0
         group = jobs[full * self.max_batch_size :]
         steps = max([j.params.max_tokens for j in group] + [max_tokens])
-        total += self.batch_wait + model.batch_seconds(rows + 1, steps)
+        total += self.batch_wait + (model.batch_seconds(rows + 1, steps) or 0.0)
         oldest = min(
             (j.arrived_at if j.arrived_at is not None else j.enqueued_at for j in group), default=now
         )
@@ -528,7 +404,7 @@ class BatchEngine(Admission):
         """Fail everything queued and generating now (the shutdown timeout ran out)."""
         self._aborted = True
         self._fail_queued(message, status)
-        out = _Outbox()
+        out = Outbox()
         for job in list(self._current):
             if not job.done:
                 job.done = job.cancelled = True
@@ -546,7 +422,7 @@ class BatchEngine(Admission):
                 break
             if item is not _STOP:
                 pending.append(item)
-        out = _Outbox()
+        out = Outbox()
         for job in pending:
             job.done = True
             out.put(job, Failed(message, status, "server_shutting_down"))
@@ -623,7 +499,7 @@ class BatchEngine(Admission):
                 continue
             batch = [j for j in batch if not j.cancelled and not j.done]
             if batch and self._aborted:
-                out = _Outbox()
+                out = Outbox()
                 for job in batch:
                     job.done = True
                     out.put(
@@ -667,7 +543,7 @@ class BatchEngine(Admission):
         except Exception as exc:  # reported to the affected requests only
             log.exception("generation failed for a batch of %d", len(batch))
             first_error = exc
-        out = _Outbox()
+        out = Outbox()
         for job in batch:
             if job.done or job.cancelled:
                 continue
@@ -695,7 +571,7 @@ class BatchEngine(Admission):
             k = len(job.prompt_ids)
             input_ids[i, prompt_len - k :] = torch.tensor(job.prompt_ids, dtype=torch.long)
             attention[i, prompt_len - k :] = 1
-        sampler = _RowSampler(jobs, device)
+        sampler = RowSampler(jobs, device)
         controller = _BatchController(self, jobs, device, sampler)
         now = time.perf_counter()
         self.metrics.record_batch(

@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aligntax.interventions.base import Intervention
@@ -78,13 +78,12 @@ class Job:
     intervention: Intervention | None = None
     # the request's checked steering options (``aligntax.options``) that built ``intervention``; an engine
     # that steers elsewhere (the vLLM backend's) sets up its own steering from them
-    options: dict | None = None
+    options: dict[str, Any] | None = None
     stream: bool = False
-    arrived_at: float | None = (
-        None  # perf_counter() at admission (before tokenisation), when the server knows it
-    )
+    # perf_counter() at admission (before tokenisation), when the server knows it
+    arrived_at: float | None = None
     loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
+    events: asyncio.Queue[Any] | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     emitted: bool = False  # some text was already sent (a stream cannot be retried)
@@ -99,7 +98,7 @@ class IncrementalDetokenizer:
     add up to ``tokenizer.decode(ids, skip_special_tokens=True)``.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self.ids: list[int] = []
         self.prefix = 0
@@ -107,7 +106,7 @@ class IncrementalDetokenizer:
         self._prefix_text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
+        return str(self.tok.decode(ids, skip_special_tokens=True)) if ids else ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -170,11 +169,11 @@ class StopMatcher:
 class RowText:
     """The text state of one answer that streams or has stop strings."""
 
-    def __init__(self, tokenizer, stops: Sequence[str]):
+    def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopMatcher(stops)
 
-    def push(self, job: Job, token_id: int, events: list) -> bool:
+    def push(self, job: Job, token_id: int, events: list[Any]) -> bool:
         """Take one generated token (not an end token): append the text a stream may send now to
         ``events``; returns whether a stop string was hit."""
         emit, stopped = self.stop.feed(self.detok.push(token_id))
@@ -185,15 +184,21 @@ class RowText:
 
 
 def finish_events(
-    job: Job, tokenizer, tokens: Sequence[int], n_generated: int, reason: str, eos: bool, row: RowText | None
-) -> list:
+    job: Job,
+    tokenizer: Any,
+    tokens: Sequence[int],
+    n_generated: int,
+    reason: str,
+    eos: bool,
+    row: RowText | None,
+) -> list[Any]:
     """The events that complete ``job``: the rest of a stream's text, then :class:`Finished`.
 
     ``tokens``: the answer's tokens, of which ``n_generated`` count (an end token, ``eos``, among them
     but not in the text); ``reason``: "stop" (an end token or a stop string) or "length". A stop
     string found in the last text turns "length" into "stop". ``row``: the answer's text state (None
     when it neither streams nor has stop strings: the text is decoded here at once)."""
-    events: list = []
+    events: list[Any] = []
     if row is not None:
         if reason != "stop" or eos:
             emit, stopped = row.stop.feed(row.detok.flush())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 
 class ServeMetrics:
@@ -46,7 +47,7 @@ class ServeMetrics:
             self.prompt_tokens += prompt
             self.completion_tokens += completion
 
-    def snapshot(self, queue_depth: int = 0, in_flight: int = 0) -> dict:
+    def snapshot(self, queue_depth: int = 0, in_flight: int = 0) -> dict[str, Any]:
         with self._lock:
             uptime = time.time() - self.started
             return {

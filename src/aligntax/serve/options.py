@@ -29,12 +29,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions.options import parse_value, spec_of
-from aligntax.interventions.registry import METHODS, make_intervention
+from aligntax.interventions.options import METHODS, parse_value, spec_of
+from aligntax.interventions.registry import make_intervention
 from aligntax.serve.protocol import invalid
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 MAX_INT = 1024  # the largest integer a request may give (steps, horizon, top_k, layer numbers)
 MAX_LAYERS = 256  # the longest layer list
@@ -68,7 +71,7 @@ class RequestField:
     def type(self) -> str:
         return _TYPES[self.parse]
 
-    def card(self) -> dict:
+    def card(self) -> dict[str, Any]:
         return {"name": self.name, "type": self.type, "help": self.help}
 
     def check(self, value: Any) -> Any:
@@ -85,7 +88,7 @@ def _within_bounds(value: Any, parse: str) -> bool:
     """Whether a parsed request value is within what a request may ask: integers in [0, :data:`MAX_INT`],
     at most :data:`MAX_LAYERS` layers, a gate strictly between 0 and 1."""
     if parse in ("int", "int_or_none") and value != "none":
-        return 0 <= value <= MAX_INT
+        return bool(0 <= value <= MAX_INT)
     if parse == "layers":
         return len(value) <= MAX_LAYERS and all(0 <= x <= MAX_INT for x in value)
     if parse == "gate" and isinstance(value, float):
@@ -142,7 +145,7 @@ def parse_request_options(fields: list[RequestField], raw: dict[str, Any], model
     return out
 
 
-def options_key(options: dict[str, Any]) -> tuple:
+def options_key(options: dict[str, Any]) -> tuple[Any, ...]:
     """A hashable key of an option set (lists become tuples)."""
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
 
@@ -157,7 +160,7 @@ class InterventionCache:
             raise ValueError("maxsize must be >= 1")
         self.build = build
         self.maxsize = maxsize
-        self._items: OrderedDict[tuple, Any] = OrderedDict()
+        self._items: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._lock = threading.Lock()  # guards _items
         self._build_lock = threading.Lock()  # one build at a time
         self.builds = 0
@@ -188,7 +191,9 @@ class InterventionCache:
 class RequestSteering:
     """The served method's per-request options and the interventions built for them."""
 
-    def __init__(self, method: str, lm, base_options: dict[str, Any] | None = None, maxsize: int = 16):
+    def __init__(
+        self, method: str, lm: LoadedModel, base_options: dict[str, Any] | None = None, maxsize: int = 16
+    ) -> None:
         if method not in METHODS:
             raise AligntaxError(f"Unknown intervention '{method}'; known: {', '.join(METHODS)}.")
         self.method = method
@@ -201,7 +206,7 @@ class RequestSteering:
     def parse(self, raw: dict[str, Any], model: str) -> dict[str, Any]:
         return parse_request_options(self.fields, raw, model)
 
-    def intervention(self, options: dict[str, Any]):
+    def intervention(self, options: dict[str, Any]) -> Any:
         """The intervention for ``options`` (built on first use); a 400 when the builder refuses them."""
         try:
             return self.cache.get(options)
@@ -210,7 +215,7 @@ class RequestSteering:
         except (ValueError, TypeError) as exc:
             raise invalid(f"These steering options cannot be used: {exc}", "aligntax.options") from None
 
-    def card(self) -> dict:
+    def card(self) -> dict[str, Any]:
         return {"method": self.method, "options": [f.card() for f in self.fields]}
 
 

@@ -1,9 +1,11 @@
-"""OpenAI chat-completions request schema and the OpenAI error format."""
+"""OpenAI chat-completions request schema, the OpenAI error format, and the JSON response every answer uses."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # Unknown fields are kept (``model_extra``) and refused by the server unless it allows them
@@ -33,7 +35,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        headers: dict | None = None,
+        headers: dict[str, Any] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -43,13 +45,13 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
 
 def error_body(
     message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -136,7 +138,7 @@ _TYPE_WORDS = {
 }
 
 
-def loc_to_param(loc: tuple | list) -> str | None:
+def loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content'."""
     out = ""
     for part in loc:
@@ -152,7 +154,7 @@ def loc_to_param(loc: tuple | list) -> str | None:
     return out or None
 
 
-def validation_error(errors: list[dict]) -> APIError:
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """Turn pydantic/FastAPI validation errors into one OpenAI-style 400."""
     if not errors:
         return invalid("Invalid request.")
@@ -209,7 +211,9 @@ def unknown_field(body: ChatCompletionRequest, allow_unknown: bool = False) -> A
     """The 400 for the first unknown (e.g. misspelt) field of a request, or for a known OpenAI field
     whose feature this server lacks; None when the request has neither."""
 
-    def check(extra: dict | None, where: str, ignored: set, unsupported: set) -> APIError | None:
+    def check(
+        extra: dict[str, Any] | None, where: str, ignored: set[Any], unsupported: set[Any]
+    ) -> APIError | None:
         for key, value in (extra or {}).items():
             param = f"{where}{key}"
             if key in ignored:
@@ -238,3 +242,15 @@ def unknown_field(body: ChatCompletionRequest, allow_unknown: bool = False) -> A
                         part.model_extra, f"messages[{i}].content[{k}].", {"cache_control"}, set()
                     )
     return err
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that cannot fail to encode: text that is not valid UTF-8 (a lone surrogate echoed back in an
+    error message) is written as a JSON escape instead of raising."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()

@@ -61,7 +61,7 @@ def write_matrix(
     results_by_target: dict[str, dict], out_dir: str | Path, n_perm: int = 9999, seed: int = 0
 ) -> dict:
     """Analyse the ten runs and write ``matrix.json`` and ``matrix.md`` into ``out_dir``."""
-    from aligntax.vat.runner import _clean
+    from aligntax.vat.runner import json_safe
 
     missing = [v for v in VALUES if v not in results_by_target]
     if missing:
@@ -77,7 +77,7 @@ def write_matrix(
         t: (r.get("specificity") or {}).get("ci95") for t, r in results_by_target.items()
     }
     out = Path(out_dir)
-    res = _clean(res)
+    res = json_safe(res)
     with run_lock(out):
         write_json_atomic(out / "matrix.json", res)
         _write_matrix_md(res, out)

@@ -84,14 +84,14 @@ def read_rows(path: Path) -> list[dict]:
 append_rows = append_jsonl
 
 
-def _clean(obj):
+def json_safe(obj):
     """JSON-safe: NaN/inf -> None, numpy scalars -> Python."""
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
+        return [json_safe(v) for v in obj]
     if isinstance(obj, np.ndarray):
-        return _clean(obj.tolist())
+        return json_safe(obj.tolist())
     if isinstance(obj, np.generic):
         obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -378,7 +378,7 @@ def compute_results(
             "mean_post": float(post.mean()),
         },
     }
-    return _clean(res)
+    return json_safe(res)
 
 
 def _strata(
@@ -569,7 +569,7 @@ def _judge_into(
     """Check the folder's header (``run.json``) and rows, judge the items not yet there and append
     them to ``items.jsonl``; returns the rows of ``items`` (first row of each id) and the timing."""
     ids = [it.id for it in items]
-    ident = _clean(_run_identity(lm, target, intervention, cfg, post_lm))
+    ident = json_safe(_run_identity(lm, target, intervention, cfg, post_lm))
     path = out / "items.jsonl"
     existing = read_rows(path)
     # a folder becomes a run with its first judged item: a run.json beside no items (a run that failed
@@ -618,12 +618,12 @@ def _judge_into(
                         "polarity": it.polarity,
                         "desirability": it.desirability,
                         "group": it.group,
-                        "pre": _clean(a.score),
-                        "post": _clean(b.score),
-                        "pre_argmax": _clean(a.argmax),
-                        "post_argmax": _clean(b.argmax),
-                        "pre_mass": _clean(a.mass),
-                        "post_mass": _clean(b.mass),
+                        "pre": json_safe(a.score),
+                        "post": json_safe(b.score),
+                        "pre_argmax": json_safe(a.argmax),
+                        "post_argmax": json_safe(b.argmax),
+                        "pre_mass": json_safe(a.mass),
+                        "post_mass": json_safe(b.mass),
                         "item_sha": item_digest(it),
                     }
                     for it, a, b in new
@@ -652,7 +652,7 @@ def _score_into(
 ) -> dict:
     """Score the rows and write ``results.json`` and the report."""
     results = compute_results(rows, target, cfg.judge.scale, cfg, control_rows=control_rows)
-    results["config"] = _clean(
+    results["config"] = json_safe(
         {
             **cfg.to_dict(),
             "intervention": intervention_key(intervention),
@@ -783,7 +783,7 @@ def _rescore(out: Path, old_file: Path, cfg: VATConfig | None, control) -> dict:
         cfg,
         control_rows=load_control(control) if control is not None else None,
     )
-    res["config"] = _clean(
+    res["config"] = json_safe(
         {
             **cfg.to_dict(),
             "extra": old.get("config", {}).get("extra", {}),

@@ -153,7 +153,7 @@ def paired_difference(
 def paired_compare(dirs: Sequence[str | Path], out_dir: str | Path, reps: int = 2000, seed: int = 0) -> dict:
     """Each run against the first (the reference): the checks of ``check_comparable`` and the paired
     per-value differences. Writes ``paired.json`` and ``paired.md`` into ``out_dir``."""
-    from aligntax.vat.runner import _clean, write_json_atomic
+    from aligntax.vat.runner import json_safe, write_json_atomic
 
     if len(dirs) < 2:
         raise AligntaxError("A paired comparison needs at least two runs (the first is the reference)")
@@ -174,7 +174,7 @@ def paired_compare(dirs: Sequence[str | Path], out_dir: str | Path, reps: int = 
         )
     o = Path(out_dir)
     o.mkdir(parents=True, exist_ok=True)
-    out = _clean(out)
+    out = json_safe(out)
     write_json_atomic(o / "paired.json", out)
     md = [
         f"## Paired differences against `{ref_name}`",
@@ -422,10 +422,10 @@ def summary_row(cell: dict) -> dict:
 
 
 def write_summary(cells: Sequence[dict], out: str | Path) -> list[dict]:
-    from aligntax.vat.runner import _clean, write_json_atomic
+    from aligntax.vat.runner import json_safe, write_json_atomic
 
     out = Path(out)
-    rows = [_clean(summary_row(c)) for c in cells]
+    rows = [json_safe(summary_row(c)) for c in cells]
     write_json_atomic(out / "summary.json", rows)
     cols = [
         "model",

@@ -21,9 +21,9 @@ from aligntax.backends.vllm.steering import EXTRA_STEER, EXTRA_STRENGTH, MAX_STR
 from aligntax.backends.vllm.worker import EXTENSION
 from aligntax.errors import AligntaxError
 from aligntax.generation.chat import build_messages, render_chat
-from aligntax.generation.generate import Generation, GenerationConfig, _truncate_at_stop
+from aligntax.generation.generate import Generation, GenerationConfig, truncate_at_stop
 
-_DTYPES = {
+DTYPES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
     "fp32": "float32",
@@ -111,7 +111,7 @@ def folder_fingerprint(folder: str | Path, spec: str, dtype: str | None = None) 
             vocab = int(emb.get_shape()[0])
             rows = emb[: min(64, vocab)]
             if dtype is not None:
-                rows = rows.to(getattr(torch, _DTYPES[dtype]))
+                rows = rows.to(getattr(torch, DTYPES[dtype]))
             digest, exact = embedding_digests(rows)
             return {
                 "spec": spec,
@@ -161,7 +161,7 @@ def engine_kwargs(source: str, dtype: str, options: VllmOptions, max_model_len: 
     return dict(
         model=source,
         tokenizer=source,
-        dtype=_DTYPES[dtype],
+        dtype=DTYPES[dtype],
         enforce_eager=True,
         worker_extension_cls=EXTENSION,
         max_model_len=max_model_len,
@@ -186,7 +186,7 @@ def _greedy_extras(source: str) -> dict:
     return {"repetition_penalty": float(rp)} if rp not in (None, 1.0) else {}
 
 
-def _eos_ids(source: str, tok) -> set[int]:
+def eos_ids(source: str, tok) -> set[int]:
     from transformers import GenerationConfig as HFGenerationConfig
 
     try:
@@ -204,7 +204,7 @@ class VllmModel:
         require_vllm()
         from vllm import LLM
 
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise AligntaxError(f"Unknown dtype '{dtype}'; use bf16, fp16 or fp32.")
         self.options = options = options or VllmOptions()
         self.facts = model_facts(spec, dtype)
@@ -213,7 +213,7 @@ class VllmModel:
         self.dtype = dtype
         self.max_model_len = min(options.max_model_len, self.facts.max_positions or options.max_model_len)
         self.llm = LLM(**engine_kwargs(self.source, dtype, options, self.max_model_len))
-        self.eos_ids = _eos_ids(self.source, self.tokenizer)
+        self.eos_ids = eos_ids(self.source, self.tokenizer)
         self.greedy_extras = _greedy_extras(self.source)
         self.presets: dict[str, dict] = {}
         self.interventions: dict[str, object] = {}  # preset -> the intervention as built in this process
@@ -361,7 +361,7 @@ class VllmModel:
                     n, finish = j, "stop"
                     break
             resp = self.tokenizer.decode(row[:n], skip_special_tokens=True)
-            resp, stopped = _truncate_at_stop(resp, cfg.stop)
+            resp, stopped = truncate_at_stop(resp, cfg.stop)
             gens.append(
                 Generation(
                     prompt=p if isinstance(p, str) else text,

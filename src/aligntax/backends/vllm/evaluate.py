@@ -1,7 +1,7 @@
 """The vLLM backend's generation for one run (an evaluation, a known-answer check; opened by
 :class:`~aligntax.backends.vllm.source.VllmSource`).
 
-:class:`VllmEvalSource` holds a :class:`~aligntax.backends.vllm.engine.VllmModel` with the run's
+:class:`VllmSession` holds a :class:`~aligntax.backends.vllm.engine.VllmModel` with the run's
 intervention registered as a steering preset (or, for a method that rewrites the chat messages, applied
 to the messages), and generates the run's prompts in chunks, so that samples are appended as chunks
 finish and a killed run resumes as the Hugging Face backend's does.
@@ -27,9 +27,9 @@ PRESET = "eval"
 CHUNK_SLOTS = 4  # prompts per engine call: this many times the engine's sequence slots
 
 
-class VllmEvalSource:
+class VllmSession:
     """Generation for one evaluation on a started vLLM engine (a
-    :class:`~aligntax.generation.source.Generator`): the run's intervention is built once, when it is
+    :class:`~aligntax.generation.source.SourceSession`): the run's intervention is built once, when it is
     registered (or, for a method that rewrites the chat messages, applied to the messages)."""
 
     def __init__(

@@ -2,7 +2,7 @@
 (``--backend vllm``): one engine for every run of the process, started when a run first generates.
 
 Each run registers its intervention as a steering preset of that engine
-(:class:`~aligntax.backends.vllm.evaluate.VllmEvalSource`; a sweep each of its settings,
+(:class:`~aligntax.backends.vllm.evaluate.VllmSession`; a sweep each of its settings,
 :class:`~aligntax.backends.vllm.sweep.VllmSweepSource`). The per-row decisions made before generating
 run on a Hugging Face copy of the model, loaded on first need or adopted from the caller
 (:meth:`VllmSource.adopt`: ``aligntax demo`` loads one anyway).
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from aligntax.backends.vllm.engine import VllmModel, VllmOptions
-from aligntax.backends.vllm.evaluate import VllmEvalSource
+from aligntax.backends.vllm.evaluate import VllmSession
 from aligntax.errors import AligntaxError
 from aligntax.generation.source import SettingGenerate, SourceSpec, SweepGeneration
 
@@ -74,8 +74,8 @@ class VllmSource:
         return vm
 
     @contextmanager
-    def open(self, spec: SourceSpec, lm=None, intervention=None) -> Iterator[VllmEvalSource]:
-        yield VllmEvalSource(self.engine(spec, lm), spec.intervention, spec.intervention_args)
+    def open(self, spec: SourceSpec, lm=None, intervention=None) -> Iterator[VllmSession]:
+        yield VllmSession(self.engine(spec, lm), spec.intervention, spec.intervention_args)
 
     @contextmanager
     def sweep(self, spec: SourceSpec) -> Iterator[SweepGeneration]:

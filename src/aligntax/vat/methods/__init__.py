@@ -103,14 +103,17 @@ def build_intervention(
     ``strength`` for steer); one it does not take is refused. ``method_options`` may hold the options of
     several value-targeted methods (a sweep passing ``strength`` and ``steps`` to every method): each
     value-targeted method takes its own, the intervention registry's methods none, and a name no
-    value-targeted method declares is refused (``energy_dir`` is the old name of els's ``path``).
+    value-targeted method declares is refused (``energy_dir``, removed in 0.2, names ``options={"path": ...}``).
     Training-based methods use only ``train_items`` (never ``exclude_ids``, e.g. the evaluation ids).
     A method of the intervention registry is not aimed at any value: ``target`` then only names the
     value whose shift is reported as the gain."""
     key = name.strip().lower()
     t = resolve_value(target)
     loose = {k: v for k, v in method_options.items() if v is not None}
-    energy_dir = loose.pop("energy_dir", None)
+    if "energy_dir" in loose:
+        raise AligntaxError(
+            "energy_dir was removed in 0.2; give the folder as options={'path': DIR} (CHANGELOG.md)."
+        )
     taken = {f.name for m in VAT_METHODS.values() for f in dataclasses.fields(m.options)}
     unknown = sorted(set(loose) - taken)
     if unknown:
@@ -129,8 +132,6 @@ def build_intervention(
         raise AligntaxError(f"Unknown intervention '{name}'; use one of {', '.join(INTERVENTIONS)}") from None
     options = dict(options or {})
     if method.name not in VAT_METHODS:
-        if energy_dir is not None:
-            options.setdefault("path", str(energy_dir))
         return method.make(lm, **options)
     own = {f.name for f in dataclasses.fields(method.options)}
     kwargs = {**{k: v for k, v in loose.items() if k in own}, **options, **implied}
