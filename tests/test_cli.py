@@ -28,6 +28,7 @@ COMMANDS = [
     ["els", "sweep"],
     ["vat", "run"],
     ["vat", "compare"],
+    ["audit"],
     ["serve"],
 ]
 

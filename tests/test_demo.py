@@ -319,3 +319,23 @@ def test_calibration_forward_runs_on_a_tiny_model(tiny_lm):
 
     seconds = calibrate(tiny_lm, rows=2, tokens=4, repeats=1)
     assert 0 < seconds < 30
+
+
+def test_test_subsets_sample_each_attack_alike(data_dir):
+    """The quick profile's jailbreak test set: 40 prompts of each JailbreakBench attack, the same draw
+    every run, the other test sets whole."""
+    from collections import Counter
+
+    from aligntax.runs.demo import DemoConfig
+    from aligntax.runs.eval import EvalConfig, eval_items
+
+    cfg = DemoConfig()
+    ev = EvalConfig(data=["xstest-safe", "jbb-attacks"], subsets=dict(cfg.test_subsets))
+    items = eval_items(ev)
+    counts = Counter(it.source for it in items)
+    assert counts == {
+        "xstest": 250,
+        **{f"jbb-{a}": 40 for a in ("pair", "jbc", "random-search", "gcg", "dsn")},
+    }
+    assert [(it.source, it.id) for it in eval_items(ev)] == [(it.source, it.id) for it in items]
+    assert len(eval_items(EvalConfig(data=["jbb-attacks"]))) == 482

@@ -209,6 +209,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("backends",),  # vLLM: engine, evaluation source, server (reuses serve's app and engine)
     ("runs",),  # run folders: eval, knowns, mc, ELS, demo, ...
     ("lmeval",),  # lm-evaluation-harness model (api) writing run folders
+    ("audit",),  # the report card of a change: eval, knowns, mc, fluency and VAT runs, paired and gated
     ("cli",),  # every command-line face: main, options (the one error path and checks), serve, vat, ...
     ("__main__",),
 )

@@ -456,6 +456,11 @@ def eval_cmd(
         None, help="tokens generated per prompt at most", show_default=str(DEFAULT_MAX_NEW_TOKENS)
     ),
     limit: int | None = typer.Option(None, help="first N items of each dataset"),
+    subset: list[str] = typer.Option(
+        None,
+        help="NAME=N: at most N prompts of each source of dataset NAME (a group: of each part), drawn at "
+        "random with a fixed seed; repeatable (e.g. jbb-attacks=40, as the quick demo)",
+    ),
     batch_size: int | None = typer.Option(None, help="prompts per batch", show_default="32"),
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
@@ -507,6 +512,7 @@ def eval_cmd(
             system=system,
             max_new_tokens=max_new_tokens,
             limit=limit,
+            subsets=_subsets(subset),
             batch_size=batch_size,
             dtype=dtype,
             do_sample=do_sample,
@@ -562,6 +568,9 @@ def _check_eval(cfg) -> None:
     check_range(cfg.batch_size, "positive_count", "--batch-size")
     if cfg.limit is not None:
         check_range(cfg.limit, "count", "--limit")
+    stray = sorted(set(cfg.subsets or {}) - set(cfg.data))
+    if stray:
+        raise UsageError(f"--subset {', '.join(stray)}: not among the --data sets ({', '.join(cfg.data)}).")
     check_range(cfg.temperature, "nonnegative", "--temperature")
     check_range(cfg.top_p, "probability", "--top-p")
     check_dtype(cfg.dtype)
@@ -826,6 +835,19 @@ els_app = typer.Typer(
     help="Energy Landscape Steering: train energy models and tune steering.", no_args_is_help=True
 )
 app.add_typer(els_app, name="els")
+
+
+def _subsets(values: list[str] | None) -> dict[str, int] | None:
+    """``--subset NAME=N`` (repeatable) as ``{NAME: N}``; None when not given."""
+    if not values:
+        return None
+    out = {}
+    for v in values:
+        name, sep, n = v.partition("=")
+        if not sep or not name.strip() or not n.strip().isdigit() or int(n) < 1:
+            raise UsageError(f"--subset takes NAME=N with N a positive whole number; got {v!r}.")
+        out[name.strip()] = int(n)
+    return out
 
 
 def _split_list(values: list[str] | None) -> list | None:
@@ -1468,14 +1490,16 @@ def demo(
 
 
 def _mount_faces() -> None:
-    """The sub-commands whose faces live in their own modules of this package: ``vat``, ``serve``,
-    ``lm-eval`` (lm-eval itself is imported when the command runs), ``bundle`` and ``export``."""
+    """The sub-commands whose faces live in their own modules of this package: ``vat``, ``audit``,
+    ``serve``, ``lm-eval`` (lm-eval itself is imported when the command runs), ``bundle`` and ``export``."""
+    from aligntax.cli.audit import audit_command
     from aligntax.cli.bundles import mount as mount_bundles
     from aligntax.cli.lmeval import lm_eval_command
     from aligntax.cli.serve import serve_command
     from aligntax.cli.vat import app as vat_app
 
     app.add_typer(vat_app, name="vat")
+    app.command("audit")(audit_command)
     app.command("serve")(serve_command)
     app.command("lm-eval")(lm_eval_command)
     mount_bundles(app)

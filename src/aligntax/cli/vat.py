@@ -33,15 +33,11 @@ def _fail(exc: Exception) -> None:
 
 
 def _sample_by(sample_by: str, data: str) -> str:
-    if sample_by == "auto":
-        return (
-            "scene"
-            if data.strip().lower() in ("value-action-lens", "valueactionlens", "val", "value_action_lens")
-            else "item"
-        )
-    if sample_by not in ("item", "scene"):
+    from aligntax.vat.items import sample_by_for
+
+    if sample_by not in ("item", "scene", "auto"):
         raise typer.BadParameter("--sample-by must be item, scene or auto")
-    return sample_by
+    return sample_by_for(data, sample_by)
 
 
 def _strata(text: str | None) -> list[str] | None:
@@ -140,7 +136,7 @@ def run(
     and of the value-targeted methods (--strength, --steps, --adapter-dir, --oracle-gain, ...)."""
     from aligntax.cli.options import check_intervention, check_out_folder
     from aligntax.models import load_model
-    from aligntax.vat.items import load_items, sample_items, split_items
+    from aligntax.vat.items import evaluation_items
     from aligntax.vat.judge import JudgeConfig, LikertScale
     from aligntax.vat.methods import build_intervention
     from aligntax.vat.runner import VATConfig, run_vat
@@ -162,17 +158,18 @@ def run(
             kwargs["fields"] = dict(f.split("=", 1) for f in field)
         if field or "/" in data and not Path(data).exists():
             kwargs["split"] = split
-        items = load_items(data, **kwargs)
-        eval_items, train_items = split_items(items, train_fraction, seed=seed, by=split_by)
         by = _sample_by(sample_by, data)
-        eval_items = sample_items(
-            eval_items,
+        eval_items, train_items = evaluation_items(
+            data,
+            train_fraction=train_fraction,
+            split_by=split_by,
             per_value=limit_per_value,
             scenes=scenes,
-            seed=seed,
-            strata=_strata(strata),
-            by=by,
+            sample_by=by,
             per_scene_value=per_scene_value,
+            strata=_strata(strata),
+            seed=seed,
+            **kwargs,
         )
         jcfg = JudgeConfig(
             scale=LikertScale(1, scale_max),

@@ -58,6 +58,9 @@ class DemoConfig:
     model: str = DEFAULT_MODEL
     test_sets: list[str] = field(default_factory=lambda: list(TEST_SETS))
     limit: int | None = None
+    # test sets sampled per source (fixed seed): the quick profile takes 40 prompts of each JailbreakBench
+    # attack (200 of the 482; the JBC and random-search prompts are 380-480 tokens long)
+    test_subsets: dict[str, int] = field(default_factory=lambda: {"jbb-attacks": 40})
     judge: str = "classifier"
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     # prompts per batch: on CPU, 96 rows run about 1.3x faster than 32 (bench/batch_size.py); rows
@@ -121,6 +124,7 @@ FULL_PROFILE = {
     "sweep_halving": None,
     "sweep_limit": None,
     "limit_reasoning": None,
+    "test_subsets": {},
     "test_baselines": ["system-prompt", "refusal-ablation", "cast"],
     "mechanisms": ["harm-orth", "row-strength", "els-lora"],
 }
@@ -251,7 +255,13 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
         + (f" ({LABELS[source.backend]})" if source.backend != HF else ""),
     )
     base = run_eval(
-        EvalConfig(data=cfg.test_sets, out=str(out / "baseline"), limit=cfg.limit, **common),
+        EvalConfig(
+            data=cfg.test_sets,
+            out=str(out / "baseline"),
+            limit=cfg.limit,
+            subsets=dict(cfg.test_subsets),
+            **common,
+        ),
         lm=gen_lm,
         source=source,
     )
@@ -337,6 +347,7 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
                 data=cfg.test_sets,
                 out=str(out / "steered"),
                 limit=cfg.limit,
+                subsets=dict(cfg.test_subsets),
                 intervention=name,
                 intervention_args=args,
                 reuse_unsteered=str(out / "baseline"),
@@ -610,6 +621,7 @@ def _test_pareto(
                 data=cfg.test_sets,
                 out=str(out / "test-baselines" / name),
                 limit=cfg.limit,
+                subsets=dict(cfg.test_subsets),
                 intervention=name,
                 intervention_args=args,
                 reuse_unsteered=str(out / "baseline"),

@@ -20,7 +20,7 @@ from aligntax.defaults import DEFAULT_MAX_NEW_TOKENS
 from aligntax.errors import AligntaxError
 from aligntax.models.spec import DEFAULT_MODEL
 from aligntax.runfolder import check_settings, run_lock, write_json_atomic, write_text_atomic
-from aligntax.runs.eval import EvalConfig, activation_id, load_prompt_sets, run_eval
+from aligntax.runs.eval import EvalConfig, activation_id, load_prompt_sets, run_eval, sampled
 from aligntax.runs.jsonl import read_jsonl
 
 
@@ -496,14 +496,6 @@ def gate_extra_items(cfg: ELSTrainConfig, seen_items) -> list:
         for it in sampled(load_prompt_sets([spec], None), limit, cfg.seed)
         if (it.source, it.id) not in seen
     ]
-
-
-def sampled(items: list, limit: int | None, seed: int) -> list:
-    """At most ``limit`` of ``items``, drawn at random (fixed seed), in their original order."""
-    if limit is None or len(items) <= limit:
-        return items
-    keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
-    return [items[i] for i in sorted(keep.tolist())]
 
 
 def _existing_bank(out: Path, ecfg, lm, n_states: int):

@@ -71,6 +71,9 @@ class EvalConfig:
     system: str | None = None
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     limit: int | None = None
+    # at most N prompts of each source of the named datasets (a group such as jbb-attacks: of each part),
+    # drawn at random with a fixed seed (:func:`sampled`), e.g. {"jbb-attacks": 40}
+    subsets: dict[str, int] = field(default_factory=dict)
     batch_size: int = 32
     dtype: str = "bf16"
     do_sample: bool = False
@@ -113,6 +116,31 @@ class EvalConfig:
             batch_size=self.batch_size,
             system=self.system,
         )
+
+
+def sampled(items: list, limit: int | None, seed: int) -> list:
+    """At most ``limit`` of ``items``, drawn at random (fixed seed), in their original order."""
+    import torch
+
+    if limit is None or len(items) <= limit:
+        return items
+    keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
+    return [items[i] for i in sorted(keep.tolist())]
+
+
+def eval_items(cfg: EvalConfig) -> list:
+    """The prompts of an evaluation: each dataset of ``cfg.data`` (its first ``cfg.limit``), the sets named
+    in ``cfg.subsets`` sampled to their size per source."""
+    items = load_prompt_sets(cfg.data, cfg.limit)
+    for spec, n in (cfg.subsets or {}).items():
+        sources = {it.source for it in load_prompt_sets([spec], cfg.limit)}
+        keep = {
+            (it.source, it.id)
+            for src in sources
+            for it in sampled([it for it in items if it.source == src], int(n), 0)
+        }
+        items = [it for it in items if it.source not in sources or (it.source, it.id) in keep]
+    return items
 
 
 def load_prompt_sets(specs: list[str], limit: int | None = None) -> list:
@@ -272,7 +300,7 @@ def _run_eval(
     samples_path = out / "samples.jsonl"
 
     if items is None:
-        items = load_prompt_sets(cfg.data, cfg.limit)
+        items = eval_items(cfg)
     done_rows = read_jsonl(samples_path, repair=True)
     _check_prompts(out, done_rows, items)
     done = {(r["source"], r["id"]) for r in done_rows}

@@ -142,7 +142,9 @@ def _check_resume(out: Path, cfg: KnownsConfig) -> dict | None:
     return was
 
 
-def run_knowns(cfg: KnownsConfig, lm=None, intervention=None, source=None) -> dict:
+def run_knowns(
+    cfg: KnownsConfig, lm=None, intervention=None, source=None, items: Sequence[KnownItem] | None = None
+) -> dict:
     """Run (or resume) the check; returns the results dict also written to ``OUT/results.json``.
 
     Answers already in ``OUT/samples.jsonl`` (same id and prompt) are not generated again. Every stored
@@ -150,6 +152,7 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None, source=None) -> di
     applies to a finished run on the next invocation (``samples.jsonl`` is rewritten when a verdict changes).
     ``source``: the :class:`~aligntax.generation.source.GenerationSource` of ``cfg.backend`` (picked
     from it, and closed at the end, when not given); ``lm`` / ``intervention``: loaded by the caller.
+    ``items``: the questions to answer (a subset of ``cfg.data``), instead of loading them.
     """
     from aligntax.runs.sources import check_source, generation_source
 
@@ -158,18 +161,18 @@ def run_knowns(cfg: KnownsConfig, lm=None, intervention=None, source=None) -> di
     try:
         check_source(source, cfg.backend)
         with run_lock(cfg.out):  # one writer per run folder
-            return _run_knowns(cfg, lm, intervention, source)
+            return _run_knowns(cfg, lm, intervention, source, items)
     finally:
         if own:
             source.close()
 
 
-def _run_knowns(cfg: KnownsConfig, lm, intervention, source) -> dict:
+def _run_knowns(cfg: KnownsConfig, lm, intervention, source, items=None) -> dict:
     from aligntax.generation.source import SourceSpec
     from aligntax.runs.eval import _previous, _read_intervention, _record_intervention
     from aligntax.runs.jsonl import append_jsonl, read_jsonl
 
-    items = load_known_answers(cfg.data, cfg.split, cfg.limit)
+    items = list(items) if items is not None else load_known_answers(cfg.data, cfg.split, cfg.limit)
     out = Path(cfg.out)
     was = _check_resume(out, cfg)
     samples_path = out / "samples.jsonl"

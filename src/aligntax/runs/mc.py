@@ -94,8 +94,11 @@ class MCConfig:
 _RESULT_FIELDS = ("model", "data", "limit", "system", "dtype", "intervention", "intervention_args")
 
 
-def run_mc(cfg: MCConfig, lm=None, intervention: Intervention | None = None) -> dict:
-    """Score the set and write ``OUT/samples.jsonl`` (one line per question) and ``OUT/results.json``.
+def run_mc(
+    cfg: MCConfig, lm=None, intervention: Intervention | None = None, items: Sequence[MCItem] | None = None
+) -> dict:
+    """Score the set and write ``OUT/samples.jsonl`` (one line per question) and ``OUT/results.json``;
+    ``items``: the questions to score (a subset of ``cfg.data``), instead of loading them.
 
     One pass scores every question, so a rerun after a kill scores them all again; the folder keeps the
     run-folder contract all the same (lock, ``config.json`` header refusing other settings once results
@@ -104,11 +107,13 @@ def run_mc(cfg: MCConfig, lm=None, intervention: Intervention | None = None) -> 
     with run_lock(out):
         bound = (out / "results.json").is_file() or (out / "samples.jsonl").is_file()
         check_settings(out, "config.json", asdict(cfg), _RESULT_FIELDS, bound, "multiple-choice run")
-        return _run_mc(cfg, out, lm, intervention)
+        return _run_mc(cfg, out, lm, intervention, items)
 
 
-def _run_mc(cfg: MCConfig, out: Path, lm, intervention: Intervention | None) -> dict:
-    items = load_mc(cfg.data, cfg.limit)
+def _run_mc(
+    cfg: MCConfig, out: Path, lm, intervention: Intervention | None, items: Sequence[MCItem] | None
+) -> dict:
+    items = list(items) if items is not None else load_mc(cfg.data, cfg.limit)
     if lm is None:
         from aligntax.models import load_model
 

@@ -689,6 +689,50 @@ def split_items(
     return ev, tr
 
 
+_VAL_NAMES = ("value-action-lens", "valueactionlens", "val", "value_action_lens")
+
+
+def sample_by_for(data: str, sample_by: str = "auto") -> str:
+    """How a subset of ``data`` is drawn: ``sample_by`` (item or scene), or for ``auto`` scene with
+    ValueActionLens (whole scenes, for the coupling) and item otherwise."""
+    if sample_by == "auto":
+        return "scene" if data.strip().lower() in _VAL_NAMES else "item"
+    if sample_by not in ("item", "scene"):
+        raise DataError("sample_by must be item, scene or auto")
+    return sample_by
+
+
+def evaluation_items(
+    data: str | Path = BUILTIN_NAME,
+    *,
+    train_fraction: float = 0.2,
+    split_by: str = "scene",
+    per_value: int | None = None,
+    scenes: int | None = None,
+    sample_by: str = "auto",
+    per_scene_value: int = 2,
+    strata: Sequence[str] | None = None,
+    seed: int = 0,
+    **load_kwargs,
+) -> tuple[list[ValueItem], list[ValueItem]]:
+    """The items a VAT run measures and those it holds out for training (``aligntax vat run``'s
+    selection): :func:`load_items` of ``data``, :func:`split_items` by ``split_by``, then
+    :func:`sample_items` of the evaluation part (at most ``per_value`` items per value, ``scenes``
+    random scenes, drawn as :func:`sample_by_for` says)."""
+    items = load_items(data, **load_kwargs)
+    eval_items, train_items = split_items(items, train_fraction, seed=seed, by=split_by)
+    eval_items = sample_items(
+        eval_items,
+        per_value=per_value,
+        scenes=scenes,
+        seed=seed,
+        strata=strata,
+        by=sample_by_for(str(data), sample_by),
+        per_scene_value=per_scene_value,
+    )
+    return eval_items, train_items
+
+
 def value_counts(items: Iterable[ValueItem]) -> dict[str, dict[int, int]]:
     """Items per value and polarity (the key 0 only where a value has neutral items)."""
     out = {v: {1: 0, -1: 0} for v in VALUES}

@@ -100,17 +100,28 @@ def json_safe(obj):
 
 
 # ----------------------------------------------------------------- scoring
-def compute_results(
-    rows: Sequence[dict],
-    target: str,
-    scale: LikertScale | dict,
-    cfg: VATConfig | None = None,
-    control_rows: Sequence[dict] | None = None,
-) -> dict:
-    """All VAT metrics from item rows (dicts with value, polarity, pre, post and optionally group,
-    svs_item). Pure: no model needed. Rows whose pre or post is missing are left out and counted."""
-    cfg = cfg or VATConfig()
-    target = resolve_value(target)
+@dataclass
+class ItemShifts:
+    """The judged items of a run with a direction (polarity +1 or -1) as arrays: value, scene, pre and
+    post scores, the expression of the value before and after (scores signed by polarity around the
+    scale's midpoint) and its shift ``d = e_post - e_pre``; ``neutral``: the judged items of polarity 0."""
+
+    scale: LikertScale
+    judged: list[dict]
+    good: list[dict]
+    neutral: list[dict]
+    values: np.ndarray
+    groups: np.ndarray
+    pre: np.ndarray
+    post: np.ndarray
+    e_pre: np.ndarray
+    e_post: np.ndarray
+    d: np.ndarray
+
+
+def item_shifts(rows: Sequence[dict], scale: LikertScale | dict) -> ItemShifts:
+    """The polarity-signed shifts of the judged items of ``rows`` (:class:`ItemShifts`); rows whose pre or
+    post is missing are left out. Every VAT statistic starts from these."""
     if isinstance(scale, dict):
         scale = LikertScale(min=int(scale["min"]), max=int(scale["max"]))
     judged = [
@@ -133,7 +144,24 @@ def compute_results(
     groups = np.array([str(r.get("group") or r["id"]) for r in good])
     mid = scale.midpoint
     e_pre, e_post = M.expression(pre, pol, mid), M.expression(post, pol, mid)
-    d = e_post - e_pre
+    return ItemShifts(scale, judged, good, neutral, values, groups, pre, post, e_pre, e_post, e_post - e_pre)
+
+
+def compute_results(
+    rows: Sequence[dict],
+    target: str,
+    scale: LikertScale | dict,
+    cfg: VATConfig | None = None,
+    control_rows: Sequence[dict] | None = None,
+) -> dict:
+    """All VAT metrics from item rows (dicts with value, polarity, pre, post and optionally group,
+    svs_item). Pure: no model needed. Rows whose pre or post is missing are left out and counted."""
+    cfg = cfg or VATConfig()
+    target = resolve_value(target)
+    sh = item_shifts(rows, scale)
+    scale, judged, good, neutral = sh.scale, sh.judged, sh.good, sh.neutral
+    values, pre, post, groups, mid = sh.values, sh.pre, sh.post, sh.groups, scale.midpoint
+    e_pre, e_post, d = sh.e_pre, sh.e_post, sh.d
 
     g = M.gain(d, values, target)
     dr = M.drifts(d, values)
@@ -400,7 +428,7 @@ def _mean_of(rows: Sequence[dict], key: str) -> float | None:
 
 
 # ----------------------------------------------------------------- the run
-def _run_identity(lm, target: str, intervention: Intervention, cfg: VATConfig, post_lm=None) -> dict:
+def _run_identity(lm, target: str | None, intervention: Intervention, cfg: VATConfig, post_lm=None) -> dict:
     ident = {
         "target": target,
         "intervention": intervention_key(intervention),
@@ -474,6 +502,47 @@ def run_vat(
     cfg = cfg or VATConfig()
     target = resolve_value(target)
     intervention = intervention or NoIntervention()
+    _check_inputs(items, lm, post_lm, cfg, replicas, build)
+    control_rows = load_control(control) if control is not None else None
+    out = Path(out_dir)
+    from aligntax.vat.methods.adapter import guard_adapter_folder
+
+    guard_adapter_folder(out, "write run files into")
+    with run_lock(out):  # one writer per run folder
+        rows, timing = _judge_into(out, lm, items, target, intervention, cfg, post_lm, replicas, build)
+        return _score_into(out, rows, timing, target, intervention, cfg, lm, post_lm, control, control_rows)
+
+
+def judge_pairs(
+    lm,
+    items: Sequence[ValueItem],
+    target: str | None,
+    intervention: Intervention | None,
+    out_dir: str | Path,
+    cfg: VATConfig | None = None,
+    post_lm=None,
+    replicas=None,
+    build: dict | None = None,
+) -> tuple[list[dict], dict]:
+    """The judging half of :func:`run_vat`: judge each item of ``items`` before (``lm``, no
+    intervention) and after (``intervention``, or the model ``post_lm``), appending the pairs to
+    ``out_dir/items.jsonl`` as they are made (a rerun resumes) under the folder's lock and its header
+    ``out_dir/run.json``, which a resumed run must match. ``target`` (None: a measurement aimed at no
+    value, such as an audit of a change to a model) is part of that identity. Returns the item rows of
+    ``items`` (one each, in file order) and the timing (``judged_now``, ``resumed``, ``seconds``)."""
+    cfg = cfg or VATConfig()
+    target = None if target is None else resolve_value(target)
+    intervention = intervention or NoIntervention()
+    _check_inputs(items, lm, post_lm, cfg, replicas, build)
+    out = Path(out_dir)
+    from aligntax.vat.methods.adapter import guard_adapter_folder
+
+    guard_adapter_folder(out, "write run files into")
+    with run_lock(out):  # one writer per run folder
+        return _judge_into(out, lm, items, target, intervention, cfg, post_lm, replicas, build)
+
+
+def _check_inputs(items: Sequence[ValueItem], lm, post_lm, cfg: VATConfig, replicas, build) -> None:
     if not items:
         raise AligntaxError("No items to judge")
     ids = [it.id for it in items]
@@ -483,14 +552,6 @@ def run_vat(
         check_same_judge_inputs(lm, post_lm, cfg.judge)
     if replicas is not None:
         _check_replicas(replicas, lm, post_lm, build)
-    control_rows = load_control(control) if control is not None else None
-    out = Path(out_dir)
-    from aligntax.vat.methods.adapter import guard_adapter_folder
-
-    guard_adapter_folder(out, "write run files into")
-    with run_lock(out):  # one writer per run folder
-        rows, timing = _judge_into(out, lm, items, target, intervention, cfg, post_lm, replicas, build)
-        return _score_into(out, rows, timing, target, intervention, cfg, lm, post_lm, control, control_rows)
 
 
 # What a VAT run's results depend on, beside the items: a resume must agree on all of them.
@@ -542,7 +603,7 @@ def _judge_into(
     post_judge = judge if post_lm is None else LikertJudge(post_lm, cfg.judge)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(todo), disable=not cfg.progress, desc=f"vat {target}", unit="item")
+    bar = tqdm(total=len(todo), disable=not cfg.progress, desc=f"vat {target or 'values'}", unit="item")
     t0 = time.time()
     try:
         for chunk, pre, post in _judged_chunks(chunks, judge, post_judge, intervention, replicas, build):

@@ -128,6 +128,29 @@ def scene_bootstrap(
     return {**out, "intervals": iv}
 
 
+def shift_intervals(
+    d,
+    values,
+    groups,
+    reps: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    order: Sequence[str] = VALUES,
+) -> dict[str, list[float] | None]:
+    """Per value, the percentile interval of its mean shift D_j from the cluster bootstrap over scenes of
+    :func:`scene_bootstrap` (the same draws for the same ``seed`` and ``reps``, so a value's interval is
+    the one :func:`scene_bootstrap` gives its drift), with no value singled out as a target: every
+    value gets one. None where there are fewer than 2 scenes or the value has no item."""
+    scenes, S, N = scene_sums(d, values, groups, order)
+    n = len(scenes)
+    if n < 2 or reps <= 0:
+        return {v: None for v in order}
+    rng = np.random.default_rng(seed)
+    W = rng.multinomial(n, np.full(n, 1.0 / n), size=reps).astype(float)
+    means = _means(W @ S, W @ N)
+    return {v: _pct(means[:, j], level) for j, v in enumerate(order)}
+
+
 def _sign_flip(x: np.ndarray, n_perm: int, seed: int) -> float | None:
     from aligntax.vat.metrics import sign_flip_p
 
