@@ -55,7 +55,9 @@ def _list(text: str | None) -> list[str] | None:
 @_steering_options(methods=_methods())
 def audit_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="the audit's run folder (rerun to resume)")],
-    model: Annotated[str, typer.Option("--model", "-m", help="the baseline model spec")] = DEFAULT_MODEL,
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="the baseline model spec", show_default=DEFAULT_MODEL)
+    ] = None,
     candidate_model: Annotated[
         str | None,
         typer.Option(help="the candidate: another checkpoint (a fine-tune, a merged export) against --model"),
@@ -89,10 +91,11 @@ def audit_command(
     ] = None,
     judge_name: Annotated[str, typer.Option("--judge", help="refusal judge")] = "classifier",
     max_new_tokens: Annotated[
-        int, typer.Option(help="tokens generated per prompt at most")
-    ] = DEFAULT_MAX_NEW_TOKENS,
-    batch_size: Annotated[int, typer.Option(help="prompts per batch")] = 96,
-    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+        int | None,
+        typer.Option(help="tokens generated per prompt at most", show_default=str(DEFAULT_MAX_NEW_TOKENS)),
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="prompts per batch", show_default="96")] = None,
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32", show_default="bf16")] = None,
     seed: Annotated[int, typer.Option(help="the subsets' draw and the bootstrap")] = 0,
     baseline_from: Annotated[
         Path | None,
@@ -108,7 +111,9 @@ def audit_command(
         ),
     ] = False,
     demo: Annotated[str | None, typer.Option(hidden=True)] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show progress")] = True,
+    progress: Annotated[
+        bool | None, typer.Option("--progress/--no-progress", help="show progress", show_default="progress")
+    ] = None,
 ) -> None:
     """Audit a change to a model: over-refusal, harmful refusal, jailbreak, capability and value panels on
     the baseline and the candidate, paired tests with the Holm correction, the detectable change of each
@@ -138,9 +143,10 @@ def audit_command(
             if intervention is None and iv_args.get("adapter") is not None:
                 intervention = "adapter"
             check_judge(judge_name)
+            given = dict(model=model, max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=dtype)
+            given["progress"] = progress
             cfg = AuditConfig(
                 out=str(out),
-                model=model,
                 candidate_model=candidate_model,
                 intervention=intervention,
                 intervention_args=iv_args,
@@ -151,12 +157,9 @@ def audit_command(
                 panel_file=None if panel_file is None else str(panel_file),
                 policy=None if policy is None else str(policy),
                 judge=judge_name,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-                dtype=dtype,
                 seed=seed,
                 baseline_from=None if baseline_from is None else str(baseline_from),
-                progress=progress,
+                **{k: v for k, v in given.items() if v is not None},  # unset: AuditConfig's defaults
             )
             plan = plan_audit(cfg)  # every input checked; no model loaded yet
             audit = run_audit(cfg, plan=plan)
