@@ -470,8 +470,9 @@ def test_engine_admission_counts_and_expected_wait(lm):
     # a measured batch of 0.5 s, one running since now: a request with one waiting ahead waits ~0.5 s
     engine.batch_seconds = 0.5
     engine._batch_started = time.perf_counter()
-    assert engine.expected_wait(0) == pytest.approx(0.5, abs=0.05)
-    assert engine.expected_wait(2) == pytest.approx(1.0, abs=0.05)  # a full batch of 2 ahead, then ours
+    # (wall-clock time passes between these lines: on a loaded machine a thread may wait its turn)
+    assert engine.expected_wait(0) == pytest.approx(0.5, abs=0.2)
+    assert engine.expected_wait(2) == pytest.approx(1.0, abs=0.2)  # a full batch of 2 ahead, then ours
     engine.admit()  # nothing waiting: always admitted (it starts the next batch)
     with pytest.raises(EngineOverloaded) as e:
         engine.admit()
