@@ -457,39 +457,41 @@ def test_engine_admission_counts_and_expected_wait(lm):
     from aligntax.serve.jobs import EngineOverloaded
 
     engine = BatchEngine(lm, None, ServerSettings(max_batch_size=2, max_queue=3, max_queue_wait_ms=100))
-    for _ in range(3):
-        engine.admit()
-    with pytest.raises(EngineOverloaded) as e:
-        engine.admit()
-    assert (e.value.status, e.value.code, e.value.retry_after) == (429, "queue_full", 1)
-    engine.withdraw()
-    engine.admit()
-    for _ in range(3):
+    try:
+        for _ in range(3):
+            engine.admit()
+        with pytest.raises(EngineOverloaded) as e:
+            engine.admit()
+        assert (e.value.status, e.value.code, e.value.retry_after) == (429, "queue_full", 1)
         engine.withdraw()
-    assert engine.waiting == 0
-    # a measured batch of 0.5 s, one running since now: a request with one waiting ahead waits ~0.5 s
-    engine.batch_seconds = 0.5
-    engine._batch_started = time.perf_counter()
-    # (wall-clock time passes between these lines: on a loaded machine a thread may wait its turn)
-    assert engine.expected_wait(0) == pytest.approx(0.5, abs=0.2)
-    assert engine.expected_wait(2) == pytest.approx(1.0, abs=0.2)  # a full batch of 2 ahead, then ours
-    engine.admit()  # nothing waiting: always admitted (it starts the next batch)
-    with pytest.raises(EngineOverloaded) as e:
         engine.admit()
-    assert (e.value.status, e.value.code, e.value.retry_after) == (503, "overloaded", 1)
-    assert "target 0.10 s" in str(e.value)
-    engine._batch_started = None  # the batch ended: nothing ahead of the next one but the queue
-    engine.admit()
-    assert engine.waiting == 2
-    engine.withdraw()
-    engine.withdraw()
-    engine.batch_seconds = 3.2
-    engine._batch_started = time.perf_counter()
-    engine.admit()
-    with pytest.raises(EngineOverloaded) as e:
+        for _ in range(3):
+            engine.withdraw()
+        assert engine.waiting == 0
+        # a measured batch of 0.5 s, one running since now: a request with one waiting ahead waits ~0.5 s
+        engine.batch_seconds = 0.5
+        engine._batch_started = time.perf_counter()
+        # (wall-clock time passes between these lines: on a loaded machine a thread may wait its turn)
+        assert engine.expected_wait(0) == pytest.approx(0.5, abs=0.2)
+        assert engine.expected_wait(2) == pytest.approx(1.0, abs=0.2)  # a full batch of 2 ahead, then ours
+        engine.admit()  # nothing waiting: always admitted (it starts the next batch)
+        with pytest.raises(EngineOverloaded) as e:
+            engine.admit()
+        assert (e.value.status, e.value.code, e.value.retry_after) == (503, "overloaded", 1)
+        assert "target 0.10 s" in str(e.value)
+        engine._batch_started = None  # the batch ended: nothing ahead of the next one but the queue
         engine.admit()
-    assert e.value.retry_after == 4  # about when the work ahead has drained
-    engine.shutdown()
+        assert engine.waiting == 2
+        engine.withdraw()
+        engine.withdraw()
+        engine.batch_seconds = 3.2
+        engine._batch_started = time.perf_counter()
+        engine.admit()
+        with pytest.raises(EngineOverloaded) as e:
+            engine.admit()
+        assert e.value.retry_after == 4  # about when the work ahead has drained
+    finally:  # a failed check must not leave the engine's thread running into the next tests
+        engine.shutdown()
 
 
 def test_expected_wait_over_the_target_answers_503_with_retry_after(lm, logs):
