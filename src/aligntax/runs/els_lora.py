@@ -256,7 +256,7 @@ def _blocks(cfg: DistillConfig, els, n_blocks: int) -> Blocks:
 
 # ------------------------------------------------------------------------------------------ phase 1: rows
 def _sampled(items: list, limit: int | None, seed: int) -> list:
-    from aligntax.runs.els_train import sampled
+    from aligntax.runs.eval import sampled
 
     return sampled(items, limit, seed)
 

@@ -24,8 +24,8 @@ from aligntax.backends.hf import hf_generate
 from aligntax.errors import AligntaxError
 from aligntax.interventions.options import spec_of
 from aligntax.interventions.registry import grid_fields
-from aligntax.runs.els_train import ELSTrainConfig, gate_items, sampled
-from aligntax.runs.eval import load_prompt_sets
+from aligntax.runs.els_train import ELSTrainConfig, gate_items
+from aligntax.runs.eval import load_prompt_sets, sampled
 from aligntax.runs.jsonl import append_jsonl, read_jsonl
 
 # ELS settings added after the first sweeps (grid axes declared ``optional=True``): left out of a
@@ -65,7 +65,7 @@ class ValidationPart:
 
     def part(self, n: int, data: dict) -> ValidationPart:
         """A fixed, stratified 1/n: each benign set, each harmful set (by source) and the known-answer
-        questions sampled alike (:func:`~aligntax.runs.els_train.sampled`, seed 0), in their order."""
+        questions sampled alike (:func:`~aligntax.runs.eval.sampled`, seed 0), in their order."""
 
         def share(items: list) -> list:
             return sampled(items, max(1, math.ceil(len(items) / n)), 0) if items else items
