@@ -9,6 +9,7 @@ import pytest
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.long  # the complete profile, every stage and front mechanism: minutes even on a tiny model
 def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, parity_judge):
     from aligntax.runs.demo import demo_config, run_demo
 

@@ -25,6 +25,21 @@ def test_read_jsonl_drops_torn_line_and_repairs(tmp_path):
     assert [r["a"] for r in read_jsonl(p)] == [1, 2, 3]
 
 
+def test_an_append_after_a_torn_line_never_joins_it(tmp_path):
+    """A crash mid-append, then a resumed run appending without reading first: the torn half is cut, a
+    whole last line without its newline is kept."""
+    p = tmp_path / "s.jsonl"
+    append_jsonl(p, [{"a": 1}])
+    with open(p, "a") as fh:
+        fh.write('{"a": 2, "b": "tor')
+    append_jsonl(p, [{"a": 3}])
+    assert [r["a"] for r in read_jsonl(p)] == [1, 3]
+    with open(p, "a") as fh:
+        fh.write('{"a": 4}')
+    append_jsonl(p, [{"a": 5}])
+    assert [r["a"] for r in read_jsonl(p)] == [1, 3, 4, 5]
+
+
 def test_read_jsonl_bad_middle_line(tmp_path):
     from aligntax.errors import DataError
 

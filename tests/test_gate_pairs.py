@@ -86,6 +86,7 @@ def test_split_of_a_file_without_one_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every shipped pair against every test prompt (the attack prompts are long): minutes
 def test_shipped_pairs_are_not_test_prompts():
     """Written for aligntax: no prompt is within 0.72 string similarity of a prompt of a test set."""
     root = shared_data_dir()

@@ -23,8 +23,8 @@ from killharness import compare_folders, kill_resume, run_child
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# kill points per pipeline: few in the default suite, 20 under the slow mark
-POINTS = [pytest.param(2, id="2-points"), pytest.param(20, id="20-points", marks=pytest.mark.slow)]
+# kill points per pipeline: few in the default suite, 20 under the long mark (./run test-long)
+POINTS = [pytest.param(2, id="2-points"), pytest.param(20, id="20-points", marks=pytest.mark.long)]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _points(default: int):
     return [
         pytest.param(default, id=f"{default}-points"),
-        pytest.param(20, id="20-points", marks=pytest.mark.slow),
+        pytest.param(20, id="20-points", marks=pytest.mark.long),
     ]
 
 
@@ -101,6 +101,7 @@ def _sweep_cfg(tmp_path: Path, els: Path, out: Path, **over):
         out=str(out),
         benign=[_data(data, "vb", "benign", 6)],
         harmful=[_data(data, "vh", "harmful", 6)],
+        jailbreak=[_data(data, "vj", "harmful", 3)],
         knowns=None,
         top_k=[1],
         eta=[0.3],
@@ -197,7 +198,7 @@ def test_kill_anywhere_demo(tmp_path, lm, data_dir, parity_judge, monkeypatch, p
     # models trained briefly, the harm basis from the training prompts (the forked runs see the patches)
     sweep_config = demo.demo_sweep_config
     monkeypatch.setattr(
-        demo, "demo_sweep_config", lambda c, d: dataclasses.replace(sweep_config(c, d), limit=4)
+        demo, "demo_sweep_config", lambda *a: dataclasses.replace(sweep_config(*a), limit=4)
     )
     monkeypatch.setattr(
         demo,
@@ -220,6 +221,9 @@ def test_kill_anywhere_demo(tmp_path, lm, data_dir, parity_judge, monkeypatch, p
         limit_leak=8,
         sweep_layers=1,
         knowns=None,
+        limit_reasoning=4,
+        reasoning_max_new_tokens=4,
+        test_subsets={},
         progress=False,
     )
     kill_resume(lambda: run_demo(cfg, lm=lm), run, points, seed=14)

@@ -64,6 +64,7 @@ def els_bank(tmp_path_factory, data_dir) -> Path:
         limit_harmful=60,
         limit_harmless=16,
         gate=False,
+        harm_pairs=[],  # no harm basis: the server steers without projecting
         layers=[16, 17],
         max_new_tokens=24,
         progress=False,

@@ -108,7 +108,13 @@ def test_pre_commit_runs_the_pinned_ruff():
 
 def test_ci_runs_what_is_configured():
     ci = (ROOT / ".ci" / "run").read_text()
-    for step in ("./run lint", "./run typecheck", "./run test", "./run test-extras", "./run test-vllm"):
+    steps = ("./run lint", "./run typecheck", "./run test", "./run test-long", "./run test-extras", "./run test-vllm")
+    for step in steps:
         assert re.search(rf"^step {re.escape(step)}$", ci, re.M), step
     run = (ROOT / "run").read_text()
+    # the default suite leaves out the long mark, and the long step runs exactly it: no test is in neither
+    assert re.search(r'^  test\).*pytest -q -m "not long"', run, re.M)
+    assert re.search(r"^  test-long\).*pytest -q -m long ", run, re.M)
+    marks = {m.split(":")[0] for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
+    assert {"slow", "long"} <= marks
     assert "ruff check src tests bench" in run and "ruff format --check src tests bench" in run

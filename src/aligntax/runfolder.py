@@ -344,6 +344,22 @@ def read_jsonl(path: str | Path, repair: bool = False) -> list[dict]:
     return rows
 
 
+def _mend_tail(path: Path) -> None:
+    """Before an append: a file not ending in a newline (a crash mid-append) is cut back to its last
+    complete line, or given its newline when the last line is whole, so that new rows never join it."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() == 0:
+                return
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) == b"\n":
+                return
+    except FileNotFoundError:
+        return
+    read_jsonl(path, repair=True)
+
+
 def append_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     """Append rows (one JSON object a line) and fsync them before returning. A failed append (a full
     disk) is cut back to the file's earlier end, so no torn line is left for a reader to drop, and
@@ -353,6 +369,7 @@ def append_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     if not data:
         return
     _point("append", path, "begin")
+    _mend_tail(path)
     with _translated(path), open(path, "ab") as fh:
         start = fh.tell()
         try:

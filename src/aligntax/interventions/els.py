@@ -170,6 +170,7 @@ class ElsOptions:
         grid=True,
         optional=True,
         request=True,
+        flag="--els-max-prompt-tokens",  # the server's own --max-prompt-tokens limits every request
     )
     harm_orth: int | str | None = option(
         "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",

@@ -665,11 +665,11 @@ def _score_into(
     if getattr(intervention, "capped", 0):
         results["diagnostics"]["oracle_capped_items"] = intervention.capped
     results["timing"] = timing
-    write_json_atomic(out / "results.json", results)
-    if cfg.report:
+    if cfg.report:  # before results.json, which marks the run complete (a sweep skips such a cell)
         from aligntax.vat.report import write_report
 
         write_report(results, out)
+    write_json_atomic(out / "results.json", results)
     return results
 
 
@@ -795,9 +795,9 @@ def _rescore(out: Path, old_file: Path, cfg: VATConfig | None, control) -> dict:
     if old.get("post_model_fingerprint"):
         res["post_model_fingerprint"] = old["post_model_fingerprint"]
     res["timing"] = old.get("timing")
-    write_json_atomic(old_file, res)
-    if cfg.report:
+    if cfg.report:  # before results.json, as in a run
         from aligntax.vat.report import write_report
 
         write_report(res, out)
+    write_json_atomic(old_file, res)
     return res
