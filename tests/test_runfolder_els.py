@@ -197,9 +197,7 @@ def test_kill_anywhere_demo(tmp_path, lm, data_dir, parity_judge, monkeypatch, p
     # every stage of the demo, made small: the sweep on 4 prompts of each validation set, the energy
     # models trained briefly, the harm basis from the training prompts (the forked runs see the patches)
     sweep_config = demo.demo_sweep_config
-    monkeypatch.setattr(
-        demo, "demo_sweep_config", lambda *a: dataclasses.replace(sweep_config(*a), limit=4)
-    )
+    monkeypatch.setattr(demo, "demo_sweep_config", lambda *a: dataclasses.replace(sweep_config(*a), limit=4))
     monkeypatch.setattr(
         demo,
         "ELSTrainConfig",

@@ -108,7 +108,14 @@ def test_pre_commit_runs_the_pinned_ruff():
 
 def test_ci_runs_what_is_configured():
     ci = (ROOT / ".ci" / "run").read_text()
-    steps = ("./run lint", "./run typecheck", "./run test", "./run test-long", "./run test-extras", "./run test-vllm")
+    steps = (
+        "./run lint",
+        "./run typecheck",
+        "./run test",
+        "./run test-long",
+        "./run test-extras",
+        "./run test-vllm",
+    )
     for step in steps:
         assert re.search(rf"^step {re.escape(step)}$", ci, re.M), step
     run = (ROOT / "run").read_text()
