@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "embedded:qwen2.5-coder-0.5b-instruct"
 SMALL_MODEL = "embedded:smollm2-135m-instruct"
+
+
+# ---------------------------------------------------------------------------------------------- servers
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(
+    proc: subprocess.Popen, port: int, timeout: float, where: str = "", poll: float = 0.5
+) -> subprocess.Popen:
+    """Wait until the server ``proc`` answers ``/health`` on ``port`` with 200; raises RuntimeError (naming
+    ``where``, e.g. its log) when it exits first or does not come up within ``timeout`` seconds (the
+    caller stops it then)."""
+    import httpx
+
+    see = f"; see {where}" if where else ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}){see}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    raise RuntimeError(f"the server did not come up in {timeout:.0f} s{see}")
 
 
 # ---------------------------------------------------------------------------------------------- CLI

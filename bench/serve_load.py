@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -176,31 +175,17 @@ def serve_child(args) -> None:
     serve(app, log_level="warning")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(argv: list[str], port: int, timeout: float = 600) -> subprocess.Popen:
-    import httpx
 
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), *argv, "--serve-child", str(port)],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server process exited ({proc.returncode})")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not come up")
+    try:
+        return bl.wait_healthy(proc, port, timeout, poll=0.2)
+    except RuntimeError:
+        proc.kill()
+        raise
 
 
 # -- the load -------------------------------------------------------------------------------------------
@@ -353,7 +338,7 @@ def main(argv=None) -> dict:
         serve_child(args)
         return {}
     argv = list(sys.argv[1:] if argv is None else argv)
-    port = _free_port()
+    port = bl.free_port()
     print(f"starting the server ({args.model}) on port {port}", flush=True)
     proc = start_server(argv, port)
     base = f"http://127.0.0.1:{port}"

@@ -33,7 +33,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -133,12 +132,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- the server -----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(args, backend: str, port: int) -> list[str]:
     exe = args.hf_bin if backend == "hf" else args.vllm_bin
     cmd = [
@@ -171,24 +164,16 @@ def server_command(args, backend: str, port: int) -> list[str]:
 
 
 def start_server(cmd: list[str], port: int, log_path: Path, timeout: float = 900) -> subprocess.Popen:
-    import httpx
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     proc.log = log  # type: ignore[attr-defined]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}); see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"the server did not come up in {timeout:.0f} s; see {log_path}")
+    try:
+        return bl.wait_healthy(proc, port, timeout, str(log_path))
+    except RuntimeError:
+        stop_server(proc)
+        raise
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -356,7 +341,7 @@ def main(argv=None) -> dict:
     }
     rows, commands = [], {}
     for backend in backends:
-        port = _free_port()
+        port = bl.free_port()
         cmd = server_command(args, backend, port)
         commands[backend] = " ".join(cmd)
         print(f"[{backend}] starting: {commands[backend]}", flush=True)

@@ -40,7 +40,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -134,16 +133,9 @@ def build_tiny(folder: Path) -> tuple[str, str]:
     return str(model_dir), str(bank_dir)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(
     args, model: str, steer: str, port: int, log: Path, timeout: float = 900
 ) -> subprocess.Popen:
-    import httpx
 
     cmd = [args.aligntax] if args.aligntax else [sys.executable, "-m", "aligntax"]
     cmd += ["serve", "--model", model, "--steer", steer, "--port", str(port), "--dtype", args.dtype]
@@ -159,18 +151,11 @@ def start_server(
     if args.tiny:
         env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server did not come up; see {log}")
+    try:
+        return bl.wait_healthy(proc, port, timeout, str(log))
+    except RuntimeError:
+        proc.kill()
+        raise
 
 
 def rss_mb(pid: int) -> float:
@@ -452,7 +437,7 @@ def main(argv=None) -> dict:
         model, steer = args.model, args.steer
         if not steer:
             raise SystemExit("--steer DIR is required (or --tiny DIR)")
-    port = _free_port()
+    port = bl.free_port()
     base = f"http://127.0.0.1:{port}"
     if args.out:
         log_dir = Path(args.out).parent if args.out.endswith(".json") else Path(args.out)
