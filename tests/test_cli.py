@@ -51,11 +51,11 @@ def test_unknown_embedded_model_is_a_clear_error():
 
 
 def test_repeated_list_options_take_none():
-    from aligntax.cli.main import _split_list
+    from aligntax.cli.options import split_list
 
-    assert _split_list(None) is None and _split_list([]) is None
-    assert _split_list(["none"]) == [] and _split_list(["None "]) == []
-    assert _split_list(["a", "b"]) == ["a", "b"]
+    assert split_list(None) is None and split_list([]) is None
+    assert split_list(["none"]) == [] and split_list(["None "]) == []
+    assert split_list(["a", "b"]) == ["a", "b"]
 
 
 def test_eval_without_data_is_a_clear_error(tmp_path):

@@ -747,3 +747,56 @@ def settings_options(
         return wrapper
 
     return deco
+
+
+# Runs over Ray (aligntax.runs.distributed, docs/ray.md) and models split over devices.
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="generate on replicas of the model over Ray: 'local' (a new cluster on this machine), 'auto' "
+        "(the cluster this machine belongs to, or RAY_ADDRESS), HOST:6379 or ray://HOST:10001",
+    ),
+]
+WorkersOpt = Annotated[
+    int | None, typer.Option(help="--ray: replicas of the model (default: as many as fit)")
+]
+WorkerCpusOpt = Annotated[float, typer.Option(help="--ray: CPUs per replica (also its torch threads)")]
+WorkerGpusOpt = Annotated[
+    float | None, typer.Option(help="--ray: GPUs per replica (default 1 when the cluster has GPUs, else 0)")
+]
+DeviceMapOpt = Annotated[
+    str | None,
+    typer.Option(help="'auto': split a model larger than one device over the devices (accelerate)"),
+]
+
+
+def ray_config(address: str | None, workers: int | None, cpus: float, gpus: float | None):
+    """The Ray settings of ``--ray`` and its options (None without ``--ray``)."""
+    if address is None:
+        if workers is not None or gpus is not None:
+            raise AligntaxError("--workers and --worker-gpus go with --ray ADDRESS (e.g. --ray local).")
+        return None
+    from aligntax.runs.distributed import RayConfig
+
+    return RayConfig(address=address, workers=workers, cpus=cpus, gpus=gpus)
+
+
+def subsets_option(values: list[str] | None) -> dict[str, int] | None:
+    """``--subset NAME=N`` (repeatable) as ``{NAME: N}``; None when not given."""
+    if not values:
+        return None
+    out = {}
+    for v in values:
+        name, sep, n = v.partition("=")
+        if not sep or not name.strip() or not n.strip().isdigit() or int(n) < 1:
+            raise UsageError(f"--subset takes NAME=N with N a positive whole number; got {v!r}.")
+        out[name.strip()] = int(n)
+    return out
+
+
+def split_list(values: list[str] | None) -> list | None:
+    """A repeated option: None when not given, [] for a single 'none'."""
+    if not values:
+        return None
+    return [] if [v.strip().lower() for v in values] == ["none"] else list(values)
