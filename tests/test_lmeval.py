@@ -116,7 +116,8 @@ def test_steered_loglikelihoods_land_on_each_rows_last_context_token(setup, whic
     if which == "refusal-add":
         iv = aligntax.load_intervention(setup["vectors"], lm, name="refusal-add", coeff=4.0)
     else:
-        iv = aligntax.load_intervention(setup["bank"], lm, eta=0.5, top_k=2, horizon=1)
+        # every row steered (no row energy decision): the check is where each row's step lands
+        iv = aligntax.load_intervention(setup["bank"], lm, eta=0.5, top_k=2, horizon=1, row_threshold="none")
     before = hook_counts(lm.model)
     model = AligntaxLM(lm=lm, intervention=iv, batch_size=8)
     steered = evaluate(model, setup, ["local_mc", "local_ppl", "local_gen"])

@@ -371,6 +371,8 @@ def test_els_train_on_two_replicas_writes_the_serial_training_folder(
             sets["extra"],
             "--gate-benign",
             "none",
+            "--harm-pairs",
+            "none",  # no contrast pairs to capture: the count below is of the training prompts
             "--judge",
             "keyword",
             "--max-new-tokens",
