@@ -220,6 +220,7 @@ def test_sweep_as_one_ray_job_writes_the_serial_best(ray_local, tmp_path, model_
             dtype="fp32",
             benign=[benign],
             harmful=[harmful],
+            jailbreak=[],  # the tiny sets only (the default jailbreak set is hundreds of long prompts)
             knowns=None,
             top_k=[1, 2],
             eta=[0.2, 0.5, 1.0],

@@ -80,6 +80,7 @@ def _cfg(d: Path, out: Path, backend: str):
         dtype="fp32",
         benign=[str(d / "val-benign.jsonl")],
         harmful=[str(d / "val-harmful.jsonl")],
+        jailbreak=[],  # the default set's longest prompts exceed the tiny model's context
         knowns=None,
         top_k=[1],
         eta=[0.5, 2.0],
