@@ -369,7 +369,8 @@ def append_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     if not data:
         return
     _point("append", path, "begin")
-    _mend_tail(path)
+    with _translated(path):
+        _mend_tail(path)
     with _translated(path), open(path, "ab") as fh:
         start = fh.tell()
         try:
