@@ -55,60 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def template_parts(tok) -> tuple[int, int]:
-    """Token counts of the chat template's text before and after the user message (the same for every
-    prompt)."""
-    from aligntax.generation.chat import build_messages, render_chat
-
-    marker = "\x00MARK\x00"
-    head, tail = render_chat(tok, build_messages(marker)).split(marker)
-    return (
-        len(tok(head, add_special_tokens=False)["input_ids"]),
-        len(tok(tail, add_special_tokens=False)["input_ids"]),
-    )
-
-
-def surprisal(lm, prompts: list[str], batch_size: int) -> list[float]:
-    """Mean NLL (nats per token) of each prompt's user tokens, predicted from everything before them."""
-    import torch
-
-    from aligntax.generation.chat import build_messages, render_chat
-
-    tok = lm.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    n_head, n_tail = template_parts(tok)
-    seqs = [tok(render_chat(tok, build_messages(p)), add_special_tokens=False)["input_ids"] for p in prompts]
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths in a batch
-    values: dict[int, float] = {}
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        width = max(len(seqs[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):  # right padding: positions are those of the prompt alone
-            ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
-            mask[r, : len(seqs[i])] = 1
-        with torch.no_grad():
-            logits = lm.model(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device)).logits
-        logp = torch.log_softmax(logits.float(), dim=-1).cpu()
-        for r, i in enumerate(idx):
-            seq = seqs[i]
-            s, e = max(n_head, 1), max(len(seq) - n_tail, n_head + 1)
-            target = torch.tensor(seq[s:e])
-            nll = -logp[r, s - 1 : e - 1].gather(1, target[:, None]).squeeze(1)
-            values[i] = float(nll.mean())
-    return [values[i] for i in range(len(prompts))]
-
-
-def quantile(xs: list[float], q: float) -> float:
-    ys = sorted(xs)
-    k = min(len(ys) - 1, max(0, round(q * (len(ys) - 1))))
-    return ys[k]
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from aligntax.activations.decisions import prompt_surprisal
     from aligntax.runs.eval import load_prompt_sets, sampled
+    from aligntax.surprisal import nearest_rank as quantile
 
     limit = 20 if args.quick else args.limit
     bl.set_threads(args.threads)
@@ -122,10 +73,13 @@ def main(argv=None) -> dict:
         return {src: [it.prompt for it in sampled(items, limit, 0)] for src, items in groups.items()}
 
     train = by_source(args.train.split(","))
-    train_vals = [v for ps in train.values() for v in surprisal(lm, ps, args.batch_size)]
+    train_vals = [v for ps in train.values() for v in prompt_surprisal(lm, ps, batch_size=args.batch_size)]
     cut = quantile(train_vals, args.quantile)
     rows = []
-    scored = {src: surprisal(lm, ps, args.batch_size) for src, ps in by_source(args.sets.split(",")).items()}
+    scored = {
+        src: prompt_surprisal(lm, ps, batch_size=args.batch_size)
+        for src, ps in by_source(args.sets.split(",")).items()
+    }
     for src, vals in {**scored, "(training)": train_vals}.items():
         above = sum(v > cut for v in vals)
         rows.append(

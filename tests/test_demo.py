@@ -157,10 +157,12 @@ def test_full_demo_runs_end_to_end_and_resumes(tmp_path, tiny_lm, data_dir, pari
 
     from aligntax.runs.demo import demo_sweep_config
     from aligntax.runs.els_sweep import run_sweep
-    from aligntax.runs.els_train import prompt_domain
+    from aligntax.runs.els_train import prompt_domain, prompt_surprisal_domain
 
     before = {r["key"]: r for r in rows}
-    demo_sweep = demo_sweep_config(cfg, out / "els", prompt_domain(out / "els", tiny_lm))
+    demo_sweep = demo_sweep_config(
+        cfg, out / "els", prompt_domain(out / "els", tiny_lm), prompt_surprisal_domain(out / "els", tiny_lm)
+    )
     res = run_sweep(
         replace(
             demo_sweep,

@@ -197,6 +197,7 @@ def test_no_intervention_runs_the_model():
 # layer or of a layer above.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "paths", "defaults", "hooks"),  # nothing of aligntax
+    ("surprisal",),  # hooks and errors: a prompt's own surprisal, scored inside a forward
     ("runfolder",),  # errors only: the run-folder contract (atomic writes, lock, settings header, JSONL)
     ("artefacts", "wheels", "config"),  # errors only: tensors + sidecars, pinned-wheel files, YAML configs
     ("models", "data", "judges", "energy", "reports"),  # judges only score (texts, logits), never run a model

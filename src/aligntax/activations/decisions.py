@@ -29,6 +29,7 @@ __all__ = [
     "PrefillDecider",
     "decides_per_row",
     "prefill_states",
+    "prompt_surprisal",
     "remembered_prefill_states",
     "row_info",
     "rows_to_copy",
@@ -84,11 +85,36 @@ def prefill_states(
         states = {b: states[b] for b in blocks}
         if key is not None:
             _PREFILL_MEMO[key] = states
-    from aligntax.interventions.kernels import PROMPT_TOKENS
+    from aligntax.interventions.kernels import PROMPT_NLL, PROMPT_TOKENS
 
     out = {b: h.to(lm.device) for b, h in states.items()}
     out[PROMPT_TOKENS] = torch.tensor(plens, dtype=torch.long, device=lm.device)  # each row's prompt length
+    kernel = _kernel(intervention, lm)
+    span = kernel.prompt_nll_span if kernel is not None else None
+    if span is not None:  # each row's prompt surprisal, as the hooks score it inside generation
+        from aligntax.surprisal import seqs_nll
+
+        nll_key = (id(lm.model), tuple(span), tuple(map(tuple, seqs)), _hooks_key(intervention), "nll")
+        nll = _PREFILL_MEMO.get(nll_key) if _PREFILL_MEMO is not None else None
+        if nll is None:
+            with intervention.decision_hooks(lm.model):
+                nll = seqs_nll(lm, seqs, span, batch_size)
+            if _PREFILL_MEMO is not None:
+                _PREFILL_MEMO[nll_key] = nll
+        out[PROMPT_NLL] = nll.to(lm.device)
     return out
+
+
+def prompt_surprisal(
+    lm, prompts: Sequence[str], system: str | None = None, batch_size: int = 16
+) -> list[float]:
+    """The prompt surprisal (:func:`aligntax.surprisal.span_nll`: the mean NLL of the user message's
+    tokens, nats per token) of each prompt inside ``lm``'s chat template (with ``system``), in order."""
+    from aligntax.activations.capture import chat_ids
+    from aligntax.surprisal import seqs_nll, template_span
+
+    seqs, _ = chat_ids(lm, list(prompts), system)
+    return seqs_nll(lm, seqs, template_span(lm.tokenizer, system), batch_size).tolist()
 
 
 _PREFILL_MEMO: dict | None = None

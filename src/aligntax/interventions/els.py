@@ -172,6 +172,16 @@ class ElsOptions:
         request=True,
         flag="--els-max-prompt-tokens",  # the server's own --max-prompt-tokens limits every request
     )
+    max_prompt_surprisal: float | str | None = option(
+        "ELS: hold back rows whose user message's mean surprisal under the model (nats per token) is above "
+        "this: odd token strings such as optimised jailbreak suffixes, unlike the energy models' training "
+        "prompts ('none': off; Hugging Face backend)",
+        parse="float_or_none",
+        check="positive",
+        grid=True,
+        optional=True,
+        request=True,
+    )
     harm_orth: int | str | None = option(
         "ELS: project each step off the first K directions of the folder's harm basis (0 or 'none': off)",
         parse="int_or_none",
@@ -318,6 +328,7 @@ class EnergySteering(Intervention):
         gate_threshold: float | None = None,
         harm_dirs: dict[int, torch.Tensor] | None = None,
         row_strength: RowStrength | None = None,
+        surprisal_span: tuple[int, int] | None = None,
         **options: Any,
     ):
         unknown = sorted(set(options) - set(VALUE_KEYS))
@@ -341,6 +352,7 @@ class EnergySteering(Intervention):
             ("gate_ramp", float),
             ("horizon", int),
             ("max_prompt_tokens", int),
+            ("max_prompt_surprisal", float),
         ):
             s[key] = None if s[key] is None else kind(s[key])
         if s["horizon"] is not None and s["horizon"] < 0:
@@ -389,6 +401,14 @@ class EnergySteering(Intervention):
         if len({int(v.shape[0]) for v in self.harm_dirs.values()}) > 1:
             raise AligntaxError("harm_dirs must give the same number of directions at every steered layer.")
         self.row_strength = row_strength
+        self.surprisal_span = (
+            None if surprisal_span is None else (int(surprisal_span[0]), int(surprisal_span[1]))
+        )
+        if s["max_prompt_surprisal"] is not None and self.surprisal_span is None:
+            raise AligntaxError(
+                "max_prompt_surprisal needs the chat template's span around the user message: load the "
+                "folder with its model (EnergySteering.from_dir(directory, lm)) or pass surprisal_span."
+            )
         if row_strength is not None:
             if gate is None:
                 raise AligntaxError(
@@ -504,6 +524,10 @@ class EnergySteering(Intervention):
             if top_k is not None:
                 chosen = [layer for layer in bank.layers if layer in chosen][:top_k]
             loaded["harm_dirs"] = {layer: basis.get(layer, k) for layer in chosen}
+        if values.get("max_prompt_surprisal") is not None and lm is not None:
+            from aligntax.surprisal import template_span
+
+            loaded["surprisal_span"] = template_span(lm.tokenizer)
         iv = cls.from_bank(bank, layers=layers, top_k=top_k, source=str(directory), **loaded, **values)
         iv.settings_from = origin
         return iv
@@ -542,8 +566,10 @@ class EnergySteering(Intervention):
         return {"layer": self.gate.layer, "threshold": self.gate_threshold, **extra}
 
     @property
-    def prefix_free(self) -> bool:  # the gate reads the last prompt token; steering starts there unless "all"
-        return self.positions != "all"
+    def prefix_free(self) -> bool:
+        # the gate reads the last prompt token and steering starts there unless "all"; the surprisal
+        # domain scores the whole prompt inside the forward that holds it
+        return self.positions != "all" and self.max_prompt_surprisal is None
 
     def step_size(self, layer: int) -> float:
         if layer in self.layer_eta:
@@ -562,6 +588,7 @@ class EnergySteering(Intervention):
                 gate_threshold=self.gate_threshold,
                 harm_dirs=self.harm_dirs,
                 row_strength=self.row_strength,
+                surprisal_span=self.surprisal_span,
             )
         self._kernel.check(n_layers)
         return self._kernel

@@ -27,7 +27,7 @@ import torch
 from aligntax.energy.front import STRENGTH_FEATURES
 from aligntax.energy.model import EnergyModel
 from aligntax.errors import AligntaxError
-from aligntax.interventions.kernels import PROMPT_TOKENS, RowKernel, Site, merge_stats
+from aligntax.interventions.kernels import PROMPT_NLL, PROMPT_TOKENS, RowKernel, Site, merge_stats
 
 __all__ = ["ElsKernel"]
 
@@ -52,6 +52,7 @@ class ElsKernel(RowKernel):
         gate_threshold: float | None = None,
         harm_dirs: dict[int, torch.Tensor] | None = None,
         row_strength=None,
+        surprisal_span: tuple[int, int] | None = None,
     ):
         self.settings = dict(settings)
         self.models, self.eta, self.steps = models, eta, settings["steps"]
@@ -60,13 +61,22 @@ class ElsKernel(RowKernel):
         self.gate, self.gate_threshold, self.gate_ramp = gate, gate_threshold, settings["gate_ramp"]
         self.row_threshold, self.row_strength = settings["row_threshold"], row_strength
         self.max_prompt_tokens = settings.get("max_prompt_tokens")
+        self.max_prompt_surprisal = settings.get("max_prompt_surprisal")
+        if self.max_prompt_surprisal is not None:
+            if surprisal_span is None:
+                raise AligntaxError(
+                    "max_prompt_surprisal needs the chat template's span around the user message "
+                    "(surprisal_span; EnergySteering.from_dir(directory, lm) reads it from the tokenizer)."
+                )
+            self.prompt_nll_span = (int(surprisal_span[0]), int(surprisal_span[1]))
         self.harm_dirs = harm_dirs or {}
         self.sites = [Site(layer) for layer in sorted(models)] if self.steps > 0 else []
         decision = list(gate.layers) if gate is not None else []
         if (
             self.row_threshold is not None
             or row_strength is not None
-            or settings.get("max_prompt_tokens") is not None
+            or self.max_prompt_tokens is not None
+            or self.max_prompt_surprisal is not None
         ):
             decision.append(self.first_layer)
         self.decision_layers = sorted(set(decision))
@@ -126,20 +136,28 @@ class ElsKernel(RowKernel):
         return torch.stack([cols[f].float().to(dev) for f in STRENGTH_FEATURES], dim=-1)
 
     def in_domain(self, states: dict[int, torch.Tensor]) -> torch.Tensor | None:
-        """1 for rows whose prompt is at most ``max_prompt_tokens`` long (None without the limit)."""
-        if self.max_prompt_tokens is None:
-            return None
-        tokens = states.get(PROMPT_TOKENS)
-        if tokens is None:
-            raise AligntaxError(
-                "max_prompt_tokens needs each row's prompt length with its decision (not given here)."
-            )
-        return (tokens <= self.max_prompt_tokens).float()
+        """1 for rows whose prompt is at most ``max_prompt_tokens`` long and whose prompt surprisal is at
+        most ``max_prompt_surprisal`` (None without either limit)."""
+        domain = None
+        for limit, key, what in (
+            (self.max_prompt_tokens, PROMPT_TOKENS, "prompt length"),
+            (self.max_prompt_surprisal, PROMPT_NLL, "prompt surprisal"),
+        ):
+            if limit is None:
+                continue
+            value = states.get(key)
+            if value is None:
+                raise AligntaxError(
+                    f"The ELS domain needs each row's {what} with its decision (not given here)."
+                )
+            inside = (value.float() <= limit).float()
+            domain = inside if domain is None else domain * inside.to(domain.device)
+        return domain
 
     def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         parts = {}
         domain = self.in_domain(states)
-        if domain is not None:  # a prompt longer than the training prompts is held back whatever else says
+        if domain is not None:  # a prompt unlike the training prompts is held back whatever else says
             parts["els_domain"] = domain
         if (
             self.row_strength is not None
@@ -164,6 +182,9 @@ class ElsKernel(RowKernel):
         if self.max_prompt_tokens is not None and PROMPT_TOKENS in states:
             for r, n in zip(rows, states[PROMPT_TOKENS].cpu().tolist(), strict=True):
                 r["prompt_tokens"] = int(n)
+        if self.max_prompt_surprisal is not None and PROMPT_NLL in states:
+            for r, v in zip(rows, states[PROMPT_NLL].cpu().tolist(), strict=True):
+                r["prompt_nll"] = round(float(v), 4)
         if self.gate is not None:
             for r, p in zip(rows, self.harm_p(states).cpu(), strict=True):
                 r["harm_p"] = round(float(p), 4)

@@ -30,9 +30,11 @@ from torch import nn
 from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_args
 from aligntax.models.layers import decoder_layers
+from aligntax.surprisal import span_nll
 
 __all__ = [
     "POSITION_MODES",
+    "PROMPT_NLL",
     "PROMPT_TOKENS",
     "SITE_KINDS",
     "RowKernel",
@@ -53,6 +55,9 @@ POSITION_MODES = ("last_and_generated", "generated", "all")
 # The key under which a decision's ``states`` also hold each row's prompt length (chat-templated tokens,
 # ``[N]`` long) where the caller knows it: a block index is never negative.
 PROMPT_TOKENS = -1
+# ... and each row's prompt surprisal (:func:`aligntax.surprisal.span_nll`, ``[N]`` float32), for a kernel
+# whose :attr:`RowKernel.prompt_nll_span` asks for it.
+PROMPT_NLL = -2
 
 
 def prompt_tokens_from(kwargs: dict, index: int) -> torch.Tensor | None:
@@ -95,6 +100,9 @@ class RowKernel:
     decision_layers: list[int] = []
     positions: str = "last_and_generated"
     horizon: int | None = None
+    # A decision that reads each row's prompt surprisal (:data:`PROMPT_NLL`) sets the template's
+    # ``(head, tail)`` token counts around the user message (:func:`aligntax.surprisal.template_span`).
+    prompt_nll_span: tuple[int, int] | None = None
 
     # ---- the per-request decision ------------------------------------------------------------------
     def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -278,6 +286,33 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
     read: dict[int, torch.Tensor] = {}
     next_pos: dict[Site, int] = {}
     site_stats: dict[Site, dict] = {s: {} for s in kernel.sites}
+    span = kernel.prompt_nll_span if decision_layers else None
+    prompt_ids: dict[str, torch.Tensor] = {}
+    scoring = [False]  # inside the forward that scores the prompt's surprisal: every hook stands aside
+
+    def take_ids(module, args, kwargs):
+        ids = args[0] if args else kwargs.get("input")
+        if (
+            not scoring[0]
+            and isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and ids.shape[1] >= ctx.prompt_len
+        ):
+            prompt_ids["ids"] = ids[:, : ctx.prompt_len]
+        return None
+
+    def surprisal(tokens: torch.Tensor | None, n: int) -> torch.Tensor:
+        ids = prompt_ids.get("ids")
+        if ids is None or tokens is None or len(ids) != n:
+            raise AligntaxError(
+                f"{what}: the prompt surprisal needs the prompt's token ids and lengths in the forward that "
+                "holds it (input_ids, no shared prefix)."
+            )
+        scoring[0] = True
+        try:
+            return span_nll(model, ids, tokens, span)
+        finally:
+            scoring[0] = False
 
     def decide(h: torch.Tensor, layer: int, kwargs: dict) -> None:
         if layer != deciding:
@@ -290,6 +325,8 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
             tokens = prompt_tokens_from(kwargs, ctx.prompt_len - 1)
             if tokens is not None and len(tokens) == len(last):
                 states[PROMPT_TOKENS] = tokens.to(last.device)
+            if span is not None:
+                states[PROMPT_NLL] = surprisal(tokens, len(last)).to(last.device)
             decision, parts = kernel.decide_with_parts(states)
             ctx.decisions.setdefault(parts_key, parts)
             return decision
@@ -331,6 +368,8 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
 
     def make_pre(layer: int):
         def hook(module, args, kwargs):
+            if scoring[0]:
+                return None
             h = hidden_from_args(args, kwargs)
             if layer in decision_layers:
                 decide(h, layer, kwargs)
@@ -344,6 +383,8 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
 
     def make_post(site: Site):
         def hook(module, args, kwargs, output):
+            if scoring[0]:
+                return None
             h = output[0] if isinstance(output, tuple) else output
             new = run_edit(site, h)
             if new is None:
@@ -360,6 +401,8 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
         for s in kernel.sites
         if s.where == "attn"
     ]
+    if span is not None:
+        regs.append((model.get_input_embeddings(), take_ids, True))
     with hooks_attached(regs):
         yield
     if parts_key in ctx.decisions:

@@ -25,7 +25,7 @@ from aligntax.reports.markdown import fmt_change, fmt_rate
 from aligntax.runfolder import check_settings, run_lock, write_json_atomic, write_text_atomic
 from aligntax.runs.els_score import sweep_iv_args
 from aligntax.runs.els_sweep import CHOOSABLE, SweepConfig, run_sweep, sweep_settings
-from aligntax.runs.els_train import ELSTrainConfig, prompt_domain, train_els
+from aligntax.runs.els_train import ELSTrainConfig, prompt_domain, prompt_surprisal_domain, train_els
 from aligntax.runs.eval import EvalConfig, run_eval
 from aligntax.runs.sources import check_source, generation_source
 
@@ -296,7 +296,9 @@ def _run_demo(cfg: DemoConfig, lm, source) -> dict:
         )
         _front_mechanisms(cfg, out, lm)
         clock.lap()
-    sweep_cfg = demo_sweep_config(cfg, out / "els", prompt_domain(out / "els", lm))
+    sweep_cfg = demo_sweep_config(
+        cfg, out / "els", prompt_domain(out / "els", lm), prompt_surprisal_domain(out / "els", lm)
+    )
     n_settings = sum(name in CHOOSABLE for name, _ in sweep_settings(sweep_cfg))
     rounds = (
         f" on a stratified 1/{sweep_cfg.halving} of the validation prompts, the {sweep_cfg.halving_keep} "
@@ -476,12 +478,16 @@ def _best_layer(els_dir: Path) -> int:
     return _ranked_layers(els_dir)[0]
 
 
-def demo_sweep_config(cfg: DemoConfig, els_dir: Path, domain: int | None = None) -> SweepConfig:
+def demo_sweep_config(
+    cfg: DemoConfig, els_dir: Path, domain: int | None = None, surprisal: float | None = None
+) -> SweepConfig:
     """The demo's validation grid: the three most accurate energy layers, each with the harm gate at its
     saved threshold and the row energy decision at 0 and -2 (steer a row only when its last prompt
     token's energy says the model is about to end badly), the first 16 generated tokens, prompts no
-    longer than the energy models' training prompts (``domain`` tokens, :func:`prompt_domain`); the same
-    core setting without that limit, and the paper-style per-position energy threshold without gate.
+    longer than the energy models' training prompts (``domain`` tokens, :func:`prompt_domain`) and no
+    more surprising (``surprisal``, :func:`prompt_surprisal_domain`: optimised jailbreak suffixes lie far
+    above it); the same core setting without either limit, and the paper-style per-position energy
+    threshold without gate.
     Known answers and jailbreak refusal (val splits) must be kept. The baselines are scored on the test
     sets instead (the test-set Pareto plot), unless ``cfg.sweep_baselines``."""
     core = {**_CORE, "row_threshold": -2.0}
@@ -502,10 +508,12 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path, domain: int | None = None)
         horizon=[16],
         row_threshold=[0.0, -2.0],
         max_prompt_tokens=[domain],
+        max_prompt_surprisal=[surprisal],
         extra=[
-            *([core] if domain is not None else []),  # the same without the prompt-length domain
+            # the same without the domain (prompt length and surprisal)
+            *([core] if domain is not None or surprisal is not None else []),
             {"top_k": 1, "eta": 0.35, "steps": 3, "threshold": 0.0},  # paper-style
-            *_mechanism_settings(cfg, domain),
+            *_mechanism_settings(cfg, domain, surprisal),
         ],
         lora=[str(els_dir.parent / "els-lora")] if "els-lora" in cfg.mechanisms else [],
         lora_scales=[0.5, 1.0],
@@ -516,6 +524,7 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path, domain: int | None = None)
                 **core,
                 "layers": [_best_layer(els_dir)],
                 "max_prompt_tokens": domain,
+                "max_prompt_surprisal": surprisal,
                 "adapter": str(els_dir.parent / "els-lora"),
                 "scale": 1.0,
                 "lora_gate": lora_gate,
@@ -538,14 +547,17 @@ def demo_sweep_config(cfg: DemoConfig, els_dir: Path, domain: int | None = None)
     )
 
 
-def _mechanism_settings(cfg: DemoConfig, domain: int | None = None) -> list[dict]:
+def _mechanism_settings(
+    cfg: DemoConfig, domain: int | None = None, surprisal: float | None = None
+) -> list[dict]:
     """The sweep's settings of the ELS front mechanisms (:attr:`DemoConfig.mechanisms`) on the best layer,
-    within the prompt-length ``domain``."""
+    within the prompt-length ``domain`` and the prompt ``surprisal`` cut-off."""
+    within = {"max_prompt_tokens": domain, "max_prompt_surprisal": surprisal}
     settings = []
     if "harm-orth" in cfg.mechanisms:
-        settings.append({**_CORE, "row_threshold": -2.0, "harm_orth": 2, "max_prompt_tokens": domain})
+        settings.append({**_CORE, "row_threshold": -2.0, "harm_orth": 2, **within})
     if "row-strength" in cfg.mechanisms:  # the learned strength replaces the gate's and row energy's cut-offs
-        settings.append({**_CORE, "row_strength": True, "max_prompt_tokens": domain})
+        settings.append({**_CORE, "row_strength": True, **within})
     return settings
 
 

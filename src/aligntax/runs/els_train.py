@@ -313,6 +313,29 @@ def prompt_domain(folder: str | Path, lm) -> int:
     return max(chat_ids(lm, [it.prompt for it in items])[1])
 
 
+# The share of the training prompts inside the surprisal domain (ELS ``max_prompt_surprisal``): the cut-off
+# is their 99% quantile, so one natural prompt in a hundred may lie above it (docs/RESULTS.md 3.7).
+SURPRISAL_QUANTILE = 0.99
+
+
+def prompt_surprisal_domain(folder: str | Path, lm, quantile: float = SURPRISAL_QUANTILE) -> float:
+    """The ``quantile`` of the prompt surprisal (nats per user token under ``lm``,
+    :func:`aligntax.activations.decisions.prompt_surprisal`) of the benign and harmful training prompts of ELS folder ``folder``: above it a
+    prompt reads unlike anything the energy models learned from (the ELS option ``max_prompt_surprisal``),
+    e.g. an optimised jailbreak suffix. The nearest rank, so the cut-off is one prompt's value."""
+    from aligntax.activations.decisions import prompt_surprisal
+    from aligntax.config import load_config
+    from aligntax.surprisal import nearest_rank
+
+    if not 0.0 < quantile <= 1.0:
+        raise AligntaxError(f"The surprisal quantile must lie in (0, 1]; got {quantile}.")
+    cfg = load_config(ELSTrainConfig, Path(folder) / "train_config.json")
+    items = [it for part in training_items(cfg) for it in part]
+    if not items:
+        raise AligntaxError(f"{folder}: no training prompts to measure.")
+    return round(nearest_rank(prompt_surprisal(lm, [it.prompt for it in items]), quantile), 4)
+
+
 def in_item_order(cache, items) -> dict[int, torch.Tensor]:
     """``{layer: [N, d]}``: one row of ``cache`` per item, in the items' order."""
     order = {pid: i for i, pid in enumerate(cache.prompt_ids)}

@@ -151,6 +151,11 @@ class BatchSteering:
     def register(self, name: str, kernel: RowKernel, config: dict | None = None) -> None:
         if not name or not isinstance(name, str) or name == "none":
             raise AligntaxError(f"A steering preset needs a name (not {name!r}).")
+        if kernel.prompt_nll_span is not None:
+            raise AligntaxError(
+                f"Steering setting {name!r}: the prompt surprisal domain (max_prompt_surprisal) needs the "
+                "Hugging Face backend; leave it out (--els-max-prompt-surprisal none) to serve with vLLM."
+            )
         self.presets[name] = Preset(name, kernel, dict(config or {}))
 
     def unregister(self, name: str) -> bool:

@@ -1,0 +1,89 @@
+"""A prompt's own surprisal under the model: how far a prompt lies from the text the model expects.
+
+The mean negative log-likelihood (nats per token) of the user message's tokens inside the chat template,
+each predicted from everything before it. Optimised jailbreak suffixes (GCG, DSN) are strings of odd
+tokens a model would never write, far above any natural prompt; ELS holds such prompts back
+(``max_prompt_surprisal``) because its energy models never saw anything like them (docs/RESULTS.md 3.7).
+
+Torch only, like :mod:`aligntax.hooks`: the steering hooks call :func:`span_nll` inside a forward;
+:func:`aligntax.activations.decisions.prompt_surprisal` scores prompts given as text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from aligntax.errors import AligntaxError
+from aligntax.hooks import pad_left, position_ids_from_mask
+
+__all__ = ["nearest_rank", "seqs_nll", "span_nll", "template_span"]
+
+
+def template_span(tokenizer, system: str | None = None) -> tuple[int, int]:
+    """Token counts of the chat template's text before and after the user message (the same for every
+    prompt with this ``system`` prompt): the user message's tokens lie between them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise AligntaxError("This model's tokenizer has no chat template; the prompt surprisal needs one.")
+    marker = "\x00MARK\x00"
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    text = tokenizer.apply_chat_template(
+        [*messages, {"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+    )
+    head, tail = text.split(marker)
+    return (
+        len(tokenizer(head, add_special_tokens=False)["input_ids"]),
+        len(tokenizer(tail, add_special_tokens=False)["input_ids"]),
+    )
+
+
+def span_nll(
+    model: nn.Module, ids: torch.Tensor, prompt_lens: torch.Tensor, span: tuple[int, int]
+) -> torch.Tensor:
+    """Per row of the left-padded prompts ``ids`` ``[B, T]`` (row ``r``'s prompt: its last
+    ``prompt_lens[r]`` tokens), the mean NLL (float32 ``[B]``) of the tokens after the first ``span[0]``
+    and before the last ``span[1]`` of its prompt, from one forward of the model without the KV cache
+    (the decoder's last states, then the output layer on those positions only)."""
+    b, t = ids.shape
+    lens = prompt_lens.to(ids.device).long().view(-1)
+    mask = (torch.arange(t, device=ids.device)[None, :] >= (t - lens)[:, None]).long()
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    if decoder is None or head is None:
+        raise AligntaxError(f"{type(model).__name__}: no decoder and output layer to score the prompt with.")
+    with torch.no_grad():
+        hidden = decoder(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
+        ).last_hidden_state
+        out = torch.empty(b, dtype=torch.float32)
+        for r in range(b):
+            first = t - int(lens[r])
+            s = first + max(span[0], 1)
+            e = max(t - span[1], s + 1)
+            logp = torch.log_softmax(head(hidden[r, s - 1 : e - 1]).float(), dim=-1)
+            out[r] = -logp.gather(1, ids[r, s:e, None]).mean()
+    return out
+
+
+def seqs_nll(lm, seqs: Sequence[Sequence[int]], span: tuple[int, int], batch_size: int = 16) -> torch.Tensor:
+    """:func:`span_nll` of each token sequence (a chat-templated prompt) of ``lm``, in order (float32
+    ``[N]`` on the CPU), in left-padded batches of similar length."""
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out = torch.empty(len(seqs), dtype=torch.float32)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        ids, _ = pad_left([list(seqs[i]) for i in idx], pad, lm.device)
+        out[idx] = span_nll(lm.model, ids, torch.tensor([len(seqs[i]) for i in idx]), span)
+    return out
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` by nearest rank: one of the values (a cut-off that is one prompt's
+    own surprisal)."""
+    ys = sorted(values)
+    if not ys:
+        raise AligntaxError("No values to take a quantile of.")
+    return ys[min(len(ys) - 1, max(0, round(q * (len(ys) - 1))))]
