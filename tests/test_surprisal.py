@@ -124,3 +124,17 @@ def test_span_nll_of_a_padded_row_ignores_the_padding(parts):
     for r, s in enumerate(seqs):
         one = span_nll(lm.model, torch.tensor([s]), torch.tensor([len(s)]), span)
         assert float(both[r]) == pytest.approx(float(one[0]), abs=1e-4)
+
+
+def test_the_vllm_backend_refuses_the_surprisal_domain(parts):
+    """vLLM's steering sees no prompt logits: a setting with the domain is refused by name, one without it
+    is registered."""
+    from aligntax.backends.vllm.steering import BatchSteering
+
+    lm, els = parts
+    st = BatchSteering()
+    held = make_intervention("els", lm, path=str(els), max_prompt_surprisal=5.0, **OPTS)
+    with pytest.raises(AligntaxError, match="max_prompt_surprisal"):
+        st.register("held", held.kernel(lm.num_layers))
+    st.register("free", make_intervention("els", lm, path=str(els), **OPTS).kernel(lm.num_layers))
+    assert list(st.presets) == ["free"]

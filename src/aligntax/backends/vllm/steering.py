@@ -154,7 +154,7 @@ class BatchSteering:
         if kernel.prompt_nll_span is not None:
             raise AligntaxError(
                 f"Steering setting {name!r}: the prompt surprisal domain (max_prompt_surprisal) needs the "
-                "Hugging Face backend; leave it out (--els-max-prompt-surprisal none) to serve with vLLM."
+                "Hugging Face backend; leave it out (--max-prompt-surprisal none) to run it with vLLM."
             )
         self.presets[name] = Preset(name, kernel, dict(config or {}))
 
