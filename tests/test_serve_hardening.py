@@ -650,7 +650,7 @@ def test_nan_row_fails_alone(live, http, logs):
         threads = [threading.Thread(target=call, args=(i, b)) for i, b in enumerate(reqs)]
         for t in threads:
             t.start()
-        _wait(lambda: engine.queue_depth == len(reqs), what="all requests queued")
+        _wait(lambda: engine.queue_depth == len(reqs), timeout=30, what="all requests queued")
     for t in threads:
         t.join(30)
     assert engine.metrics.batches == batches + 1  # one batch
