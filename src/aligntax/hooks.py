@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from torch import nn
 
 @contextmanager
 def hooks_attached(
-    registrations: list[tuple[nn.Module, Callable, bool]],
+    registrations: list[tuple[nn.Module, Callable[..., Any], bool]],
 ) -> Iterator[None]:
     """Register (module, hook, is_pre) hooks and remove them on exit, even after an exception."""
     handles = []
@@ -33,7 +34,9 @@ def hooks_attached(
             h.remove()
 
 
-def replace_hidden_in_args(args: tuple, kwargs: dict, new_hidden: torch.Tensor) -> tuple[tuple, dict]:
+def replace_hidden_in_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], new_hidden: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Return (args, kwargs) of a decoder block call with the hidden states replaced."""
     if args:
         return (new_hidden, *args[1:]), kwargs
@@ -42,14 +45,15 @@ def replace_hidden_in_args(args: tuple, kwargs: dict, new_hidden: torch.Tensor) 
     return args, kwargs
 
 
-def hidden_from_args(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+def hidden_from_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    h: torch.Tensor = args[0] if args else kwargs["hidden_states"]
+    return h
 
 
 _CACHE_KWARG: dict[type, str] = {}
 
 
-def with_cache(model: nn.Module, cache, **kwargs) -> dict:
+def with_cache(model: nn.Module, cache: Any, **kwargs: Any) -> dict[str, Any]:
     """``kwargs`` plus the KV cache under the keyword ``model``'s forward takes it by: ``cache`` in recent
     transformers, ``past_key_values`` in earlier 5.x releases (which would silently ignore ``cache=``)."""
     kind = type(model)
@@ -61,7 +65,9 @@ def with_cache(model: nn.Module, cache, **kwargs) -> dict:
     return {**kwargs, _CACHE_KWARG[kind]: cache}
 
 
-def pad_left(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_left(
+    seqs: list[list[int]], pad_id: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id sequences as a left-padded ``(input_ids, attention_mask)`` batch on ``device``."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)

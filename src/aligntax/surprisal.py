@@ -12,6 +12,7 @@ Torch only, like :mod:`aligntax.hooks`: the steering hooks call :func:`span_nll`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from aligntax.hooks import pad_left, position_ids_from_mask
 __all__ = ["nearest_rank", "seqs_nll", "span_nll", "template_span"]
 
 
-def template_span(tokenizer, system: str | None = None) -> tuple[int, int]:
+def template_span(tokenizer: Any, system: str | None = None) -> tuple[int, int]:
     """Token counts of the chat template's text before and after the user message (the same for every
     prompt with this ``system`` prompt): the user message's tokens lie between them."""
     if not getattr(tokenizer, "chat_template", None):
@@ -49,8 +50,8 @@ def span_nll(
     b, t = ids.shape
     lens = prompt_lens.to(ids.device).long().view(-1)
     mask = (torch.arange(t, device=ids.device)[None, :] >= (t - lens)[:, None]).long()
-    decoder = model.get_decoder()
-    head = model.get_output_embeddings()
+    decoder: Any = model.get_decoder()  # type: ignore[operator]
+    head: Any = model.get_output_embeddings()  # type: ignore[operator]
     if decoder is None or head is None:
         raise AligntaxError(f"{type(model).__name__}: no decoder and output layer to score the prompt with.")
     with torch.no_grad():
@@ -67,7 +68,9 @@ def span_nll(
     return out
 
 
-def seqs_nll(lm, seqs: Sequence[Sequence[int]], span: tuple[int, int], batch_size: int = 16) -> torch.Tensor:
+def seqs_nll(
+    lm: Any, seqs: Sequence[Sequence[int]], span: tuple[int, int], batch_size: int = 16
+) -> torch.Tensor:
     """:func:`span_nll` of each token sequence (a chat-templated prompt) of ``lm``, in order (float32
     ``[N]`` on the CPU), in left-padded batches of similar length."""
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
