@@ -58,14 +58,30 @@ def span_nll(
         hidden = decoder(
             input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
         ).last_hidden_state
-        out = torch.empty(b, dtype=torch.float32)
+        # every row's scored positions in one list: (row, position of the predicted token)
+        rows: list[int] = []
+        cols: list[int] = []
         for r in range(b):
-            first = t - int(lens[r])
-            s = first + max(span[0], 1)
+            s = t - int(lens[r]) + max(span[0], 1)
             e = max(t - span[1], s + 1)
-            logp = torch.log_softmax(head(hidden[r, s - 1 : e - 1]).float(), dim=-1)
-            out[r] = -logp.gather(1, ids[r, s:e, None]).mean()
-    return out
+            rows += [r] * (e - s)
+            cols += range(s, e)
+        row_idx = torch.tensor(rows, device=ids.device)
+        col_idx = torch.tensor(cols, device=ids.device)
+        nll = torch.empty(len(rows), dtype=torch.float32, device=ids.device)
+        for c in range(0, len(rows), _CHUNK):  # the output layer on a bounded number of positions at once
+            ri, ci = row_idx[c : c + _CHUNK], col_idx[c : c + _CHUNK]
+            logits = head(hidden[ri, ci - 1]).float()
+            nll[c : c + _CHUNK] = torch.logsumexp(logits, dim=-1) - logits.gather(1, ids[ri, ci, None])[:, 0]
+        total = torch.zeros(b, dtype=torch.float32, device=ids.device).index_add_(0, row_idx, nll)
+        count = torch.zeros(b, dtype=torch.float32, device=ids.device).index_add_(
+            0, row_idx, torch.ones_like(nll)
+        )
+    return (total / count).cpu()
+
+
+# positions scored by one output-layer call (bounds the float32 logits to _CHUNK x vocabulary)
+_CHUNK = 128
 
 
 def seqs_nll(
