@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +32,12 @@ from aligntax.errors import AligntaxError
 from aligntax.hooks import hidden_from_args, hooks_attached, replace_hidden_in_args
 from aligntax.models.layers import decoder_layers
 from aligntax.surprisal import span_nll
+
+# the batch's steering context (aligntax.interventions.base.SteerContext, which imports this module)
+BatchContext = Any
+
+# a position bound of the position rule: an int, or a tensor of them (one per request)
+Bound = Any
 
 __all__ = [
     "POSITION_MODES",
@@ -60,7 +67,7 @@ PROMPT_TOKENS = -1
 PROMPT_NLL = -2
 
 
-def prompt_tokens_from(kwargs: dict, index: int) -> torch.Tensor | None:
+def prompt_tokens_from(kwargs: dict[str, Any], index: int) -> torch.Tensor | None:
     """Each row's prompt length from a decoder block's ``position_ids`` keyword (left padding: the position
     of the token at ``index`` of the forward, plus one), or None when the forward has none."""
     pos = kwargs.get("position_ids")
@@ -128,7 +135,7 @@ class RowKernel:
         """The blocks whose last-prompt-token input states :meth:`row_records` reads."""
         return self.decision_layers
 
-    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict]:
+    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
         """Per row, for the run's records: ``steered`` and ``strength`` (what the method reads, too,
         where it has more to say), from ``{block: [N, d]}`` at :attr:`read_layers`."""
         n = len(next(iter(states.values())))
@@ -140,7 +147,7 @@ class RowKernel:
         unmodified model runs it (its decided strength is 0, or the kernel edits nowhere)."""
         return [bool(s == 0) or not self.sites for s in self.decide(states).cpu()]
 
-    def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict) -> None:
+    def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict[str, Any]) -> None:
         """Count a batch's decisions (as first made) into ``stats``: ``{name: {rows, held}}``."""
         for name, part in parts.items():
             held = part.detach().cpu() == 0
@@ -154,14 +161,14 @@ class RowKernel:
         return True
 
     def edit(
-        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None
+        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict[str, Any] | None = None
     ) -> torch.Tensor:
         """New states for ``rows`` ``[N, d]`` (model dtype) at ``site``; ``strength`` ``[N]`` float32 scales
         the edit per row (0 leaves a row exactly unchanged). ``stats``: a dict per site the kernel may
         accumulate into (device tensors; summarised by :meth:`finish`)."""
         raise NotImplementedError
 
-    def finish(self, site_stats: dict[Site, dict], stats: dict) -> None:
+    def finish(self, site_stats: dict[Site, dict[str, Any]], stats: dict[str, Any]) -> None:
         """Summarise the per-site accumulators of one batch into ``stats`` (may raise, e.g. on NaNs)."""
 
     def check(self, n_layers: int) -> None:
@@ -183,8 +190,11 @@ class RowKernel:
 
 
 def edited_span(
-    prompt_len, positions: str = "last_and_generated", horizon: int | None = None, last_prompt: bool = True
-):
+    prompt_len: Bound,
+    positions: str = "last_and_generated",
+    horizon: int | None = None,
+    last_prompt: bool = True,
+) -> tuple[Bound, Bound | None]:
     """The position rule: the absolute positions (0-based) edited in a request whose prompt has
     ``prompt_len`` tokens (an int, or a tensor of them), as ``(first, stop)``: positions ``first <= p <
     stop`` (``stop`` None: no end). Every token with ``positions="all"``; else from the last prompt token
@@ -201,7 +211,7 @@ def edited_span(
     return first, (None if horizon is None else prompt_len + horizon)
 
 
-def _kernel_span(prompt_len, kernel: RowKernel, site: Site):
+def _kernel_span(prompt_len: Bound, kernel: RowKernel, site: Site) -> tuple[Bound, Bound | None]:
     return edited_span(prompt_len, kernel.positions, kernel.horizon, kernel.edits_last_prompt(site))
 
 
@@ -218,7 +228,7 @@ def edited_mask(
     """:func:`edited` for many tokens at once: ``positions`` and their requests' ``prompt_lens`` (long
     tensors of one shape) -> bool mask of the tokens edited at ``site``."""
     first, stop = _kernel_span(prompt_lens, kernel, site)
-    mask = positions >= first
+    mask: torch.Tensor = positions >= first
     if stop is not None:
         mask &= positions < stop
     return mask
@@ -241,7 +251,7 @@ def token_slice(seq_len: int, start: int, prompt_len: int, kernel: RowKernel, si
 
 
 def decide_at_prefill(
-    h: torch.Tensor, ctx, key, decide: Callable[[torch.Tensor], torch.Tensor], what: str
+    h: torch.Tensor, ctx: BatchContext, key: Any, decide: Callable[[torch.Tensor], torch.Tensor], what: str
 ) -> torch.Tensor:
     """A per-row decision made from the last prompt token's state and kept for the whole generation.
 
@@ -253,7 +263,8 @@ def decide_at_prefill(
     decision for the rows of this forward. ``key`` must be unique to the intervention and layer.
     """
     if h.shape[1] == 1 and key in ctx.row_state:
-        return ctx.row_state[key]
+        kept: torch.Tensor = ctx.row_state[key]
+        return kept
     if h.shape[1] < ctx.prompt_len:
         raise AligntaxError(f"{what} needs the whole prompt in one forward (no chunked prefill).")
     decision = decide(h[:, ctx.prompt_len - 1])
@@ -263,7 +274,9 @@ def decide_at_prefill(
 
 
 @contextmanager
-def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "Steering") -> Iterator[None]:
+def attach_kernel(
+    model: nn.Module, ctx: BatchContext, kernel: RowKernel, owner: Any, what: str = "Steering"
+) -> Iterator[None]:
     """Run ``kernel`` inside ``model`` for one batched call described by ``ctx`` (a
     :class:`~aligntax.interventions.base.SteerContext`).
 
@@ -285,12 +298,12 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
     deciding = decision_layers[-1] if decision_layers else None
     read: dict[int, torch.Tensor] = {}
     next_pos: dict[Site, int] = {}
-    site_stats: dict[Site, dict] = {s: {} for s in kernel.sites}
+    site_stats: dict[Site, dict[str, Any]] = {s: {} for s in kernel.sites}
     span = kernel.prompt_nll_span if decision_layers else None
     prompt_ids: dict[str, torch.Tensor] = {}
     scoring = [False]  # inside the forward that scores the prompt's surprisal: every hook stands aside
 
-    def take_ids(module, args, kwargs):
+    def take_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = args[0] if args else kwargs.get("input")
         if (
             not scoring[0]
@@ -308,19 +321,22 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
                 f"{what}: the prompt surprisal needs the prompt's token ids and lengths in the forward that "
                 "holds it (input_ids, no shared prefix)."
             )
+        assert span is not None  # only called where the kernel asks for the surprisal
         scoring[0] = True
         try:
             return span_nll(model, ids, tokens, span)
         finally:
             scoring[0] = False
 
-    def decide(h: torch.Tensor, layer: int, kwargs: dict) -> None:
+    def decide(h: torch.Tensor, layer: int, kwargs: dict[str, Any]) -> None:
         if layer != deciding:
             if h.shape[1] >= ctx.prompt_len:  # a forward holding the prompt (decode steps: decided)
                 read[layer] = h[:, ctx.prompt_len - 1]
             return
 
-        def make(last):  # every state on the deciding block's device (a model split over devices)
+        def make(
+            last: torch.Tensor,
+        ) -> torch.Tensor:  # every state on the deciding block's device (a model split over devices)
             states = {b: s.to(last.device) for b, s in {**read, layer: last}.items()}
             tokens = prompt_tokens_from(kwargs, ctx.prompt_len - 1)
             if tokens is not None and len(tokens) == len(last):
@@ -366,8 +382,8 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
         if s.where == "pre":
             by_block.setdefault(s.layer, []).append(s)
 
-    def make_pre(layer: int):
-        def hook(module, args, kwargs):
+    def make_pre(layer: int) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if scoring[0]:
                 return None
             h = hidden_from_args(args, kwargs)
@@ -381,8 +397,8 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
 
         return hook
 
-    def make_post(site: Site):
-        def hook(module, args, kwargs, output):
+    def make_post(site: Site) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if scoring[0]:
                 return None
             h = output[0] if isinstance(output, tuple) else output
@@ -402,7 +418,7 @@ def attach_kernel(model: nn.Module, ctx, kernel: RowKernel, owner, what: str = "
         if s.where == "attn"
     ]
     if span is not None:
-        regs.append((model.get_input_embeddings(), take_ids, True))
+        regs.append((model.get_input_embeddings(), take_ids, True))  # type: ignore[operator]
     with hooks_attached(regs):
         yield
     if parts_key in ctx.decisions:
@@ -422,7 +438,7 @@ def attention_module(block: nn.Module, layer: int) -> nn.Module:
     )
 
 
-def merge_stats(acc: dict, new: dict) -> dict:
+def merge_stats(acc: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """Fold one batch's steering statistics (``SteerContext.stats``) into ``acc`` and return it: counts
     add up; a per-layer block with ``positions`` (ELS: positions, steered, mean energy before and after)
     is merged with its means weighted by positions."""
@@ -441,7 +457,7 @@ def merge_stats(acc: dict, new: dict) -> dict:
     return acc
 
 
-def _merge_means(prev: dict, new: dict) -> dict:
+def _merge_means(prev: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     n0, n1 = prev["positions"], new["positions"]
     out = dict(new)
     out["positions"] = n0 + n1
