@@ -65,8 +65,9 @@ def prefill_states(
 
     blocks = sorted({int(x) for x in layers})
     seqs, plens = chat_ids(lm, prompts, system, intervention)
+    tokens_key = tuple(map(tuple, seqs)) if _PREFILL_MEMO is not None else None
     key = (
-        (id(lm.model), tuple(blocks), tuple(map(tuple, seqs)), _hooks_key(intervention))
+        (id(lm.model), tuple(blocks), tokens_key, _hooks_key(intervention))
         if _PREFILL_MEMO is not None
         else None
     )
@@ -94,7 +95,7 @@ def prefill_states(
     if span is not None:  # each row's prompt surprisal, as the hooks score it inside generation
         from aligntax.surprisal import seqs_nll
 
-        nll_key = (id(lm.model), tuple(span), tuple(map(tuple, seqs)), _hooks_key(intervention), "nll")
+        nll_key = (id(lm.model), tuple(span), tokens_key, _hooks_key(intervention), "nll")
         nll = _PREFILL_MEMO.get(nll_key) if _PREFILL_MEMO is not None else None
         if nll is None:
             with intervention.decision_hooks(lm.model):

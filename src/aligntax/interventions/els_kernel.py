@@ -62,13 +62,8 @@ class ElsKernel(RowKernel):
         self.row_threshold, self.row_strength = settings["row_threshold"], row_strength
         self.max_prompt_tokens = settings.get("max_prompt_tokens")
         self.max_prompt_surprisal = settings.get("max_prompt_surprisal")
-        if self.max_prompt_surprisal is not None:
-            if surprisal_span is None:
-                raise AligntaxError(
-                    "max_prompt_surprisal needs the chat template's span around the user message "
-                    "(surprisal_span; EnergySteering.from_dir(directory, lm) reads it from the tokenizer)."
-                )
-            self.prompt_nll_span = (int(surprisal_span[0]), int(surprisal_span[1]))
+        if self.max_prompt_surprisal is not None:  # the template's span, checked by EnergySteering
+            self.prompt_nll_span = surprisal_span
         self.harm_dirs = harm_dirs or {}
         self.sites = [Site(layer) for layer in sorted(models)] if self.steps > 0 else []
         decision = list(gate.layers) if gate is not None else []

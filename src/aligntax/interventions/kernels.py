@@ -334,9 +334,8 @@ def attach_kernel(
                 read[layer] = h[:, ctx.prompt_len - 1]
             return
 
-        def make(
-            last: torch.Tensor,
-        ) -> torch.Tensor:  # every state on the deciding block's device (a model split over devices)
+        def make(last: torch.Tensor) -> torch.Tensor:
+            # every state on the deciding block's device (a model split over devices)
             states = {b: s.to(last.device) for b, s in {**read, layer: last}.items()}
             tokens = prompt_tokens_from(kwargs, ctx.prompt_len - 1)
             if tokens is not None and len(tokens) == len(last):

@@ -299,18 +299,24 @@ def training_items(cfg: ELSTrainConfig) -> tuple[list, list]:
     return load_prompt_sets(cfg.benign, cfg.limit_benign), load_prompt_sets(cfg.harmful, cfg.limit_harmful)
 
 
+def _training_prompts(folder: str | Path) -> list[str]:
+    """The benign and harmful training prompts of ELS folder ``folder`` (its ``train_config.json``)."""
+    from aligntax.config import load_config
+
+    cfg = load_config(ELSTrainConfig, Path(folder) / "train_config.json")
+    prompts = [it.prompt for part in training_items(cfg) for it in part]
+    if not prompts:
+        raise AligntaxError(f"{folder}: no training prompts to measure.")
+    return prompts
+
+
 def prompt_domain(folder: str | Path, lm) -> int:
     """The longest chat-templated prompt, in tokens of ``lm``'s tokenizer, that the energy models of ELS
     folder ``folder`` learned from (its benign and harmful training prompts): beyond it a prompt is
     outside what they have seen (the ELS option ``max_prompt_tokens``)."""
     from aligntax.activations.capture import chat_ids
-    from aligntax.config import load_config
 
-    cfg = load_config(ELSTrainConfig, Path(folder) / "train_config.json")
-    items = [it for part in training_items(cfg) for it in part]
-    if not items:
-        raise AligntaxError(f"{folder}: no training prompts to measure.")
-    return max(chat_ids(lm, [it.prompt for it in items])[1])
+    return max(chat_ids(lm, _training_prompts(folder))[1])
 
 
 # The share of the training prompts inside the surprisal domain (ELS ``max_prompt_surprisal``): the cut-off
@@ -320,20 +326,15 @@ SURPRISAL_QUANTILE = 0.99
 
 def prompt_surprisal_domain(folder: str | Path, lm, quantile: float = SURPRISAL_QUANTILE) -> float:
     """The ``quantile`` of the prompt surprisal (nats per user token under ``lm``,
-    :func:`aligntax.activations.decisions.prompt_surprisal`) of the benign and harmful training prompts of ELS folder ``folder``: above it a
-    prompt reads unlike anything the energy models learned from (the ELS option ``max_prompt_surprisal``),
+    :func:`aligntax.activations.decisions.prompt_surprisal`) of the benign and harmful training prompts
+    of ELS folder ``folder``: above it a prompt reads unlike anything the energy models learned from (the ELS option ``max_prompt_surprisal``),
     e.g. an optimised jailbreak suffix. The nearest rank, so the cut-off is one prompt's value."""
     from aligntax.activations.decisions import prompt_surprisal
-    from aligntax.config import load_config
     from aligntax.surprisal import nearest_rank
 
     if not 0.0 < quantile <= 1.0:
         raise AligntaxError(f"The surprisal quantile must lie in (0, 1]; got {quantile}.")
-    cfg = load_config(ELSTrainConfig, Path(folder) / "train_config.json")
-    items = [it for part in training_items(cfg) for it in part]
-    if not items:
-        raise AligntaxError(f"{folder}: no training prompts to measure.")
-    return round(nearest_rank(prompt_surprisal(lm, [it.prompt for it in items]), quantile), 4)
+    return round(nearest_rank(prompt_surprisal(lm, _training_prompts(folder)), quantile), 4)
 
 
 def in_item_order(cache, items) -> dict[int, torch.Tensor]:
