@@ -98,18 +98,42 @@ def test_the_surprisal_domain_in_aligntax_generation(parts):
     assert free != base
 
 
-def test_the_domain_needs_the_template_span(parts):
+def test_the_hooks_need_the_template_span(parts):
+    """Built without the model (as a vLLM worker builds it) the kernel asks for each row's surprisal but
+    has no span to score it with: the Hugging Face hooks refuse it with one line; with the span they run."""
     from aligntax.energy.bank import EnergyBank
+    from aligntax.generation import GenerationConfig, generate
     from aligntax.interventions.els import EnergySteering
 
     lm, els = parts
     bank = EnergyBank.load(els)
+    bare = EnergySteering.from_bank(bank, layers=[2], scale_by_norm=False, max_prompt_surprisal=5.0)
+    kernel = bare.kernel(lm.num_layers)
+    assert kernel.needs_prompt_nll and kernel.prompt_nll_span is None
+    cfg = GenerationConfig(max_new_tokens=2, batch_size=4)
     with pytest.raises(AligntaxError, match="surprisal_span"):
-        EnergySteering.from_bank(bank, layers=[2], scale_by_norm=False, max_prompt_surprisal=5.0)
+        generate(lm, PROMPTS[:2], cfg, bare, progress=False)
+    assert hook_counts(lm.model) == 0
     ok = EnergySteering.from_bank(
         bank, layers=[2], scale_by_norm=False, max_prompt_surprisal=5.0, surprisal_span=(3, 2)
     )
     assert ok.kernel(lm.num_layers).prompt_nll_span == (3, 2)
+    assert len(generate(lm, PROMPTS[:2], cfg, ok, progress=False)) == 2
+
+
+def test_logprob_nll_is_span_nll(parts):
+    """The surprisal an engine's prompt log-probabilities give (the vLLM backend's) is the hooks' score."""
+    from aligntax.activations.capture import chat_ids
+    from aligntax.surprisal import logprob_nll
+
+    lm, _ = parts
+    span = template_span(lm.tokenizer)
+    for seq in chat_ids(lm, PROMPTS[:4])[0]:
+        with torch.no_grad():
+            logp = torch.log_softmax(lm.model(input_ids=torch.tensor([seq])).logits[0].float(), dim=-1)
+        own = [None] + [float(logp[p - 1, seq[p]]) for p in range(1, len(seq))]
+        want = float(span_nll(lm.model, torch.tensor([seq]), torch.tensor([len(seq)]), span)[0])
+        assert logprob_nll(own, span) == pytest.approx(want, abs=1e-4)
 
 
 def test_span_nll_of_a_padded_row_ignores_the_padding(parts):
@@ -126,15 +150,28 @@ def test_span_nll_of_a_padded_row_ignores_the_padding(parts):
         assert float(both[r]) == pytest.approx(float(one[0]), abs=1e-4)
 
 
-def test_the_vllm_backend_refuses_the_surprisal_domain(parts):
-    """vLLM's steering sees no prompt logits: a setting with the domain is refused by name, one without it
-    is registered."""
-    from aligntax.backends.vllm.steering import BatchSteering
+def test_the_vllm_batch_steering_holds_rows_by_the_surprisal_each_request_sends(parts):
+    """In vLLM's flat batches the decision reads the surprisal the request carries (scored before
+    generating): a request above the cut-off, and one that sent none, are held back exactly; the one
+    below is steered; the omission is reported; a bad value is refused when the request is read."""
+    from aligntax.backends.vllm.steering import BatchSteering, RequestSteer, StepBatch, parse_request
 
     lm, els = parts
+    iv = make_intervention("els", None, path=str(els), max_prompt_surprisal=5.0, **OPTS)
     st = BatchSteering()
-    held = make_intervention("els", lm, path=str(els), max_prompt_surprisal=5.0, **OPTS)
-    with pytest.raises(AligntaxError, match="max_prompt_surprisal"):
-        st.register("held", held.kernel(lm.num_layers))
-    st.register("free", make_intervention("els", lm, path=str(els), **OPTS).kernel(lm.num_layers))
-    assert list(st.presets) == ["free"]
+    st.register("held", iv.kernel(lm.num_layers, lm.hidden_size))
+    asks = [RequestSteer("held", 1.0, 4.0), RequestSteer("held", 1.0, 6.0), RequestSteer("held", 1.0)]
+    batch = StepBatch(["in", "out", "none"], [0, 3, 6], [3, 6, 9], [3, 3, 3], torch.arange(3).repeat(3))
+    st.begin_step(batch, asks, {"in", "out", "none"})
+    d = lm.hidden_size
+    hidden = torch.randn(9, d)
+    assert st.pre_block(2, hidden, None) is not None
+    recs = st.take_records()
+    assert [recs[r]["parts"]["els_domain"] for r in ("in", "out", "none")] == [1.0, 0.0, 0.0]
+    assert recs["in"]["strength"] == 1.0 and recs["out"]["strength"] == recs["none"]["strength"] == 0.0
+    assert len(st.errors) == 1 and "request none" in st.errors[0] and "aligntax_prompt_nll" in st.errors[0]
+    steer = {"aligntax_steer": "held"}
+    assert parse_request({**steer, "aligntax_prompt_nll": 4.5}, st.presets) == RequestSteer("held", 1.0, 4.5)
+    for bad in (-1.0, float("nan"), "4", True):
+        with pytest.raises(AligntaxError, match="aligntax_prompt_nll"):
+            parse_request({**steer, "aligntax_prompt_nll": bad}, st.presets)

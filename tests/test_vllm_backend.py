@@ -148,6 +148,38 @@ def test_els_row_decision_equals_hf(engine, lm, tiny_dir):
     assert [d["parts"]["els_row_energy"] for d in decided] == [float(e > thr) for e in energy]
 
 
+def test_els_surprisal_domain_equals_hf(engine, lm, tiny_dir):
+    """The prompt-surprisal domain: the engine scores each steered prompt from its own prompt
+    log-probabilities (the hooks' score on the Hugging Face side) and sends it with the request; with the
+    cut-off at the median, the rows above it run unsteered, the rest steered, token for token as the Hugging
+    Face backend (whose hooks score it in a nested forward), and the decision records say which."""
+    from aligntax.activations.decisions import prompt_surprisal
+    from aligntax.api import load_intervention
+    from aligntax.surprisal import template_span
+
+    nll = prompt_surprisal(lm, MORE)
+    vl_nll = engine.prompt_nll(engine.encode(MORE)[1], template_span(lm.tokenizer))
+    assert vl_nll == pytest.approx(nll, abs=1e-3)
+    ranked = sorted(nll)
+    cut = (ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
+    opts = {"eta": 2.0, "steps": 2, "horizon": 4, "layers": [1, 2], "gate": "none", "row_threshold": "none"}
+    engine.register("els-nll", str(tiny_dir / "els"), max_prompt_surprisal=cut, **opts)
+    iv = load_intervention(str(tiny_dir / "els"), lm, max_prompt_surprisal=cut, **opts)
+    hf = generate(lm, MORE, CFG, iv, progress=False)
+    vl, decided = engine.generate(MORE, CFG, steer="els-nll")
+    assert _tokens(vl) == _tokens(hf)
+    inside = [v <= cut for v in nll]
+    assert 0 < sum(inside) < len(inside)
+    assert [d["parts"]["els_domain"] for d in decided] == [float(x) for x in inside]
+    assert [d["strength"] > 0 for d in decided] == inside
+    plain = generate(lm, MORE, CFG, progress=False)
+    free = generate(lm, MORE, CFG, load_intervention(str(tiny_dir / "els"), lm, **opts), progress=False)
+    for g, p, f, x in zip(_tokens(hf), _tokens(plain), _tokens(free), inside, strict=True):
+        assert g == (f if x else p)
+    assert any(f != p for f, p, x in zip(_tokens(free), _tokens(plain), inside, strict=True) if x)
+    assert not [e for e in engine.summary()["errors"] if "els-nll" in e or "prompt_nll" in e]
+
+
 def test_mixed_batch_and_isolation(engine, lm, tiny_dir):
     """Steered and plain requests share every step; each gets its own backend's answer, and the edits
     touch exactly a steered request's last prompt token and first H generated tokens at each site."""

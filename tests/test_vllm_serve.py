@@ -449,6 +449,7 @@ def test_concurrent_option_sets(live, client):
         ({"layers": [1, True]}, "aligntax.options.layers", "invalid_type"),
         ({"eta": 0.5}, "aligntax.options", None),  # on the plain model
         ({"layers": [9]}, "aligntax.options", None),  # refused by the builder: the model has 3 layers
+        ({"max_prompt_surprisal": 5.0}, "aligntax.options", None),  # the server does not score prompts
     ],
 )
 def test_bad_options_refused(live, options, param, code):

@@ -20,7 +20,7 @@ from torch import nn
 from aligntax.errors import AligntaxError
 from aligntax.hooks import pad_left, position_ids_from_mask
 
-__all__ = ["nearest_rank", "seqs_nll", "span_nll", "template_span"]
+__all__ = ["logprob_nll", "nearest_rank", "scored_positions", "seqs_nll", "span_nll", "template_span"]
 
 
 def template_span(tokenizer: Any, system: str | None = None) -> tuple[int, int]:
@@ -38,6 +38,24 @@ def template_span(tokenizer: Any, system: str | None = None) -> tuple[int, int]:
         len(tokenizer(head, add_special_tokens=False)["input_ids"]),
         len(tokenizer(tail, add_special_tokens=False)["input_ids"]),
     )
+
+
+def scored_positions(prompt_len: int, span: tuple[int, int]) -> range:
+    """The positions (0-based, in a prompt of ``prompt_len`` tokens) of the tokens whose NLL makes the
+    prompt surprisal: after the template's first ``span[0]`` tokens (never the first token, which
+    nothing predicts) and before its last ``span[1]``; at least one."""
+    start = max(span[0], 1)
+    return range(start, max(prompt_len - span[1], start + 1))
+
+
+def logprob_nll(token_logprobs: Sequence[float | None], span: tuple[int, int]) -> float:
+    """The prompt surprisal from the log-probabilities of a prompt's own tokens (``token_logprobs[p]``:
+    token ``p`` given the tokens before it; ``[0]`` is None), as an engine reports them: the mean NLL
+    over :func:`scored_positions`."""
+    scored = [token_logprobs[p] for p in scored_positions(len(token_logprobs), span)]
+    if any(v is None for v in scored):
+        raise AligntaxError("The prompt surprisal needs the log-probability of every scored prompt token.")
+    return -sum(float(v) for v in scored if v is not None) / len(scored)
 
 
 def span_nll(
@@ -62,10 +80,9 @@ def span_nll(
         rows: list[int] = []
         cols: list[int] = []
         for r in range(b):
-            s = t - int(lens[r]) + max(span[0], 1)
-            e = max(t - span[1], s + 1)
-            rows += [r] * (e - s)
-            cols += range(s, e)
+            scored = scored_positions(int(lens[r]), span)
+            rows += [r] * len(scored)
+            cols += (t - int(lens[r]) + p for p in scored)
         row_idx = torch.tensor(rows, device=ids.device)
         col_idx = torch.tensor(cols, device=ids.device)
         nll = torch.empty(len(rows), dtype=torch.float32, device=ids.device)

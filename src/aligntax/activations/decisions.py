@@ -86,12 +86,12 @@ def prefill_states(
         states = {b: states[b] for b in blocks}
         if key is not None:
             _PREFILL_MEMO[key] = states
-    from aligntax.interventions.kernels import PROMPT_NLL, PROMPT_TOKENS
+    from aligntax.interventions.kernels import PROMPT_NLL, PROMPT_TOKENS, nll_span
 
     out = {b: h.to(lm.device) for b, h in states.items()}
     out[PROMPT_TOKENS] = torch.tensor(plens, dtype=torch.long, device=lm.device)  # each row's prompt length
     kernel = _kernel(intervention, lm)
-    span = kernel.prompt_nll_span if kernel is not None else None
+    span = nll_span(kernel)
     if span is not None:  # each row's prompt surprisal, as the hooks score it inside generation
         from aligntax.surprisal import seqs_nll
 

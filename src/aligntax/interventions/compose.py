@@ -47,7 +47,7 @@ class ComposeKernel(RowKernel):
         self.els = els
         self.sites, self.decision_layers = els.sites, els.decision_layers
         self.positions, self.horizon = els.positions, els.horizon
-        self.prompt_nll_span = els.prompt_nll_span
+        self.needs_prompt_nll, self.prompt_nll_span = els.needs_prompt_nll, els.prompt_nll_span
         self._gate_layers = list(gate_layers)
         self._adapter_on = adapter_on  # states {block: [N, d]} -> [N] bool
 

@@ -404,11 +404,6 @@ class EnergySteering(Intervention):
         self.surprisal_span = (
             None if surprisal_span is None else (int(surprisal_span[0]), int(surprisal_span[1]))
         )
-        if s["max_prompt_surprisal"] is not None and self.surprisal_span is None:
-            raise AligntaxError(
-                "max_prompt_surprisal needs the chat template's span around the user message: load the "
-                "folder with its model (EnergySteering.from_dir(directory, lm)) or pass surprisal_span."
-            )
         if row_strength is not None:
             if gate is None:
                 raise AligntaxError(

@@ -62,7 +62,8 @@ class ElsKernel(RowKernel):
         self.row_threshold, self.row_strength = settings["row_threshold"], row_strength
         self.max_prompt_tokens = settings.get("max_prompt_tokens")
         self.max_prompt_surprisal = settings.get("max_prompt_surprisal")
-        if self.max_prompt_surprisal is not None:  # the template's span, checked by EnergySteering
+        self.needs_prompt_nll = self.max_prompt_surprisal is not None
+        if self.needs_prompt_nll:  # where the hooks score the surprisal themselves (Hugging Face)
             self.prompt_nll_span = surprisal_span
         self.harm_dirs = harm_dirs or {}
         self.sites = [Site(layer) for layer in sorted(models)] if self.steps > 0 else []

@@ -53,6 +53,7 @@ __all__ = [
     "edited",
     "edited_mask",
     "edited_span",
+    "nll_span",
     "merge_stats",
     "span_slice",
     "token_slice",
@@ -63,7 +64,7 @@ POSITION_MODES = ("last_and_generated", "generated", "all")
 # ``[N]`` long) where the caller knows it: a block index is never negative.
 PROMPT_TOKENS = -1
 # ... and each row's prompt surprisal (:func:`aligntax.surprisal.span_nll`, ``[N]`` float32), for a kernel
-# whose :attr:`RowKernel.prompt_nll_span` asks for it.
+# whose :attr:`RowKernel.needs_prompt_nll` asks for it.
 PROMPT_NLL = -2
 
 
@@ -107,8 +108,12 @@ class RowKernel:
     decision_layers: list[int] = []
     positions: str = "last_and_generated"
     horizon: int | None = None
-    # A decision that reads each row's prompt surprisal (:data:`PROMPT_NLL`) sets the template's
-    # ``(head, tail)`` token counts around the user message (:func:`aligntax.surprisal.template_span`).
+    # A decision that reads each row's prompt surprisal (:data:`PROMPT_NLL`) sets ``needs_prompt_nll``;
+    # where the hooks score it themselves (the Hugging Face backend), ``prompt_nll_span`` gives the chat
+    # template's ``(head, tail)`` token counts around the user message
+    # (:func:`aligntax.surprisal.template_span`). The vLLM backend scores it before generating and sends
+    # it with the request, so its workers need no span.
+    needs_prompt_nll: bool = False
     prompt_nll_span: tuple[int, int] | None = None
 
     # ---- the per-request decision ------------------------------------------------------------------
@@ -187,6 +192,19 @@ class RowKernel:
                 raise AligntaxError(
                     f"Decision layer {layer} does not exist: the model has {n_layers} layers."
                 )
+
+
+def nll_span(kernel: RowKernel | None) -> tuple[int, int] | None:
+    """The template span to score each row's prompt surprisal with, for a kernel whose decision reads it
+    (None otherwise); a kernel that reads it without a span is refused with one line."""
+    if kernel is None or not kernel.needs_prompt_nll:
+        return None
+    if kernel.prompt_nll_span is None:
+        raise AligntaxError(
+            "max_prompt_surprisal needs the chat template's span around the user message: load the "
+            "folder with its model (EnergySteering.from_dir(directory, lm)) or pass surprisal_span."
+        )
+    return kernel.prompt_nll_span
 
 
 def edited_span(
@@ -299,7 +317,7 @@ def attach_kernel(
     read: dict[int, torch.Tensor] = {}
     next_pos: dict[Site, int] = {}
     site_stats: dict[Site, dict[str, Any]] = {s: {} for s in kernel.sites}
-    span = kernel.prompt_nll_span if decision_layers else None
+    span = nll_span(kernel) if decision_layers else None
     prompt_ids: dict[str, torch.Tensor] = {}
     scoring = [False]  # inside the forward that scores the prompt's surprisal: every hook stands aside
 

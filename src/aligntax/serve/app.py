@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +74,7 @@ def create_app(
     steer_method: str | None = None,
     steer_options: dict[str, Any] | None = None,
     engine_factory: EngineFactory | None = None,
+    check_intervention: Callable[[Any], None] | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible app for a loaded model (``aligntax.models.load_model``).
 
@@ -90,6 +91,8 @@ def create_app(
     ``engine_factory(lm, intervention, settings, metrics=...)`` (default :class:`BatchEngine`) builds the
     generation engine: any :class:`~aligntax.serve.base.ServeEngine` (another backend's engine:
     :mod:`aligntax.backends.vllm.serve_engine`); the app talks to that protocol only.
+    ``check_intervention(iv)`` raises an :class:`AligntaxError` for an intervention built from options that
+    the engine cannot serve (a request sending them gets a 400).
 
     Admission (:class:`~aligntax.serve.base.Admission`): a request counts as waiting from its arrival
     (tokenisation included) until a batch takes it; at most ``max_queue`` wait (more get 429
@@ -103,7 +106,9 @@ def create_app(
     prepare_tokenizer(lm.tokenizer, lm.model)
     steering = None
     if steer_method is not None and steer_method != "none":
-        steering = RequestSteering(steer_method, lm, steer_options, settings.options_cache_size)
+        steering = RequestSteering(
+            steer_method, lm, steer_options, settings.options_cache_size, check=check_intervention
+        )
         if intervention is None:
             intervention = steering.cache.build({})
     window = context_window(lm)

@@ -192,16 +192,27 @@ class RequestSteering:
     """The served method's per-request options and the interventions built for them."""
 
     def __init__(
-        self, method: str, lm: LoadedModel, base_options: dict[str, Any] | None = None, maxsize: int = 16
+        self,
+        method: str,
+        lm: LoadedModel,
+        base_options: dict[str, Any] | None = None,
+        maxsize: int = 16,
+        check: Callable[[Any], None] | None = None,
     ) -> None:
         if method not in METHODS:
             raise AligntaxError(f"Unknown intervention '{method}'; known: {', '.join(METHODS)}.")
         self.method = method
         self.base = dict(base_options or {})
         self.fields = request_fields(method)
-        self.cache = InterventionCache(
-            lambda opts: make_intervention(method, lm, **{**self.base, **opts}), maxsize
-        )
+        self.check = check  # raises for an intervention the engine cannot serve
+
+        def build(opts: dict[str, Any]) -> Any:
+            iv = make_intervention(method, lm, **{**self.base, **opts})
+            if self.check is not None:
+                self.check(iv)
+            return iv
+
+        self.cache = InterventionCache(build, maxsize)
 
     def parse(self, raw: dict[str, Any], model: str) -> dict[str, Any]:
         return parse_request_options(self.fields, raw, model)

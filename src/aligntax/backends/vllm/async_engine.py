@@ -25,6 +25,17 @@ from aligntax.errors import AligntaxError
 from aligntax.models.loader import LoadedModel
 
 
+def refuse_surprisal(local, facts) -> None:
+    """Refuse, for the server, an intervention whose per-row decision reads the prompt's surprisal."""
+    kernel = local.kernel(facts.num_layers, facts.hidden_size) if hasattr(local, "kernel") else None
+    if kernel is not None and kernel.needs_prompt_nll:
+        raise AligntaxError(
+            f"Intervention '{local.name}': the vLLM server does not score prompts' surprisal "
+            "(max_prompt_surprisal; offline generation with vLLM and the Hugging Face server do): serve "
+            "with --max-prompt-surprisal none, or with --backend hf."
+        )
+
+
 class AsyncVllm:
     """vLLM's ``AsyncLLM`` on an aligntax model spec, on its own thread and event loop, with steering
     presets registered in every worker (the same engine settings as
@@ -98,6 +109,7 @@ class AsyncVllm:
                 f"Intervention '{local.name}' rewrites the chat messages: it is applied to the "
                 "messages, not registered as a steering preset."
             )
+        refuse_surprisal(local, self.facts)
         configs = self.call(
             self.engine.collective_rpc("aligntax_register", args=(preset, str(source), dict(options)))
         )

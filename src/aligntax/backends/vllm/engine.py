@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from aligntax.backends.vllm.steering import EXTRA_STEER, EXTRA_STRENGTH, MAX_STRENGTH
+from aligntax.backends.vllm.steering import EXTRA_PROMPT_NLL, EXTRA_STEER, EXTRA_STRENGTH, MAX_STRENGTH
 from aligntax.backends.vllm.worker import EXTENSION
 from aligntax.errors import AligntaxError
 from aligntax.generation.chat import build_messages, render_chat
@@ -273,6 +273,33 @@ class VllmModel:
         return [tuple(t) for t in self.llm.collective_rpc("aligntax_trace", args=(on,))[0]]
 
     # ---- generation ----------------------------------------------------------------------------------
+    def surprisal_span(self, preset: str | None) -> tuple[int, int] | None:
+        """The chat template's span to score each prompt's surprisal with, when preset ``preset``'s
+        decision reads it (ELS ``max_prompt_surprisal``; None otherwise)."""
+        from aligntax.interventions.kernels import nll_span
+
+        local = self.interventions.get(preset) if preset is not None else None
+        if local is None or not hasattr(local, "kernel"):
+            return None
+        return nll_span(local.kernel(self.facts.num_layers, self.facts.hidden_size))
+
+    def prompt_nll(self, ids: Sequence[Sequence[int]], span: tuple[int, int]) -> list[float]:
+        """Each chat-templated prompt's surprisal (:func:`aligntax.surprisal.logprob_nll`: the mean NLL of
+        the user message's tokens) from the engine's own log-probabilities of the prompt tokens, in one
+        unsteered call that generates a single token: what the Hugging Face backend's hooks score inside
+        the prompt's forward."""
+        from vllm import SamplingParams
+
+        from aligntax.surprisal import logprob_nll
+
+        if not ids:
+            return []
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        outs = self.llm.generate([{"prompt_token_ids": list(x)} for x in ids], sp, use_tqdm=False)
+        return [
+            logprob_nll(own_logprobs(out.prompt_logprobs, x), span) for out, x in zip(outs, ids, strict=True)
+        ]
+
     def encode(
         self, prompts: Sequence[str | list[dict]], system: str | None = None, intervention=None
     ) -> tuple[list[str], list[list[int]]]:
@@ -311,14 +338,25 @@ class VllmModel:
                 f"Prompt {too_long[0]} has {len(ids[too_long[0]])} tokens; the engine's "
                 f"max_model_len is {self.max_model_len}."
             )
-        reqs, params = [], []
-        for i, x in enumerate(ids):
+        scale = []
+        for i in range(len(ids)):
             s = 0.0 if steer is None else float(strengths[i]) if strengths is not None else 1.0
             if steer_rows is not None and not steer_rows[i]:
                 s = 0.0
             if not 0.0 <= s <= MAX_STRENGTH:
                 raise AligntaxError(f"Strength {s} of prompt {i} is outside [0, {MAX_STRENGTH:g}].")
+            scale.append(s)
+        span = self.surprisal_span(steer)
+        nll: dict[int, float] = {}
+        if span is not None and cfg.max_new_tokens > 0:
+            steered = [i for i, s in enumerate(scale) if s > 0]
+            nll = dict(zip(steered, self.prompt_nll([ids[i] for i in steered], span), strict=True))
+        reqs, params = [], []
+        for i, x in enumerate(ids):
+            s = scale[i]
             extra = {EXTRA_STEER: steer, EXTRA_STRENGTH: s} if steer is not None and s > 0 else None
+            if extra is not None and i in nll:
+                extra[EXTRA_PROMPT_NLL] = nll[i]
             prompt = {"prompt_token_ids": list(x)}
             if extra is not None:
                 prompt["cache_salt"] = f"aligntax:{steer}:{s!r}"
@@ -373,6 +411,19 @@ class VllmModel:
             )
             decided.append(by_external.get(out.request_id))
         return gens, decided
+
+
+def own_logprobs(prompt_logprobs, ids: Sequence[int]) -> list[float | None]:
+    """The log-probability of each prompt token given the tokens before it (``[0]``: None), from a vLLM
+    output's ``prompt_logprobs`` (one mapping of token id to logprob per position)."""
+    if prompt_logprobs is None or len(prompt_logprobs) != len(ids):
+        raise AligntaxError("The engine returned no log-probabilities for the prompt's tokens.")
+    out: list[float | None] = [None]
+    for p in range(1, len(ids)):
+        entry = prompt_logprobs[p]
+        lp = None if entry is None else entry.get(int(ids[p]))
+        out.append(None if lp is None else float(getattr(lp, "logprob", lp)))
+    return out
 
 
 def prepare(vm: VllmModel, intervention: str | None, args: dict | None, preset: str = "steer"):

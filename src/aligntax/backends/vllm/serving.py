@@ -50,6 +50,7 @@ def create_vllm_app(
     (:class:`~aligntax.backends.vllm.serve_engine.OptionSteering`; the ``options_cache_size`` most
     recently used kept). With ``steer_method`` and no ``preset``, the method is registered here as
     preset :data:`PRESET` (unless it rewrites messages)."""
+    from aligntax.backends.vllm.async_engine import refuse_surprisal
     from aligntax.backends.vllm.engine import prepare
     from aligntax.interventions.options import split_path
     from aligntax.serve.app import create_app
@@ -85,6 +86,7 @@ def create_vllm_app(
         steer_method=steer_method,
         steer_options=steer_options,
         engine_factory=factory,
+        check_intervention=lambda iv: refuse_surprisal(iv, vm.facts),
     )
 
 

@@ -9,6 +9,10 @@ prefill, prefix-cache hits) or one decode token, at absolute positions ``positio
 
 - a request names a steering preset registered at start-up and a strength multiplier
   (:func:`parse_request`, from ``SamplingParams.extra_args``); a strength of 0 is plain generation;
+- a preset whose decision reads the prompt's surprisal (ELS ``max_prompt_surprisal``) takes it from the
+  request (``aligntax_prompt_nll``, scored before generating by
+  :meth:`~aligntax.backends.vllm.engine.VllmModel.generate` from vLLM's prompt logprobs): a request
+  without it is held back (run unsteered) and the omission is reported;
 - the per-request decision (harm gate, row energy, CAST condition) is made on the step whose chunk
   holds the request's last prompt token, from the states entering ``decision_layers`` there, before
   any edit at those blocks; it is kept per request id and freed when the engine drops the request;
@@ -28,20 +32,23 @@ from dataclasses import dataclass, field
 import torch
 
 from aligntax.errors import AligntaxError
-from aligntax.interventions.kernels import PROMPT_TOKENS, RowKernel, Site, edited_mask
+from aligntax.interventions.kernels import PROMPT_NLL, PROMPT_TOKENS, RowKernel, Site, edited_mask
 
 # The request fields a client may send (``SamplingParams.extra_args``; OpenAI clients: ``vllm_xargs``).
 EXTRA_STEER = "aligntax_steer"
 EXTRA_STRENGTH = "aligntax_strength"
+EXTRA_PROMPT_NLL = "aligntax_prompt_nll"  # the prompt's surprisal, for a preset whose decision reads it
 MAX_STRENGTH = 10.0
 
 
 @dataclass(frozen=True)
 class RequestSteer:
-    """What one request asks for: a registered preset and a strength multiplier (0: not steered)."""
+    """What one request asks for: a registered preset and a strength multiplier (0: not steered), and
+    its prompt's surprisal (nats per user-message token) where the preset's decision reads it."""
 
     preset: str
     strength: float = 1.0
+    prompt_nll: float | None = None
 
 
 def parse_request(extra_args: dict | None, presets: Container[str]) -> RequestSteer | None:
@@ -65,7 +72,12 @@ def parse_request(extra_args: dict | None, presets: Container[str]) -> RequestSt
         raise AligntaxError(f"{EXTRA_STRENGTH} must be a number, not {raw!r}.") from None
     if not math.isfinite(strength) or not 0.0 <= strength <= MAX_STRENGTH:
         raise AligntaxError(f"{EXTRA_STRENGTH} must lie in [0, {MAX_STRENGTH:g}]; got {raw!r}.")
-    return RequestSteer(name, strength)
+    nll = extra_args.get(EXTRA_PROMPT_NLL)
+    if nll is not None and (
+        isinstance(nll, bool) or not isinstance(nll, int | float) or not math.isfinite(nll) or nll < 0
+    ):
+        raise AligntaxError(f"{EXTRA_PROMPT_NLL} must be a finite number >= 0, not {nll!r}.")
+    return RequestSteer(name, strength, None if nll is None else float(nll))
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,7 @@ class _Live:
     preset: str
     multiplier: float
     prompt_len: int
+    prompt_nll: float | None = None
     strength: float | None = None  # multiplier x decision; None until decided
     parts: dict = field(default_factory=dict)
 
@@ -151,11 +164,6 @@ class BatchSteering:
     def register(self, name: str, kernel: RowKernel, config: dict | None = None) -> None:
         if not name or not isinstance(name, str) or name == "none":
             raise AligntaxError(f"A steering preset needs a name (not {name!r}).")
-        if kernel.prompt_nll_span is not None:
-            raise AligntaxError(
-                f"Steering setting {name!r}: the prompt surprisal domain (max_prompt_surprisal) needs the "
-                "Hugging Face backend; leave it out (--max-prompt-surprisal none) to run it with vLLM."
-            )
         self.presets[name] = Preset(name, kernel, dict(config or {}))
 
     def unregister(self, name: str) -> bool:
@@ -193,7 +201,7 @@ class BatchSteering:
                 continue
             live = self.live.get(rid)
             if live is None or live.preset != ask.preset or live.multiplier != ask.strength:
-                live = self.live[rid] = _Live(ask.preset, ask.strength, batch.prompt_lens[i])
+                live = self.live[rid] = _Live(ask.preset, ask.strength, batch.prompt_lens[i], ask.prompt_nll)
                 kernel = self.presets[ask.preset].kernel
                 if ask.strength == 0 or not kernel.decision_layers:
                     live.strength = ask.strength
@@ -283,7 +291,18 @@ class BatchSteering:
     def _decide(self, g: _Group) -> None:
         kernel = g.preset.kernel
         states = {b: g.read[b] for b in kernel.decision_layers}
-        states[PROMPT_TOKENS] = torch.tensor([self.live[g.req_ids[j]].prompt_len for j in g.deciding])
+        lives = [self.live[g.req_ids[j]] for j in g.deciding]
+        states[PROMPT_TOKENS] = torch.tensor([live.prompt_len for live in lives])
+        if kernel.needs_prompt_nll:  # a request that did not send it is held back (NaN is out of domain)
+            for j, live in zip(g.deciding, lives, strict=True):
+                if live.prompt_nll is None:
+                    self.errors.append(
+                        f"request {g.req_ids[j]}: preset {live.preset!r} holds prompts back by their "
+                        f"surprisal and the request sent none ({EXTRA_PROMPT_NLL}); it ran unsteered."
+                    )
+            states[PROMPT_NLL] = torch.tensor(
+                [math.nan if live.prompt_nll is None else live.prompt_nll for live in lives]
+            )
         decision, parts = kernel.decide_with_parts(states)
         if parts:
             kernel.record_decisions(parts, g.preset.stats)
