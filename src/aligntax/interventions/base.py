@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from aligntax.interventions.kernels import (
 )
 from aligntax.interventions.options import register
 from aligntax.models.layers import decoder_layers, hidden_size
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 __all__ = [
     "AppliedIntervention",
@@ -61,11 +65,11 @@ class SteerContext:
     prompt_len: int
     rows: torch.Tensor | None = None
     strength: torch.Tensor | None = None
-    stats: dict = field(default_factory=dict)
-    row_state: dict = field(default_factory=dict)
-    decisions: dict = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    row_state: dict[Any, torch.Tensor] = field(default_factory=dict)
+    decisions: dict[Any, Any] = field(default_factory=dict)
 
-    def row_scale(self, batch: int, device, dtype) -> torch.Tensor:
+    def row_scale(self, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Per-row multiplier of shape [batch, 1, 1]: 0 for unsteered rows."""
         scale = torch.ones(batch, device=device, dtype=dtype)
         if self.strength is not None:
@@ -117,7 +121,7 @@ class Intervention:
     # backend that runs kernels (vLLM) runs all of it; False for hooks of its own (an adapter's).
     kernel_only: bool = True
 
-    def prepare_messages(self, messages: list[dict]) -> list[dict]:
+    def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return messages
 
     def kernel(self, n_layers: int, hidden_size: int | None = None) -> RowKernel | None:
@@ -144,7 +148,7 @@ class Intervention:
         decision reads states this intervention changes before it decides (none by default)."""
         yield
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         return {"name": self.name}
 
     def rewrites_messages(self) -> bool:
@@ -187,11 +191,11 @@ class NoOptions:
 
 
 @register("none", NoOptions, "no intervention")
-def _none(lm, o: NoOptions) -> NoIntervention:
+def _none(lm: LoadedModel | None, o: NoOptions) -> NoIntervention:
     return NoIntervention()
 
 
-def _cache_is_empty(kwargs: dict) -> bool:
+def _cache_is_empty(kwargs: dict[str, Any]) -> bool:
     """Whether a model forward starts from an empty KV cache (it holds a prompt from its start)."""
     pos = kwargs.get("cache_position")
     if isinstance(pos, torch.Tensor) and pos.numel():
@@ -236,7 +240,7 @@ class AppliedIntervention:
         if stack is not None:
             stack.close()
 
-    def _pre_forward(self, module, args, kwargs):
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = kwargs.get("input_ids", args[0] if args else None)
         if x is None:
             x = kwargs.get("inputs_embeds")
@@ -267,12 +271,14 @@ class AppliedIntervention:
 
     @contextmanager
     def _installed(self) -> Iterator[None]:
-        model = self.model
+        # a Hugging Face model: its ``generate`` is read and replaced, which nn.Module's typing cannot express
+        model: Any = self.model
         had_own = "generate" in vars(model)
         own = vars(model).get("generate")
         inner = model.generate if hasattr(model, "generate") else None
 
-        def generate(*args, **kwargs):
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            assert inner is not None  # installed only when the model has a generate
             self._generating += 1
             self._pending = True
             try:

@@ -19,9 +19,10 @@ back (:meth:`ComposeKernel.untouched`), so a run copies those rows from an unste
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from aligntax.interventions.lora import ElsLora
 from aligntax.interventions.options import option, register
 from aligntax.models.layers import decoder_layers, hidden_size
 
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
+
 __all__ = ["ComposeKernel", "ComposeOptions", "ComposedSteering"]
 
 
@@ -43,7 +47,12 @@ class ComposeKernel(RowKernel):
     added to the records: ``adapter`` (the adapter acts on the row) and ``steered`` (the adapter or ELS
     changes it)."""
 
-    def __init__(self, els: RowKernel, gate_layers: list[int], adapter_on) -> None:
+    def __init__(
+        self,
+        els: RowKernel,
+        gate_layers: list[int],
+        adapter_on: Callable[[dict[int, torch.Tensor]], torch.Tensor],
+    ) -> None:
         self.els = els
         self.sites, self.decision_layers = els.sites, els.decision_layers
         self.positions, self.horizon = els.positions, els.horizon
@@ -51,22 +60,26 @@ class ComposeKernel(RowKernel):
         self._gate_layers = list(gate_layers)
         self._adapter_on = adapter_on  # states {block: [N, d]} -> [N] bool
 
-    def decision_parts(self, states):
+    def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.els.decision_parts(states)
 
-    def decide_with_parts(self, states):
+    def decide_with_parts(
+        self, states: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.els.decide_with_parts(states)
 
-    def record_decisions(self, parts, stats):
+    def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict[str, Any]) -> None:
         self.els.record_decisions(parts, stats)
 
     def edits_last_prompt(self, site: Site) -> bool:
         return self.els.edits_last_prompt(site)
 
-    def edit(self, site, rows, strength, stats=None):
+    def edit(
+        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict[str, Any] | None = None
+    ) -> torch.Tensor:
         return self.els.edit(site, rows, strength, stats)
 
-    def finish(self, site_stats, stats) -> None:
+    def finish(self, site_stats: dict[Site, dict[str, Any]], stats: dict[str, Any]) -> None:
         self.els.finish(site_stats, stats)
 
     def check(self, n_layers: int) -> None:
@@ -76,7 +89,7 @@ class ComposeKernel(RowKernel):
     def read_layers(self) -> list[int]:
         return sorted({*self.els.read_layers, *self._gate_layers})
 
-    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict]:
+    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
         rows = self.els.row_records(states)
         for r, on in zip(rows, self._adapter_on(states).cpu().tolist(), strict=True):
             r["els_steered"] = r["steered"]
@@ -120,6 +133,7 @@ class ComposedSteering(Intervention):
     def _choice_layers(self) -> list[int]:
         """The blocks whose last-prompt-token input the choice reads (before the adapter acts)."""
         if self.lora_gate is not None:
+            assert self.els.gate is not None  # a lora_gate needs the gate (__init__)
             return sorted(self.els.gate.layers)
         return [min(self.adapter.layers) if self.adapter.layers else 0]
 
@@ -131,6 +145,7 @@ class ComposedSteering(Intervention):
         on = torch.ones(n, dtype=torch.bool)
         if self.lora_gate is not None:
             gate = self.els.gate
+            assert gate is not None  # a lora_gate needs the gate (__init__)
             dev = states[gate.layer].device
             on = (
                 on
@@ -155,16 +170,17 @@ class ComposedSteering(Intervention):
                 yield
             return
         key = (id(self), "adapter")
-        own: dict = {}
+        own: dict[Any, torch.Tensor] = {}
 
-        def state() -> dict:  # generation replaces ctx.row_state as rows finish: read it each time
+        # generation replaces ctx.row_state as rows finish: read it each time
+        def state() -> dict[Any, torch.Tensor]:
             return ctx.row_state if ctx is not None else own
 
         read: dict[int, torch.Tensor] = {}
         layers = self._choice_layers()
 
-        def make(layer: int):
-            def hook(module, args, kwargs):
+        def make(layer: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 h = hidden_from_args(args, kwargs)
                 if h.shape[1] == 1 and key in state():
                     return None  # a cached decode step: chosen at the prompt
@@ -182,11 +198,15 @@ class ComposedSteering(Intervention):
 
         blocks = decoder_layers(model)
         regs = [(blocks[b], make(b), True) for b in layers]
-        with hooks_attached(regs), self.adapter.attach(model, ctx, row_mask=lambda: state().get(key)):
+        # ElsLora.attach does not read ctx: None (the decision capture) is passed on as it is
+        with (
+            hooks_attached(regs),
+            self.adapter.attach(model, cast(SteerContext, ctx), row_mask=lambda: state().get(key)),
+        ):
             yield
 
     # ---- the Intervention interface --------------------------------------------------------------------
-    def kernel(self, n_layers: int, hidden_size: int | None = None) -> ComposeKernel | None:
+    def kernel(self, n_layers: int, hidden_size: int | None = None) -> ComposeKernel:
         els = self.els.kernel(n_layers, hidden_size)
         return ComposeKernel(els, self._choice_layers() if self._chooses else [], self.adapter_on)
 
@@ -204,7 +224,7 @@ class ComposedSteering(Intervention):
         with self._adapter(model, None):
             yield
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "els": self.els.config(),
@@ -245,7 +265,7 @@ _ELS_FIELDS = [f.name for f in fields(ElsOptions)]
     "ELS descending on top of an els-lora adapter (the adapter optionally only on rows the harm gate rates "
     "sensitive)",
 )
-def _compose(lm, o: ComposeOptions) -> ComposedSteering:
+def _compose(lm: LoadedModel | None, o: ComposeOptions) -> ComposedSteering:
     from aligntax.interventions.options import METHODS
 
     els = METHODS["els"].make(lm, **{k: getattr(o, k) for k in _ELS_FIELDS})

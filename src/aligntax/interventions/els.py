@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,9 @@ from aligntax.interventions.base import Intervention
 from aligntax.interventions.els_kernel import ElsKernel
 from aligntax.interventions.kernels import POSITION_MODES, check_positions
 from aligntax.interventions.options import need_path, option, register, spec_of
+
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
 
 __all__ = [
     "POSITION_MODES",
@@ -230,7 +233,7 @@ _SHOWN_UNSET = ("threshold", "horizon")
 _UNTUNED_NOTED: set[str] = set()
 
 
-def tuned_settings(directory: str | Path) -> dict | None:
+def tuned_settings(directory: str | Path) -> dict[str, Any] | None:
     """The ELS setting selected on validation data by ``aligntax els sweep`` (``DIR/sweep/best.json``)."""
     import json
 
@@ -241,7 +244,7 @@ def tuned_settings(directory: str | Path) -> dict | None:
     return {k: args[k] for k in TUNED_KEYS if k in args} or None
 
 
-def _check_known(given: dict, what: str) -> None:
+def _check_known(given: dict[str, Any], what: str) -> None:
     """Refuse keys that are not ELS options."""
     unknown = sorted(set(given) - set(DEFAULT_SETTINGS))
     if unknown:
@@ -250,7 +253,7 @@ def _check_known(given: dict, what: str) -> None:
         )
 
 
-def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
+def resolve_settings(directory: str | Path | None, **given: Any) -> tuple[dict[str, Any], str]:
     """ELS settings: values given (not None) win, then the folder's tuned setting, then the fallbacks.
 
     The fallbacks (:data:`DEFAULT_SETTINGS`, the demo's safe rule) hold the harm gate only where the
@@ -264,6 +267,7 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
     tuned = tuned_settings(directory) if directory is not None else None
     if tuned:
         settings.update({"threshold": None, "gate": None, **tuned})
+        assert directory is not None  # tuned settings are read from a folder
         origin = str(Path(directory) / "sweep" / "best.json")
     elif directory is None or not HarmGate.exists(directory):
         settings["gate"] = None  # the default harm gate, where the folder has none (els train --no-gate)
@@ -278,7 +282,7 @@ def resolve_settings(directory: str | Path | None, **given) -> tuple[dict, str]:
     return settings, origin
 
 
-def _note_untuned(directory: str | Path, settings: dict) -> None:
+def _note_untuned(directory: str | Path, settings: dict[str, Any]) -> None:
     """One line, once per folder and process: the settings are the untuned defaults."""
     import logging
 
@@ -339,7 +343,7 @@ class EnergySteering(Intervention):
             )
         if not models:
             raise AligntaxError("Energy steering needs at least one layer's energy model.")
-        s = {
+        s: dict[str, Any] = {
             k: options.get(k) if k in _SWITCHABLE or options.get(k) is not None else DEFAULT_SETTINGS[k]
             for k in VALUE_KEYS
         }
@@ -382,6 +386,7 @@ class EnergySteering(Intervention):
             None if gate is None else float(gate.threshold if gate_threshold is None else gate_threshold)
         )
         if gate is not None:
+            assert self.gate_threshold is not None  # set with the gate
             if not 0.0 < self.gate_threshold < 1.0:
                 raise AligntaxError(f"gate_threshold must be in (0, 1); got {self.gate_threshold}.")
             if gate.layer > min(self.models):
@@ -438,7 +443,11 @@ class EnergySteering(Intervention):
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
     def from_bank(
-        cls, bank: EnergyBank, layers: Sequence[int] | None = None, top_k: int | None = None, **kwargs
+        cls,
+        bank: EnergyBank,
+        layers: Sequence[int] | None = None,
+        top_k: int | None = None,
+        **kwargs: Any,
     ) -> EnergySteering:
         chosen = [int(x) for x in layers] if layers is not None else bank.layers
         if top_k is not None:
@@ -453,7 +462,7 @@ class EnergySteering(Intervention):
         return cls({layer: bank[layer] for layer in chosen}, **kwargs)
 
     @classmethod
-    def from_dir(cls, directory: str | Path, lm=None, **options: Any) -> EnergySteering:
+    def from_dir(cls, directory: str | Path, lm: LoadedModel | None = None, **options: Any) -> EnergySteering:
         """Load a saved :class:`EnergyBank` (checked against ``lm.fingerprint``) and steer its best layers.
 
         ``options``: the fields of :class:`ElsOptions` but the folder (any other key is refused). Those
@@ -527,7 +536,7 @@ class EnergySteering(Intervention):
         iv.settings_from = origin
         return iv
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         """The resolved setting: the value options (each only when set, but ``threshold`` and ``horizon``,
         so a run folder made before an option existed resumes unchanged; ``gate_ramp`` inside ``gate``),
         the steered layers and their step sizes, the gate, harm basis and row strength model."""
@@ -552,16 +561,17 @@ class EnergySteering(Intervention):
             ),
         }
 
-    def _gate_config(self) -> dict:
+    def _gate_config(self) -> dict[str, Any]:
         # "layers" only for a gate of several: a one-layer gate's settings read as they always did, so a
         # run folder made before gates of several layers existed still resumes
-        extra = {"layers": self.gate.layers} if len(self.gate.layers) > 1 else {}
+        assert self.gate is not None  # config() asks only with a gate
+        extra: dict[str, Any] = {"layers": self.gate.layers} if len(self.gate.layers) > 1 else {}
         if self.gate_ramp is not None:
             extra["ramp"] = self.gate_ramp
         return {"layer": self.gate.layer, "threshold": self.gate_threshold, **extra}
 
     @property
-    def prefix_free(self) -> bool:
+    def prefix_free(self) -> bool:  # type: ignore[override]  # a class attribute of Intervention
         # the gate reads the last prompt token and steering starts there unless "all"; the surprisal
         # domain scores the whole prompt inside the forward that holds it
         return self.positions != "all" and self.max_prompt_surprisal is None
@@ -569,7 +579,8 @@ class EnergySteering(Intervention):
     def step_size(self, layer: int) -> float:
         if layer in self.layer_eta:
             return self.layer_eta[layer]
-        return self.eta * self.norms[layer] if self.scale_by_norm else self.eta
+        step: float = self.eta * self.norms[layer] if self.scale_by_norm else self.eta
+        return step
 
     def kernel(self, n_layers: int, hidden_size: int | None = None) -> ElsKernel:
         """The ELS math for these settings (:class:`~aligntax.interventions.els_kernel.ElsKernel`), made
@@ -590,7 +601,7 @@ class EnergySteering(Intervention):
 
 
 @register("els", ElsOptions, "energy landscape steering from an energy bank folder")
-def _els(lm, o: ElsOptions) -> EnergySteering:
+def _els(lm: LoadedModel | None, o: ElsOptions) -> EnergySteering:
     path = need_path("els", o.path)
     kwargs = {f.name: getattr(o, f.name) for f in _SETTING_FIELDS}
     return EnergySteering.from_dir(path, lm, **{k: v for k, v in kwargs.items() if v is not None})

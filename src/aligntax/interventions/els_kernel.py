@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -28,6 +28,10 @@ from aligntax.energy.front import STRENGTH_FEATURES
 from aligntax.energy.model import EnergyModel
 from aligntax.errors import AligntaxError
 from aligntax.interventions.kernels import PROMPT_NLL, PROMPT_TOKENS, RowKernel, Site, merge_stats
+
+if TYPE_CHECKING:
+    from aligntax.energy.front import RowStrength
+    from aligntax.energy.gate import HarmGate
 
 __all__ = ["ElsKernel"]
 
@@ -48,10 +52,10 @@ class ElsKernel(RowKernel):
         eta: dict[int, float],
         settings: Mapping[str, Any],
         *,
-        gate=None,
+        gate: HarmGate | None = None,
         gate_threshold: float | None = None,
         harm_dirs: dict[int, torch.Tensor] | None = None,
-        row_strength=None,
+        row_strength: RowStrength | None = None,
         surprisal_span: tuple[int, int] | None = None,
     ):
         self.settings = dict(settings)
@@ -88,20 +92,23 @@ class ElsKernel(RowKernel):
     def gate_scale(self, p: torch.Tensor) -> torch.Tensor:
         """Per-row strength from the harm gate's p(harmful): 0 at or above its threshold, 1 below
         ``gate_ramp`` (or below the threshold, without a ramp), linear in between."""
-        t = self.gate_threshold
+        t = cast(float, self.gate_threshold)  # given with the gate (EnergySteering)
         if self.gate_ramp is None:
             return (p < t).float()
-        return ((t - p) / (t - self.gate_ramp)).clamp(0.0, 1.0).float()
+        scale: torch.Tensor = ((t - p) / (t - self.gate_ramp)).clamp(0.0, 1.0).float()
+        return scale
 
     def harm_p(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
         """The harm gate's p(harmful) ``[N]`` from ``{block: [N, d]}`` at the last prompt token."""
+        assert self.gate is not None  # asked only with a gate
         dev = states[self.gate.layer].device
         return self.gate.prob(self.gate.stack({b: states[b].to(dev) for b in self.gate.layers}))
 
     def row_energy(self, last: torch.Tensor) -> torch.Tensor:
         """Energy of the last prompt token's state entering the first steered block, ``[N, d] -> [N]``."""
         with torch.no_grad():
-            return self._model_on(self.first_layer, last.device)(last.float(), check=False)
+            energy: torch.Tensor = self._model_on(self.first_layer, last.device)(last.float(), check=False)
+            return energy
 
     def row_features(
         self, states: dict[int, torch.Tensor], directions: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -170,7 +177,7 @@ class ElsKernel(RowKernel):
     def read_layers(self) -> list[int]:
         return sorted({self.first_layer, *self.decision_layers})
 
-    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict]:
+    def row_records(self, states: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
         """Per row: ``energy`` (the row energy at the first steered block), ``harm_p`` (with a gate),
         ``steered`` (the gate and the row energy decision pass it) and ``strength``."""
         energy = self.row_energy(states[self.first_layer]).cpu()
@@ -206,7 +213,7 @@ class ElsKernel(RowKernel):
         return e.detach(), g
 
     def steer(
-        self, layer: int, x: torch.Tensor, row_scale: torch.Tensor, acc: dict | None = None
+        self, layer: int, x: torch.Tensor, row_scale: torch.Tensor, acc: dict[str, Any] | None = None
     ) -> torch.Tensor:
         """K energy-descent steps on ``x`` ``[B, T, d]`` (float32); ``row_scale`` ``[B, 1, 1]``. ``acc``: the
         block's accumulators (positions seen and moved, energy before and after, non-finite states)."""
@@ -238,6 +245,7 @@ class ElsKernel(RowKernel):
                 e1 = self._model_on(layer, x.device)(
                     torch.where(finite[..., None], x, torch.zeros_like(x)), check=False
                 )
+            assert e0 is not None and first_active is not None  # self.steps > 0: the loop ran
             counted = rows_on.expand_as(e0)
             acc["positions"] = acc.get("positions", 0) + counted.sum()
             acc["steered"] = acc.get("steered", 0) + first_active.sum()
@@ -247,17 +255,17 @@ class ElsKernel(RowKernel):
         return x
 
     def edit(
-        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None
+        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict[str, Any] | None = None
     ) -> torch.Tensor:
         n, d = rows.shape
         x = self.steer(site.layer, rows.float().view(n, 1, d), strength.view(n, 1, 1), stats)
         return x.view(n, d).to(rows.dtype)
 
-    def finish(self, site_stats: dict[Site, dict], stats: dict) -> None:
+    def finish(self, site_stats: dict[Site, dict[str, Any]], stats: dict[str, Any]) -> None:
         """Per steered layer: positions seen, positions moved, mean energy before and after (one device
         sync per layer); NaN/inf states at steered positions raise."""
         nonfinite = False
-        summary = {}
+        summary: dict[int, dict[str, Any]] = {}  # by layer
         for site, a in site_stats.items():
             nonfinite = nonfinite or bool(a["nonfinite"])
             count = int(a["positions"])
@@ -268,7 +276,7 @@ class ElsKernel(RowKernel):
                 "energy_after": float(a["energy_after"]) / count if count else None,
                 "eta": self.eta[site.layer],
             }
-        merge_stats(stats.setdefault("els", {}), summary)
+        merge_stats(stats.setdefault("els", {}), cast(dict[str, Any], summary))  # keyed by layer
         if nonfinite:
             raise AligntaxError(
                 "Energy steering met NaN/inf hidden states at steered positions; the model "

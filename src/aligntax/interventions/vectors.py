@@ -16,9 +16,10 @@ Vector construction: :func:`refusal_direction` (difference in means), :func:`fal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,11 +30,14 @@ from aligntax.interventions.kernels import RowKernel, Site, check_positions
 from aligntax.interventions.options import need_path, option, register
 from aligntax.models.layers import resolve_layers
 
+if TYPE_CHECKING:
+    from aligntax.models.loader import LoadedModel
+
 Acts = torch.Tensor | dict[int, torch.Tensor]
 
 
 # ---- vector construction ------------------------------------------------------------------------------
-def _per_layer(fn, *args):
+def _per_layer(fn: Callable[..., torch.Tensor], *args: Acts) -> Acts:
     if isinstance(args[0], dict):
         return {int(layer): fn(*(a[layer] if isinstance(a, dict) else a for a in args)) for layer in args[0]}
     return fn(*args)
@@ -42,7 +46,7 @@ def _per_layer(fn, *args):
 def mean_difference(acts_a: Acts, acts_b: Acts) -> Acts:
     """mean(a) - mean(b) (float32), per layer when given ``{layer: [n, d]}``."""
 
-    def diff(a, b):
+    def diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if len(a) == 0 or len(b) == 0:
             raise DataError("Difference in means needs at least one state on each side.")
         return a.float().mean(0) - b.float().mean(0)
@@ -59,7 +63,8 @@ def orthogonalize(v: torch.Tensor, against: torch.Tensor) -> torch.Tensor:
     """``v`` minus its component along ``against``."""
     u = against.float() / against.float().norm().clamp_min(1e-12)
     v = v.float()
-    return v - (v @ u) * u
+    out: torch.Tensor = v - (v @ u) * u
+    return out
 
 
 def false_refusal_direction(acts_pseudo_harmful: Acts, acts_harmless: Acts, refusal: Acts) -> Acts:
@@ -87,7 +92,7 @@ def fit_condition(
 
     if center is None:
         center = torch.cat([acts_pos, acts_neg]).float().mean(0)
-    c = mean_difference(acts_pos, acts_neg)
+    c = cast(torch.Tensor, mean_difference(acts_pos, acts_neg))  # tensors in, a tensor out
     c = c / c.norm().clamp_min(1e-12)
     sp, sn = cosine(acts_pos, c, center), cosine(acts_neg, c, center)
     thr = best_threshold(sn, sp)  # "good" side below the threshold: neg
@@ -99,17 +104,17 @@ def fit_condition(
 class _VecCache:
     """Vectors moved to a device once (float32)."""
 
-    def __init__(self):
-        self._c: dict = {}
+    def __init__(self) -> None:
+        self._c: dict[tuple[int | str, str], torch.Tensor] = {}
 
-    def get(self, key, v: torch.Tensor, device) -> torch.Tensor:
+    def get(self, key: int | str, v: torch.Tensor, device: torch.device) -> torch.Tensor:
         k = (key, str(device))
         if k not in self._c:
             self._c[k] = v.detach().to(device=device, dtype=torch.float32)
         return self._c[k]
 
 
-def _resolve_layers(layers, n: int) -> list[int]:
+def _resolve_layers(layers: str | int | Sequence[int] | None, n: int) -> list[int]:
     return sorted(resolve_layers(layers, n))
 
 
@@ -123,10 +128,11 @@ def _unit(v: torch.Tensor) -> torch.Tensor:
     n = v.norm()
     if not torch.isfinite(n) or n == 0:
         raise AligntaxError("Cannot ablate a zero or non-finite direction.")
-    return v / n
+    unit: torch.Tensor = v / n
+    return unit
 
 
-def _as_layer_dict(vectors, what: str) -> dict[int, torch.Tensor]:
+def _as_layer_dict(vectors: Acts, what: str) -> dict[int, torch.Tensor]:
     if isinstance(vectors, dict):
         return {int(k): v.detach().float() for k, v in vectors.items()}
     raise AligntaxError(f"{what} needs {{layer: vector}}.")
@@ -148,7 +154,8 @@ class _VectorIntervention(Intervention):
         self._cache = _VecCache()
 
     @property
-    def prefix_free(self) -> bool:  # steers (and reads) from the last prompt token on, unless "all"
+    def prefix_free(self) -> bool:  # type: ignore[override]  # a class attribute of Intervention
+        # steers (and reads) from the last prompt token on, unless "all"
         return getattr(self, "positions", None) != "all"
 
 
@@ -167,7 +174,7 @@ class ActivationAddition(_VectorIntervention):
         self.vectors = _as_layer_dict(vectors_by_layer, "ActivationAddition")
         super().__init__(coeff, name, positions)
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "layers": sorted(self.vectors),
@@ -216,7 +223,7 @@ class DirectionAblation(_VectorIntervention):
         self.layers = layers
         super().__init__(coeff, name, positions)
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         layers = self.layers if isinstance(self.layers, str) else list(self.layers)
         return {
             "name": self.name,
@@ -246,7 +253,7 @@ class DirectionAblation(_VectorIntervention):
         return _VectorKernel(self, units, "ablate", self.positions, sites=sites)
 
 
-def _check_dim(vectors, hidden_size: int | None) -> None:
+def _check_dim(vectors: Iterable[torch.Tensor], hidden_size: int | None) -> None:
     for v in vectors:
         if hidden_size is not None and v.shape[-1] != hidden_size:
             raise AligntaxError(f"Vector has size {v.shape[-1]}, the model's hidden size is {hidden_size}.")
@@ -278,9 +285,10 @@ class _VectorKernel(RowKernel):
     def decision_parts(self, states: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.condition_layer is None:
             return {}
-        return {"cast": self.iv.decide(states[self.condition_layer]).float()}
+        iv = cast(ConditionalSteering, self.iv)  # the one vector method with a condition
+        return {"cast": iv.decide(states[self.condition_layer]).float()}
 
-    def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict) -> None:
+    def record_decisions(self, parts: dict[str, torch.Tensor], stats: dict[str, Any]) -> None:
         if "cast" in parts:
             d = parts["cast"].detach().cpu() != 0
             s = stats.setdefault("cast", {"rows": 0, "triggered": 0})
@@ -292,7 +300,7 @@ class _VectorKernel(RowKernel):
         return self.condition_layer is None or site.layer > self.condition_layer
 
     def edit(
-        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict | None = None
+        self, site: Site, rows: torch.Tensor, strength: torch.Tensor, stats: dict[str, Any] | None = None
     ) -> torch.Tensor:
         v = self.iv._cache.get(site.layer, self.vectors[site.layer], rows.device)
         x = rows.float()
@@ -350,7 +358,7 @@ class ConditionalSteering(_VectorIntervention):
         self.compare = compare
         self.center = None if center is None else center.detach().float()
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         bl = self.behaviour_layers if isinstance(self.behaviour_layers, str) else list(self.behaviour_layers)
         return {
             "name": self.name,
@@ -428,12 +436,12 @@ class CastOptions(_SavedVectorOptions):
     behaviour_layers: str | list[int] | None = option("CAST: the layers it acts on (default all)", cli=False)
 
 
-def _fingerprint(lm) -> dict | None:
+def _fingerprint(lm: LoadedModel | None) -> dict[str, Any] | None:
     fp = getattr(lm, "fingerprint", None) if lm is not None else None
     return dict(fp) if fp else None
 
 
-def _vectors(name: str, lm, path: str | None):
+def _vectors(name: str, lm: LoadedModel | None, path: str | None) -> SteeringVectors:
     return SteeringVectors.load(
         need_path(name, path),
         expect_fingerprint=_fingerprint(lm),
@@ -441,7 +449,7 @@ def _vectors(name: str, lm, path: str | None):
     )
 
 
-def _vector_method(name: str, lm, o: VectorOptions) -> _VectorIntervention:
+def _vector_method(name: str, lm: LoadedModel | None, o: VectorOptions) -> _VectorIntervention:
     vs = _vectors(name, lm, o.path)
     kind = "false_refusal" if name == "false-refusal-ablation" else "refusal"
     layer = vs.default_layer(kind) if o.layer is None else int(o.layer)
@@ -462,22 +470,22 @@ def _vector_method(name: str, lm, o: VectorOptions) -> _VectorIntervention:
 @register(
     "refusal-add", VectorOptions, "add the refusal vector of one layer (--layers: each listed layer's own)"
 )
-def _refusal_add(lm, o: VectorOptions) -> _VectorIntervention:
+def _refusal_add(lm: LoadedModel | None, o: VectorOptions) -> _VectorIntervention:
     return _vector_method("refusal-add", lm, o)
 
 
 @register("refusal-ablation", VectorOptions, "project the refusal direction (of --layer) out at every layer")
-def _refusal_ablation(lm, o: VectorOptions) -> _VectorIntervention:
+def _refusal_ablation(lm: LoadedModel | None, o: VectorOptions) -> _VectorIntervention:
     return _vector_method("refusal-ablation", lm, o)
 
 
 @register("false-refusal-ablation", VectorOptions, "project the false-refusal direction out at every layer")
-def _false_refusal_ablation(lm, o: VectorOptions) -> _VectorIntervention:
+def _false_refusal_ablation(lm: LoadedModel | None, o: VectorOptions) -> _VectorIntervention:
     return _vector_method("false-refusal-ablation", lm, o)
 
 
 @register("cast", CastOptions, "conditional steering from the saved CAST condition")
-def _cast(lm, o: CastOptions) -> _VectorIntervention:
+def _cast(lm: LoadedModel | None, o: CastOptions) -> _VectorIntervention:
     vs = _vectors("cast", lm, o.path)
     cast = dict(vs.metadata.get("cast") or {})
     if not cast or "condition" not in vs.vectors:
@@ -514,8 +522,8 @@ class SteeringVectors:
     """Named per-layer vectors (e.g. ``refusal``, ``false_refusal``, ``condition``) for one model."""
 
     vectors: dict[str, dict[int, torch.Tensor]]
-    fingerprint: dict = field(default_factory=dict)
-    metadata: dict = field(default_factory=dict)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.vectors = {
@@ -569,7 +577,7 @@ class SteeringVectors:
     def load(
         cls,
         directory: str | Path,
-        expect_fingerprint: dict | None = None,
+        expect_fingerprint: dict[str, Any] | None = None,
         expect_hidden_size: int | None = None,
     ) -> SteeringVectors:
         meta, tensors = _FILES.load(directory, expect_fingerprint, expect_hidden_size)
@@ -584,9 +592,9 @@ def compute_vectors(
     acts_harmful: dict[int, torch.Tensor],
     acts_harmless: dict[int, torch.Tensor],
     acts_pseudo_harmful: dict[int, torch.Tensor] | None = None,
-    fingerprint: dict | None = None,
+    fingerprint: dict[str, Any] | None = None,
     layer: int | None = None,
-    metadata: dict | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> SteeringVectors:
     """Refusal vectors per layer, plus false-refusal vectors and a CAST condition when pseudo-harmful
     (benign but risky-looking) prompts are given.
@@ -594,14 +602,17 @@ def compute_vectors(
     The CAST condition (at ``layer``) separates harmful from pseudo-harmful states; its metadata
     (threshold, compare, layer, center) is stored under ``metadata['cast']``.
     """
-    refusal = refusal_direction(acts_harmful, acts_harmless)
+    # per-layer states in, per-layer vectors out
+    refusal = cast(dict[int, torch.Tensor], refusal_direction(acts_harmful, acts_harmless))
     vectors: dict[str, dict[int, torch.Tensor]] = {"refusal": refusal}
     meta = dict(metadata or {})
     layers = sorted(refusal)
     layer = int(layer) if layer is not None else layers[len(layers) // 2]
     meta["layer"] = layer
     if acts_pseudo_harmful is not None:
-        vectors["false_refusal"] = false_refusal_direction(acts_pseudo_harmful, acts_harmless, refusal)
+        vectors["false_refusal"] = cast(
+            dict[int, torch.Tensor], false_refusal_direction(acts_pseudo_harmful, acts_harmless, refusal)
+        )
         center = torch.cat([acts_harmful[layer], acts_pseudo_harmful[layer]]).float().mean(0)
         c, thr, compare, acc = fit_condition(acts_harmful[layer], acts_pseudo_harmful[layer], center)
         vectors["condition"] = {layer: c}
