@@ -19,6 +19,10 @@ differs between requests is handled per row, so any mix of requests shares a bat
   so multi-byte characters are never split), and their text goes to each request's asyncio queue
   with one ``call_soon_threadsafe`` per step and event loop. The rows it ends leave the batch.
 
+After each batch the worker hands the C allocator's free pages back to the system (glibc's
+``malloc_trim``, :func:`trim_allocator`): batches of changing shapes otherwise leave freed tensor memory
+scattered through the heap, and the server's resident memory climbs with every larger batch.
+
 A batch that raises is retried one request at a time (requests that already streamed text are failed
 instead), so one bad request fails alone and the worker never dies. A row whose logits turn NaN (or
 +inf), e.g. steered too hard, is failed alone and leaves the batch; the other rows carry on.
@@ -50,6 +54,7 @@ every request.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -210,6 +215,27 @@ class _BatchController:
                     eos = self.tokens[i][-1] in self.eos_set
                     self._finish(i, "stop" if eos else "length", len(self.tokens[i]), out, eos=eos)
         out.flush()
+
+
+_LIBC: Any = None
+
+
+def trim_allocator() -> bool:
+    """Return the C allocator's free memory to the system (glibc ``malloc_trim(0)``: every arena, the
+    free pages inside the heap included). False where there is no glibc (nothing done)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.malloc_trim.argtypes = [ctypes.c_size_t]
+            libc.malloc_trim.restype = ctypes.c_int
+            _LIBC = libc
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC is False:
+        return False
+    _LIBC.malloc_trim(0)
+    return True
 
 
 class BatchEngine(Admission):
@@ -526,6 +552,7 @@ class BatchEngine(Admission):
                     self.step_model.observe(len(batch), seconds, self._last_steps)
                     self.in_flight = 0
                     self._current = []
+                    trim_allocator()
             if stop:
                 if self._held:
                     self._q.put(_STOP)  # finish the held-back jobs first
