@@ -655,11 +655,13 @@ def _epoch(lm, model, targets: DistillTargets, cfg: DistillConfig, blocks: Block
             opt.zero_grad()
             loss.backward()
             opt.step()
+        row_err = per_row.detach().cpu().tolist()
+        row_ce = None if ce is None else ce.detach().cpu().tolist()
         for j, r in enumerate(batch):
-            sums[r.kind] = sums.get(r.kind, 0.0) + float(per_row[j])
+            sums[r.kind] = sums.get(r.kind, 0.0) + row_err[j]
             counts[r.kind] = counts.get(r.kind, 0) + 1
-            if ce is not None and r.ids is not None:
-                sums["retain_ce"] = sums.get("retain_ce", 0.0) + float(ce[j])
+            if row_ce is not None and r.ids is not None:
+                sums["retain_ce"] = sums.get("retain_ce", 0.0) + row_ce[j]
                 counts["retain_ce"] = counts.get("retain_ce", 0) + 1
     kinds = ("benign", "harmful", "retain", "retain_ce")
     return {k: round(sums[k] / counts[k], 6) if counts.get(k) else None for k in kinds}
