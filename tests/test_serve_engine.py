@@ -279,3 +279,16 @@ def test_the_worker_trims_after_each_batch(lm, monkeypatch):
     _run(engine, jobs, pause=True)
     engine.shutdown()
     assert len(calls) == sum(engine.metrics.batch_sizes.values()) == 3
+
+
+def test_the_kernel_cache_is_capped_unless_the_user_set_it(monkeypatch):
+    import os
+
+    from aligntax.serve.engine import ONEDNN_CACHE, bound_kernel_cache
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    bound_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    bound_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"

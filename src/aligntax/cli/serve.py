@@ -58,7 +58,10 @@ def serve_command(
     from aligntax.generation.source import SourceSpec
     from aligntax.runs.sources import generation_source
     from aligntax.serve.app import serve
+    from aligntax.serve.engine import bound_kernel_cache
     from aligntax.serve.security import check_bind
+
+    bound_kernel_cache()  # before the model runs: oneDNN reads it when it builds its first kernel
 
     s = settings or ServerSettings()
     try:  # everything that can be checked before loading the model

@@ -21,7 +21,8 @@ differs between requests is handled per row, so any mix of requests shares a bat
 
 After each batch the worker hands the C allocator's free pages back to the system (glibc's
 ``malloc_trim``, :func:`trim_allocator`): batches of changing shapes otherwise leave freed tensor memory
-scattered through the heap, and the server's resident memory climbs with every larger batch.
+scattered through the heap, and the server's resident memory climbs with every larger batch. For the
+same reason ``aligntax serve`` caps oneDNN's cache of per-shape kernels (:func:`bound_kernel_cache`).
 
 A batch that raises is retried one request at a time (requests that already streamed text are failed
 instead), so one bad request fails alone and the worker never dies. A row whose logits turn NaN (or
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import threading
 import time
@@ -215,6 +217,18 @@ class _BatchController:
                     eos = self.tokens[i][-1] in self.eos_set
                     self._finish(i, "stop" if eos else "length", len(self.tokens[i]), out, eos=eos)
         out.flush()
+
+
+# oneDNN (torch's CPU kernels for bf16 matrices) compiles a kernel per matrix shape and keeps up to 1,024
+# of them; a server's batches of changing rows and prompt lengths bring new shapes without end, and each
+# kept kernel holds memory. A small cache keeps the server's memory flat (docs/RESULTS.md 9.1).
+ONEDNN_CACHE = 8
+
+
+def bound_kernel_cache(capacity: int = ONEDNN_CACHE) -> None:
+    """Cap oneDNN's kernel cache at ``capacity`` unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set already.
+    oneDNN reads it when it first builds a kernel: call this before the model runs."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
 
 
 _LIBC: Any = None
