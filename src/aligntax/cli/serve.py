@@ -61,8 +61,6 @@ def serve_command(
     from aligntax.serve.engine import bound_kernel_cache
     from aligntax.serve.security import check_bind
 
-    bound_kernel_cache()  # before the model runs: oneDNN reads it when it builds its first kernel
-
     s = settings or ServerSettings()
     try:  # everything that can be checked before loading the model
         check_bind(s.host, s.api_key, s.insecure)
@@ -71,6 +69,7 @@ def serve_command(
         source.check_serving(device=device, max_latency_ms=s.max_latency_ms)
         if backend == "hf":
             use_device(device)
+            bound_kernel_cache()  # before the model runs: oneDNN reads it when it builds its first kernel
     except AligntaxError as exc:
         fail(exc)
     spec = SourceSpec(model, dtype or "bf16", intervention, dict(iv_args or {}), s.max_batch_size)

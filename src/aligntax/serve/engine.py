@@ -22,7 +22,8 @@ differs between requests is handled per row, so any mix of requests shares a bat
 After each batch the worker hands the C allocator's free pages back to the system (glibc's
 ``malloc_trim``, :func:`trim_allocator`): batches of changing shapes otherwise leave freed tensor memory
 scattered through the heap, and the server's resident memory climbs with every larger batch. For the
-same reason ``aligntax serve`` caps oneDNN's cache of per-shape kernels (:func:`bound_kernel_cache`).
+same reason ``aligntax serve --backend hf`` caps oneDNN's cache of per-shape kernels
+(:func:`bound_kernel_cache`).
 
 A batch that raises is retried one request at a time (requests that already streamed text are failed
 instead), so one bad request fails alone and the worker never dies. A row whose logits turn NaN (or

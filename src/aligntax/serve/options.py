@@ -204,12 +204,11 @@ class RequestSteering:
         self.method = method
         self.base = dict(base_options or {})
         self.fields = request_fields(method)
-        self.check = check  # raises for an intervention the engine cannot serve
 
         def build(opts: dict[str, Any]) -> Any:
             iv = make_intervention(method, lm, **{**self.base, **opts})
-            if self.check is not None:
-                self.check(iv)
+            if check is not None:  # raises for an intervention the engine cannot serve
+                check(iv)
             return iv
 
         self.cache = InterventionCache(build, maxsize)

@@ -27,7 +27,7 @@ from aligntax.models.loader import LoadedModel
 
 def refuse_surprisal(local, facts) -> None:
     """Refuse, for the server, an intervention whose per-row decision reads the prompt's surprisal."""
-    kernel = local.kernel(facts.num_layers, facts.hidden_size) if hasattr(local, "kernel") else None
+    kernel = local.kernel(facts.num_layers, facts.hidden_size)
     if kernel is not None and kernel.needs_prompt_nll:
         raise AligntaxError(
             f"Intervention '{local.name}': the vLLM server does not score prompts' surprisal "

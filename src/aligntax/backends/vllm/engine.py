@@ -279,7 +279,7 @@ class VllmModel:
         from aligntax.interventions.kernels import nll_span
 
         local = self.interventions.get(preset) if preset is not None else None
-        if local is None or not hasattr(local, "kernel"):
+        if local is None:
             return None
         return nll_span(local.kernel(self.facts.num_layers, self.facts.hidden_size))
 
